@@ -1,0 +1,387 @@
+//! The live table of workers: identity, role, engine, and per-rank load.
+//!
+//! Discovery (a static file or Kubernetes) publishes complete endpoint lists with
+//! [`EndpointTable::replace`]; the scheduler reads lock-free [`Snapshot`]s. Load state
+//! (kvpick's own in-flight counts and scraped engine metrics) lives in
+//! [`EndpointState`] and survives a replace for endpoints whose identity did not change.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use serde::Deserialize;
+use tokio::sync::watch;
+
+/// What a worker does in a (possibly disaggregated) pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Prefill only (disaggregated serving).
+    Prefill,
+    /// Decode only (disaggregated serving).
+    Decode,
+    /// Aggregated: prefill and decode on the same worker.
+    #[default]
+    Both,
+}
+
+impl Role {
+    /// Parses a `kvpick.io/role` value; unknown values are `None`.
+    pub fn parse(s: &str) -> Option<Role> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            "both" | "" => Some(Role::Both),
+            _ => None,
+        }
+    }
+
+    /// Whether this worker can be the destination (decode side) of a request.
+    pub fn serves_decode(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
+}
+
+/// The inference engine a worker runs; selects metric names when scraping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    /// vLLM (the default).
+    #[default]
+    Vllm,
+    /// SGLang.
+    Sglang,
+    /// TensorRT-LLM's `trtllm-serve`.
+    Trtllm,
+}
+
+impl Engine {
+    /// Parses an `inference.networking.k8s.io/engine-type` value; unknown values are `None`.
+    pub fn parse(s: &str) -> Option<Engine> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "vllm" | "" => Some(Engine::Vllm),
+            "sglang" => Some(Engine::Sglang),
+            "trtllm" | "trt-llm" | "tensorrt-llm" => Some(Engine::Trtllm),
+            _ => None,
+        }
+    }
+}
+
+/// One (worker, data-parallel rank): the unit that owns a KV cache and a load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerKey {
+    /// The worker's instance id (`x-worker-instance-id`).
+    pub instance_id: u64,
+    /// The data-parallel rank inside the worker (`x-dp-rank`).
+    pub dp_rank: u32,
+}
+
+impl fmt::Display for WorkerKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.instance_id, self.dp_rank)
+    }
+}
+
+/// A worker endpoint as discovery describes it: immutable identity and configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Where Envoy sends the request (`x-gateway-destination-endpoint`).
+    pub address: SocketAddr,
+    /// Decimal u64 sent as `x-worker-instance-id`.
+    pub instance_id: u64,
+    /// Number of data-parallel ranks (each its own KV cache); at least 1.
+    pub dp_size: u32,
+    /// Prefill, decode or both.
+    pub role: Role,
+    /// Engine type, for metric names.
+    pub engine: Engine,
+    /// `namespace/name` of the pod, or the address in standalone mode.
+    pub name: String,
+    /// Port of the engine's KV-event publisher, when known.
+    pub kv_events_port: Option<u16>,
+    /// Disaggregation bootstrap port (SGLang), when the worker has one.
+    pub bootstrap_port: Option<u16>,
+}
+
+impl Endpoint {
+    /// An aggregated vLLM endpoint with default settings; the instance id is the
+    /// stable hash of the address.
+    pub fn new(address: SocketAddr) -> Self {
+        Endpoint {
+            address,
+            instance_id: crate::identity::instance_id_for(&address.to_string()),
+            dp_size: 1,
+            role: Role::Both,
+            engine: Engine::Vllm,
+            name: address.to_string(),
+            kv_events_port: None,
+            bootstrap_port: None,
+        }
+    }
+
+    /// The `ip:port` string used in headers and metadata.
+    pub fn address_string(&self) -> String {
+        self.address.to_string()
+    }
+}
+
+/// Load figures scraped from a worker's `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScrapedLoad {
+    /// Requests waiting in the engine's queue.
+    pub queue: f64,
+    /// Requests running in the engine.
+    pub running: f64,
+    /// KV-cache usage in `[0, 1]`.
+    pub kv_usage: f64,
+    /// Engine KV block size in tokens, when exported.
+    pub block_size: Option<u32>,
+    /// Total KV blocks on the GPU, when exported.
+    pub num_blocks: Option<u64>,
+    /// When these figures were read.
+    pub at: Instant,
+}
+
+/// Live state of one endpoint: its identity plus load counters.
+#[derive(Debug)]
+pub struct EndpointState {
+    /// Identity and configuration.
+    pub endpoint: Endpoint,
+    in_flight: Box<[AtomicU32]>,
+    scraped: Mutex<Option<ScrapedLoad>>,
+}
+
+impl EndpointState {
+    fn new(endpoint: Endpoint) -> Self {
+        let ranks = endpoint.dp_size.max(1) as usize;
+        EndpointState {
+            in_flight: (0..ranks).map(|_| AtomicU32::new(0)).collect(),
+            scraped: Mutex::new(None),
+            endpoint,
+        }
+    }
+
+    /// The key of one of this endpoint's ranks.
+    pub fn key(&self, dp_rank: u32) -> WorkerKey {
+        WorkerKey {
+            instance_id: self.endpoint.instance_id,
+            dp_rank,
+        }
+    }
+
+    /// Number of ranks (dp size, at least 1).
+    pub fn ranks(&self) -> u32 {
+        self.in_flight.len() as u32
+    }
+
+    /// Requests kvpick has routed to `rank` that have not finished.
+    pub fn in_flight(&self, rank: u32) -> u32 {
+        self.in_flight
+            .get(rank as usize)
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// In-flight requests over all ranks.
+    pub fn in_flight_total(&self) -> u32 {
+        self.in_flight
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Counts one more request on `rank` until the returned guard is dropped.
+    pub fn begin_request(self: &Arc<Self>, rank: u32) -> InFlightGuard {
+        if let Some(c) = self.in_flight.get(rank as usize) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        InFlightGuard {
+            state: Arc::clone(self),
+            rank,
+        }
+    }
+
+    /// Records freshly scraped load.
+    pub fn set_scraped(&self, load: ScrapedLoad) {
+        *self.scraped.lock() = Some(load);
+    }
+
+    /// Scraped load if it is younger than `max_age` at `now`.
+    pub fn scraped(&self, now: Instant, max_age: std::time::Duration) -> Option<ScrapedLoad> {
+        let load = (*self.scraped.lock())?;
+        (now.saturating_duration_since(load.at) <= max_age).then_some(load)
+    }
+}
+
+/// Keeps one in-flight request counted on an endpoint rank; decrements on drop, so a
+/// stream that ends early or panics still releases its slot.
+#[derive(Debug)]
+pub struct InFlightGuard {
+    state: Arc<EndpointState>,
+    rank: u32,
+}
+
+impl InFlightGuard {
+    /// The endpoint this request was routed to.
+    pub fn endpoint(&self) -> &Arc<EndpointState> {
+        &self.state
+    }
+
+    /// The rank this request was routed to.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if let Some(c) = self.state.in_flight.get(self.rank as usize) {
+            // Saturating: never wrap below zero.
+            let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
+        }
+    }
+}
+
+/// An immutable view of the endpoint set at one moment.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    /// All ready endpoints, in a stable order (by address).
+    pub endpoints: Vec<Arc<EndpointState>>,
+}
+
+impl Snapshot {
+    /// Finds a ready endpoint by instance id.
+    pub fn by_instance(&self, instance_id: u64) -> Option<&Arc<EndpointState>> {
+        self.endpoints
+            .iter()
+            .find(|e| e.endpoint.instance_id == instance_id)
+    }
+}
+
+/// The live endpoint table shared by discovery (writer) and scheduling (readers).
+#[derive(Debug)]
+pub struct EndpointTable {
+    current: ArcSwap<Snapshot>,
+    synced: watch::Sender<bool>,
+}
+
+impl Default for EndpointTable {
+    fn default() -> Self {
+        EndpointTable {
+            current: ArcSwap::from_pointee(Snapshot::default()),
+            synced: watch::channel(false).0,
+        }
+    }
+}
+
+impl EndpointTable {
+    /// An empty table that has not synced yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The current endpoint set.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.current.load_full()
+    }
+
+    /// Replaces the endpoint set with `endpoints` and marks the table synced.
+    /// Endpoints whose identity is unchanged keep their load state.
+    /// Returns the endpoints that left the set.
+    pub fn replace(&self, mut endpoints: Vec<Endpoint>) -> Vec<Endpoint> {
+        endpoints.sort_by_key(|e| e.address);
+        endpoints.dedup_by(|a, b| a.address == b.address);
+        let old = self.current.load_full();
+        let mut previous: HashMap<SocketAddr, &Arc<EndpointState>> = old
+            .endpoints
+            .iter()
+            .map(|s| (s.endpoint.address, s))
+            .collect();
+        let next: Vec<Arc<EndpointState>> = endpoints
+            .into_iter()
+            .map(|ep| match previous.remove(&ep.address) {
+                Some(state) if state.endpoint == ep => Arc::clone(state),
+                _ => Arc::new(EndpointState::new(ep)),
+            })
+            .collect();
+        let removed = old
+            .endpoints
+            .iter()
+            .filter(|s| {
+                !next
+                    .iter()
+                    .any(|n| n.endpoint.instance_id == s.endpoint.instance_id)
+            })
+            .map(|s| s.endpoint.clone())
+            .collect();
+        self.current.store(Arc::new(Snapshot { endpoints: next }));
+        self.synced.send_replace(true);
+        removed
+    }
+
+    /// Whether discovery has published at least one complete set.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// A receiver that sees `true` once the first complete set is published.
+    pub fn subscribe_synced(&self) -> watch::Receiver<bool> {
+        self.synced.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(addr: &str) -> Endpoint {
+        Endpoint::new(addr.parse().unwrap())
+    }
+
+    #[test]
+    fn replace_keeps_state_of_unchanged_endpoints() {
+        let table = EndpointTable::new();
+        assert!(!table.is_synced());
+        table.replace(vec![ep("10.0.0.1:8000"), ep("10.0.0.2:8000")]);
+        assert!(table.is_synced());
+        let first = table.snapshot();
+        let guard = first.endpoints[0].begin_request(0);
+        let removed = table.replace(vec![ep("10.0.0.1:8000"), ep("10.0.0.3:8000")]);
+        assert_eq!(removed.len(), 1);
+        assert_eq!(removed[0].address.to_string(), "10.0.0.2:8000");
+        let second = table.snapshot();
+        assert_eq!(second.endpoints[0].in_flight(0), 1);
+        drop(guard);
+        assert_eq!(second.endpoints[0].in_flight(0), 0);
+    }
+
+    #[test]
+    fn in_flight_never_underflows_and_counts_per_rank() {
+        let mut e = ep("10.0.0.1:8000");
+        e.dp_size = 2;
+        let state = Arc::new(EndpointState::new(e));
+        let a = state.begin_request(1);
+        let b = state.begin_request(1);
+        assert_eq!((state.in_flight(0), state.in_flight(1)), (0, 2));
+        assert_eq!(state.in_flight_total(), 2);
+        drop(a);
+        drop(b);
+        assert_eq!(state.in_flight_total(), 0);
+        // An out-of-range rank is ignored rather than panicking.
+        drop(state.begin_request(7));
+        assert_eq!(state.in_flight_total(), 0);
+    }
+
+    #[test]
+    fn role_and_engine_parse() {
+        assert_eq!(Role::parse("Prefill"), Some(Role::Prefill));
+        assert_eq!(Role::parse(""), Some(Role::Both));
+        assert_eq!(Role::parse("x"), None);
+        assert_eq!(Engine::parse("sglang"), Some(Engine::Sglang));
+        assert_eq!(Engine::parse("trt-llm"), Some(Engine::Trtllm));
+    }
+}

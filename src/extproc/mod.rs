@@ -1,0 +1,175 @@
+//! The ext_proc gRPC service (`envoy.service.ext_proc.v3.ExternalProcessor/Process`).
+//!
+//! Thin glue: each stream runs [`stream::StreamState`] in its own task, so a panic
+//! in one stream ends that stream with an INTERNAL status and never touches others.
+
+pub mod messages;
+pub mod stream;
+
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use futures::{FutureExt, Stream, StreamExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{error, Instrument};
+
+use crate::endpoints::EndpointTable;
+use crate::scheduler::Scheduler;
+use crate::telemetry::Metrics;
+use stream::StreamState;
+
+/// Settings of the ext_proc handler.
+#[derive(Debug, Clone)]
+pub struct ExtProcConfig {
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+    /// Without `protocol_config`, how long to hold request headers waiting for a
+    /// body chunk before concluding Envoy runs in a buffered mode.
+    pub body_wait: Duration,
+    /// Request header carrying a session id for clients that cannot edit the body.
+    pub session_header: String,
+    /// Request header carrying a signed session token from an earlier response.
+    pub session_token_header: String,
+}
+
+impl Default for ExtProcConfig {
+    fn default() -> Self {
+        ExtProcConfig {
+            max_body_bytes: 32 << 20,
+            body_wait: Duration::from_millis(200),
+            session_header: "x-session-id".into(),
+            session_token_header: "x-kvpick-session".into(),
+        }
+    }
+}
+
+/// What every stream shares.
+pub struct Shared {
+    /// The live endpoint set.
+    pub endpoints: Arc<EndpointTable>,
+    /// The routing core.
+    pub scheduler: Arc<Scheduler>,
+    /// Prometheus metrics.
+    pub metrics: Arc<Metrics>,
+    /// Handler settings.
+    pub config: ExtProcConfig,
+}
+
+/// The ext_proc service.
+#[derive(Clone)]
+pub struct ExtProcService {
+    shared: Arc<Shared>,
+}
+
+impl ExtProcService {
+    /// A service over shared state.
+    pub fn new(shared: Shared) -> Self {
+        ExtProcService {
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// The tonic server wrapper.
+    pub fn into_server(self) -> ExternalProcessorServer<Self> {
+        ExternalProcessorServer::new(self)
+    }
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for ExtProcService {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let shared = Arc::clone(&self.shared);
+        let span = tracing::info_span!("ext_proc");
+        shared.metrics.streams.inc();
+        tokio::spawn(
+            async move {
+                let guard_tx = tx.clone();
+                let run = AssertUnwindSafe(run_stream(Arc::clone(&shared), inbound, tx));
+                if let Err(panic) = run.catch_unwind().await {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    error!(panic = %what, "ext_proc stream panicked");
+                    shared.metrics.stream_panics.inc();
+                    let _ = guard_tx
+                        .send(Err(Status::internal(
+                            "kvpick: internal error on this stream",
+                        )))
+                        .await;
+                }
+                shared.metrics.streams.dec();
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+async fn run_stream(
+    shared: Arc<Shared>,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+) {
+    let body_wait = shared.config.body_wait;
+    let mut state = StreamState::new(shared);
+    loop {
+        let next = if state.waiting_to_infer_mode() {
+            match tokio::time::timeout(body_wait, inbound.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    if !send_all(&tx, state.body_wait_expired()).await {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        } else {
+            inbound.next().await
+        };
+        let msg = match next {
+            Some(Ok(msg)) => msg,
+            Some(Err(status)) => {
+                tracing::debug!(%status, "ext_proc stream error from Envoy");
+                return;
+            }
+            None => return,
+        };
+        if !send_all(&tx, state.handle(msg)).await {
+            return;
+        }
+        if state.is_done() {
+            return;
+        }
+    }
+}
+
+async fn send_all(
+    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    out: Vec<ProcessingResponse>,
+) -> bool {
+    for msg in out {
+        if tx.send(Ok(msg)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}

@@ -1,0 +1,545 @@
+//! The per-stream ext_proc state machine.
+//!
+//! One [`StreamState`] follows one HTTP request through Envoy's ext_proc filter:
+//! request headers, request body (full-duplex streamed, buffered/streamed, or none),
+//! trailers, and the response path. [`StreamState::handle`] is synchronous and
+//! returns the messages to send back, so the protocol can be tested without a server.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_request::Request, HeaderMutation, HttpBody, HttpHeaders, ProcessingRequest,
+    ProcessingResponse,
+};
+use tracing::{debug, info, warn};
+
+use super::messages::{self, find_header, set_header, DESTINATION_KEY};
+use super::Shared;
+use crate::endpoints::InFlightGuard;
+use crate::request::{self, ApiKind, InferenceRequest};
+use crate::scheduler::{Decision, PickError, PickRequest};
+use crate::telemetry::RequestResult;
+
+/// Routing headers kvpick owns. Any of these the client sent is removed or overwritten.
+pub const ROUTING_HEADERS: &[&str] = &[
+    DESTINATION_KEY,
+    WORKER_ID_HEADER,
+    DP_RANK_HEADER,
+    PREFILL_ID_HEADER,
+    PREFILL_DP_RANK_HEADER,
+    BOOTSTRAP_HOST_HEADER,
+    BOOTSTRAP_PORT_HEADER,
+    BOOTSTRAP_ROOM_HEADER,
+];
+/// Decode worker instance id.
+pub const WORKER_ID_HEADER: &str = "x-worker-instance-id";
+/// Decode worker data-parallel rank.
+pub const DP_RANK_HEADER: &str = "x-dp-rank";
+/// Prefill worker instance id (disaggregated pools).
+pub const PREFILL_ID_HEADER: &str = "x-prefill-instance-id";
+/// Prefill worker data-parallel rank (disaggregated pools).
+pub const PREFILL_DP_RANK_HEADER: &str = "x-prefill-dp-rank";
+/// Prefill bootstrap host (SGLang disaggregation).
+pub const BOOTSTRAP_HOST_HEADER: &str = "x-prefill-bootstrap-host";
+/// Prefill bootstrap port (SGLang disaggregation).
+pub const BOOTSTRAP_PORT_HEADER: &str = "x-prefill-bootstrap-port";
+/// Prefill bootstrap room (SGLang disaggregation).
+pub const BOOTSTRAP_ROOM_HEADER: &str = "x-prefill-bootstrap-room";
+
+/// Whether a request header name is a routing header kvpick must own.
+fn is_routing_header(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    name.starts_with(DESTINATION_KEY) || ROUTING_HEADERS.contains(&name.as_str())
+}
+
+/// How Envoy sends the request body on this stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyMode {
+    /// Not announced and not yet inferred.
+    Unknown,
+    /// FULL_DUPLEX_STREAMED: chunks arrive without waiting; kvpick answers the
+    /// headers after the last chunk and streams the body back.
+    FullDuplex,
+    /// BUFFERED, BUFFERED_PARTIAL or STREAMED: Envoy waits for the headers answer,
+    /// then sends the body, one answer per body message.
+    Buffered,
+    /// NONE: the body is never sent to kvpick.
+    None,
+}
+
+impl BodyMode {
+    fn from_config(mode: i32) -> BodyMode {
+        match BodySendMode::try_from(mode) {
+            Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
+            Ok(BodySendMode::None) => BodyMode::None,
+            Ok(_) => BodyMode::Buffered,
+            Err(_) => BodyMode::Unknown,
+        }
+    }
+}
+
+/// Where the stream stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for request headers.
+    Start,
+    /// Headers seen, body being received.
+    RequestBody,
+    /// Request forwarded; response path may follow.
+    Routed,
+    /// The stream is over (immediate response sent, or the response finished).
+    Done,
+}
+
+struct RequestMeta {
+    path: String,
+    kind: Option<ApiKind>,
+    request_id: Option<String>,
+    session_id: Option<String>,
+    session_token: Option<String>,
+    /// Routing headers the client sent; removed unless kvpick sets them.
+    spoofed: Vec<String>,
+}
+
+/// State of one ext_proc stream.
+pub struct StreamState {
+    shared: Arc<Shared>,
+    request_mode: BodyMode,
+    response_mode: BodyMode,
+    phase: Phase,
+    headers_answered: bool,
+    meta: Option<RequestMeta>,
+    subset: Option<Vec<String>>,
+    body: Vec<u8>,
+    body_started: Option<Instant>,
+    routed: Option<Routed>,
+    response_status: Option<u16>,
+}
+
+struct Routed {
+    decision: Decision,
+    _in_flight: InFlightGuard,
+}
+
+impl StreamState {
+    /// A fresh stream.
+    pub fn new(shared: Arc<Shared>) -> Self {
+        StreamState {
+            shared,
+            request_mode: BodyMode::Unknown,
+            response_mode: BodyMode::Unknown,
+            phase: Phase::Start,
+            headers_answered: false,
+            meta: None,
+            subset: None,
+            body: Vec::new(),
+            body_started: None,
+            routed: None,
+            response_status: None,
+        }
+    }
+
+    /// True once nothing more will be answered on this stream.
+    pub fn is_done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
+    /// True while request headers are held and the body mode is still unknown:
+    /// the caller should call [`StreamState::body_wait_expired`] if no body arrives
+    /// within the configured wait.
+    pub fn waiting_to_infer_mode(&self) -> bool {
+        self.phase == Phase::RequestBody
+            && self.request_mode == BodyMode::Unknown
+            && !self.headers_answered
+            && self.body.is_empty()
+    }
+
+    /// No body arrived in time after the headers, with no protocol_config: this is
+    /// a buffered/streamed-mode Envoy waiting for the headers answer.
+    pub fn body_wait_expired(&mut self) -> Vec<ProcessingResponse> {
+        if !self.waiting_to_infer_mode() {
+            return Vec::new();
+        }
+        debug!("no body after headers: inferring BUFFERED request body mode");
+        self.request_mode = BodyMode::Buffered;
+        vec![self.continue_headers()]
+    }
+
+    /// Handles one message from Envoy and returns the answers, in order.
+    pub fn handle(&mut self, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
+        if let Some(pc) = &msg.protocol_config {
+            self.request_mode = BodyMode::from_config(pc.request_body_mode);
+            self.response_mode = BodyMode::from_config(pc.response_body_mode);
+        }
+        if self.subset.is_none() {
+            self.subset = messages::subset_hint(msg.metadata_context.as_ref());
+        }
+        if msg.observability_mode {
+            // Envoy ignores answers in observability mode; still track the request.
+            let _ = self.dispatch(msg.request);
+            return Vec::new();
+        }
+        self.dispatch(msg.request)
+    }
+
+    fn dispatch(&mut self, request: Option<Request>) -> Vec<ProcessingResponse> {
+        match request {
+            Some(Request::RequestHeaders(h)) => self.on_request_headers(h),
+            Some(Request::RequestBody(b)) => self.on_request_body(b),
+            Some(Request::RequestTrailers(_)) => self.on_request_trailers(),
+            Some(Request::ResponseHeaders(h)) => self.on_response_headers(h),
+            Some(Request::ResponseBody(b)) => self.on_response_body(b),
+            Some(Request::ResponseTrailers(_)) => {
+                self.finish();
+                vec![messages::trailers(true)]
+            }
+            None => Vec::new(),
+        }
+    }
+
+    fn on_request_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
+        if self.phase != Phase::Start {
+            warn!("request headers twice on one stream");
+            return vec![self.reject(400, "invalid_request_error", "unexpected request headers")];
+        }
+        let map = h.headers.as_ref();
+        let path = find_header(map, ":path").unwrap_or_default();
+        let cfg = &self.shared.config;
+        let meta = RequestMeta {
+            kind: ApiKind::from_path(&path),
+            path,
+            request_id: find_header(map, "x-request-id"),
+            session_id: find_header(map, &cfg.session_header).filter(|s| !s.is_empty()),
+            session_token: find_header(map, &cfg.session_token_header).filter(|s| !s.is_empty()),
+            spoofed: spoofed_headers(map),
+        };
+        if !meta.spoofed.is_empty() {
+            info!(headers = ?meta.spoofed, "client sent routing headers; removing them");
+            self.shared.metrics.spoofed_headers.inc();
+        }
+        debug!(path = %meta.path, request_id = ?meta.request_id, "request headers");
+        self.meta = Some(meta);
+        if h.end_of_stream || self.request_mode == BodyMode::None {
+            // Header-only request (GET /v1/models) or a body Envoy will never send.
+            return self.route(None, RouteVia::Headers);
+        }
+        self.phase = Phase::RequestBody;
+        if self.request_mode == BodyMode::Buffered {
+            return vec![self.continue_headers()];
+        }
+        // Full duplex (announced or assumed until proven otherwise): hold the headers.
+        Vec::new()
+    }
+
+    fn on_request_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {
+        if self.phase != Phase::RequestBody {
+            debug!(phase = ?self.phase, "request body outside the body phase; passing through");
+            return self.pass_request_body(b);
+        }
+        if self.request_mode == BodyMode::Unknown {
+            self.request_mode = if self.headers_answered {
+                BodyMode::Buffered
+            } else {
+                BodyMode::FullDuplex
+            };
+        }
+        self.body_started.get_or_insert_with(Instant::now);
+        if self.body.len() + b.body.len() > self.shared.config.max_body_bytes {
+            let msg = format!(
+                "request body exceeds the {} byte limit",
+                self.shared.config.max_body_bytes
+            );
+            return vec![self.reject(413, "invalid_request_error", &msg)];
+        }
+        self.body.extend_from_slice(&b.body);
+        if !b.end_of_stream {
+            return match self.request_mode {
+                // Streamed mode expects one answer per chunk; pass it on unchanged.
+                BodyMode::Buffered => {
+                    vec![messages::body(messages::common(None, false), None, false)]
+                }
+                _ => Vec::new(),
+            };
+        }
+        self.finish_request_body(true)
+    }
+
+    fn on_request_trailers(&mut self) -> Vec<ProcessingResponse> {
+        if self.phase == Phase::RequestBody {
+            // Trailers end the body: route now, then answer the trailers.
+            let mut out = self.finish_request_body(false);
+            if !self.is_done() {
+                out.push(messages::trailers(false));
+            }
+            return out;
+        }
+        vec![messages::trailers(false)]
+    }
+
+    fn finish_request_body(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
+        let body = std::mem::take(&mut self.body);
+        let kind = self.meta.as_ref().and_then(|m| m.kind);
+        let parsed = match request::parse(&body, kind) {
+            Ok(p) => p,
+            Err(e) => {
+                self.shared.metrics.record_result(RequestResult::BadRequest);
+                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+            }
+        };
+        // A client must not pick its worker through the body either.
+        let (body, rewritten) = if parsed.names_worker {
+            match request::strip_client_worker_fields(&body) {
+                Ok(clean) => (clean, true),
+                Err(e) => return vec![self.reject(400, "invalid_request_error", &e.to_string())],
+            }
+        } else {
+            (body, false)
+        };
+        let via = RouteVia::Body {
+            body,
+            rewritten,
+            end_of_stream,
+        };
+        self.route(Some(&parsed), via)
+    }
+
+    fn route(
+        &mut self,
+        parsed: Option<&InferenceRequest>,
+        via: RouteVia,
+    ) -> Vec<ProcessingResponse> {
+        let started = Instant::now();
+        let snapshot = self.shared.endpoints.snapshot();
+        let meta = self.meta.as_ref();
+        let req = PickRequest {
+            body: parsed,
+            subset: self.subset.as_deref(),
+            session_id: meta.and_then(|m| m.session_id.as_deref()),
+            session_token: meta.and_then(|m| m.session_token.as_deref()),
+        };
+        let decision = match self.shared.scheduler.pick(&req, &snapshot) {
+            Ok(d) => d,
+            Err(e) => {
+                let result = match e {
+                    PickError::SubsetEmpty => RequestResult::SubsetEmpty,
+                    _ => RequestResult::NoEndpoint,
+                };
+                self.shared.metrics.record_result(result);
+                warn!(error = %e, "no endpoint");
+                return vec![self.reject(503, "service_unavailable", &e.to_string())];
+            }
+        };
+        self.shared.metrics.record_decision(started.elapsed());
+        self.shared.metrics.record_result(RequestResult::Routed);
+        let address = decision.decode.endpoint.endpoint.address_string();
+        info!(
+            endpoint = %address,
+            worker = decision.decode.endpoint.endpoint.instance_id,
+            dp_rank = decision.decode.rank,
+            prefill = ?decision.prefill.as_ref().map(|p| p.endpoint.endpoint.instance_id),
+            "routed"
+        );
+        let mut mutation = self.routing_mutation(&decision);
+        let metadata = Some(messages::destination_metadata(&address));
+        let guard = decision.begin();
+        self.routed = Some(Routed {
+            decision,
+            _in_flight: guard,
+        });
+        self.phase = Phase::Routed;
+        match via {
+            RouteVia::Headers => {
+                self.headers_answered = true;
+                vec![messages::request_headers(
+                    messages::common(Some(mutation), true),
+                    metadata,
+                )]
+            }
+            RouteVia::Body {
+                body,
+                rewritten,
+                end_of_stream,
+            } => {
+                if rewritten {
+                    mutation
+                        .set_headers
+                        .push(set_header("content-length", &body.len().to_string()));
+                }
+                if self.headers_answered {
+                    // Buffered: the decision rides on the body answer.
+                    let mut common = messages::common(Some(mutation), true);
+                    if rewritten {
+                        common.body_mutation = Some(
+                            envoy_types::pb::envoy::service::ext_proc::v3::BodyMutation {
+                                mutation: Some(
+                                    envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation::Body(body),
+                                ),
+                            },
+                        );
+                    }
+                    vec![messages::body(common, metadata, false)]
+                } else {
+                    // Full duplex: headers answer first, then the body streamed back.
+                    self.headers_answered = true;
+                    let mut out = vec![messages::request_headers(
+                        messages::common(Some(mutation), true),
+                        metadata,
+                    )];
+                    out.extend(messages::streamed_body(&body, end_of_stream, false));
+                    out
+                }
+            }
+        }
+    }
+
+    /// The header mutation carrying a decision: every routing header kvpick sets
+    /// overwrites the client's, and every other routing header the client sent is removed.
+    fn routing_mutation(&self, d: &Decision) -> HeaderMutation {
+        let decode = &d.decode.endpoint.endpoint;
+        let mut set = vec![
+            set_header(DESTINATION_KEY, &decode.address_string()),
+            set_header(WORKER_ID_HEADER, &decode.instance_id.to_string()),
+            set_header(DP_RANK_HEADER, &d.decode.rank.to_string()),
+        ];
+        if let Some(p) = &d.prefill {
+            set.push(set_header(
+                PREFILL_ID_HEADER,
+                &p.endpoint.endpoint.instance_id.to_string(),
+            ));
+            set.push(set_header(PREFILL_DP_RANK_HEADER, &p.rank.to_string()));
+            if let (Some(port), Some(room)) = (p.endpoint.endpoint.bootstrap_port, d.bootstrap_room)
+            {
+                set.push(set_header(
+                    BOOTSTRAP_HOST_HEADER,
+                    &p.endpoint.endpoint.address.ip().to_string(),
+                ));
+                set.push(set_header(BOOTSTRAP_PORT_HEADER, &port.to_string()));
+                set.push(set_header(BOOTSTRAP_ROOM_HEADER, &room.to_string()));
+            }
+        }
+        let remove = self
+            .meta
+            .iter()
+            .flat_map(|m| m.spoofed.iter())
+            .filter(|name| {
+                !set.iter()
+                    .any(|h| h.header.as_ref().is_some_and(|v| v.key == **name))
+            })
+            .cloned()
+            .collect();
+        HeaderMutation {
+            set_headers: set,
+            remove_headers: remove,
+        }
+    }
+
+    /// Answers held request headers with CONTINUE, removing spoofed routing headers.
+    fn continue_headers(&mut self) -> ProcessingResponse {
+        self.headers_answered = true;
+        let remove: Vec<String> = self
+            .meta
+            .as_ref()
+            .map(|m| m.spoofed.clone())
+            .unwrap_or_default();
+        let mutation = (!remove.is_empty()).then(|| HeaderMutation {
+            remove_headers: remove,
+            ..Default::default()
+        });
+        messages::request_headers(messages::common(mutation, false), None)
+    }
+
+    fn pass_request_body(&self, b: HttpBody) -> Vec<ProcessingResponse> {
+        match self.request_mode {
+            BodyMode::FullDuplex => messages::streamed_body(&b.body, b.end_of_stream, false),
+            BodyMode::None => Vec::new(),
+            _ => vec![messages::body(messages::common(None, false), None, false)],
+        }
+    }
+
+    fn on_response_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
+        self.response_status =
+            find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
+        let mutation = self
+            .routed
+            .as_ref()
+            .and_then(|r| self.shared.scheduler.response_headers(&r.decision))
+            .map(|headers| HeaderMutation {
+                set_headers: headers.iter().map(|(k, v)| set_header(k, v)).collect(),
+                ..Default::default()
+            });
+        if h.end_of_stream {
+            self.finish();
+        }
+        vec![messages::response_headers(mutation)]
+    }
+
+    fn on_response_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {
+        if self.response_mode == BodyMode::Unknown {
+            // GIE configures both directions alike; follow the request side.
+            self.response_mode = match self.request_mode {
+                BodyMode::FullDuplex => BodyMode::FullDuplex,
+                _ => BodyMode::Buffered,
+            };
+        }
+        let out = match self.response_mode {
+            BodyMode::FullDuplex => messages::streamed_body(&b.body, b.end_of_stream, true),
+            BodyMode::None => Vec::new(),
+            _ => vec![messages::body(messages::common(None, false), None, true)],
+        };
+        if b.end_of_stream {
+            self.finish();
+        }
+        out
+    }
+
+    /// The request has finished (response complete): release in-flight and tell the
+    /// scheduler how it went.
+    fn finish(&mut self) {
+        if let Some(r) = self.routed.take() {
+            self.shared
+                .scheduler
+                .finish(&r.decision, self.response_status);
+        }
+        self.phase = Phase::Done;
+    }
+
+    fn reject(&mut self, status: u16, kind: &str, message: &str) -> ProcessingResponse {
+        self.phase = Phase::Done;
+        messages::immediate_error(status, kind, message)
+    }
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        // The stream ended early (client gone, Envoy reset): the request is over.
+        if let Some(r) = self.routed.take() {
+            self.shared.scheduler.finish(&r.decision, None);
+        }
+    }
+}
+
+enum RouteVia {
+    /// Header-only request: the decision rides on the headers answer.
+    Headers,
+    /// The body is complete.
+    Body {
+        body: Vec<u8>,
+        rewritten: bool,
+        end_of_stream: bool,
+    },
+}
+
+fn spoofed_headers(map: Option<&HeaderMap>) -> Vec<String> {
+    let mut out: Vec<String> = map
+        .into_iter()
+        .flat_map(|m| m.headers.iter())
+        .filter(|h| is_routing_header(&h.key))
+        .map(|h| h.key.to_ascii_lowercase())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}

@@ -1,0 +1,17 @@
+//! kvpick: a KV-cache-aware endpoint picker (EPP) for the Kubernetes Gateway API
+//! Inference Extension.
+//!
+//! The core ([`request`], [`endpoints`], [`scheduler`], [`identity`]) is plain
+//! Rust. The glue ([`extproc`], [`discovery`], [`telemetry`], [`server`]) speaks
+//! gRPC, HTTP and Kubernetes.
+
+pub mod config;
+pub mod discovery;
+pub mod endpoints;
+pub mod extproc;
+pub mod identity;
+pub mod request;
+pub mod scheduler;
+pub mod server;
+pub mod telemetry;
+pub mod tls;

@@ -1,0 +1,244 @@
+//! Logs, Prometheus metrics and gRPC health.
+//!
+//! Metric names follow the GIE EPP where one exists
+//! (`inference_extension_scheduler_e2e_duration_seconds`, `inference_pool_ready_pods`);
+//! kvpick's own carry the `kvpick_` prefix.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+use crate::endpoints::EndpointTable;
+
+/// How a request ended at kvpick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+pub enum RequestResult {
+    /// Routed to an endpoint.
+    Routed,
+    /// 400: body unusable.
+    BadRequest,
+    /// 503: no endpoint could serve.
+    NoEndpoint,
+    /// 503: the subset hint matched nothing.
+    SubsetEmpty,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ResultLabels {
+    result: RequestResult,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct EndpointLabels {
+    endpoint: String,
+    dp_rank: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PoolLabels {
+    name: String,
+}
+
+/// All of kvpick's Prometheus metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: parking_lot::Mutex<Registry>,
+    pool_name: String,
+    requests: Family<ResultLabels, Counter>,
+    decision_seconds: Histogram,
+    in_flight: Family<EndpointLabels, Gauge>,
+    ready_pods: Family<PoolLabels, Gauge>,
+    /// Requests whose client sent routing headers (removed).
+    pub spoofed_headers: Counter,
+    /// Open ext_proc streams.
+    pub streams: Gauge,
+    /// Streams that ended in a panic (contained).
+    pub stream_panics: Counter,
+}
+
+impl Metrics {
+    /// Creates and registers the metrics; `pool_name` labels the pool gauges.
+    pub fn new(pool_name: &str) -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "kvpick_requests",
+            "Inference requests by how kvpick answered them",
+            requests.clone(),
+        );
+        let decision_seconds = Histogram::new([
+            0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01,
+            0.025, 0.05, 0.1,
+        ]);
+        registry.register(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "Time to pick an endpoint for a request",
+            decision_seconds.clone(),
+        );
+        let in_flight = Family::<EndpointLabels, Gauge>::default();
+        registry.register(
+            "kvpick_endpoint_in_flight_requests",
+            "Requests routed by kvpick and not yet finished, per endpoint rank",
+            in_flight.clone(),
+        );
+        let ready_pods = Family::<PoolLabels, Gauge>::default();
+        registry.register(
+            "inference_pool_ready_pods",
+            "Ready endpoints in the pool",
+            ready_pods.clone(),
+        );
+        let spoofed_headers = Counter::default();
+        registry.register(
+            "kvpick_spoofed_routing_headers",
+            "Requests that arrived with routing headers set by the client (removed)",
+            spoofed_headers.clone(),
+        );
+        let streams = Gauge::default();
+        registry.register(
+            "kvpick_ext_proc_streams",
+            "Open ext_proc streams",
+            streams.clone(),
+        );
+        let stream_panics = Counter::default();
+        registry.register(
+            "kvpick_ext_proc_stream_panics",
+            "ext_proc streams that ended in a contained panic",
+            stream_panics.clone(),
+        );
+        Metrics {
+            registry: parking_lot::Mutex::new(registry),
+            pool_name: pool_name.to_string(),
+            requests,
+            decision_seconds,
+            in_flight,
+            ready_pods,
+            spoofed_headers,
+            streams,
+            stream_panics,
+        }
+    }
+
+    /// Registers more metrics (other modules call this at start-up).
+    pub fn register(&self, f: impl FnOnce(&mut Registry)) {
+        f(&mut self.registry.lock());
+    }
+
+    /// Counts one request outcome.
+    pub fn record_result(&self, result: RequestResult) {
+        self.requests.get_or_create(&ResultLabels { result }).inc();
+    }
+
+    /// Records one decision's latency.
+    pub fn record_decision(&self, took: Duration) {
+        self.decision_seconds.observe(took.as_secs_f64());
+    }
+
+    /// Renders the text exposition, refreshing the endpoint gauges from `table`.
+    pub fn render(&self, table: &EndpointTable) -> String {
+        let snapshot = table.snapshot();
+        self.in_flight.clear();
+        for e in &snapshot.endpoints {
+            for rank in 0..e.ranks() {
+                self.in_flight
+                    .get_or_create(&EndpointLabels {
+                        endpoint: e.endpoint.address_string(),
+                        dp_rank: rank,
+                    })
+                    .set(i64::from(e.in_flight(rank)));
+            }
+        }
+        self.ready_pods
+            .get_or_create(&PoolLabels {
+                name: self.pool_name.clone(),
+            })
+            .set(snapshot.endpoints.len() as i64);
+        let mut out = String::new();
+        // Encoding into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry.lock());
+        out
+    }
+}
+
+/// Serves `/metrics` on `listener` until the task is dropped.
+pub async fn serve_metrics(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    table: Arc<EndpointTable>,
+) -> std::io::Result<()> {
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let body = metrics.render(&table);
+            async move {
+                (
+                    [(
+                        http::header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    body,
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app).await
+}
+
+/// Health service names kvpick answers for.
+pub const HEALTH_SERVICES: &[&str] = &[
+    "",
+    "readiness",
+    "envoy.service.ext_proc.v3.ExternalProcessor",
+];
+
+/// Drives gRPC health: `liveness` is SERVING from the start (the process works);
+/// `""`, `readiness` and the ext_proc service turn SERVING once the endpoint set
+/// is known and stay so (a lost API server keeps serving from the last state).
+pub async fn drive_health(reporter: HealthReporter, table: Arc<EndpointTable>) {
+    reporter
+        .set_service_status("liveness", ServingStatus::Serving)
+        .await;
+    for svc in HEALTH_SERVICES {
+        reporter
+            .set_service_status(*svc, ServingStatus::NotServing)
+            .await;
+    }
+    let mut synced = table.subscribe_synced();
+    if synced.wait_for(|s| *s).await.is_ok() {
+        for svc in HEALTH_SERVICES {
+            reporter
+                .set_service_status(*svc, ServingStatus::Serving)
+                .await;
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Installs the global tracing subscriber (`RUST_LOG` filters; default `info`).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let _ = match format {
+        LogFormat::Json => builder.json().with_current_span(true).try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+}
