@@ -1,0 +1,300 @@
+//! Precise mode: what each worker's KV cache holds, from the engines' own KV events.
+//!
+//! vLLM and SGLang publish `BlockStored` / `BlockRemoved` / `AllBlocksCleared`
+//! events over ZMQ PUB ([`decode`] reads them). kvpick keeps one subscriber per
+//! ready (worker, dp rank) ([`subscriber`]) and applies the events to the prefix
+//! index through [`KvEventSink`].
+//!
+//! Keys: kvpick hashes each stored block itself, from the event's `token_ids`, with
+//! the same chained function the request side uses, so a request's token blocks
+//! find the blocks the engine reported. The engine's block hash is kept only to
+//! find the block again when it is removed, and to continue a chain: the parent of
+//! a `BlockStored` is looked up in a per-worker engine → kvpick hash map. A
+//! `BlockStored` whose parent is unknown (its parent was stored before kvpick
+//! subscribed, or was lost in a gap) cannot be chained and is skipped (counted as
+//! orphan blocks); the engine re-stores the chain on the next prompt that reaches it.
+
+pub mod decode;
+pub mod subscriber;
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use crate::endpoints::WorkerKey;
+
+use decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+
+/// Where ingested events go: the prefix index plus the block hash function it uses.
+/// Implemented by the scheduler core's `PrefixIndex`; tests use an in-memory sink.
+pub trait KvEventSink: Send + Sync {
+    /// The chain seed for a model and LoRA adapter (`kv::hash::model_seed`).
+    fn seed(&self, model: &str, lora: Option<&str>) -> u64;
+    /// Chained hashes of the full blocks of `tokens`, chaining from `parent` or
+    /// from `seed` (`kv::hash::token_block_hashes`).
+    fn block_hashes(
+        &self,
+        seed: u64,
+        parent: Option<u64>,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> Vec<u64>;
+    /// Records that `worker` holds these (engine hash, kvpick hash) blocks.
+    fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant);
+    /// Forgets the blocks the engine removed, by engine hash.
+    fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]);
+    /// Forgets everything about `worker`.
+    fn clear_worker(&self, worker: WorkerKey);
+    /// Switches `worker` between precise (event-fed) and approximate mode.
+    fn set_precise(&self, worker: WorkerKey, precise: bool);
+}
+
+/// What applying one batch did, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ApplyStats {
+    /// Events in the batch.
+    pub events: u64,
+    /// Blocks added to the index.
+    pub stored_blocks: u64,
+    /// Blocks removed from the index.
+    pub removed_blocks: u64,
+    /// Blocks skipped because their parent is unknown.
+    pub orphan_blocks: u64,
+    /// Events skipped: other storage tiers, other KV-cache groups, unknown types.
+    pub ignored_events: u64,
+    /// `AllBlocksCleared` events.
+    pub clears: u64,
+}
+
+impl ApplyStats {
+    fn add(&mut self, o: ApplyStats) {
+        self.events += o.events;
+        self.stored_blocks += o.stored_blocks;
+        self.removed_blocks += o.removed_blocks;
+        self.orphan_blocks += o.orphan_blocks;
+        self.ignored_events += o.ignored_events;
+        self.clears += o.clears;
+    }
+}
+
+/// Applies decoded batches to a [`KvEventSink`], keeping each worker's engine →
+/// kvpick hash map so chains can be continued across events.
+pub struct Ingest<S: ?Sized> {
+    sink: std::sync::Arc<S>,
+    default_model: String,
+    chains: HashMap<WorkerKey, HashMap<u64, u64>>,
+}
+
+impl<S: KvEventSink + ?Sized> Ingest<S> {
+    /// Ingest into `sink`; blocks are seeded with `default_model` unless the
+    /// message topic (`kv@<pod>@<model>`) names the model.
+    pub fn new(sink: std::sync::Arc<S>, default_model: impl Into<String>) -> Self {
+        Ingest {
+            sink,
+            default_model: default_model.into(),
+            chains: HashMap::new(),
+        }
+    }
+
+    /// The sink events go to.
+    pub fn sink(&self) -> &std::sync::Arc<S> {
+        &self.sink
+    }
+
+    /// Applies one batch from `worker`; `model` is the topic's model, if any.
+    pub fn apply(
+        &mut self,
+        worker: WorkerKey,
+        model: Option<&str>,
+        batch: &EventBatch,
+        now: Instant,
+    ) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        for event in &batch.events {
+            let s = match event {
+                KvEvent::BlockStored(e) => self.stored(worker, model, e, now),
+                KvEvent::BlockRemoved(e) => self.removed(worker, e),
+                KvEvent::AllBlocksCleared => {
+                    self.reset(worker);
+                    ApplyStats {
+                        clears: 1,
+                        ..Default::default()
+                    }
+                }
+                KvEvent::Unknown(_) => ApplyStats {
+                    ignored_events: 1,
+                    ..Default::default()
+                },
+            };
+            stats.add(s);
+            stats.events += 1;
+        }
+        stats
+    }
+
+    /// Forgets everything known about `worker` (gap, restart, reconnect, clear).
+    pub fn reset(&mut self, worker: WorkerKey) {
+        self.chains.remove(&worker);
+        self.sink.clear_worker(worker);
+    }
+
+    /// Number of engine blocks tracked for `worker`.
+    pub fn tracked_blocks(&self, worker: WorkerKey) -> usize {
+        self.chains.get(&worker).map_or(0, HashMap::len)
+    }
+
+    fn stored(
+        &mut self,
+        worker: WorkerKey,
+        model: Option<&str>,
+        e: &BlockStored,
+        now: Instant,
+    ) -> ApplyStats {
+        if !counts_for_routing(e.medium.as_deref(), e.group_idx) {
+            return ApplyStats {
+                ignored_events: 1,
+                ..Default::default()
+            };
+        }
+        let chain = self.chains.entry(worker).or_default();
+        let parent = match e.parent_block_hash {
+            None => None,
+            Some(p) => match chain.get(&p) {
+                Some(&k) => Some(k),
+                None => {
+                    return ApplyStats {
+                        orphan_blocks: e.block_hashes.len() as u64,
+                        ..Default::default()
+                    }
+                }
+            },
+        };
+        let lora_by_id;
+        let lora = match (&e.lora_name, e.lora_id) {
+            (Some(name), _) => Some(name.as_str()),
+            // Older engines send only the numeric id: keep those blocks apart from
+            // the base model's even though no request can name them.
+            (None, Some(id)) => {
+                lora_by_id = format!("lora-id:{id}");
+                Some(lora_by_id.as_str())
+            }
+            (None, None) => None,
+        };
+        let seed = self
+            .sink
+            .seed(model.unwrap_or(&self.default_model), lora);
+        let ours = self
+            .sink
+            .block_hashes(seed, parent, &e.token_ids, e.block_size);
+        let pairs: Vec<(u64, u64)> = e.block_hashes.iter().copied().zip(ours).collect();
+        chain.extend(pairs.iter().copied());
+        self.sink.store_engine_blocks(worker, &pairs, now);
+        ApplyStats {
+            stored_blocks: pairs.len() as u64,
+            // Engine hashes without full token blocks behind them cannot be keyed.
+            orphan_blocks: (e.block_hashes.len() - pairs.len()) as u64,
+            ..Default::default()
+        }
+    }
+
+    fn removed(&mut self, worker: WorkerKey, e: &BlockRemoved) -> ApplyStats {
+        if !counts_for_routing(e.medium.as_deref(), e.group_idx) {
+            return ApplyStats {
+                ignored_events: 1,
+                ..Default::default()
+            };
+        }
+        if let Some(chain) = self.chains.get_mut(&worker) {
+            for h in &e.block_hashes {
+                chain.remove(h);
+            }
+        }
+        self.sink.remove_engine_blocks(worker, &e.block_hashes);
+        ApplyStats {
+            removed_blocks: e.block_hashes.len() as u64,
+            ..Default::default()
+        }
+    }
+}
+
+/// Only GPU-resident blocks (medium absent or `GPU`) of the first KV-cache group
+/// (group absent or 0) decide routing: CPU/disk tiers have their own removal
+/// streams, and hybrid models repeat every block once per group.
+fn counts_for_routing(medium: Option<&str>, group: Option<i64>) -> bool {
+    medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu")) && group.is_none_or(|g| g == 0)
+}
+
+/// How a sequence number relates to the previous one on the same stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqCheck {
+    /// The first message since (re)connecting.
+    First,
+    /// Exactly the next one.
+    Next,
+    /// Messages `from..to` (exclusive) were missed.
+    Gap {
+        /// First missing sequence number.
+        from: u64,
+        /// The sequence number that arrived.
+        to: u64,
+    },
+    /// The sequence went backwards or repeated: the publisher restarted.
+    Restart,
+}
+
+/// Tracks one publisher's sequence numbers.
+#[derive(Debug, Clone, Default)]
+pub struct SeqTracker {
+    last: Option<u64>,
+}
+
+impl SeqTracker {
+    /// A tracker that has seen nothing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Classifies `seq` and records it as the latest.
+    pub fn observe(&mut self, seq: u64) -> SeqCheck {
+        let check = match self.last {
+            None => SeqCheck::First,
+            Some(last) if seq == last.wrapping_add(1) => SeqCheck::Next,
+            Some(last) if seq > last => SeqCheck::Gap {
+                from: last + 1,
+                to: seq,
+            },
+            Some(_) => SeqCheck::Restart,
+        };
+        self.last = Some(seq);
+        check
+    }
+
+    /// The last sequence number seen.
+    pub fn last(&self) -> Option<u64> {
+        self.last
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seq_tracker_classifies() {
+        let mut t = SeqTracker::new();
+        assert_eq!(t.observe(5), SeqCheck::First);
+        assert_eq!(t.observe(6), SeqCheck::Next);
+        assert_eq!(t.observe(9), SeqCheck::Gap { from: 7, to: 9 });
+        assert_eq!(t.observe(9), SeqCheck::Restart);
+        assert_eq!(t.observe(0), SeqCheck::Restart);
+        assert_eq!(t.observe(1), SeqCheck::Next);
+        assert_eq!(t.last(), Some(1));
+    }
+
+    #[test]
+    fn routing_tiers() {
+        assert!(counts_for_routing(None, None));
+        assert!(counts_for_routing(Some("GPU"), Some(0)));
+        assert!(!counts_for_routing(Some("CPU"), None));
+        assert!(!counts_for_routing(None, Some(1)));
+    }
+}

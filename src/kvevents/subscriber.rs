@@ -1,0 +1,625 @@
+//! ZMQ subscribers: one SUB socket per ready (worker, dp rank), feeding one ingest
+//! thread through a bounded channel.
+//!
+//! - Subscriber tasks (tokio) only receive frames and check sequence numbers;
+//!   decoding and index updates run on a dedicated `kv-ingest` OS thread, so a
+//!   burst of events never takes runtime threads from request routing.
+//! - The channel is bounded ([`SubscriberConfig::channel_capacity`] batches). When
+//!   it is full the batch is dropped and the worker is reset before the next batch
+//!   that gets through (its index part would be wrong otherwise).
+//! - A sequence gap is repaired from the engine's replay socket (ZMQ ROUTER; we
+//!   send `("", start_seq)` from a DEALER and read `("", seq, payload)` replies up
+//!   to the `seq = -1` end marker) when a replay port is configured and the engine
+//!   still buffers the missing batches; otherwise, and on a sequence that goes
+//!   backwards (engine restart) or a new connection, the worker's part of the index
+//!   is cleared.
+//! - A worker is precise while its SUB socket is connected, approximate otherwise.
+//!
+//! Transport: the pure-Rust `zeromq` crate (ZMTP 3 over TCP, SUB and DEALER), so
+//! kvpick needs no C toolchain or libzmq at build time and stays a static binary;
+//! we only need PUB/SUB and ROUTER/DEALER over TCP, which it implements.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket};
+
+use super::decode::{decode_batch, decode_seq, parse_topic};
+use super::{ApplyStats, Ingest, KvEventSink, SeqCheck, SeqTracker};
+use crate::endpoints::{Engine, EndpointTable, WorkerKey};
+use crate::telemetry::Metrics;
+
+/// Subscriber settings.
+#[derive(Debug, Clone)]
+pub struct SubscriberConfig {
+    /// Engine KV-event PUB port when the endpoint does not name one (rank r uses
+    /// `port + r`, as vLLM offsets it per data-parallel rank).
+    pub port: u16,
+    /// Engine replay (ROUTER) port, rank-offset the same way; `None` disables replay.
+    pub replay_port: Option<u16>,
+    /// Model name that seeds block hashes when the topic does not name one; must
+    /// equal the `model` of the requests routed to these workers.
+    pub model: String,
+    /// Batches queued between subscribers and the ingest thread.
+    pub channel_capacity: usize,
+    /// Time allowed to connect (and to finish a replay).
+    pub connect_timeout: Duration,
+    /// First retry delay after a failed or lost connection (doubles up to 30 s).
+    pub retry_delay: Duration,
+}
+
+impl Default for SubscriberConfig {
+    fn default() -> Self {
+        SubscriberConfig {
+            port: 5557,
+            replay_port: None,
+            model: String::new(),
+            channel_capacity: 4096,
+            connect_timeout: Duration::from_secs(5),
+            retry_delay: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Why a worker's part of the index was reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+pub enum ResetReason {
+    /// A new connection: events before it are unknown.
+    Connect,
+    /// The connection was lost.
+    Disconnect,
+    /// Sequence numbers were skipped and could not be replayed.
+    Gap,
+    /// The sequence went backwards: the engine restarted.
+    Restart,
+    /// The ingest queue was full and batches were dropped.
+    Overflow,
+    /// The engine sent `AllBlocksCleared`.
+    Cleared,
+    /// The worker left the endpoint set.
+    Removed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct WorkerLabels {
+    instance_id: u64,
+    dp_rank: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ResetLabels {
+    instance_id: u64,
+    dp_rank: u32,
+    reason: ResetReason,
+}
+
+fn labels(w: WorkerKey) -> WorkerLabels {
+    WorkerLabels {
+        instance_id: w.instance_id,
+        dp_rank: w.dp_rank,
+    }
+}
+
+/// KV-event metrics, per worker rank.
+#[derive(Debug, Clone)]
+pub struct KvEventMetrics {
+    precise: Family<WorkerLabels, Gauge>,
+    events: Family<WorkerLabels, Counter>,
+    resets: Family<ResetLabels, Counter>,
+    dropped: Family<WorkerLabels, Counter>,
+    orphans: Family<WorkerLabels, Counter>,
+    replayed: Family<WorkerLabels, Counter>,
+    decode_errors: Counter,
+    ingest_lag: Histogram,
+}
+
+impl KvEventMetrics {
+    /// Creates the metrics and registers them with `metrics`.
+    pub fn register(metrics: &Metrics) -> Arc<Self> {
+        let m = KvEventMetrics {
+            precise: Family::default(),
+            events: Family::default(),
+            resets: Family::default(),
+            dropped: Family::default(),
+            orphans: Family::default(),
+            replayed: Family::default(),
+            decode_errors: Counter::default(),
+            ingest_lag: Histogram::new([
+                0.000_01, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0,
+            ]),
+        };
+        metrics.register(|r| {
+            r.register(
+                "kvpick_kv_events_precise",
+                "1 while the worker rank has a live KV event stream (precise mode), 0 in approximate mode",
+                m.precise.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_ingested",
+                "KV events applied to the prefix index",
+                m.events.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_resets",
+                "Times a worker rank's part of the prefix index was reset, by reason",
+                m.resets.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_dropped_batches",
+                "Event batches dropped because the ingest queue was full",
+                m.dropped.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_orphan_blocks",
+                "Stored blocks skipped because their parent block is unknown",
+                m.orphans.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_replayed_batches",
+                "Event batches recovered from the engine's replay socket",
+                m.replayed.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_decode_errors",
+                "KV event messages that could not be decoded",
+                m.decode_errors.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_ingest_lag_seconds",
+                "Time from a batch's arrival to its events being visible to lookups",
+                m.ingest_lag.clone(),
+            );
+        });
+        Arc::new(m)
+    }
+
+    fn reset(&self, w: WorkerKey, reason: ResetReason) {
+        self.resets
+            .get_or_create(&ResetLabels {
+                instance_id: w.instance_id,
+                dp_rank: w.dp_rank,
+                reason,
+            })
+            .inc();
+    }
+}
+
+/// What subscriber tasks send to the ingest thread.
+#[derive(Debug)]
+enum IngestMsg {
+    Batch {
+        worker: WorkerKey,
+        topic: Bytes,
+        payload: Bytes,
+        received: Instant,
+        reset_first: Option<ResetReason>,
+    },
+    Live {
+        worker: WorkerKey,
+        live: bool,
+    },
+    Forget {
+        worker: WorkerKey,
+    },
+    Flush(std::sync::mpsc::SyncSender<()>),
+}
+
+fn ingest_loop(
+    mut rx: mpsc::Receiver<IngestMsg>,
+    mut ingest: Ingest<dyn KvEventSink>,
+    metrics: Arc<KvEventMetrics>,
+) {
+    while let Some(msg) = rx.blocking_recv() {
+        match msg {
+            IngestMsg::Batch {
+                worker,
+                topic,
+                payload,
+                received,
+                reset_first,
+            } => {
+                if let Some(reason) = reset_first {
+                    ingest.reset(worker);
+                    metrics.reset(worker, reason);
+                }
+                let batch = match decode_batch(&payload) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        metrics.decode_errors.inc();
+                        debug!(%worker, error = %e, "undecodable KV event batch");
+                        // The batch's effect is unknown: start over for this worker.
+                        ingest.reset(worker);
+                        metrics.reset(worker, ResetReason::Gap);
+                        continue;
+                    }
+                };
+                let topic = parse_topic(&topic);
+                let stats: ApplyStats = ingest.apply(
+                    worker,
+                    topic.as_ref().map(|t| t.model.as_str()),
+                    &batch,
+                    Instant::now(),
+                );
+                let l = labels(worker);
+                metrics.events.get_or_create(&l).inc_by(stats.events);
+                if stats.orphan_blocks > 0 {
+                    metrics.orphans.get_or_create(&l).inc_by(stats.orphan_blocks);
+                }
+                for _ in 0..stats.clears {
+                    metrics.reset(worker, ResetReason::Cleared);
+                }
+                metrics
+                    .ingest_lag
+                    .observe(received.elapsed().as_secs_f64());
+            }
+            IngestMsg::Live { worker, live } => {
+                ingest.reset(worker);
+                ingest.sink().set_precise(worker, live);
+                metrics.precise.get_or_create(&labels(worker)).set(live as i64);
+                let reason = if live {
+                    ResetReason::Connect
+                } else {
+                    ResetReason::Disconnect
+                };
+                metrics.reset(worker, reason);
+            }
+            IngestMsg::Forget { worker } => {
+                ingest.reset(worker);
+                ingest.sink().set_precise(worker, false);
+                metrics.precise.remove(&labels(worker));
+                metrics.reset(worker, ResetReason::Removed);
+            }
+            IngestMsg::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+/// One KV-event stream to follow: a worker rank and where its engine publishes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Target {
+    /// The worker rank the events describe.
+    pub worker: WorkerKey,
+    /// The engine's IP address.
+    pub host: IpAddr,
+    /// PUB port.
+    pub port: u16,
+    /// ROUTER (replay) port, if the engine has one.
+    pub replay_port: Option<u16>,
+}
+
+/// The running KV-event machinery: the ingest thread and a way to add subscribers.
+#[derive(Clone)]
+pub struct KvEvents {
+    tx: mpsc::Sender<IngestMsg>,
+    metrics: Arc<KvEventMetrics>,
+    config: Arc<SubscriberConfig>,
+}
+
+impl KvEvents {
+    /// Starts the ingest thread, which applies events to `sink`.
+    pub fn start(
+        sink: Arc<dyn KvEventSink>,
+        metrics: Arc<KvEventMetrics>,
+        config: SubscriberConfig,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(config.channel_capacity.max(1));
+        let ingest = Ingest::new(sink, config.model.clone());
+        let m = Arc::clone(&metrics);
+        std::thread::Builder::new()
+            .name("kv-ingest".into())
+            .spawn(move || ingest_loop(rx, ingest, m))
+            .expect("spawning the kv-ingest thread");
+        KvEvents {
+            tx,
+            metrics,
+            config: Arc::new(config),
+        }
+    }
+
+    /// Starts following one stream; the subscriber stops when the handle is dropped.
+    pub fn subscribe(&self, target: Target) -> Subscription {
+        let worker = target.worker;
+        let task = tokio::spawn(run_subscriber(
+            target,
+            Arc::clone(&self.config),
+            self.tx.clone(),
+            Arc::clone(&self.metrics),
+        ));
+        Subscription {
+            worker,
+            task,
+            tx: self.tx.clone(),
+        }
+    }
+
+    /// Waits until everything sent to the ingest thread so far has been applied.
+    pub async fn flush(&self) {
+        let (done, wait) = std::sync::mpsc::sync_channel(1);
+        if self.tx.send(IngestMsg::Flush(done)).await.is_ok() {
+            let _ = tokio::task::spawn_blocking(move || wait.recv()).await;
+        }
+    }
+
+    /// The streams to follow for the endpoints in `table` now: every rank of every
+    /// vLLM or SGLang endpoint.
+    pub fn targets(&self, table: &EndpointTable) -> Vec<Target> {
+        let snapshot = table.snapshot();
+        let mut out = Vec::new();
+        for e in &snapshot.endpoints {
+            if e.endpoint.engine == Engine::Trtllm {
+                continue;
+            }
+            let port = e.endpoint.kv_events_port.unwrap_or(self.config.port);
+            for rank in 0..e.ranks() {
+                let offset = |p: u16| p.checked_add(u16::try_from(rank).ok()?);
+                let Some(port) = offset(port) else { continue };
+                out.push(Target {
+                    worker: e.key(rank),
+                    host: e.endpoint.address.ip(),
+                    port,
+                    replay_port: self.config.replay_port.and_then(offset),
+                });
+            }
+        }
+        out
+    }
+
+    /// Keeps one subscriber per target of `table`, checking for changes every
+    /// `every`; subscribers come and go with the endpoint set. Runs forever.
+    pub async fn follow(self, table: Arc<EndpointTable>, every: Duration) {
+        let mut running: HashMap<Target, Subscription> = HashMap::new();
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let wanted = self.targets(&table);
+            running.retain(|t, _| wanted.contains(t));
+            for t in wanted {
+                if !running.contains_key(&t) {
+                    let sub = self.subscribe(t.clone());
+                    running.insert(t, sub);
+                }
+            }
+        }
+    }
+}
+
+/// A running subscriber. Dropping it stops the subscriber and forgets the worker
+/// rank's events (it falls back to approximate mode).
+pub struct Subscription {
+    worker: WorkerKey,
+    task: JoinHandle<()>,
+    tx: mpsc::Sender<IngestMsg>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.task.abort();
+        let tx = self.tx.clone();
+        let worker = self.worker;
+        // Must not be lost even when the queue is momentarily full.
+        if let Err(mpsc::error::TrySendError::Full(msg)) =
+            tx.try_send(IngestMsg::Forget { worker })
+        {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = tx.send(msg).await;
+                });
+            }
+        }
+    }
+}
+
+async fn run_subscriber(
+    target: Target,
+    config: Arc<SubscriberConfig>,
+    tx: mpsc::Sender<IngestMsg>,
+    metrics: Arc<KvEventMetrics>,
+) {
+    let mut delay = config.retry_delay;
+    loop {
+        match follow_stream(&target, &config, &tx, &metrics).await {
+            Ok(()) => delay = config.retry_delay,
+            Err(e) => debug!(worker = %target.worker, port = target.port, error = %e, "KV event stream unavailable"),
+        }
+        if tx.is_closed() {
+            return;
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(30));
+    }
+}
+
+/// Follows one connection until it is lost. `Ok` after a connection that worked.
+async fn follow_stream(
+    target: &Target,
+    config: &SubscriberConfig,
+    tx: &mpsc::Sender<IngestMsg>,
+    metrics: &KvEventMetrics,
+) -> Result<(), zeromq::ZmqError> {
+    let worker = target.worker;
+    let mut options = SocketOptions::default();
+    options.connect_timeout(config.connect_timeout);
+    let mut socket = SubSocket::with_options(options);
+    let mut monitor = socket.monitor();
+    socket
+        .connect(&format!("tcp://{}", sock_addr(target.host, target.port)))
+        .await?;
+    socket.subscribe("").await?;
+    if tx.send(IngestMsg::Live { worker, live: true }).await.is_err() {
+        return Ok(());
+    }
+    let mut seq = SeqTracker::new();
+    let mut pending_reset: Option<ResetReason> = None;
+    loop {
+        let msg = tokio::select! {
+            m = socket.recv() => match m {
+                Ok(m) => m,
+                Err(e) => {
+                    debug!(%worker, error = %e, "KV event stream ended");
+                    break;
+                }
+            },
+            ev = monitor.next() => match ev {
+                Some(SocketEvent::Disconnected(_)) | None => break,
+                Some(_) => continue,
+            },
+        };
+        let received = Instant::now();
+        let mut frames = msg.into_vec();
+        if frames.len() != 3 {
+            metrics.decode_errors.inc();
+            continue;
+        }
+        let payload = frames.pop().unwrap_or_default();
+        let Ok(s) = decode_seq(&frames[1]) else {
+            metrics.decode_errors.inc();
+            continue;
+        };
+        let topic = frames.swap_remove(0);
+        match seq.observe(s) {
+            SeqCheck::First | SeqCheck::Next => {}
+            SeqCheck::Restart => pending_reset = Some(ResetReason::Restart),
+            SeqCheck::Gap { from, to } => {
+                let replayed = match target.replay_port {
+                    Some(port) => replay(target.host, port, from, to, config.connect_timeout)
+                        .await
+                        .unwrap_or_else(|e| {
+                            debug!(%worker, error = %e, "KV event replay failed");
+                            Vec::new()
+                        }),
+                    None => Vec::new(),
+                };
+                if replayed.len() as u64 == to - from {
+                    metrics
+                        .replayed
+                        .get_or_create(&labels(worker))
+                        .inc_by(replayed.len() as u64);
+                    for p in replayed {
+                        pending_reset = forward(
+                            tx,
+                            metrics,
+                            worker,
+                            topic.clone(),
+                            p,
+                            received,
+                            pending_reset,
+                        );
+                    }
+                } else {
+                    warn!(%worker, missed = to - from, "KV event gap: resetting worker");
+                    pending_reset = Some(ResetReason::Gap);
+                }
+            }
+        }
+        pending_reset = forward(
+            tx,
+            metrics,
+            worker,
+            topic,
+            payload,
+            received,
+            pending_reset,
+        );
+        if tx.is_closed() {
+            return Ok(());
+        }
+    }
+    let _ = tx.send(IngestMsg::Live { worker, live: false }).await;
+    Ok(())
+}
+
+/// Queues one batch without waiting; returns the reset still owed to the worker.
+fn forward(
+    tx: &mpsc::Sender<IngestMsg>,
+    metrics: &KvEventMetrics,
+    worker: WorkerKey,
+    topic: Bytes,
+    payload: Bytes,
+    received: Instant,
+    reset_first: Option<ResetReason>,
+) -> Option<ResetReason> {
+    match tx.try_send(IngestMsg::Batch {
+        worker,
+        topic,
+        payload,
+        received,
+        reset_first,
+    }) {
+        Ok(()) => None,
+        Err(_) => {
+            metrics.dropped.get_or_create(&labels(worker)).inc();
+            Some(ResetReason::Overflow)
+        }
+    }
+}
+
+fn sock_addr(host: IpAddr, port: u16) -> String {
+    std::net::SocketAddr::new(host, port).to_string()
+}
+
+/// vLLM's end-of-replay marker: sequence number -1.
+const END_SEQ: u64 = u64::MAX;
+
+/// Asks the engine's replay socket for batches `from..to`; returns their payloads
+/// in order if every one of them came back, fewer otherwise.
+async fn replay(
+    host: IpAddr,
+    port: u16,
+    from: u64,
+    to: u64,
+    timeout: Duration,
+) -> Result<Vec<Bytes>, zeromq::ZmqError> {
+    let mut options = SocketOptions::default();
+    options.connect_timeout(timeout);
+    let mut dealer = DealerSocket::with_options(options);
+    dealer
+        .connect(&format!("tcp://{}", sock_addr(host, port)))
+        .await?;
+    let request = zeromq::ZmqMessage::try_from(vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&from.to_be_bytes()),
+    ])
+    .map_err(|_| zeromq::ZmqError::Other("empty replay request"))?;
+    dealer.send(request).await?;
+    let mut out = Vec::new();
+    let mut expect = from;
+    let collect = async {
+        loop {
+            let frames = dealer.recv().await?.into_vec();
+            // ("", seq, payload); tolerate a missing empty delimiter.
+            let (seq, payload) = match frames.as_slice() {
+                [empty, seq, payload] if empty.is_empty() => (seq, payload),
+                [seq, payload] => (seq, payload),
+                _ => continue,
+            };
+            let Ok(seq) = decode_seq(seq) else { continue };
+            if seq == END_SEQ {
+                return Ok::<(), zeromq::ZmqError>(());
+            }
+            if seq == expect && seq < to {
+                out.push(payload.clone());
+                expect += 1;
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, collect).await {
+        Ok(r) => r?,
+        Err(_) => return Ok(Vec::new()),
+    }
+    Ok(out)
+}
