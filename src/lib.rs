@@ -16,3 +16,4 @@ pub mod scheduler;
 pub mod server;
 pub mod telemetry;
 pub mod tls;
+pub mod tokenize;

@@ -179,9 +179,7 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             }
             (None, None) => None,
         };
-        let seed = self
-            .sink
-            .seed(model.unwrap_or(&self.default_model), lora);
+        let seed = self.sink.seed(model.unwrap_or(&self.default_model), lora);
         let ours = self
             .sink
             .block_hashes(seed, parent, &e.token_ids, e.block_size);

@@ -38,7 +38,7 @@ use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, Socke
 
 use super::decode::{decode_batch, decode_seq, parse_topic};
 use super::{ApplyStats, Ingest, KvEventSink, SeqCheck, SeqTracker};
-use crate::endpoints::{Engine, EndpointTable, WorkerKey};
+use crate::endpoints::{EndpointTable, Engine, WorkerKey};
 use crate::telemetry::Metrics;
 
 /// Subscriber settings.
@@ -255,19 +255,23 @@ fn ingest_loop(
                 let l = labels(worker);
                 metrics.events.get_or_create(&l).inc_by(stats.events);
                 if stats.orphan_blocks > 0 {
-                    metrics.orphans.get_or_create(&l).inc_by(stats.orphan_blocks);
+                    metrics
+                        .orphans
+                        .get_or_create(&l)
+                        .inc_by(stats.orphan_blocks);
                 }
                 for _ in 0..stats.clears {
                     metrics.reset(worker, ResetReason::Cleared);
                 }
-                metrics
-                    .ingest_lag
-                    .observe(received.elapsed().as_secs_f64());
+                metrics.ingest_lag.observe(received.elapsed().as_secs_f64());
             }
             IngestMsg::Live { worker, live } => {
                 ingest.reset(worker);
                 ingest.sink().set_precise(worker, live);
-                metrics.precise.get_or_create(&labels(worker)).set(live as i64);
+                metrics
+                    .precise
+                    .get_or_create(&labels(worker))
+                    .set(live as i64);
                 let reason = if live {
                     ResetReason::Connect
                 } else {
@@ -389,9 +393,9 @@ impl KvEvents {
             let wanted = self.targets(&table);
             running.retain(|t, _| wanted.contains(t));
             for t in wanted {
-                if !running.contains_key(&t) {
-                    let sub = self.subscribe(t.clone());
-                    running.insert(t, sub);
+                if let std::collections::hash_map::Entry::Vacant(slot) = running.entry(t) {
+                    let sub = self.subscribe(slot.key().clone());
+                    slot.insert(sub);
                 }
             }
         }
@@ -412,8 +416,7 @@ impl Drop for Subscription {
         let tx = self.tx.clone();
         let worker = self.worker;
         // Must not be lost even when the queue is momentarily full.
-        if let Err(mpsc::error::TrySendError::Full(msg)) =
-            tx.try_send(IngestMsg::Forget { worker })
+        if let Err(mpsc::error::TrySendError::Full(msg)) = tx.try_send(IngestMsg::Forget { worker })
         {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move {
@@ -434,7 +437,9 @@ async fn run_subscriber(
     loop {
         match follow_stream(&target, &config, &tx, &metrics).await {
             Ok(()) => delay = config.retry_delay,
-            Err(e) => debug!(worker = %target.worker, port = target.port, error = %e, "KV event stream unavailable"),
+            Err(e) => {
+                debug!(worker = %target.worker, port = target.port, error = %e, "KV event stream unavailable")
+            }
         }
         if tx.is_closed() {
             return;
@@ -460,7 +465,11 @@ async fn follow_stream(
         .connect(&format!("tcp://{}", sock_addr(target.host, target.port)))
         .await?;
     socket.subscribe("").await?;
-    if tx.send(IngestMsg::Live { worker, live: true }).await.is_err() {
+    if tx
+        .send(IngestMsg::Live { worker, live: true })
+        .await
+        .is_err()
+    {
         return Ok(());
     }
     let mut seq = SeqTracker::new();
@@ -526,20 +535,17 @@ async fn follow_stream(
                 }
             }
         }
-        pending_reset = forward(
-            tx,
-            metrics,
-            worker,
-            topic,
-            payload,
-            received,
-            pending_reset,
-        );
+        pending_reset = forward(tx, metrics, worker, topic, payload, received, pending_reset);
         if tx.is_closed() {
             return Ok(());
         }
     }
-    let _ = tx.send(IngestMsg::Live { worker, live: false }).await;
+    let _ = tx
+        .send(IngestMsg::Live {
+            worker,
+            live: false,
+        })
+        .await;
     Ok(())
 }
 

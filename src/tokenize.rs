@@ -1,0 +1,591 @@
+//! In-process tokenization, so request blocks match the blocks engines report in
+//! KV events.
+//!
+//! [`Tokenizer::load`] reads a HuggingFace model directory: `tokenizer.json` (the
+//! `tokenizers` crate) and the chat template (`chat_template.jinja`, or
+//! `chat_template` in `tokenizer_config.json`). Chat requests are rendered the way
+//! vLLM renders them with transformers' Jinja settings (`trim_blocks`,
+//! `lstrip_blocks`, loop controls, `raise_exception`, `strftime_now`, a Python-style
+//! `tojson`, Python string methods) with `messages`, `tools`,
+//! `add_generation_prompt: true`, the special tokens (`bos_token`, `eos_token`, …)
+//! and the request's `chat_template_kwargs`; the result is tokenized without
+//! special tokens. Completion prompts are tokenized with special tokens (BOS).
+//!
+//! Images: each image part is replaced by a marker while rendering; the rendered
+//! text is split at the markers and the result is `Tokens, Image, Tokens, …`, so
+//! blocks after an image are chained to that image's hash and the text before it
+//! tokenizes exactly as the engine's.
+//!
+//! [`TokenizerPool`] runs tokenization on tokio's blocking threads behind a
+//! semaphore, so a 200 KB prompt never stalls the async threads serving other
+//! streams, and at most `threads` prompts are tokenized at once.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use minijinja::value::{Kwargs, Value as JValue, ValueKind};
+use minijinja::{Environment, Error as JError, ErrorKind};
+use serde_json::{Map, Value};
+use tokio::sync::Semaphore;
+
+use crate::request::{ApiKind, Segment};
+
+/// Why a tokenizer could not be loaded or a request not tokenized.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// A file could not be read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` is not a tokenizer the `tokenizers` crate can load.
+    #[error("loading tokenizer.json: {0}")]
+    Load(String),
+    /// `tokenizer_config.json` is not valid JSON.
+    #[error("tokenizer_config.json: {0}")]
+    Config(String),
+    /// The chat template does not compile or failed to render.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// A chat request arrived but the model has no chat template.
+    #[error("the model directory has no chat template")]
+    NoTemplate,
+    /// The body is not a request of the expected shape.
+    #[error("request body: {0}")]
+    Body(String),
+    /// Encoding failed.
+    #[error("encoding: {0}")]
+    Encode(String),
+    /// The tokenization task was cancelled.
+    #[error("tokenization task failed: {0}")]
+    Task(String),
+}
+
+const TEMPLATE: &str = "chat";
+
+/// Marks where an image was in the rendered prompt (private-use characters).
+const IMAGE_MARK: &str = "\u{F8FF}kvpick-image\u{F8FF}";
+
+/// A loaded tokenizer with its chat template.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    env: Option<Environment<'static>>,
+    /// Special tokens passed to the template (`bos_token`, `eos_token`, …).
+    special: Map<String, Value>,
+    /// Whether the template iterates over content parts (OpenAI content format)
+    /// rather than reading content as a string.
+    parts_content: bool,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("chat_template", &self.env.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn read(path: &Path) -> Result<Option<String>, TokenizeError> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(TokenizeError::Io {
+            path: path.display().to_string(),
+            source,
+        }),
+    }
+}
+
+/// A special token in `tokenizer_config.json`: a string or an AddedToken object.
+fn token_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(String::from),
+        _ => None,
+    }
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` and the chat template from a model directory.
+    pub fn load(dir: impl AsRef<Path>) -> Result<Self, TokenizeError> {
+        let dir = dir.as_ref();
+        let path = dir.join("tokenizer.json");
+        let json = read(&path)?.ok_or_else(|| TokenizeError::Io {
+            path: path.display().to_string(),
+            source: std::io::ErrorKind::NotFound.into(),
+        })?;
+        let inner: tokenizers::Tokenizer = json
+            .parse()
+            .map_err(|e| TokenizeError::Load(format!("{e}")))?;
+        let config: Map<String, Value> = match read(&dir.join("tokenizer_config.json"))? {
+            Some(s) => {
+                serde_json::from_str(&s).map_err(|e| TokenizeError::Config(e.to_string()))?
+            }
+            None => Map::new(),
+        };
+        let template = match read(&dir.join("chat_template.jinja"))? {
+            Some(t) => Some(t),
+            None => match config.get("chat_template") {
+                Some(Value::String(t)) => Some(t.clone()),
+                // A list of named templates: use "default" (or the first).
+                Some(Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .or_else(|| list.first())
+                    .and_then(|t| t.get("template"))
+                    .and_then(Value::as_str)
+                    .map(String::from),
+                _ => None,
+            },
+        };
+        let mut special = Map::new();
+        for key in [
+            "bos_token",
+            "eos_token",
+            "unk_token",
+            "pad_token",
+            "sep_token",
+            "cls_token",
+            "mask_token",
+        ] {
+            if let Some(t) = config.get(key).and_then(token_text) {
+                special.insert(key.to_string(), Value::String(t));
+            }
+        }
+        let parts_content = template.as_deref().is_some_and(iterates_content);
+        let env = template.map(chat_environment).transpose()?;
+        Ok(Tokenizer {
+            inner,
+            env,
+            special,
+            parts_content,
+        })
+    }
+
+    /// Renders a chat body (`messages`, optional `tools` and
+    /// `chat_template_kwargs`) to the prompt string; images become markers.
+    pub fn render_chat(&self, body: &Value) -> Result<(String, Vec<String>), TokenizeError> {
+        let env = self.env.as_ref().ok_or(TokenizeError::NoTemplate)?;
+        let (messages, images) = chat_messages(body, self.parts_content)?;
+        let mut ctx = Map::new();
+        if let Some(Value::Object(kw)) = body.get("chat_template_kwargs") {
+            ctx.extend(kw.clone());
+        }
+        ctx.extend(self.special.clone());
+        ctx.insert("messages".into(), Value::Array(messages));
+        ctx.insert(
+            "tools".into(),
+            body.get("tools").cloned().unwrap_or(Value::Null),
+        );
+        ctx.insert("add_generation_prompt".into(), Value::Bool(true));
+        let template = env
+            .get_template(TEMPLATE)
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        let text = template
+            .render(JValue::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        Ok((text, images))
+    }
+
+    /// Tokenizes a request body of `kind` into token segments, with image segments
+    /// where the images were.
+    pub fn tokenize_body(
+        &self,
+        kind: ApiKind,
+        body: &Value,
+    ) -> Result<Vec<Segment>, TokenizeError> {
+        match kind {
+            ApiKind::Completions => {
+                let prompt = body
+                    .get("prompt")
+                    .ok_or_else(|| TokenizeError::Body("missing `prompt`".into()))?;
+                self.tokenize_prompt(prompt)
+            }
+            ApiKind::Chat | ApiKind::Responses => {
+                let chat;
+                let body = if kind == ApiKind::Responses {
+                    chat = responses_as_chat(body)?;
+                    &chat
+                } else {
+                    body
+                };
+                let (text, images) = self.render_chat(body)?;
+                self.split_at_images(&text, images, false)
+            }
+        }
+    }
+
+    /// Tokenizes a completions `prompt`: a string, strings, or token ids (kept).
+    fn tokenize_prompt(&self, prompt: &Value) -> Result<Vec<Segment>, TokenizeError> {
+        let ids = |v: &[Value]| -> Option<Vec<u32>> {
+            v.iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect()
+        };
+        let mut tokens = Vec::new();
+        match prompt {
+            Value::String(s) => tokens = self.encode(s, true)?,
+            Value::Array(items) if items.iter().all(Value::is_number) => {
+                tokens = ids(items).ok_or_else(|| TokenizeError::Body("bad token ids".into()))?
+            }
+            Value::Array(items) => {
+                for item in items {
+                    match item {
+                        Value::String(s) => tokens.extend(self.encode(s, true)?),
+                        Value::Array(t) => tokens.extend(
+                            ids(t).ok_or_else(|| TokenizeError::Body("bad token ids".into()))?,
+                        ),
+                        _ => return Err(TokenizeError::Body("bad `prompt` item".into())),
+                    }
+                }
+            }
+            _ => return Err(TokenizeError::Body("bad `prompt`".into())),
+        }
+        Ok(vec![Segment::Tokens(tokens)])
+    }
+
+    fn split_at_images(
+        &self,
+        text: &str,
+        images: Vec<String>,
+        special: bool,
+    ) -> Result<Vec<Segment>, TokenizeError> {
+        let mut out = Vec::with_capacity(images.len() * 2 + 1);
+        let mut pieces = text.split(IMAGE_MARK);
+        let first = pieces.next().unwrap_or_default();
+        out.push(Segment::Tokens(self.encode(first, special)?));
+        let mut images = images.into_iter();
+        for piece in pieces {
+            if let Some(url) = images.next() {
+                out.push(Segment::Image(url));
+            }
+            let ids = self.encode(piece, false)?;
+            if !ids.is_empty() {
+                out.push(Segment::Tokens(ids));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Token ids of `text`, with the tokenizer's special tokens (BOS) when `special`.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.inner
+            .encode_fast(text, special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+}
+
+/// Whether a template loops over message content parts (vLLM's "openai" content
+/// format) instead of printing the content as a string.
+fn iterates_content(template: &str) -> bool {
+    let t: String = template.chars().filter(|c| !c.is_whitespace()).collect();
+    [
+        "inmessage['content']",
+        "inmessage[\"content\"]",
+        "inmessage.content",
+    ]
+    .iter()
+    .any(|p| t.contains(p))
+}
+
+/// The OpenAI messages of a chat body, with content normalized the way vLLM hands
+/// it to the template, and the image URLs in order.
+fn chat_messages(
+    body: &Value,
+    parts_content: bool,
+) -> Result<(Vec<Value>, Vec<String>), TokenizeError> {
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| TokenizeError::Body("missing `messages`".into()))?;
+    let mut images = Vec::new();
+    let mut out = Vec::with_capacity(messages.len());
+    for m in messages {
+        let mut m = m
+            .as_object()
+            .cloned()
+            .ok_or_else(|| TokenizeError::Body("a message is not an object".into()))?;
+        if let Some(Value::Array(parts)) = m.get("content") {
+            let mut texts: Vec<Value> = Vec::with_capacity(parts.len());
+            for p in parts {
+                let text = match p {
+                    Value::String(s) => s.clone(),
+                    Value::Object(o) => match o.get("type").and_then(Value::as_str) {
+                        Some("image_url") | Some("input_image") => {
+                            let url = match o.get("image_url") {
+                                Some(Value::String(u)) => u.clone(),
+                                Some(Value::Object(u)) => u
+                                    .get("url")
+                                    .and_then(Value::as_str)
+                                    .unwrap_or_default()
+                                    .to_string(),
+                                _ => String::new(),
+                            };
+                            images.push(url);
+                            IMAGE_MARK.to_string()
+                        }
+                        _ => o
+                            .get("text")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_string(),
+                    },
+                    _ => String::new(),
+                };
+                texts.push(Value::String(text));
+            }
+            let content = if parts_content {
+                Value::Array(
+                    texts
+                        .into_iter()
+                        .map(|t| serde_json::json!({"type": "text", "text": t}))
+                        .collect(),
+                )
+            } else {
+                // vLLM joins text parts with newlines for string-format templates.
+                let strs: Vec<&str> = texts.iter().filter_map(Value::as_str).collect();
+                Value::String(strs.join("\n"))
+            };
+            m.insert("content".into(), content);
+        }
+        out.push(Value::Object(m));
+    }
+    Ok((out, images))
+}
+
+/// A Responses API body as a chat body: `instructions` as a system message, a
+/// string `input` as a user message, item lists as messages.
+fn responses_as_chat(body: &Value) -> Result<Value, TokenizeError> {
+    let mut messages = Vec::new();
+    if let Some(Value::String(s)) = body.get("instructions") {
+        messages.push(serde_json::json!({"role": "system", "content": s}));
+    }
+    match body.get("input") {
+        Some(Value::String(s)) => messages.push(serde_json::json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) => messages.extend(items.iter().cloned()),
+        _ => return Err(TokenizeError::Body("bad `input`".into())),
+    }
+    let mut chat = serde_json::json!({ "messages": messages });
+    if let Some(tools) = body.get("tools") {
+        chat["tools"] = tools.clone();
+    }
+    Ok(chat)
+}
+
+/// A Jinja environment configured like transformers' chat template renderer.
+fn chat_environment(template: String) -> Result<Environment<'static>, TokenizeError> {
+    let mut env = Environment::new();
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| TokenizeError::Template(e.to_string()))?,
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<JValue, JError> {
+        Err(JError::new(ErrorKind::InvalidOperation, msg))
+    });
+    env.add_function("strftime_now", |_fmt: String| -> String {
+        // Keeps prompts stable for caching; templates use this for a date line.
+        String::new()
+    });
+    env.add_filter("tojson", py_tojson);
+    env.add_template_owned(TEMPLATE, template)
+        .map_err(|e| TokenizeError::Template(e.to_string()))?;
+    Ok(env)
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent)`,
+/// with Python's separators (`", "` and `": "`), no HTML escaping.
+fn py_tojson(value: JValue, kwargs: Kwargs) -> Result<JValue, JError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    write_py_json(&mut out, &value, indent, 0)?;
+    Ok(JValue::from_safe_string(out))
+}
+
+fn write_py_json(
+    out: &mut String,
+    v: &JValue,
+    indent: Option<usize>,
+    level: usize,
+) -> Result<(), JError> {
+    let newline = |out: &mut String, level: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * level));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            if let Some(i) = v.as_i64().filter(|_| v.is_integer()) {
+                out.push_str(&i.to_string());
+            } else {
+                let f = f64::try_from(v.clone()).unwrap_or(f64::NAN);
+                if f.is_finite() && f.fract() == 0.0 && f.abs() < 1e16 {
+                    out.push_str(&format!("{f:.1}"));
+                } else {
+                    out.push_str(&f.to_string());
+                }
+            }
+        }
+        ValueKind::String => {
+            out.push_str(&serde_json::to_string(v.as_str().unwrap_or_default()).unwrap_or_default())
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<JValue> = v.try_iter()?.collect();
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                write_py_json(out, item, indent, level + 1)?;
+            }
+            if !items.is_empty() {
+                newline(out, level);
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let keys: Vec<JValue> = v.try_iter()?.collect();
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, level + 1);
+                let key = k
+                    .as_str()
+                    .map(String::from)
+                    .unwrap_or_else(|| k.to_string());
+                out.push_str(&serde_json::to_string(&key).unwrap_or_default());
+                out.push_str(": ");
+                write_py_json(out, &v.get_item(k)?, indent, level + 1)?;
+            }
+            if !keys.is_empty() {
+                newline(out, level);
+            }
+            out.push('}');
+        }
+        _ => out.push_str(&serde_json::to_string(&v.to_string()).unwrap_or_default()),
+    }
+    Ok(())
+}
+
+/// Tokenization on a bounded pool of blocking threads.
+#[derive(Debug, Clone)]
+pub struct TokenizerPool {
+    tokenizer: Arc<Tokenizer>,
+    permits: Arc<Semaphore>,
+}
+
+impl TokenizerPool {
+    /// A pool tokenizing at most `threads` requests at once.
+    pub fn new(tokenizer: Tokenizer, threads: usize) -> Self {
+        TokenizerPool {
+            tokenizer: Arc::new(tokenizer),
+            permits: Arc::new(Semaphore::new(threads.max(1))),
+        }
+    }
+
+    /// The tokenizer itself (for synchronous use in tests and tools).
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// Parses and tokenizes a request body off the async threads. The result
+    /// replaces the request's text segments: token ids, with image segments
+    /// where images were.
+    pub async fn tokenize(
+        &self,
+        kind: ApiKind,
+        body: Bytes,
+    ) -> Result<Vec<Segment>, TokenizeError> {
+        let _permit = self
+            .permits
+            .acquire()
+            .await
+            .map_err(|e| TokenizeError::Task(e.to_string()))?;
+        let tok = Arc::clone(&self.tokenizer);
+        tokio::task::spawn_blocking(move || {
+            let value: Value =
+                serde_json::from_slice(&body).map_err(|e| TokenizeError::Body(e.to_string()))?;
+            tok.tokenize_body(kind, &value)
+        })
+        .await
+        .map_err(|e| TokenizeError::Task(e.to_string()))?
+    }
+}
+
+/// All token ids of tokenized segments, images skipped.
+pub fn token_ids(segments: &[Segment]) -> Vec<u32> {
+    segments
+        .iter()
+        .filter_map(|s| match s {
+            Segment::Tokens(t) => Some(t.as_slice()),
+            _ => None,
+        })
+        .flatten()
+        .copied()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render(template: &str, ctx: Value) -> String {
+        let env = chat_environment(template.to_string()).unwrap();
+        env.get_template(TEMPLATE)
+            .unwrap()
+            .render(JValue::from(minijinja::value::Serde(&ctx)))
+            .unwrap()
+    }
+
+    #[test]
+    fn tojson_is_python_style_and_keeps_key_order() {
+        let ctx = serde_json::json!({"x": {"b": 1, "a": [true, null, "<é>"], "f": 2.0}});
+        assert_eq!(
+            render("{{ x | tojson }}", ctx.clone()),
+            r#"{"b": 1, "a": [true, null, "<é>"], "f": 2.0}"#
+        );
+        assert_eq!(
+            render("{{ x.a | tojson(indent=2) }}", ctx),
+            "[\n  true,\n  null,\n  \"<é>\"\n]"
+        );
+    }
+
+    #[test]
+    fn python_methods_and_raise_exception() {
+        let ctx = serde_json::json!({"s": "  Hi  "});
+        assert_eq!(render("{{ s.strip().upper() }}", ctx.clone()), "HI");
+        let env = chat_environment("{{ raise_exception('nope') }}".into()).unwrap();
+        let err = env
+            .get_template(TEMPLATE)
+            .unwrap()
+            .render(JValue::from(minijinja::value::Serde(&ctx)))
+            .unwrap_err();
+        assert!(err.to_string().contains("nope"));
+    }
+
+    #[test]
+    fn content_format_detection() {
+        assert!(iterates_content(
+            "{% for part in message['content'] %}{{ part.text }}{% endfor %}"
+        ));
+        assert!(!iterates_content("{{ message['content'] }}"));
+    }
+}

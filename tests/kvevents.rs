@@ -1,0 +1,792 @@
+//! KV events: decoding to the vLLM spec, ingest into an index, a ZMQ loopback with
+//! gaps, restarts and replay, and tokenization with a chat template.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvpick::endpoints::WorkerKey;
+use kvpick::kvevents::decode::{decode_batch, BlockRemoved, BlockStored, KvEvent};
+use kvpick::kvevents::subscriber::{KvEventMetrics, KvEvents, SubscriberConfig, Target};
+use kvpick::kvevents::{Ingest, KvEventSink};
+use kvpick::request::{ApiKind, Segment};
+use kvpick::telemetry::Metrics;
+use kvpick::tokenize::{token_ids, Tokenizer, TokenizerPool};
+use parking_lot::Mutex;
+use rmpv::Value;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+// ---------------------------------------------------------------------------
+// An in-memory sink: the prefix index as far as events are concerned.
+
+#[derive(Default)]
+struct MemState {
+    /// worker → engine hash → kvpick hash.
+    blocks: HashMap<WorkerKey, HashMap<u64, u64>>,
+    precise: HashMap<WorkerKey, bool>,
+    clears: HashMap<WorkerKey, usize>,
+}
+
+#[derive(Default)]
+struct MemorySink(Mutex<MemState>);
+
+impl MemorySink {
+    /// How many leading `hashes` `worker` holds.
+    fn depth(&self, worker: WorkerKey, hashes: &[u64]) -> usize {
+        let s = self.0.lock();
+        let held: HashSet<u64> = s
+            .blocks
+            .get(&worker)
+            .map(|m| m.values().copied().collect())
+            .unwrap_or_default();
+        hashes.iter().take_while(|h| held.contains(h)).count()
+    }
+    fn precise(&self, worker: WorkerKey) -> bool {
+        self.0.lock().precise.get(&worker).copied().unwrap_or(false)
+    }
+    fn clears(&self, worker: WorkerKey) -> usize {
+        self.0.lock().clears.get(&worker).copied().unwrap_or(0)
+    }
+}
+
+fn chain(seed: u64, parent: Option<u64>, tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let mut prev = parent.unwrap_or(seed);
+    tokens
+        .chunks_exact(block_size)
+        .map(|b| {
+            let mut buf = prev.to_le_bytes().to_vec();
+            for t in b {
+                buf.extend_from_slice(&t.to_le_bytes());
+            }
+            prev = xxhash_rust::xxh3::xxh3_64(&buf);
+            prev
+        })
+        .collect()
+}
+
+fn seed_of(model: &str, lora: Option<&str>) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(format!("{model}\0{}", lora.unwrap_or("")).as_bytes())
+}
+
+impl KvEventSink for MemorySink {
+    fn seed(&self, model: &str, lora: Option<&str>) -> u64 {
+        seed_of(model, lora)
+    }
+    fn block_hashes(&self, seed: u64, parent: Option<u64>, tokens: &[u32], bs: usize) -> Vec<u64> {
+        chain(seed, parent, tokens, bs)
+    }
+    fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], _now: Instant) {
+        self.0
+            .lock()
+            .blocks
+            .entry(worker)
+            .or_default()
+            .extend(blocks.iter().copied());
+    }
+    fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
+        if let Some(m) = self.0.lock().blocks.get_mut(&worker) {
+            for h in engine_hashes {
+                m.remove(h);
+            }
+        }
+    }
+    fn clear_worker(&self, worker: WorkerKey) {
+        let mut s = self.0.lock();
+        s.blocks.remove(&worker);
+        *s.clears.entry(worker).or_default() += 1;
+    }
+    fn set_precise(&self, worker: WorkerKey, precise: bool) {
+        self.0.lock().precise.insert(worker, precise);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Building payloads to the vLLM spec.
+
+const MODEL: &str = "test-model";
+const BS: usize = 4;
+
+fn s(x: &str) -> Value {
+    Value::from(x)
+}
+
+fn ints(v: &[u64]) -> Value {
+    Value::Array(v.iter().map(|&h| Value::from(h)).collect())
+}
+
+fn toks(v: &[u32]) -> Value {
+    Value::Array(v.iter().map(|&t| Value::from(t)).collect())
+}
+
+/// A 32-byte hash whose last 8 bytes are `h` (like vLLM's sha256 block hashes).
+fn sha_like(h: u64) -> Value {
+    let mut b = vec![0x5Au8; 24];
+    b.extend_from_slice(&h.to_be_bytes());
+    Value::Binary(b)
+}
+
+fn stored_array(hashes: Value, parent: Value, tokens: &[u32]) -> Value {
+    Value::Array(vec![
+        s("BlockStored"),
+        hashes,
+        parent,
+        toks(tokens),
+        Value::from(BS as u64),
+        Value::Nil,     // lora_id
+        s("GPU"),       // medium
+        Value::Nil,     // lora_name
+        Value::Nil,     // extra_keys
+        Value::from(0), // group_idx
+        s("future"),    // a field this decoder does not know
+    ])
+}
+
+fn stored_map(hashes: Value, parent: Value, tokens: &[u32]) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockStored")),
+        (s("block_hashes"), hashes),
+        (s("parent_block_hash"), parent),
+        (s("token_ids"), toks(tokens)),
+        (s("block_size"), Value::from(BS as u64)),
+        (s("lora_id"), Value::Nil),
+        (s("medium"), s("GPU")),
+        (s("lora_name"), Value::Nil),
+        (s("kv_cache_spec_kind"), s("full_attention")),
+    ])
+}
+
+fn removed_array(hashes: Value) -> Value {
+    Value::Array(vec![s("BlockRemoved"), hashes, s("GPU")])
+}
+
+fn removed_map(hashes: Value) -> Value {
+    Value::Map(vec![
+        (s("type"), s("BlockRemoved")),
+        (s("block_hashes"), hashes),
+        (s("medium"), Value::Nil),
+    ])
+}
+
+fn batch_array(events: Vec<Value>, dp_rank: Option<Value>) -> Vec<u8> {
+    let mut items = vec![Value::F64(1_700_000_000.5), Value::Array(events)];
+    items.extend(dp_rank);
+    encode(Value::Array(items))
+}
+
+fn batch_map(events: Vec<Value>, dp_rank: Value) -> Vec<u8> {
+    encode(Value::Map(vec![
+        (s("ts"), Value::F64(1_700_000_000.5)),
+        (s("events"), Value::Array(events)),
+        (s("data_parallel_rank"), dp_rank),
+    ]))
+}
+
+fn encode(v: Value) -> Vec<u8> {
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, &v).unwrap();
+    buf
+}
+
+fn w(instance_id: u64, dp_rank: u32) -> WorkerKey {
+    WorkerKey {
+        instance_id,
+        dp_rank,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Decoding.
+
+#[test]
+fn decodes_array_like_batches_with_int_hashes_and_no_dp_rank() {
+    let payload = batch_array(
+        vec![
+            stored_array(ints(&[11, 12]), Value::Nil, &[1, 2, 3, 4, 5, 6, 7, 8]),
+            removed_array(ints(&[11])),
+            Value::Array(vec![s("AllBlocksCleared")]),
+        ],
+        None,
+    );
+    let b = decode_batch(&payload).unwrap();
+    assert_eq!(b.ts, 1_700_000_000.5);
+    assert_eq!(b.dp_rank, None);
+    assert_eq!(
+        b.events,
+        vec![
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![11, 12],
+                parent_block_hash: None,
+                token_ids: vec![1, 2, 3, 4, 5, 6, 7, 8],
+                block_size: BS,
+                lora_id: None,
+                medium: Some("GPU".into()),
+                lora_name: None,
+                group_idx: Some(0),
+            }),
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![11],
+                medium: Some("GPU".into()),
+                group_idx: None,
+            }),
+            KvEvent::AllBlocksCleared,
+        ]
+    );
+}
+
+#[test]
+fn decodes_tagged_maps_with_bytes_hashes_and_nil_dp_rank() {
+    let payload = batch_map(
+        vec![
+            stored_map(
+                Value::Array(vec![sha_like(0xABCD), sha_like(0xBEEF)]),
+                sha_like(7),
+                &[9, 9, 9, 9, 8, 8, 8, 8],
+            ),
+            removed_map(Value::Array(vec![sha_like(0xABCD)])),
+            Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
+        ],
+        Value::Nil,
+    );
+    let b = decode_batch(&payload).unwrap();
+    assert_eq!(b.dp_rank, None);
+    let KvEvent::BlockStored(st) = &b.events[0] else {
+        panic!("expected BlockStored, got {:?}", b.events[0])
+    };
+    assert_eq!(st.block_hashes, vec![0xABCD, 0xBEEF]);
+    assert_eq!(st.parent_block_hash, Some(7));
+    assert_eq!(st.token_ids, vec![9, 9, 9, 9, 8, 8, 8, 8]);
+    assert_eq!(st.medium.as_deref(), Some("GPU"));
+    let KvEvent::BlockRemoved(rm) = &b.events[1] else {
+        panic!("expected BlockRemoved")
+    };
+    assert_eq!(
+        (rm.block_hashes.as_slice(), rm.medium.as_deref()),
+        (&[0xABCD][..], None)
+    );
+    assert_eq!(b.events[2], KvEvent::AllBlocksCleared);
+}
+
+#[test]
+fn dp_rank_present_unknown_events_and_trailing_fields() {
+    let payload = batch_array(
+        vec![
+            Value::Array(vec![s("SomethingNew"), Value::from(1)]),
+            // Minimal old-style BlockStored: no lora_name or later fields.
+            Value::Array(vec![
+                s("BlockStored"),
+                ints(&[5]),
+                Value::from(-3i64),
+                toks(&[1, 2, 3, 4]),
+                Value::from(4),
+                Value::from(2),
+                Value::Nil,
+            ]),
+        ],
+        Some(Value::from(3)),
+    );
+    let b = decode_batch(&payload).unwrap();
+    assert_eq!(b.dp_rank, Some(3));
+    assert_eq!(b.events[0], KvEvent::Unknown("SomethingNew".into()));
+    let KvEvent::BlockStored(st) = &b.events[1] else {
+        panic!("expected BlockStored")
+    };
+    assert_eq!(st.parent_block_hash, Some(u64::MAX - 2));
+    assert_eq!(st.lora_id, Some(2));
+    assert_eq!(st.lora_name, None);
+    // A batch map with more keys than vLLM writes today still decodes.
+    let mut extra = rmpv::decode::read_value(&mut &batch_map(vec![], Value::from(1))[..]).unwrap();
+    if let Value::Map(m) = &mut extra {
+        m.push((s("new_field"), s("x")));
+    }
+    assert_eq!(decode_batch(&encode(extra)).unwrap().dp_rank, Some(1));
+    // A known event missing a required field is an error, not a panic.
+    let bad = batch_array(vec![Value::Array(vec![s("BlockStored"), ints(&[1])])], None);
+    assert!(decode_batch(&bad).is_err());
+}
+
+// ---------------------------------------------------------------------------
+// Ingest: stored → lookup → removed → lookup.
+
+#[test]
+fn ingest_chains_blocks_across_events_like_the_request_side() {
+    let sink = Arc::new(MemorySink::default());
+    let mut ingest = Ingest::new(Arc::clone(&sink), MODEL);
+    let worker = w(1, 0);
+    let prompt: Vec<u32> = (100..116).collect(); // 4 blocks of 4
+    let request = chain(seed_of(MODEL, None), None, &prompt, BS);
+
+    // First two blocks, then the next two chained to the engine hash of block 2.
+    let first = decode_batch(&batch_array(
+        vec![stored_array(ints(&[901, 902]), Value::Nil, &prompt[..8])],
+        None,
+    ))
+    .unwrap();
+    let stats = ingest.apply(worker, None, &first, Instant::now());
+    assert_eq!(stats.stored_blocks, 2);
+    assert_eq!(sink.depth(worker, &request), 2);
+
+    let second = decode_batch(&batch_map(
+        vec![stored_map(
+            ints(&[903, 904]),
+            Value::from(902),
+            &prompt[8..],
+        )],
+        Value::from(0),
+    ))
+    .unwrap();
+    ingest.apply(worker, None, &second, Instant::now());
+    assert_eq!(sink.depth(worker, &request), 4);
+    // Another worker holds nothing; another model's seed matches nothing.
+    assert_eq!(sink.depth(w(2, 0), &request), 0);
+    let other_model = chain(seed_of("other", None), None, &prompt, BS);
+    assert_eq!(sink.depth(worker, &other_model), 0);
+
+    // Evicting block 3 cuts the prefix at 2.
+    let rm = decode_batch(&batch_array(vec![removed_array(ints(&[903]))], None)).unwrap();
+    let stats = ingest.apply(worker, None, &rm, Instant::now());
+    assert_eq!(stats.removed_blocks, 1);
+    assert_eq!(sink.depth(worker, &request), 2);
+
+    // A block whose parent is unknown cannot be keyed: skipped and counted.
+    let orphan = decode_batch(&batch_array(
+        vec![stored_array(ints(&[999]), Value::from(12345), &prompt[..4])],
+        None,
+    ))
+    .unwrap();
+    let stats = ingest.apply(worker, None, &orphan, Instant::now());
+    assert_eq!((stats.orphan_blocks, stats.stored_blocks), (1, 0));
+
+    // CPU-tier blocks do not count for routing.
+    let mut cpu = stored_array(ints(&[903]), Value::from(902), &prompt[8..12]);
+    if let Value::Array(f) = &mut cpu {
+        f[6] = s("CPU");
+    }
+    let cpu = decode_batch(&batch_array(vec![cpu], None)).unwrap();
+    assert_eq!(
+        ingest
+            .apply(worker, None, &cpu, Instant::now())
+            .ignored_events,
+        1
+    );
+    assert_eq!(sink.depth(worker, &request), 2);
+
+    // The topic's model seeds the chain when present.
+    let topic_model = chain(seed_of("from-topic", None), None, &prompt, BS);
+    ingest.apply(w(3, 0), Some("from-topic"), &first, Instant::now());
+    assert_eq!(sink.depth(w(3, 0), &topic_model), 2);
+
+    // AllBlocksCleared empties the worker.
+    let clear = decode_batch(&batch_array(
+        vec![Value::Array(vec![s("AllBlocksCleared")])],
+        None,
+    ))
+    .unwrap();
+    assert_eq!(ingest.apply(worker, None, &clear, Instant::now()).clears, 1);
+    assert_eq!(sink.depth(worker, &request), 0);
+    assert_eq!(ingest.tracked_blocks(worker), 0);
+}
+
+#[test]
+fn lora_blocks_are_seeded_by_adapter() {
+    let sink = Arc::new(MemorySink::default());
+    let mut ingest = Ingest::new(Arc::clone(&sink), MODEL);
+    let prompt: Vec<u32> = (1..=8).collect();
+    let mut ev = stored_map(ints(&[1, 2]), Value::Nil, &prompt);
+    if let Value::Map(m) = &mut ev {
+        for (k, v) in m.iter_mut() {
+            if k.as_str() == Some("lora_name") {
+                *v = s("sql-adapter");
+            }
+        }
+    }
+    let b = decode_batch(&batch_map(vec![ev], Value::Nil)).unwrap();
+    ingest.apply(w(1, 0), None, &b, Instant::now());
+    let base = chain(seed_of(MODEL, None), None, &prompt, BS);
+    let lora = chain(seed_of(MODEL, Some("sql-adapter")), None, &prompt, BS);
+    assert_eq!(sink.depth(w(1, 0), &base), 0);
+    assert_eq!(sink.depth(w(1, 0), &lora), 2);
+}
+
+// ---------------------------------------------------------------------------
+// ZMQ loopback.
+
+async fn publisher() -> (PubSocket, u16) {
+    let mut socket = PubSocket::new();
+    let ep = socket.bind("tcp://127.0.0.1:0").await.unwrap();
+    let port = match ep {
+        zeromq::Endpoint::Tcp(_, port) => port,
+        other => panic!("unexpected endpoint {other}"),
+    };
+    (socket, port)
+}
+
+fn frames(topic: &str, seq: u64, payload: Vec<u8>) -> ZmqMessage {
+    ZmqMessage::try_from(vec![
+        Bytes::copy_from_slice(topic.as_bytes()),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        Bytes::from(payload),
+    ])
+    .unwrap()
+}
+
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn start(sink: &Arc<MemorySink>, replay_port: Option<u16>) -> KvEvents {
+    let metrics = KvEventMetrics::register(&Metrics::new("test"));
+    KvEvents::start(
+        Arc::clone(sink) as Arc<dyn KvEventSink>,
+        metrics,
+        SubscriberConfig {
+            model: MODEL.into(),
+            replay_port,
+            connect_timeout: Duration::from_secs(2),
+            retry_delay: Duration::from_millis(20),
+            ..SubscriberConfig::default()
+        },
+    )
+}
+
+/// Publishes seq 0 until the subscriber sees it (a PUB drops messages until the
+/// subscription has arrived), so later sends are reliable.
+async fn prime(
+    pub_socket: &mut PubSocket,
+    sink: &MemorySink,
+    worker: WorkerKey,
+    payload: &[u8],
+    expect: &[u64],
+) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while sink.depth(worker, expect) != expect.len() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for the first batch"
+        );
+        pub_socket
+            .send(frames("", 0, payload.to_vec()))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_events_reach_the_index_and_gaps_reset() {
+    let (mut pub_socket, port) = publisher().await;
+    let sink = Arc::new(MemorySink::default());
+    let events = start(&sink, None);
+    let worker = w(42, 0);
+    let _sub = events.subscribe(Target {
+        worker,
+        host: "127.0.0.1".parse().unwrap(),
+        port,
+        replay_port: None,
+    });
+    eventually("precise mode", || sink.precise(worker)).await;
+
+    let a: Vec<u32> = (0..8).collect();
+    let b: Vec<u32> = (50..58).collect();
+    let c: Vec<u32> = (70..74).collect();
+    let ha = chain(seed_of(MODEL, None), None, &a, BS);
+    let hb = chain(seed_of(MODEL, None), None, &b, BS);
+    let hc = chain(seed_of(MODEL, None), None, &c, BS);
+    let first = batch_array(
+        vec![stored_array(ints(&[1, 2]), Value::Nil, &a)],
+        Some(Value::from(0)),
+    );
+    prime(&mut pub_socket, &sink, worker, &first, &ha).await;
+
+    // In order: applied, nothing reset.
+    let clears_before = sink.clears(worker);
+    pub_socket
+        .send(frames(
+            "kv@pod-a@test-model",
+            1,
+            batch_map(
+                vec![stored_map(ints(&[3, 4]), Value::Nil, &b)],
+                Value::from(0),
+            ),
+        ))
+        .await
+        .unwrap();
+    events.flush().await;
+    eventually("batch 1", || sink.depth(worker, &hb) == 2).await;
+    assert_eq!(sink.depth(worker, &ha), 2);
+    assert_eq!(sink.clears(worker), clears_before);
+
+    // Seq 2 and 3 never arrive: the worker is reset, then batch 4 applies.
+    pub_socket
+        .send(frames(
+            "",
+            4,
+            batch_array(vec![stored_array(ints(&[5]), Value::Nil, &c)], None),
+        ))
+        .await
+        .unwrap();
+    eventually("batch 4", || sink.depth(worker, &hc) == 1).await;
+    assert_eq!(sink.clears(worker), clears_before + 1);
+    assert_eq!(
+        sink.depth(worker, &ha),
+        0,
+        "blocks from before the gap were dropped"
+    );
+    assert_eq!(sink.depth(worker, &hb), 0);
+
+    // The engine restarts: seq goes back to 0, and the worker is reset again.
+    pub_socket
+        .send(frames(
+            "",
+            0,
+            batch_array(vec![stored_array(ints(&[1, 2]), Value::Nil, &a)], None),
+        ))
+        .await
+        .unwrap();
+    eventually("restart batch", || sink.depth(worker, &ha) == 2).await;
+    assert_eq!(sink.depth(worker, &hc), 0);
+    assert_eq!(sink.clears(worker), clears_before + 2);
+
+    // The publisher goes away: the worker falls back to approximate mode.
+    drop(pub_socket);
+    eventually("approximate mode", || !sink.precise(worker)).await;
+    assert_eq!(sink.depth(worker, &ha), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gaps_are_repaired_from_the_replay_socket() {
+    let (mut pub_socket, port) = publisher().await;
+    let mut router = RouterSocket::new();
+    let replay_port = match router.bind("tcp://127.0.0.1:0").await.unwrap() {
+        zeromq::Endpoint::Tcp(_, p) => p,
+        other => panic!("unexpected endpoint {other}"),
+    };
+    let blocks: Vec<Vec<u32>> = (0..4u32).map(|i| (i * 10..i * 10 + 4).collect()).collect();
+    let payloads: Vec<Vec<u8>> = blocks
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            batch_array(
+                vec![stored_array(ints(&[100 + i as u64]), Value::Nil, t)],
+                None,
+            )
+        })
+        .collect();
+    // The engine side of replay: answer ("", start) with ("", seq, payload)… and -1.
+    let served = payloads.clone();
+    let replays = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&replays);
+    tokio::spawn(async move {
+        while let Ok(req) = router.recv().await {
+            let f = req.into_vec();
+            let start = u64::from_be_bytes(f[2][..].try_into().unwrap());
+            seen.lock().push(start);
+            for (seq, p) in served.iter().enumerate().skip(start as usize) {
+                let m = ZmqMessage::try_from(vec![
+                    f[0].clone(),
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&(seq as u64).to_be_bytes()),
+                    Bytes::from(p.clone()),
+                ])
+                .unwrap();
+                router.send(m).await.unwrap();
+            }
+            let end = ZmqMessage::try_from(vec![
+                f[0].clone(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
+                Bytes::new(),
+            ])
+            .unwrap();
+            router.send(end).await.unwrap();
+        }
+    });
+
+    let sink = Arc::new(MemorySink::default());
+    let events = start(&sink, Some(replay_port));
+    let worker = w(7, 0);
+    let _sub = events.subscribe(Target {
+        worker,
+        host: "127.0.0.1".parse().unwrap(),
+        port,
+        replay_port: Some(replay_port),
+    });
+    eventually("precise mode", || sink.precise(worker)).await;
+    let hashes: Vec<Vec<u64>> = blocks
+        .iter()
+        .map(|t| chain(seed_of(MODEL, None), None, t, BS))
+        .collect();
+    prime(&mut pub_socket, &sink, worker, &payloads[0], &hashes[0]).await;
+    let clears = sink.clears(worker);
+    // Seq 1 and 2 are lost on the PUB socket; 3 arrives and triggers a replay.
+    pub_socket
+        .send(frames("", 3, payloads[3].clone()))
+        .await
+        .unwrap();
+    eventually("batch 3", || sink.depth(worker, &hashes[3]) == 1).await;
+    assert_eq!(*replays.lock(), vec![1]);
+    for h in &hashes {
+        assert_eq!(
+            sink.depth(worker, h),
+            1,
+            "every block is present after replay"
+        );
+    }
+    assert_eq!(
+        sink.clears(worker),
+        clears,
+        "no reset when replay filled the gap"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Tokenization.
+
+fn fixture() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer")
+}
+
+/// Token ids by looking words up in the fixture's vocabulary directly.
+fn ids(words: &[&str]) -> Vec<u32> {
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("tokenizer.json")).unwrap())
+            .unwrap();
+    let vocab = &json["model"]["vocab"];
+    words
+        .iter()
+        .map(|w| {
+            vocab[*w]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{w} not in vocab")) as u32
+        })
+        .collect()
+}
+
+#[test]
+fn chat_template_renders_like_transformers() {
+    let tok = Tokenizer::load(fixture()).unwrap();
+    let body = serde_json::json!({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world!"}]}
+        ],
+        "tools": [{"name": "weather", "z": 1, "a": "city"}]
+    });
+    let (text, images) = tok.render_chat(&body).unwrap();
+    assert!(images.is_empty());
+    assert_eq!(
+        text,
+        "<s><|im_start|>system\n{\"name\": \"weather\", \"z\": 1, \"a\": \"city\"}\n<|im_end|>\n\
+         <|im_start|>system\nYou are a helpful assistant.<|im_end|>\n\
+         <|im_start|>user\nHello\nworld!<|im_end|>\n<|im_start|>assistant\n"
+    );
+    // A role the template rejects raises, as transformers would.
+    let bad = serde_json::json!({"messages": [{"role": "robot", "content": "hi"}]});
+    let err = tok.render_chat(&bad).unwrap_err().to_string();
+    assert!(err.contains("unknown role: robot"), "{err}");
+}
+
+#[test]
+fn chat_and_completion_token_ids() {
+    let tok = Tokenizer::load(fixture()).unwrap();
+    let chat = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "The cat sat."}]});
+    let segs = tok.tokenize_body(ApiKind::Chat, &chat).unwrap();
+    let mut expect = ids(&[
+        "<s>",
+        "<|im_start|>",
+        "user",
+        "the",
+        "cat",
+        "sat",
+        ".",
+        "<|im_end|>",
+    ]);
+    expect.extend(ids(&["<|im_start|>", "assistant"]));
+    assert_eq!(segs, vec![Segment::Tokens(expect)]);
+
+    // Completions get BOS from the post-processor; token-id prompts pass through.
+    let comp = serde_json::json!({"model": "m", "prompt": "good morning"});
+    assert_eq!(
+        tok.tokenize_body(ApiKind::Completions, &comp).unwrap(),
+        vec![Segment::Tokens(ids(&["<s>", "good", "morning"]))]
+    );
+    let raw = serde_json::json!({"model": "m", "prompt": [5, 6, 7]});
+    assert_eq!(
+        tok.tokenize_body(ApiKind::Completions, &raw).unwrap(),
+        vec![Segment::Tokens(vec![5, 6, 7])]
+    );
+    // Responses: instructions become a system turn.
+    let resp = serde_json::json!({"model": "m", "instructions": "Be a cat.", "input": "hello"});
+    let ids_resp = token_ids(&tok.tokenize_body(ApiKind::Responses, &resp).unwrap());
+    assert_eq!(
+        &ids_resp[..4],
+        &ids(&["<s>", "<|im_start|>", "system", "<unk>"])[..]
+    );
+}
+
+#[tokio::test]
+async fn images_are_carried_through_in_place() {
+    let pool = TokenizerPool::new(Tokenizer::load(fixture()).unwrap(), 2);
+    let body = |url: &str| {
+        serde_json::to_vec(
+            &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "look at this"},
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "what is in the picture?"}
+            ]}]}),
+        )
+        .unwrap()
+    };
+    let segs = pool
+        .tokenize(
+            ApiKind::Chat,
+            Bytes::from(body("data:image/png;base64,AAAA")),
+        )
+        .await
+        .unwrap();
+    assert_eq!(segs.len(), 3, "{segs:?}");
+    assert_eq!(
+        segs[0],
+        Segment::Tokens(ids(&["<s>", "<|im_start|>", "user", "look", "at", "this"]))
+    );
+    assert_eq!(segs[1], Segment::Image("data:image/png;base64,AAAA".into()));
+    let Segment::Tokens(after) = &segs[2] else {
+        panic!("expected tokens after the image")
+    };
+    assert_eq!(
+        &after[..5],
+        &ids(&["what", "is", "in", "the", "picture"])[..]
+    );
+    // A different image changes only the image segment.
+    let other = pool
+        .tokenize(
+            ApiKind::Chat,
+            Bytes::from(body("https://example.com/b.png")),
+        )
+        .await
+        .unwrap();
+    assert_eq!((&other[0], &other[2]), (&segs[0], &segs[2]));
+    assert_ne!(other[1], segs[1]);
+}
+
+#[tokio::test]
+async fn a_huge_prompt_is_tokenized_off_the_async_thread() {
+    let pool = TokenizerPool::new(Tokenizer::load(fixture()).unwrap(), 1);
+    let big = "the cat sat on the mat ".repeat(10_000); // ~230 KB
+    let body = serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": big})).unwrap();
+    let work = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.tokenize(ApiKind::Completions, Bytes::from(body)).await }
+    });
+    // On this single-threaded runtime, tokenizing inline would finish `work` while
+    // we yield; on the blocking pool it is still running when we are back.
+    tokio::task::yield_now().await;
+    assert!(!work.is_finished(), "tokenization ran on the async thread");
+    let segs = work.await.unwrap().unwrap();
+    assert_eq!(token_ids(&segs).len(), 60_001);
+}
