@@ -791,3 +791,44 @@ fn every_value_is_read_by_a_template() {
         assert!(used, "values.yaml has {path}, which no template reads");
     }
 }
+
+#[test]
+fn every_value_is_documented() {
+    // A key needs a comment right above it, unless an ancestor key is commented
+    // (the object is documented as a whole) or it is a section whose own keys
+    // carry the comments.
+    let text = fs::read_to_string(chart().join("values.yaml")).unwrap();
+    let key = Regex::new(r"^(\s*)([A-Za-z_][\w.-]*):").unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    // (indent, documented) of the enclosing keys
+    let mut stack: Vec<(usize, bool)> = Vec::new();
+    let mut undocumented = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(c) = key.captures(line) else {
+            continue;
+        };
+        let indent = c[1].len();
+        while stack.last().is_some_and(|(d, _)| *d >= indent) {
+            stack.pop();
+        }
+        let commented = lines[..i]
+            .iter()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .is_some_and(|l| l.trim_start().starts_with('#'));
+        let inherited = stack.iter().any(|(_, doc)| *doc);
+        let next = lines[i + 1..].iter().find(|l| !l.trim().is_empty());
+        let is_section = next.is_some_and(|n| {
+            key.captures(n).is_some_and(|nc| nc[1].len() > indent)
+                || (n.trim_start().starts_with('#') && n.len() - n.trim_start().len() > indent)
+        });
+        if !commented && !inherited && !is_section {
+            undocumented.push(format!("line {}: {}", i + 1, line.trim()));
+        }
+        stack.push((indent, commented));
+    }
+    assert!(
+        undocumented.is_empty(),
+        "values.yaml keys without a comment: {undocumented:?}"
+    );
+}
