@@ -66,12 +66,14 @@ log "InferencePool CRD (manifests/crds)"
 kubectl apply --server-side -f "${ROOT}/manifests/crds/inferencepool.yaml"
 kubectl wait --for=condition=Established --timeout=60s crd/inferencepools.inference.networking.k8s.io
 
+# Envoy Gateway watches InferencePool from start-up (the CRD above must exist
+# first); the AI Gateway chart grants it the RBAC to do so and runs the
+# extension server, after which Envoy Gateway is restarted to connect to it.
 log "Envoy Gateway ${EG_VERSION} with the AI Gateway extension and InferencePool backends"
 helm upgrade -i eg oci://docker.io/envoyproxy/gateway-helm --version "${EG_VERSION}" \
   --namespace envoy-gateway-system --create-namespace \
   -f "${AIGW_RAW}/manifests/envoy-gateway-values.yaml" \
   -f "${AIGW_RAW}/examples/inference-pool/envoy-gateway-values-addon.yaml"
-kubectl wait --timeout=5m -n envoy-gateway-system deployment/envoy-gateway --for=condition=Available
 
 log "Envoy AI Gateway ${AIGW_VERSION} (extension server that wires InferencePool backends)"
 helm upgrade -i aieg-crd oci://docker.io/envoyproxy/ai-gateway-crds-helm --version "${AIGW_VERSION}" \
@@ -79,6 +81,8 @@ helm upgrade -i aieg-crd oci://docker.io/envoyproxy/ai-gateway-crds-helm --versi
 helm upgrade -i aieg oci://docker.io/envoyproxy/ai-gateway-helm --version "${AIGW_VERSION}" \
   --namespace envoy-ai-gateway-system --create-namespace
 kubectl wait --timeout=5m -n envoy-ai-gateway-system deployment/ai-gateway-controller --for=condition=Available
+kubectl rollout restart -n envoy-gateway-system deployment/envoy-gateway
+kubectl rollout status -n envoy-gateway-system deployment/envoy-gateway --timeout=5m
 
 # ---- workers and kvpick ----------------------------------------------------
 log "namespace ${NS}: mock workers (manifests/mock-workers.yaml)"
