@@ -550,6 +550,29 @@ fn gateway_resources_reference_each_other() {
 }
 
 #[test]
+fn pods_run_as_service_accounts_defined_here() {
+    let docs = manifest_docs();
+    if !root().join("manifests/rbac.yaml").exists() {
+        eprintln!("note: manifests/rbac.yaml not on this branch yet; ServiceAccounts unchecked");
+        return;
+    }
+    let accounts: BTreeSet<&str> = docs
+        .iter()
+        .filter(|d| d.kind() == "ServiceAccount")
+        .map(Doc::name)
+        .collect();
+    for d in docs.iter().filter(|d| d.kind() == "Deployment") {
+        if let Some(sa) = d.value["spec"]["template"]["spec"]["serviceAccountName"].as_str() {
+            assert!(
+                accounts.contains(sa),
+                "{}: no ServiceAccount {sa} under manifests/",
+                d.at()
+            );
+        }
+    }
+}
+
+#[test]
 fn kustomization_lists_existing_files() {
     let dir = root().join("manifests");
     let text = fs::read_to_string(dir.join("kustomization.yaml")).unwrap();
