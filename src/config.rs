@@ -9,6 +9,7 @@ use std::time::Duration;
 use clap::{ArgAction, Parser};
 
 use crate::extproc::ExtProcConfig;
+use crate::kvevents::subscriber::SubscriberConfig;
 use crate::telemetry::LogFormat;
 
 /// kvpick: a KV-cache-aware endpoint picker for the Gateway API Inference Extension.
@@ -69,9 +70,48 @@ pub struct Args {
         default_value = "x-kvpick-session"
     )]
     pub session_token_header: String,
+
+    /// Follow the workers' KV events (precise prefix mode) where engines publish them.
+    #[arg(long, env = "KVPICK_KV_EVENTS", default_value_t = true,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub kv_events: bool,
+
+    /// Engine KV-event PUB port when a pod has no `kvpick.io/kv-events-port`
+    /// annotation (data-parallel rank r publishes on port + r, as vLLM does).
+    #[arg(long, env = "KVPICK_KV_EVENTS_PORT", default_value_t = 5557)]
+    pub kv_events_port: u16,
+
+    /// Engine KV-event replay (ROUTER) port, to recover missed batches after a
+    /// sequence gap (rank-offset like the PUB port). Without it a gap resets the worker.
+    #[arg(long, env = "KVPICK_KV_EVENTS_REPLAY_PORT")]
+    pub kv_events_replay_port: Option<u16>,
+
+    /// Model name that KV-event blocks are keyed under when the event topic
+    /// (`kv@<pod>@<model>`) does not name one: the `model` clients send.
+    #[arg(long, env = "KVPICK_KV_EVENTS_MODEL", default_value = "")]
+    pub kv_events_model: String,
+
+    /// Model directory with `tokenizer.json` (and `tokenizer_config.json` with the
+    /// chat template): tokenize requests in-process so their blocks match KV events.
+    #[arg(long, env = "KVPICK_TOKENIZER_DIR")]
+    pub tokenizer_dir: Option<PathBuf>,
+
+    /// Requests tokenized at once (on blocking threads, off the request path).
+    #[arg(long, env = "KVPICK_TOKENIZER_THREADS", default_value_t = 2)]
+    pub tokenizer_threads: usize,
 }
 
 impl Args {
+    /// KV-event subscriber settings, or `None` when `--kv-events=false`.
+    pub fn kv_events(&self) -> Option<SubscriberConfig> {
+        self.kv_events.then(|| SubscriberConfig {
+            port: self.kv_events_port,
+            replay_port: self.kv_events_replay_port,
+            model: self.kv_events_model.clone(),
+            ..SubscriberConfig::default()
+        })
+    }
+
     /// The ext_proc handler settings these flags describe.
     pub fn ext_proc(&self) -> ExtProcConfig {
         ExtProcConfig {
@@ -99,5 +139,27 @@ mod tests {
         assert!(!a.secure_serving);
         let a = Args::try_parse_from(["kvpick", "--secure-serving"]).unwrap();
         assert!(a.secure_serving);
+    }
+
+    #[test]
+    fn kv_event_flags() {
+        let a = Args::try_parse_from(["kvpick"]).unwrap();
+        let c = a.kv_events().unwrap();
+        assert_eq!((c.port, c.replay_port), (5557, None));
+        assert_eq!((a.tokenizer_dir.as_deref(), a.tokenizer_threads), (None, 2));
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--kv-events-port=6000",
+            "--kv-events-replay-port=6100",
+            "--kv-events-model=llama",
+        ])
+        .unwrap();
+        let c = a.kv_events().unwrap();
+        assert_eq!(
+            (c.port, c.replay_port, c.model.as_str()),
+            (6000, Some(6100), "llama")
+        );
+        let a = Args::try_parse_from(["kvpick", "--kv-events=false"]).unwrap();
+        assert!(a.kv_events().is_none());
     }
 }

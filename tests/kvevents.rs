@@ -403,7 +403,7 @@ fn lora_blocks_are_seeded_by_adapter() {
     let b = decode_batch(&batch_map(vec![ev], Value::Nil)).unwrap();
     ingest.apply(w(1, 0), None, &b, Instant::now());
     let base = chain(seed_of(MODEL, None), None, &prompt, BS);
-    let lora = chain(seed_of(MODEL, Some("sql-adapter")), None, &prompt, BS);
+    let lora = chain(seed_of("sql-adapter", None), None, &prompt, BS);
     assert_eq!(sink.depth(w(1, 0), &base), 0);
     assert_eq!(sink.depth(w(1, 0), &lora), 2);
 }

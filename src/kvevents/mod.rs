@@ -25,7 +25,11 @@ use crate::endpoints::WorkerKey;
 use decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
 /// Where ingested events go: the prefix index plus the block hash function it uses.
-/// Implemented by the scheduler core's `PrefixIndex`; tests use an in-memory sink.
+/// Implemented for the scheduler core's `PrefixIndex`; tests use an in-memory sink.
+///
+/// Blocks are seeded with `seed(model, None)` where `model` is what requests for
+/// those blocks carry in their `model` field: the LoRA adapter's name for adapter
+/// blocks, else the topic's model or the configured model name.
 pub trait KvEventSink: Send + Sync {
     /// The chain seed for a model and LoRA adapter (`kv::hash::model_seed`).
     fn seed(&self, model: &str, lora: Option<&str>) -> u64;
@@ -168,18 +172,20 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
                 }
             },
         };
-        let lora_by_id;
-        let lora = match (&e.lora_name, e.lora_id) {
-            (Some(name), _) => Some(name.as_str()),
+        // The request side seeds with the request's `model`, which names the LoRA
+        // adapter for adapter requests: seed adapter blocks with the adapter name.
+        let by_id;
+        let seed_model = match (&e.lora_name, e.lora_id) {
+            (Some(name), _) => name.as_str(),
             // Older engines send only the numeric id: keep those blocks apart from
-            // the base model's even though no request can name them.
+            // the base model's even though no request names them this way.
             (None, Some(id)) => {
-                lora_by_id = format!("lora-id:{id}");
-                Some(lora_by_id.as_str())
+                by_id = format!("lora-id:{id}");
+                by_id.as_str()
             }
-            (None, None) => None,
+            (None, None) => model.unwrap_or(&self.default_model),
         };
-        let seed = self.sink.seed(model.unwrap_or(&self.default_model), lora);
+        let seed = self.sink.seed(seed_model, None);
         let ours = self
             .sink
             .block_hashes(seed, parent, &e.token_ids, e.block_size);
