@@ -10,6 +10,7 @@ pub mod discovery;
 pub mod endpoints;
 pub mod extproc;
 pub mod identity;
+pub mod kv;
 pub mod request;
 pub mod scheduler;
 pub mod server;
