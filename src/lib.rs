@@ -14,5 +14,6 @@ pub mod kv;
 pub mod request;
 pub mod scheduler;
 pub mod server;
+pub mod sessions;
 pub mod telemetry;
 pub mod tls;
