@@ -64,7 +64,7 @@ impl App {
     pub fn new(pool: &str) -> Self {
         App {
             endpoints: Arc::new(EndpointTable::new()),
-            scheduler: Arc::new(Scheduler::new()),
+            scheduler: Arc::new(Scheduler::default()),
             metrics: Arc::new(Metrics::new(pool)),
         }
     }

@@ -252,7 +252,9 @@ mod tests {
         assert_eq!(c.worker, w(42, 3));
         // Another session id, expired, other key, tampered worker.
         assert!(s.verify(&tok, "sess.2", now).is_none());
-        assert!(s.verify(&tok, "sess.1", exp + Duration::from_secs(1)).is_none());
+        assert!(s
+            .verify(&tok, "sess.1", exp + Duration::from_secs(1))
+            .is_none());
         let other = SessionStore::new(b"other".to_vec());
         assert!(other.verify(&tok, "sess.1", now).is_none());
         let tampered = tok.replacen(".42.", ".43.", 1);
