@@ -223,7 +223,8 @@ pub struct HistogramSnapshot {
     pub sum: f64,
     /// Number of observations.
     pub count: u64,
-    /// (upper bound, cumulative count) per finite bucket.
+    /// (upper bound, count in this bucket alone) per bucket; the last bound is
+    /// `f64::MAX` (+Inf), as the Prometheus text encoder expects.
     pub buckets: Vec<(f64, u64)>,
 }
 
@@ -244,16 +245,16 @@ impl LatencyHistogram {
 
     /// The current state.
     pub fn snapshot(&self) -> HistogramSnapshot {
-        let mut acc = 0;
-        let mut buckets = Vec::with_capacity(LATENCY_BUCKETS.len());
-        for (i, b) in LATENCY_BUCKETS.iter().enumerate() {
-            acc += self.buckets[i].load(Ordering::Relaxed);
-            buckets.push((*b, acc));
-        }
-        acc += self.buckets[LATENCY_BUCKETS.len()].load(Ordering::Relaxed);
+        let buckets: Vec<(f64, u64)> = LATENCY_BUCKETS
+            .iter()
+            .copied()
+            .chain([f64::MAX])
+            .zip(&self.buckets)
+            .map(|(b, c)| (b, c.load(Ordering::Relaxed)))
+            .collect();
         HistogramSnapshot {
             sum: self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9,
-            count: acc,
+            count: buckets.iter().map(|(_, c)| c).sum(),
             buckets,
         }
     }
@@ -1180,7 +1181,8 @@ mod tests {
         for stage in Stage::ALL {
             let h = s.stats().stage(stage).snapshot();
             assert_eq!(h.count, 1, "{}", stage.name());
-            assert!(h.buckets.windows(2).all(|w| w[0].1 <= w[1].1));
+            assert_eq!(h.buckets.len(), LATENCY_BUCKETS.len() + 1);
+            assert_eq!(h.buckets.iter().map(|b| b.1).sum::<u64>(), 1);
         }
     }
 }
