@@ -26,7 +26,7 @@ use rand::Rng;
 
 use crate::endpoints::{EndpointState, InFlightGuard, Role, Snapshot, WorkerKey};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
-use crate::kv::index::{IndexConfig, PrefixIndex};
+use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
 use crate::request::{InferenceRequest, SessionAction, DEFAULT_SESSION_TIMEOUT_SECS};
 use crate::sessions::SessionStore;
 
@@ -313,7 +313,7 @@ pub struct Scheduler {
     index: Arc<PrefixIndex>,
     sessions: SessionStore,
     /// Active load per rank in blocks (prompts of unfinished requests).
-    active: DashMap<WorkerKey, u64>,
+    active: DashMap<WorkerKey, u64, KeyHash>,
     stats: SchedulerStats,
 }
 
@@ -329,7 +329,7 @@ impl Scheduler {
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
             sessions: SessionStore::new(config.session_key.clone()),
-            active: DashMap::new(),
+            active: DashMap::default(),
             stats: SchedulerStats::default(),
             config,
         }

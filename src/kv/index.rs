@@ -58,6 +58,31 @@ impl Hasher for IdHasher {
 
 type IdMap<V> = DashMap<u64, V, BuildHasherDefault<IdHasher>>;
 
+/// A fast hasher for small keys such as [`WorkerKey`] (FxHash's mixing step):
+/// lookups and load reads hash one key per candidate on every decision.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+/// Build-hasher for maps keyed by [`WorkerKey`].
+pub type KeyHash = BuildHasherDefault<KeyHasher>;
+
 /// One (block, worker) entry.
 #[derive(Debug, Clone, Copy)]
 struct Holder {
@@ -120,7 +145,7 @@ impl Default for IndexConfig {
 #[derive(Debug)]
 pub struct PrefixIndex {
     blocks: IdMap<Vec<Holder>>,
-    workers: DashMap<WorkerKey, Arc<Mutex<WorkerBlocks>>>,
+    workers: DashMap<WorkerKey, Arc<Mutex<WorkerBlocks>>, KeyHash>,
     config: IndexConfig,
     base: Instant,
     entries: AtomicUsize,
@@ -137,7 +162,7 @@ impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         PrefixIndex {
             blocks: IdMap::default(),
-            workers: DashMap::new(),
+            workers: DashMap::default(),
             config,
             base: Instant::now(),
             entries: AtomicUsize::new(0),
@@ -388,7 +413,7 @@ impl PrefixIndex {
             return counts;
         }
         let now = self.stamp(now);
-        let pos: HashMap<WorkerKey, usize> = candidates
+        let pos: HashMap<WorkerKey, usize, KeyHash> = candidates
             .iter()
             .enumerate()
             .map(|(i, k)| (*k, i))
