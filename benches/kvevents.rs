@@ -52,7 +52,10 @@ fn stored(hashes: &[u64], parent: Option<u64>, first_token: u32) -> Value {
         .collect();
     Value::Map(vec![
         (s("type"), s("BlockStored")),
-        (s("block_hashes"), Value::Array(hashes.iter().map(|&h| sha(h)).collect())),
+        (
+            s("block_hashes"),
+            Value::Array(hashes.iter().map(|&h| sha(h)).collect()),
+        ),
         (s("parent_block_hash"), parent.map_or(Value::Nil, sha)),
         (s("token_ids"), Value::Array(tokens)),
         (s("block_size"), Value::from(BLOCK as u64)),
@@ -65,7 +68,10 @@ fn stored(hashes: &[u64], parent: Option<u64>, first_token: u32) -> Value {
 fn removed(hashes: &[u64]) -> Value {
     Value::Map(vec![
         (s("type"), s("BlockRemoved")),
-        (s("block_hashes"), Value::Array(hashes.iter().map(|&h| sha(h)).collect())),
+        (
+            s("block_hashes"),
+            Value::Array(hashes.iter().map(|&h| sha(h)).collect()),
+        ),
         (s("medium"), s("GPU")),
     ])
 }
@@ -92,7 +98,8 @@ fn workload(n: usize, salt: u64) -> Vec<Vec<u8>> {
                         let gone: Vec<u64> = live.drain(..BLOCKS_PER_EVENT).collect();
                         removed(&gone)
                     } else {
-                        let hashes: Vec<u64> = (0..BLOCKS_PER_EVENT as u64).map(|i| next + i).collect();
+                        let hashes: Vec<u64> =
+                            (0..BLOCKS_PER_EVENT as u64).map(|i| next + i).collect();
                         next += BLOCKS_PER_EVENT as u64;
                         let ev = stored(&hashes, parent, next as u32);
                         parent = hashes.last().copied();
@@ -192,7 +199,9 @@ fn staleness(c: &mut Criterion) {
     let mut publish_and_wait = |seq: u64, wait: Duration| {
         let first = (seq as u32).wrapping_mul(BLOCK as u32);
         let payload = batch(vec![stored(&[seq + 1], None, first)]);
-        let tokens: Vec<u32> = (0..BLOCK as u32).map(|t| first.wrapping_add(t) % 50_000).collect();
+        let tokens: Vec<u32> = (0..BLOCK as u32)
+            .map(|t| first.wrapping_add(t) % 50_000)
+            .collect();
         let want = token_block_hashes(seed, None, &tokens, BLOCK);
         let msg = ZmqMessage::try_from(vec![
             Bytes::new(),
@@ -220,7 +229,8 @@ fn staleness(c: &mut Criterion) {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 seq += 1;
-                total += publish_and_wait(seq, Duration::from_secs(5)).expect("batch never became visible");
+                total += publish_and_wait(seq, Duration::from_secs(5))
+                    .expect("batch never became visible");
             }
             total
         })

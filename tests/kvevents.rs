@@ -93,7 +93,9 @@ impl KvEventSink for MemorySink {
     }
     fn clear_worker(&self, worker: WorkerKey) {
         let mut s = self.0.lock();
+        // Like PrefixIndex: the precise flag is forgotten with the blocks.
         s.blocks.remove(&worker);
+        s.precise.remove(&worker);
         *s.clears.entry(worker).or_default() += 1;
     }
     fn set_precise(&self, worker: WorkerKey, precise: bool) {
@@ -537,6 +539,7 @@ async fn loopback_events_reach_the_index_and_gaps_reset() {
         "blocks from before the gap were dropped"
     );
     assert_eq!(sink.depth(worker, &hb), 0);
+    assert!(sink.precise(worker), "a reset keeps a live worker precise");
 
     // The engine restarts: seq goes back to 0, and the worker is reset again.
     pub_socket

@@ -17,10 +17,12 @@
 pub mod decode;
 pub mod subscriber;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use crate::endpoints::WorkerKey;
+use crate::kv::hash::{model_seed, token_block_hashes};
+use crate::kv::index::PrefixIndex;
 
 use decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
@@ -50,6 +52,33 @@ pub trait KvEventSink: Send + Sync {
     fn clear_worker(&self, worker: WorkerKey);
     /// Switches `worker` between precise (event-fed) and approximate mode.
     fn set_precise(&self, worker: WorkerKey, precise: bool);
+}
+
+impl KvEventSink for PrefixIndex {
+    fn seed(&self, model: &str, lora: Option<&str>) -> u64 {
+        model_seed(model, lora)
+    }
+    fn block_hashes(
+        &self,
+        seed: u64,
+        parent: Option<u64>,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> Vec<u64> {
+        token_block_hashes(seed, parent, tokens, block_size)
+    }
+    fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant) {
+        PrefixIndex::store_engine_blocks(self, worker, blocks, now)
+    }
+    fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
+        PrefixIndex::remove_engine_blocks(self, worker, engine_hashes)
+    }
+    fn clear_worker(&self, worker: WorkerKey) {
+        PrefixIndex::clear_worker(self, worker)
+    }
+    fn set_precise(&self, worker: WorkerKey, precise: bool) {
+        PrefixIndex::set_precise(self, worker, precise)
+    }
 }
 
 /// What applying one batch did, for metrics.
@@ -86,6 +115,7 @@ pub struct Ingest<S: ?Sized> {
     sink: std::sync::Arc<S>,
     default_model: String,
     chains: HashMap<WorkerKey, HashMap<u64, u64>>,
+    live: HashSet<WorkerKey>,
 }
 
 impl<S: KvEventSink + ?Sized> Ingest<S> {
@@ -96,12 +126,8 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             sink,
             default_model: default_model.into(),
             chains: HashMap::new(),
+            live: HashSet::new(),
         }
-    }
-
-    /// The sink events go to.
-    pub fn sink(&self) -> &std::sync::Arc<S> {
-        &self.sink
     }
 
     /// Applies one batch from `worker`; `model` is the topic's model, if any.
@@ -135,10 +161,26 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
         stats
     }
 
-    /// Forgets everything known about `worker` (gap, restart, reconnect, clear).
+    /// Forgets everything known about `worker` (gap, restart, reconnect, clear);
+    /// a worker with a live stream stays precise.
     pub fn reset(&mut self, worker: WorkerKey) {
         self.chains.remove(&worker);
         self.sink.clear_worker(worker);
+        if self.live.contains(&worker) {
+            self.sink.set_precise(worker, true);
+        }
+    }
+
+    /// A stream from `worker` (re)connected (`live`) or was lost: its index part
+    /// starts over, precise while live and approximate otherwise.
+    pub fn set_live(&mut self, worker: WorkerKey, live: bool) {
+        if live {
+            self.live.insert(worker);
+        } else {
+            self.live.remove(&worker);
+        }
+        self.reset(worker);
+        self.sink.set_precise(worker, live);
     }
 
     /// Number of engine blocks tracked for `worker`.

@@ -266,8 +266,7 @@ fn ingest_loop(
                 metrics.ingest_lag.observe(received.elapsed().as_secs_f64());
             }
             IngestMsg::Live { worker, live } => {
-                ingest.reset(worker);
-                ingest.sink().set_precise(worker, live);
+                ingest.set_live(worker, live);
                 metrics
                     .precise
                     .get_or_create(&labels(worker))
@@ -280,8 +279,7 @@ fn ingest_loop(
                 metrics.reset(worker, reason);
             }
             IngestMsg::Forget { worker } => {
-                ingest.reset(worker);
-                ingest.sink().set_precise(worker, false);
+                ingest.set_live(worker, false);
                 metrics.precise.remove(&labels(worker));
                 metrics.reset(worker, ResetReason::Removed);
             }
