@@ -14,6 +14,8 @@ use crate::config::Args;
 use crate::discovery;
 use crate::endpoints::EndpointTable;
 use crate::extproc::{ExtProcService, Shared};
+use crate::kvevents::subscriber::{KvEventMetrics, KvEvents, SubscriberConfig};
+use crate::kvevents::KvEventSink;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::telemetry::{self, Metrics};
 
@@ -78,6 +80,21 @@ impl App {
             scheduler,
             metrics,
         }
+    }
+
+    /// Starts precise mode: the KV-event ingest thread feeding the scheduler's
+    /// prefix index, and a task keeping one subscriber per (worker, dp rank) of
+    /// the endpoint table (checked every `every`); subscribers come and go with
+    /// the endpoint set. Dropping the task stops them.
+    pub fn spawn_kv_events(
+        &self,
+        config: SubscriberConfig,
+        every: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let metrics = KvEventMetrics::register(&self.metrics);
+        let sink: Arc<dyn KvEventSink> = Arc::clone(self.scheduler.index()) as _;
+        let events = KvEvents::start(sink, metrics, config);
+        tokio::spawn(events.follow(Arc::clone(&self.endpoints), every))
     }
 
     /// Runs the scheduler's periodic upkeep (session reaping, index expiry,
@@ -148,6 +165,9 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
         .map_err(|source| ServeError::Bind { addr, source })
 }
 
+/// How often the KV-event subscribers are matched to the endpoint set.
+const KV_EVENTS_FOLLOW_INTERVAL: Duration = Duration::from_secs(1);
+
 /// How often the scheduler's upkeep runs.
 const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -179,6 +199,9 @@ fn session_key(args: &Args) -> Result<Vec<u8>, ServeError> {
 pub async fn run(args: Args) -> Result<(), ServeError> {
     let app = App::new(&pool_label(&args), args.scheduler(session_key(&args)?));
     let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
+    let _kv_events = args
+        .kv_events()
+        .map(|c| AbortOnDrop(app.spawn_kv_events(c, KV_EVENTS_FOLLOW_INTERVAL)));
     let discovery = match &args.endpoints_file {
         Some(path) => {
             let path = path.clone();

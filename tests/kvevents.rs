@@ -793,3 +793,138 @@ async fn a_huge_prompt_is_tokenized_off_the_async_thread() {
     let segs = work.await.unwrap().unwrap();
     assert_eq!(token_ids(&segs).len(), 60_001);
 }
+
+// ---------------------------------------------------------------------------
+// The real index behind the scheduler: events decide routing.
+
+mod routing {
+    use super::*;
+    use kvpick::endpoints::Endpoint;
+    use kvpick::kv::hash::{model_seed, token_block_hashes};
+    use kvpick::kv::index::{IndexConfig, PrefixIndex};
+    use kvpick::request::parse;
+    use kvpick::scheduler::{PickRequest, SchedulerConfig};
+    use kvpick::server::App;
+
+    #[test]
+    fn index_stored_lookup_removed_lookup() {
+        let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
+        let mut ingest = Ingest::new(Arc::clone(&index), MODEL);
+        let (a, b) = (w(1, 0), w(2, 1));
+        let prompt: Vec<u32> = (1..=12).collect();
+        let hashes = token_block_hashes(model_seed(MODEL, None), None, &prompt, BS);
+        let now = Instant::now();
+        let stored = decode_batch(&batch_map(
+            vec![stored_map(
+                Value::Array(vec![sha_like(1), sha_like(2), sha_like(3)]),
+                Value::Nil,
+                &prompt,
+            )],
+            Value::from(1),
+        ))
+        .unwrap();
+        ingest.apply(b, None, &stored, now);
+        assert_eq!(index.lookup(&hashes, &[a, b], now), vec![0, 3]);
+        let removed = decode_batch(&batch_map(
+            vec![removed_map(Value::Array(vec![sha_like(2)]))],
+            Value::from(1),
+        ))
+        .unwrap();
+        ingest.apply(b, None, &removed, now);
+        assert_eq!(index.lookup(&hashes, &[a, b], now), vec![0, 1]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_whose_tokens_match_events_goes_to_that_worker() {
+        // Worker B publishes KV events on 127.0.0.2; worker A has no publisher.
+        let mut pub_socket = PubSocket::new();
+        let port = match pub_socket.bind("tcp://127.0.0.2:0").await.unwrap() {
+            zeromq::Endpoint::Tcp(_, p) => p,
+            other => panic!("unexpected endpoint {other}"),
+        };
+        let app = App::new(
+            "pool",
+            SchedulerConfig {
+                token_block: BS,
+                ..SchedulerConfig::default()
+            },
+        );
+        let mut ep_a = Endpoint::new("127.0.0.1:18001".parse().unwrap());
+        ep_a.kv_events_port = Some(1); // nothing listens: stays approximate
+        let mut ep_b = Endpoint::new("127.0.0.2:18002".parse().unwrap());
+        ep_b.kv_events_port = Some(port);
+        let (key_a, key_b) = (w(ep_a.instance_id, 0), w(ep_b.instance_id, 0));
+        app.endpoints.replace(vec![ep_a.clone(), ep_b.clone()]);
+        let _follow = app.spawn_kv_events(
+            SubscriberConfig {
+                model: MODEL.into(),
+                retry_delay: Duration::from_millis(20),
+                ..SubscriberConfig::default()
+            },
+            Duration::from_millis(20),
+        );
+        let index = Arc::clone(app.scheduler.index());
+        eventually("B precise", || index.is_precise(key_b)).await;
+        assert!(!index.is_precise(key_a));
+
+        let prompt: Vec<u32> = (200..216).collect();
+        let hashes = token_block_hashes(model_seed(MODEL, None), None, &prompt, BS);
+        let payload = batch_array(
+            vec![stored_array(ints(&[1, 2, 3, 4]), Value::Nil, &prompt)],
+            Some(Value::from(0)),
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while index.lookup(&hashes, &[key_b], Instant::now())[0] != 4 {
+            assert!(Instant::now() < deadline, "events never reached the index");
+            pub_socket
+                .send(frames("", 0, payload.clone()))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+        let body = format!(r#"{{"model":"{MODEL}","prompt":[{}]}}"#, ids.join(","));
+        let req = parse(body.as_bytes(), Some(ApiKind::Completions)).unwrap();
+        for _ in 0..4 {
+            let pick = PickRequest {
+                body: Some(&req),
+                subset: None,
+                session_id: None,
+                session_token: None,
+            };
+            let d = app
+                .scheduler
+                .pick(&pick, &app.endpoints.snapshot())
+                .unwrap();
+            assert_eq!(d.decode.key(), key_b, "routed away from the cached prefix");
+            assert_eq!(d.overlap_blocks, 4);
+            app.scheduler.finish(&d, Some(200));
+        }
+        // A prompt nobody holds has no overlap anywhere.
+        let other = parse(
+            format!(r#"{{"model":"{MODEL}","prompt":[9,9,9,9,9,9,9,9]}}"#).as_bytes(),
+            Some(ApiKind::Completions),
+        )
+        .unwrap();
+        let pick = PickRequest {
+            body: Some(&other),
+            subset: None,
+            session_id: None,
+            session_token: None,
+        };
+        let d = app
+            .scheduler
+            .pick(&pick, &app.endpoints.snapshot())
+            .unwrap();
+        assert_eq!(d.overlap_blocks, 0);
+        app.scheduler.finish(&d, Some(200));
+
+        // B leaves the endpoint set: its subscriber stops and its events are forgotten.
+        app.endpoints.replace(vec![ep_a]);
+        eventually("B forgotten", || {
+            !index.is_precise(key_b) && index.lookup(&hashes, &[key_b], Instant::now())[0] == 0
+        })
+        .await;
+    }
+}
