@@ -18,6 +18,7 @@ use crate::kvevents::subscriber::{KvEventMetrics, KvEvents, SubscriberConfig};
 use crate::kvevents::KvEventSink;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::telemetry::{self, Metrics};
+use crate::tokenize::{TokenizeError, Tokenizer, TokenizerPool};
 
 /// Why kvpick stopped.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +51,9 @@ pub enum ServeError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The tokenizer directory could not be loaded.
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizeError),
     /// No endpoint source was configured.
     #[error("no endpoint source: pass --endpoints-file FILE (standalone mode)")]
     NoSource,
@@ -67,6 +71,8 @@ pub struct App {
     pub scheduler: Arc<Scheduler>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// In-process tokenizer for text prompts, when configured.
+    pub tokenizer: Option<TokenizerPool>,
 }
 
 impl App {
@@ -79,6 +85,7 @@ impl App {
             endpoints: Arc::new(EndpointTable::new()),
             scheduler,
             metrics,
+            tokenizer: None,
         }
     }
 
@@ -122,6 +129,7 @@ impl App {
             scheduler: Arc::clone(&self.scheduler),
             metrics: Arc::clone(&self.metrics),
             config,
+            tokenizer: self.tokenizer.clone(),
         })
     }
 }
@@ -197,7 +205,12 @@ fn session_key(args: &Args) -> Result<Vec<u8>, ServeError> {
 
 /// Runs kvpick as configured by `args` until a component fails.
 pub async fn run(args: Args) -> Result<(), ServeError> {
-    let app = App::new(&pool_label(&args), args.scheduler(session_key(&args)?));
+    let mut app = App::new(&pool_label(&args), args.scheduler(session_key(&args)?));
+    if let Some(dir) = &args.tokenizer_dir {
+        let tokenizer = Tokenizer::load(dir)?;
+        info!(dir = %dir.display(), ?tokenizer, "tokenizing requests in-process");
+        app.tokenizer = Some(TokenizerPool::new(tokenizer, args.tokenizer_threads));
+    }
     let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
     let _kv_events = args
         .kv_events()

@@ -927,4 +927,156 @@ mod routing {
         })
         .await;
     }
+
+    /// A chat request with text goes through the real ext_proc server, is
+    /// tokenized with the fixture's chat template, and lands on the worker whose
+    /// KV events hold those tokens.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tokenized_chat_request_follows_the_events_through_ext_proc() {
+        use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+        use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+        use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+        use envoy_types::pb::envoy::service::ext_proc::v3::{
+            processing_request, processing_response, HttpBody, HttpHeaders, ProcessingRequest,
+            ProtocolConfiguration,
+        };
+        use kvpick::extproc::messages::header_value;
+        use kvpick::extproc::ExtProcConfig;
+        use kvpick::server::serve_ext_proc;
+
+        let mut pub_socket = PubSocket::new();
+        let port = match pub_socket.bind("tcp://127.0.0.3:0").await.unwrap() {
+            zeromq::Endpoint::Tcp(_, p) => p,
+            other => panic!("unexpected endpoint {other}"),
+        };
+        let mut app = App::new(
+            "pool",
+            SchedulerConfig {
+                token_block: BS,
+                ..SchedulerConfig::default()
+            },
+        );
+        app.tokenizer = Some(TokenizerPool::new(Tokenizer::load(fixture()).unwrap(), 2));
+        let endpoints: Vec<Endpoint> = (1..=3)
+            .map(|i| {
+                let mut e = Endpoint::new(format!("127.0.0.{i}:18000").parse().unwrap());
+                e.kv_events_port = Some(if i == 3 { port } else { 1 });
+                e
+            })
+            .collect();
+        let target = w(endpoints[2].instance_id, 0);
+        app.endpoints.replace(endpoints);
+        let _follow = app.spawn_kv_events(
+            SubscriberConfig {
+                model: MODEL.into(),
+                retry_delay: Duration::from_millis(20),
+                ..SubscriberConfig::default()
+            },
+            Duration::from_millis(20),
+        );
+        let index = Arc::clone(app.scheduler.index());
+        eventually("precise", || index.is_precise(target)).await;
+
+        // The engine cached this conversation's prompt.
+        let body = serde_json::json!({"model": MODEL, "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather in the city?"}]});
+        let tokens = token_ids(
+            &Tokenizer::load(fixture())
+                .unwrap()
+                .tokenize_body(ApiKind::Chat, &body)
+                .unwrap(),
+        );
+        let full = tokens.len() / BS * BS;
+        assert!(full >= 3 * BS, "prompt long enough to span blocks");
+        let hashes = token_block_hashes(model_seed(MODEL, None), None, &tokens[..full], BS);
+        let engine: Vec<u64> = (1..=(full / BS) as u64).collect();
+        let payload = batch_array(
+            vec![stored_array(ints(&engine), Value::Nil, &tokens[..full])],
+            None,
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while index.lookup(&hashes, &[target], Instant::now())[0] != hashes.len() {
+            assert!(Instant::now() < deadline, "events never reached the index");
+            pub_socket
+                .send(frames("", 0, payload.clone()))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve_ext_proc(
+            listener,
+            app.ext_proc(ExtProcConfig::default()),
+            None,
+        ));
+        let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let header = |k: &str, v: &str| HeaderValue {
+            key: k.into(),
+            raw_value: v.as_bytes().to_vec(),
+            ..Default::default()
+        };
+        for _ in 0..3 {
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let mut answers = client
+                .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            let mode = BodySendMode::FullDuplexStreamed as i32;
+            tx.send(ProcessingRequest {
+                request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+                    headers: Some(HeaderMap {
+                        headers: vec![
+                            header(":method", "POST"),
+                            header(":path", "/v1/chat/completions"),
+                        ],
+                    }),
+                    ..Default::default()
+                })),
+                protocol_config: Some(ProtocolConfiguration {
+                    request_body_mode: mode,
+                    response_body_mode: mode,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            tx.send(ProcessingRequest {
+                request: Some(processing_request::Request::RequestBody(HttpBody {
+                    body: serde_json::to_vec(&body).unwrap(),
+                    end_of_stream: true,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            let Some(processing_response::Response::RequestHeaders(h)) = answer.response else {
+                panic!("expected a headers answer, got {answer:?}");
+            };
+            let worker: u64 = h
+                .response
+                .unwrap()
+                .header_mutation
+                .unwrap()
+                .set_headers
+                .iter()
+                .filter_map(|o| o.header.as_ref())
+                .find(|v| v.key == "x-worker-instance-id")
+                .map(|v| header_value(v).parse().unwrap())
+                .expect("routing header");
+            assert_eq!(worker, target.instance_id);
+        }
+    }
 }

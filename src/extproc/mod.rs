@@ -61,6 +61,9 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Handler settings.
     pub config: ExtProcConfig,
+    /// In-process tokenizer (`--tokenizer-dir`): text prompts become token ids so
+    /// their blocks match the engines' KV events.
+    pub tokenizer: Option<crate::tokenize::TokenizerPool>,
 }
 
 /// The ext_proc service.
@@ -166,6 +169,13 @@ async fn run_stream(
         };
         if !send_all(&tx, state.handle(msg)).await {
             return;
+        }
+        // A complete text body waits for its token ids (off the async threads).
+        if let Some(job) = state.take_tokenize_job() {
+            let tokens = job.run().await;
+            if !send_all(&tx, state.tokenized(tokens)).await {
+                return;
+            }
         }
         if state.is_done() {
             return;

@@ -19,9 +19,10 @@ use tracing::{debug, info, warn};
 use super::messages::{self, find_header, set_header, DESTINATION_KEY};
 use super::Shared;
 use crate::endpoints::InFlightGuard;
-use crate::request::{self, ApiKind, InferenceRequest};
+use crate::request::{self, ApiKind, InferenceRequest, Segment};
 use crate::scheduler::{Decision, PickError, PickRequest};
 use crate::telemetry::RequestResult;
+use crate::tokenize::{TokenizeError, TokenizerPool};
 
 /// Routing headers kvpick owns. Any of these the client sent is removed or overwritten.
 pub const ROUTING_HEADERS: &[&str] = &[
@@ -117,6 +118,21 @@ pub struct StreamState {
     body_started: Option<Instant>,
     routed: Option<Routed>,
     response_status: Option<u16>,
+    tokenizing: Option<(InferenceRequest, RouteVia)>,
+}
+
+/// A request body waiting to be tokenized before it is routed.
+pub struct TokenizeJob {
+    pool: TokenizerPool,
+    kind: ApiKind,
+    body: bytes::Bytes,
+}
+
+impl TokenizeJob {
+    /// Tokenizes the body on the tokenizer pool.
+    pub async fn run(self) -> Result<Vec<Segment>, TokenizeError> {
+        self.pool.tokenize(self.kind, self.body).await
+    }
 }
 
 struct Routed {
@@ -139,7 +155,38 @@ impl StreamState {
             body_started: None,
             routed: None,
             response_status: None,
+            tokenizing: None,
         }
+    }
+
+    /// The tokenization a complete body is waiting for, if any; answer with
+    /// [`StreamState::tokenized`].
+    pub fn take_tokenize_job(&mut self) -> Option<TokenizeJob> {
+        let (parsed, via) = self.tokenizing.as_ref()?;
+        let RouteVia::Body { body, .. } = via else {
+            return None;
+        };
+        Some(TokenizeJob {
+            pool: self.shared.tokenizer.clone()?,
+            kind: parsed.kind,
+            body: bytes::Bytes::copy_from_slice(body),
+        })
+    }
+
+    /// Routes the body that was waiting for its tokens. Without them (no chat
+    /// template, a template error) the text segments are hashed as they are.
+    pub fn tokenized(
+        &mut self,
+        tokens: Result<Vec<Segment>, TokenizeError>,
+    ) -> Vec<ProcessingResponse> {
+        let Some((mut parsed, via)) = self.tokenizing.take() else {
+            return Vec::new();
+        };
+        match tokens {
+            Ok(segments) => parsed.segments = segments,
+            Err(e) => debug!(error = %e, "tokenization failed: routing on text blocks"),
+        }
+        self.route(Some(&parsed), via)
     }
 
     /// True once nothing more will be answered on this stream.
@@ -303,6 +350,14 @@ impl StreamState {
             rewritten,
             end_of_stream,
         };
+        let has_text = parsed
+            .segments
+            .iter()
+            .any(|s| matches!(s, Segment::Text(_)));
+        if self.shared.tokenizer.is_some() && has_text {
+            self.tokenizing = Some((parsed, via));
+            return Vec::new();
+        }
         self.route(Some(&parsed), via)
     }
 
