@@ -296,6 +296,34 @@ fn dp_rank_present_unknown_events_and_trailing_fields() {
     assert_eq!(st.parent_block_hash, Some(u64::MAX - 2));
     assert_eq!(st.lora_id, Some(2));
     assert_eq!(st.lora_name, None);
+    // SGLang: `[ts, events]`, BlockStored without `medium`, BlockRemoved hashes only.
+    let sglang = batch_array(
+        vec![
+            Value::Array(vec![
+                s("BlockStored"),
+                ints(&[8, 9]),
+                Value::Nil,
+                toks(&[1, 2, 3, 4, 5, 6, 7, 8]),
+                Value::from(4),
+                Value::Nil,
+            ]),
+            Value::Array(vec![s("BlockRemoved"), ints(&[8])]),
+        ],
+        None,
+    );
+    let b = decode_batch(&sglang).unwrap();
+    let KvEvent::BlockStored(st) = &b.events[0] else {
+        panic!("expected BlockStored")
+    };
+    assert_eq!((st.block_hashes.len(), st.medium.as_deref()), (2, None));
+    assert_eq!(
+        b.events[1],
+        KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![8],
+            medium: None,
+            group_idx: None
+        })
+    );
     // A batch map with more keys than vLLM writes today still decodes.
     let mut extra = rmpv::decode::read_value(&mut &batch_map(vec![], Value::from(1))[..]).unwrap();
     if let Value::Map(m) = &mut extra {
