@@ -4,16 +4,17 @@
 //! (`inference_extension_scheduler_e2e_duration_seconds`, `inference_pool_ready_pods`);
 //! kvpick's own carry the `kvpick_` prefix.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use std::sync::atomic::Ordering;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
-    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, NoLabelSet,
+    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder,
+    NoLabelSet,
 };
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
@@ -100,7 +101,7 @@ impl Collector for SchedulerCollector {
 }
 
 /// How a request ended at kvpick.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RequestResult {
     /// Routed to an endpoint.
     Routed,
@@ -110,6 +111,24 @@ pub enum RequestResult {
     NoEndpoint,
     /// 503: the subset hint matched nothing.
     SubsetEmpty,
+}
+
+impl RequestResult {
+    /// The `result` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestResult::Routed => "routed",
+            RequestResult::BadRequest => "bad_request",
+            RequestResult::NoEndpoint => "no_endpoint",
+            RequestResult::SubsetEmpty => "subset_empty",
+        }
+    }
+}
+
+impl EncodeLabelValue for RequestResult {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
