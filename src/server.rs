@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Server, ServerTlsConfig};
 use tracing::info;
 
@@ -76,8 +76,13 @@ pub struct App {
 }
 
 impl App {
+    /// Fresh state for a pool named `pool`, with default scheduler settings.
+    pub fn new(pool: &str) -> Self {
+        Self::with_scheduler(pool, SchedulerConfig::default())
+    }
+
     /// Fresh state for a pool named `pool`, scheduling with `scheduler`.
-    pub fn new(pool: &str, scheduler: SchedulerConfig) -> Self {
+    pub fn with_scheduler(pool: &str, scheduler: SchedulerConfig) -> Self {
         let scheduler = Arc::new(Scheduler::new(scheduler));
         let metrics = Arc::new(Metrics::new(pool));
         metrics.register_scheduler(Arc::clone(&scheduler));
@@ -148,7 +153,7 @@ pub async fn serve_ext_proc(
     }
     builder
         .add_service(service.into_server())
-        .serve_with_incoming(TcpListenerStream::new(listener))
+        .serve_with_incoming(incoming(listener))
         .await?;
     Ok(())
 }
@@ -162,9 +167,15 @@ pub async fn serve_health(
     tokio::spawn(telemetry::drive_health(reporter, table));
     Server::builder()
         .add_service(service)
-        .serve_with_incoming(TcpListenerStream::new(listener))
+        .serve_with_incoming(incoming(listener))
         .await?;
     Ok(())
+}
+
+/// Accepted connections with TCP_NODELAY: Nagle's algorithm plus delayed ACKs would
+/// add ~40 ms to every small gRPC message.
+fn incoming(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
@@ -205,7 +216,7 @@ fn session_key(args: &Args) -> Result<Vec<u8>, ServeError> {
 
 /// Runs kvpick as configured by `args` until a component fails.
 pub async fn run(args: Args) -> Result<(), ServeError> {
-    let mut app = App::new(&pool_label(&args), args.scheduler(session_key(&args)?));
+    let mut app = App::with_scheduler(&pool_label(&args), args.scheduler(session_key(&args)?));
     if let Some(dir) = &args.tokenizer_dir {
         let tokenizer = Tokenizer::load(dir)?;
         info!(dir = %dir.display(), ?tokenizer, "tokenizing requests in-process");

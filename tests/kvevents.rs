@@ -870,7 +870,7 @@ mod routing {
             zeromq::Endpoint::Tcp(_, p) => p,
             other => panic!("unexpected endpoint {other}"),
         };
-        let app = App::new(
+        let app = App::with_scheduler(
             "pool",
             SchedulerConfig {
                 token_block: BS,
@@ -977,7 +977,7 @@ mod routing {
             zeromq::Endpoint::Tcp(_, p) => p,
             other => panic!("unexpected endpoint {other}"),
         };
-        let mut app = App::new(
+        let mut app = App::with_scheduler(
             "pool",
             SchedulerConfig {
                 token_block: BS,
