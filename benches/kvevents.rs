@@ -47,9 +47,14 @@ fn encode(v: &Value) -> Vec<u8> {
 }
 
 fn stored(hashes: &[u64], parent: Option<u64>, first_token: u32) -> Value {
-    let tokens = (0..(hashes.len() * BLOCK) as u32)
-        .map(|t| Value::from(first_token.wrapping_add(t) % 50_000))
+    let tokens: Vec<u32> = (0..(hashes.len() * BLOCK) as u32)
+        .map(|t| first_token.wrapping_add(t) % 50_000)
         .collect();
+    stored_with(hashes, parent, &tokens)
+}
+
+fn stored_with(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Value {
+    let tokens = tokens.iter().map(|&t| Value::from(t)).collect();
     Value::Map(vec![
         (s("type"), s("BlockStored")),
         (
@@ -197,11 +202,11 @@ fn staleness(c: &mut Criterion) {
     let seed = model_seed(MODEL, None);
     let mut seq = 0u64;
     let mut publish_and_wait = |seq: u64, wait: Duration| {
-        let first = (seq as u32).wrapping_mul(BLOCK as u32);
-        let payload = batch(vec![stored(&[seq + 1], None, first)]);
-        let tokens: Vec<u32> = (0..BLOCK as u32)
-            .map(|t| first.wrapping_add(t) % 50_000)
+        // Every iteration stores a block never seen before (no token id repeats).
+        let tokens: Vec<u32> = (0..BLOCK as u64)
+            .map(|t| (seq * BLOCK as u64 + t) as u32)
             .collect();
+        let payload = batch(vec![stored_with(&[seq + 1], None, &tokens)]);
         let want = token_block_hashes(seed, None, &tokens, BLOCK);
         let msg = ZmqMessage::try_from(vec![
             Bytes::new(),
