@@ -12,6 +12,7 @@ pub mod extproc;
 pub mod identity;
 pub mod request;
 pub mod scheduler;
+pub mod scrape;
 pub mod server;
 pub mod telemetry;
 pub mod tls;
