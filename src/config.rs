@@ -143,7 +143,12 @@ pub struct GieFlags {
     #[arg(long, hide = true, value_parser = parse_go_duration)]
     pub metrics_staleness_threshold: Option<Duration>,
     /// Honoured: URL path of the workers' metrics.
-    #[arg(long, hide = true, env = "KVPICK_MODEL_SERVER_METRICS_PATH", default_value = "/metrics")]
+    #[arg(
+        long,
+        hide = true,
+        env = "KVPICK_MODEL_SERVER_METRICS_PATH",
+        default_value = "/metrics"
+    )]
     pub model_server_metrics_path: String,
     /// Honoured: scrape this port instead of each endpoint's own port.
     #[arg(long, hide = true, env = "KVPICK_MODEL_SERVER_METRICS_PORT")]
@@ -220,15 +225,22 @@ impl GieFlags {
     /// One warning per GIE flag that was given but has no effect in kvpick.
     pub fn warnings(&self) -> Vec<String> {
         let set = [
-            ("ha-enable-leader-election", self.ha_enable_leader_election.is_some()),
+            (
+                "ha-enable-leader-election",
+                self.ha_enable_leader_election.is_some(),
+            ),
             ("tracing", self.tracing.is_some()),
             ("health-checking", self.health_checking.is_some()),
             ("enable-pprof", self.enable_pprof.is_some()),
             ("enable-cert-reload", self.enable_cert_reload.is_some()),
-            ("metrics-endpoint-auth", self.metrics_endpoint_auth.is_some()),
+            (
+                "metrics-endpoint-auth",
+                self.metrics_endpoint_auth.is_some(),
+            ),
             (
                 "model-server-metrics-https-insecure-skip-verify",
-                self.model_server_metrics_https_insecure_skip_verify.is_some(),
+                self.model_server_metrics_https_insecure_skip_verify
+                    .is_some(),
             ),
             ("zap-devel", self.zap_devel.is_some()),
             ("config-file", self.config_file.is_some()),
@@ -237,8 +249,14 @@ impl GieFlags {
                 "refresh-prometheus-metrics-interval",
                 self.refresh_prometheus_metrics_interval.is_some(),
             ),
-            ("total-queued-requests-metric", self.total_queued_requests_metric.is_some()),
-            ("total-running-requests-metric", self.total_running_requests_metric.is_some()),
+            (
+                "total-queued-requests-metric",
+                self.total_queued_requests_metric.is_some(),
+            ),
+            (
+                "total-running-requests-metric",
+                self.total_running_requests_metric.is_some(),
+            ),
             (
                 "kv-cache-usage-percentage-metric",
                 self.kv_cache_usage_percentage_metric.is_some(),
@@ -254,7 +272,10 @@ impl GieFlags {
             .filter(|(_, given)| *given)
             .map(|(name, _)| format!("GIE flag --{name} has no effect in kvpick; ignored"))
             .collect();
-        if !self.model_server_metrics_scheme.eq_ignore_ascii_case("http") {
+        if !self
+            .model_server_metrics_scheme
+            .eq_ignore_ascii_case("http")
+        {
             out.push(format!(
                 "--model-server-metrics-scheme={} is not supported; scraping over http",
                 self.model_server_metrics_scheme
@@ -435,7 +456,9 @@ mod tests {
         let warnings = a.gie.warnings();
         assert_eq!(warnings.len(), 6, "{warnings:?}");
         assert!(warnings.iter().any(|w| w.contains("--config-file")));
-        assert!(warnings.iter().any(|w| w.contains("--ha-enable-leader-election")));
+        assert!(warnings
+            .iter()
+            .any(|w| w.contains("--ha-enable-leader-election")));
 
         let a = Args::try_parse_from(["kvpick"]).unwrap();
         assert!(a.gie.warnings().is_empty());

@@ -138,23 +138,57 @@ fn names(engine: Engine) -> Names {
 
 fn scalar(v: &Value) -> Option<f64> {
     match v {
-        Value::Gauge(x) | Value::Counter(x) | Value::Untyped(x) => Some(*x).filter(|x| x.is_finite()),
+        Value::Gauge(x) | Value::Counter(x) | Value::Untyped(x) => {
+            Some(*x).filter(|x| x.is_finite())
+        }
         _ => None,
     }
 }
 
+/// The parser's name for `name` (see [`normalise_line`]).
+fn parsed_name(name: &str) -> String {
+    name.replace(':', "_")
+}
+
+/// Rewrites the metric name of a line so `prometheus-parse` (whose name pattern is
+/// `\w+`) accepts it: `:` becomes `_` (`vllm:num_requests_waiting` is read as
+/// `vllm_num_requests_waiting`). Label values are left alone.
+fn normalise_line(line: &str) -> String {
+    let line = line.trim_start();
+    if let Some(comment) = line.strip_prefix('#') {
+        let mut parts = comment.trim_start().splitn(3, char::is_whitespace);
+        return match (parts.next(), parts.next(), parts.next()) {
+            (Some(kw @ ("HELP" | "TYPE")), Some(name), rest) => {
+                format!("# {kw} {} {}", parsed_name(name), rest.unwrap_or_default())
+            }
+            _ => String::new(),
+        };
+    }
+    let end = line
+        .find(|c: char| c == '{' || c.is_whitespace())
+        .unwrap_or(line.len());
+    let mut out = String::with_capacity(line.len());
+    out.extend(line[..end].chars().map(|c| if c == ':' { '_' } else { c }));
+    out.push_str(&line[end..]);
+    out
+}
+
 /// Values of the first name in `candidates` that has samples.
-fn values<'a>(by_name: &HashMap<&str, Vec<&'a Sample>>, candidates: &[&str]) -> Vec<f64> {
+fn values(by_name: &HashMap<&str, Vec<&Sample>>, candidates: &[&str]) -> Vec<f64> {
     candidates
         .iter()
-        .find_map(|n| by_name.get(n).filter(|s| !s.is_empty()))
+        .find_map(|n| {
+            by_name
+                .get(parsed_name(n).as_str())
+                .filter(|s| !s.is_empty())
+        })
         .map(|samples| samples.iter().filter_map(|s| scalar(&s.value)).collect())
         .unwrap_or_default()
 }
 
 /// Parses a metrics page of `engine` into load figures stamped `at`.
 pub fn parse_load(engine: Engine, text: &str, at: Instant) -> Result<ScrapedLoad, ScrapeError> {
-    let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+    let scrape = Scrape::parse(text.lines().map(|l| Ok(normalise_line(l))))
         .map_err(|e| ScrapeError::Parse(e.to_string()))?;
     let mut by_name: HashMap<&str, Vec<&Sample>> = HashMap::new();
     for s in &scrape.samples {
@@ -173,10 +207,11 @@ pub fn parse_load(engine: Engine, text: &str, at: Instant) -> Result<ScrapedLoad
     }
     let kv_usage = (kv.iter().sum::<f64>() / kv.len() as f64).clamp(0.0, 1.0);
 
-    let info = n
-        .cache_info
-        .iter()
-        .find_map(|name| by_name.get(name).and_then(|s| s.first()));
+    let info = n.cache_info.iter().find_map(|name| {
+        by_name
+            .get(parsed_name(name).as_str())
+            .and_then(|s| s.first())
+    });
     let label = |key: &str| -> Option<f64> { info?.labels.get(key)?.parse::<f64>().ok() };
     let gauge = |candidates: &[&str]| values(&by_name, candidates).first().copied();
     let block_size = label(n.block_size_label)
@@ -274,7 +309,11 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
             // Forget endpoints that left the table (and are not being scraped).
             let mut t = tracks.lock();
             t.retain(|addr, track| {
-                track.busy || snapshot.endpoints.iter().any(|e| e.endpoint.address == *addr)
+                track.busy
+                    || snapshot
+                        .endpoints
+                        .iter()
+                        .any(|e| e.endpoint.address == *addr)
             });
         }
         for state in &snapshot.endpoints {
@@ -328,6 +367,14 @@ mod tests {
 
     const VLLM: &str = include_str!("../tests/fixtures/vllm_metrics.txt");
     const SGLANG: &str = include_str!("../tests/fixtures/sglang_metrics.txt");
+
+    #[test]
+    fn names_with_colons_are_normalised_for_the_parser() {
+        assert_eq!(normalise_line("vllm:x{a=\"b:c\"} 1"), "vllm_x{a=\"b:c\"} 1");
+        assert_eq!(normalise_line("vllm:x 1"), "vllm_x 1");
+        assert_eq!(normalise_line("# TYPE vllm:x gauge"), "# TYPE vllm_x gauge");
+        assert_eq!(normalise_line("# free comment"), "");
+    }
 
     #[test]
     fn parses_vllm_page() {
@@ -385,7 +432,8 @@ mod tests {
     async fn serve_page(page: &'static str) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let app = axum::Router::new().route("/metrics", axum::routing::get(move || async move { page }));
+        let app =
+            axum::Router::new().route("/metrics", axum::routing::get(move || async move { page }));
         tokio::spawn(async move { axum::serve(listener, app).await });
         addr
     }
@@ -420,7 +468,12 @@ mod tests {
         };
         let task = tokio::spawn(run(config, Arc::clone(&table)));
         let snap = table.snapshot();
-        let by_addr = |a: SocketAddr| snap.endpoints.iter().find(|e| e.endpoint.address == a).unwrap();
+        let by_addr = |a: SocketAddr| {
+            snap.endpoints
+                .iter()
+                .find(|e| e.endpoint.address == a)
+                .unwrap()
+        };
         let fresh = |a: SocketAddr| by_addr(a).scraped(Instant::now(), Duration::from_secs(5));
         let mut ok = false;
         for _ in 0..300 {

@@ -148,11 +148,13 @@ impl EndpointSource {
                 name: name.trim().to_string(),
                 group: discovery::kube::PoolGroup::parse(&args.pool_group).map_err(bad)?,
             },
-            (_, Some(selector)) if !selector.trim().is_empty() => discovery::kube::Source::selector(
-                selector,
-                args.endpoint_target_ports.as_deref().unwrap_or_default(),
-            )
-            .map_err(bad)?,
+            (_, Some(selector)) if !selector.trim().is_empty() => {
+                discovery::kube::Source::selector(
+                    selector,
+                    args.endpoint_target_ports.as_deref().unwrap_or_default(),
+                )
+                .map_err(bad)?
+            }
             _ => return Err(ServeError::NoSource),
         };
         Ok(EndpointSource::Kube {
@@ -197,7 +199,10 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
             })
         }
     };
-    tokio::spawn(crate::scrape::run(args.scrape(), Arc::clone(&app.endpoints)));
+    tokio::spawn(crate::scrape::run(
+        args.scrape(),
+        Arc::clone(&app.endpoints),
+    ));
     let tls = if args.secure_serving {
         Some(match &args.cert_path {
             Some(dir) => crate::tls::from_dir(dir)?,
@@ -258,8 +263,19 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            source(&["kvpick", "--pool-namespace", "team", "--endpoint-selector", "app=x", "--endpoint-target-ports", "8000"]),
-            Ok(EndpointSource::Kube { source: discovery::kube::Source::Selector(_), .. })
+            source(&[
+                "kvpick",
+                "--pool-namespace",
+                "team",
+                "--endpoint-selector",
+                "app=x",
+                "--endpoint-target-ports",
+                "8000"
+            ]),
+            Ok(EndpointSource::Kube {
+                source: discovery::kube::Source::Selector(_),
+                ..
+            })
         ));
         assert!(matches!(
             source(&["kvpick", "--endpoint-selector", "app=x"]),

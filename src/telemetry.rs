@@ -367,8 +367,11 @@ mod tests {
             .unwrap();
         assert!((kv - 0.4).abs() < 1e-9, "{kv}");
         assert!(gauge_line(&text, "inference_pool_average_queue_size{").ends_with(" 4.0"));
-        assert!(gauge_line(&text, "inference_pool_per_pod_queue_size{name=\"pool\",model_server_pod=\"a\"}")
-            .ends_with(" 6.0"));
+        assert!(gauge_line(
+            &text,
+            "inference_pool_per_pod_queue_size{name=\"pool\",model_server_pod=\"a\"}"
+        )
+        .ends_with(" 6.0"));
         assert!(!text.contains("model_server_pod=\"c\""));
     }
 }

@@ -28,7 +28,9 @@ use serde::de::DeserializeOwned;
 use tracing::{debug, info, warn};
 
 use super::pods::pool_endpoints;
-use super::pool::{InferencePool, InferencePoolV1Alpha2, PoolShape, PoolTarget, GROUP_V1, GROUP_V1ALPHA2};
+use super::pool::{
+    InferencePool, InferencePoolV1Alpha2, PoolShape, PoolTarget, GROUP_V1, GROUP_V1ALPHA2,
+};
 use crate::endpoints::{Endpoint, EndpointTable};
 
 /// Why Kubernetes discovery could not start.
@@ -117,7 +119,7 @@ impl Source {
 #[derive(Debug)]
 enum Update {
     Pool(Event<PoolTarget>),
-    Pods(Event<Pod>),
+    Pods(Box<Event<Pod>>),
 }
 
 /// The state both watchers build up, and the last set published from it.
@@ -146,7 +148,7 @@ impl State {
                 Event::Apply(t) => self.pool = Some(t),
                 Event::Delete(_) => self.pool = None,
             },
-            Update::Pods(ev) => match ev {
+            Update::Pods(ev) => match *ev {
                 Event::Init => self.pods_buffer.clear(),
                 Event::InitApply(p) => {
                     self.pods_buffer.insert(p.name_any(), p);
@@ -166,7 +168,7 @@ impl State {
     }
 
     /// The endpoint set to publish now, if it is complete and differs from the last.
-    fn to_publish(&mut self) -> Option<Vec<Endpoint>> {
+    fn take_changed_set(&mut self) -> Option<Vec<Endpoint>> {
         if !(self.pool_synced && self.pods_synced) {
             return None;
         }
@@ -238,9 +240,10 @@ pub async fn run(
     let (pool_updates, pods_config) = match &source {
         Source::Pool { name, group } => {
             let pools = match group {
-                PoolGroup::V1 => {
-                    pool_stream(Api::<InferencePool>::namespaced(client.clone(), namespace), name)
-                }
+                PoolGroup::V1 => pool_stream(
+                    Api::<InferencePool>::namespaced(client.clone(), namespace),
+                    name,
+                ),
                 PoolGroup::V1Alpha2 => pool_stream(
                     Api::<InferencePoolV1Alpha2>::namespaced(client.clone(), namespace),
                     name,
@@ -257,7 +260,7 @@ pub async fn run(
     };
     let pod_updates = watcher::watcher(pods_api, pods_config)
         .default_backoff()
-        .map(|r| r.map(Update::Pods))
+        .map(|r| r.map(|ev| Update::Pods(Box::new(ev))))
         .boxed();
     let mut updates = futures::stream::select(pool_updates, pod_updates);
     info!(namespace, ?source, "watching Kubernetes for endpoints");
@@ -265,10 +268,14 @@ pub async fn run(
         match update {
             Ok(update) => {
                 state.apply(update);
-                if let Some(endpoints) = state.to_publish() {
+                if let Some(endpoints) = state.take_changed_set() {
                     let count = endpoints.len();
                     let removed = table.replace(endpoints);
-                    debug!(endpoints = count, removed = removed.len(), "endpoint set changed");
+                    debug!(
+                        endpoints = count,
+                        removed = removed.len(),
+                        "endpoint set changed"
+                    );
                     if !removed.is_empty() {
                         info!(
                             endpoints = count,
@@ -278,7 +285,9 @@ pub async fn run(
                     }
                 }
             }
-            Err(e) => warn!(error = %e, "Kubernetes watch failed; serving the last known endpoints and retrying"),
+            Err(e) => {
+                warn!(error = %e, "Kubernetes watch failed; serving the last known endpoints and retrying")
+            }
         }
     }
     Err(KubeError::StreamsEnded)

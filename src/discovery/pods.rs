@@ -52,7 +52,10 @@ pub struct Mapped {
 }
 
 /// Whether `labels` carries every `selector` label; an empty selector selects nothing.
-pub fn selects(selector: &BTreeMap<String, String>, labels: Option<&BTreeMap<String, String>>) -> bool {
+pub fn selects(
+    selector: &BTreeMap<String, String>,
+    labels: Option<&BTreeMap<String, String>>,
+) -> bool {
     if selector.is_empty() {
         return false;
     }
@@ -65,7 +68,9 @@ pub fn is_ready(pod: &Pod) -> bool {
     if pod.metadata.deletion_timestamp.is_some() {
         return false;
     }
-    let Some(status) = &pod.status else { return false };
+    let Some(status) = &pod.status else {
+        return false;
+    };
     let has_ip = status.pod_ip.as_deref().is_some_and(|ip| !ip.is_empty());
     let ready = status
         .conditions
@@ -105,7 +110,9 @@ pub fn pod_endpoints(pod: &Pod, pool: &PoolTarget, warnings: &mut Vec<String>) -
     let ip: IpAddr = match ip_text.parse() {
         Ok(ip) => ip,
         Err(_) => {
-            warnings.push(format!("pod {name}: pod IP {ip_text:?} is not an IP address; skipped"));
+            warnings.push(format!(
+                "pod {name}: pod IP {ip_text:?} is not an IP address; skipped"
+            ));
             return Vec::new();
         }
     };
@@ -299,13 +306,23 @@ pub(crate) mod tests {
             [8000],
         );
         let partial = pod("a", &[APP], true, Some("10.0.0.1"));
-        let wrong_value = pod("b", &[("app", "vllm"), ("tier", "cpu")], true, Some("10.0.0.2"));
+        let wrong_value = pod(
+            "b",
+            &[("app", "vllm"), ("tier", "cpu")],
+            true,
+            Some("10.0.0.2"),
+        );
         let no_labels = {
             let mut p = pod("c", &[], true, Some("10.0.0.3"));
             p.metadata.labels = None;
             p
         };
-        let full = pod("d", &[("app", "vllm"), ("tier", "gpu")], true, Some("10.0.0.4"));
+        let full = pod(
+            "d",
+            &[("app", "vllm"), ("tier", "gpu")],
+            true,
+            Some("10.0.0.4"),
+        );
         let m = pool_endpoints([&partial, &wrong_value, &no_labels, &full], &pl);
         assert_eq!(m.endpoints.len(), 1);
         assert_eq!(m.endpoints[0].name, "ns/d");
@@ -400,7 +417,9 @@ pub(crate) mod tests {
             BOOTSTRAP_PORT_ANNOTATION,
         ] {
             assert!(
-                m.warnings.iter().any(|w| w.contains(key) && w.contains("ns/w")),
+                m.warnings
+                    .iter()
+                    .any(|w| w.contains(key) && w.contains("ns/w")),
                 "no warning for {key}"
             );
         }

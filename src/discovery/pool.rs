@@ -43,14 +43,14 @@ where
     doc = "InferencePool is the Schema for the InferencePools API: a pool of model-server pods behind one endpoint picker."
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = require_selector_and_ports)]
 pub struct InferencePoolSpec {
     /// Which pods (in the pool's namespace) belong to the pool.
     #[serde(default, deserialize_with = "lenient")]
-    #[schemars(required)]
     pub selector: LabelSelector,
     /// Ports the model servers listen on; one endpoint per pod and port.
     #[serde(default, deserialize_with = "lenient")]
-    #[schemars(required, length(min = 1, max = 8))]
+    #[schemars(length(min = 1, max = 8))]
     pub target_ports: Vec<Port>,
     /// Protocol of the model servers (`http` or `kubernetes.io/h2c`).
     #[serde(
@@ -68,13 +68,26 @@ pub struct InferencePoolSpec {
     pub endpoint_picker_ref: Option<EndpointPickerRef>,
 }
 
+/// Schema of the spec as the API server should validate it: `selector` and
+/// `targetPorts` are required there, although kvpick reads objects without them.
+fn require_selector_and_ports(schema: &mut schemars::Schema) {
+    const REQUIRED: [&str; 2] = ["selector", "targetPorts"];
+    if let Some(props) = schema.get_mut("properties").and_then(|p| p.as_object_mut()) {
+        for name in REQUIRED {
+            if let Some(p) = props.get_mut(name).and_then(|p| p.as_object_mut()) {
+                p.remove("default");
+            }
+        }
+    }
+    schema.insert("required".into(), serde_json::json!(REQUIRED));
+}
+
 /// A label selector of which only `matchLabels` is used.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LabelSelector {
     /// Labels a pod must carry (all of them) to be in the pool.
     #[serde(default, deserialize_with = "lenient")]
-    #[schemars(required)]
     pub match_labels: BTreeMap<String, String>,
 }
 
@@ -253,7 +266,10 @@ mod tests {
         let crd = InferencePool::crd();
         assert_eq!(crd.spec.group, GROUP_V1);
         assert_eq!(crd.spec.scope, "Namespaced");
-        assert_eq!(crd.spec.names.short_names, Some(vec!["infpool".to_string()]));
+        assert_eq!(
+            crd.spec.names.short_names,
+            Some(vec!["infpool".to_string()])
+        );
         let schema = serde_json::to_value(&crd.spec.versions[0].schema).unwrap();
         let spec = &schema["openAPIV3Schema"]["properties"]["spec"];
         assert_eq!(spec["properties"]["targetPorts"]["maxItems"], 8);
@@ -283,7 +299,10 @@ mod tests {
         let epp = pool.spec.endpoint_picker_ref.clone().unwrap();
         assert_eq!(epp.kind, "Service");
         assert_eq!(epp.failure_mode, FailureMode::FailOpen);
-        assert_eq!(pool.status.as_ref().unwrap().parents[0].conditions[0].type_, "Accepted");
+        assert_eq!(
+            pool.status.as_ref().unwrap().parents[0].conditions[0].type_,
+            "Accepted"
+        );
         let t = pool.target();
         assert_eq!(t.selector.get("app").map(String::as_str), Some("vllm"));
         assert_eq!(t.target_ports, vec![8000, 8001]);
