@@ -404,3 +404,35 @@ fn selector_and_ports_flags_parse() {
     );
     assert!(PoolGroup::parse("example.com").is_err());
 }
+
+#[test]
+fn rbac_manifest_grants_read_only_namespaced_access() {
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    use serde::Deserialize;
+    let text = include_str!("../../../manifests/rbac.yaml");
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(text)
+        .map(|d| serde_yaml::Value::deserialize(d).unwrap())
+        .collect();
+    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["ServiceAccount", "Role", "RoleBinding"]);
+    let sa: ServiceAccount = serde_yaml::from_value(docs[0].clone()).unwrap();
+    let role: Role = serde_yaml::from_value(docs[1].clone()).unwrap();
+    let binding: RoleBinding = serde_yaml::from_value(docs[2].clone()).unwrap();
+    let rules = role.rules.unwrap();
+    for rule in &rules {
+        assert_eq!(rule.verbs, ["get", "list", "watch"]);
+    }
+    let grants = |group: &str, resource: &str| {
+        rules.iter().any(|r| {
+            r.api_groups.iter().flatten().any(|g| g == group)
+                && r.resources.iter().flatten().any(|x| x == resource)
+        })
+    };
+    assert!(grants("", "pods"));
+    assert!(grants(GROUP_V1, "inferencepools"));
+    assert!(grants(GROUP_V1ALPHA2, "inferencepools"));
+    assert_eq!(binding.role_ref.kind, "Role");
+    assert_eq!(binding.role_ref.name, role.metadata.name.unwrap());
+    assert_eq!(binding.subjects.unwrap()[0].name, sa.metadata.name.unwrap());
+}
