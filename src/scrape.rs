@@ -173,6 +173,18 @@ fn normalise_line(line: &str) -> String {
     out
 }
 
+/// The metric name of a sample line (empty for comments and blank lines).
+fn sample_name(line: &str) -> &str {
+    let line = line.trim_start();
+    if line.starts_with('#') {
+        return "";
+    }
+    let end = line
+        .find(|c: char| c == '{' || c.is_whitespace())
+        .unwrap_or(line.len());
+    &line[..end]
+}
+
 /// Values of the first name in `candidates` that has samples.
 fn values(by_name: &HashMap<&str, Vec<&Sample>>, candidates: &[&str]) -> Vec<f64> {
     candidates
@@ -187,14 +199,29 @@ fn values(by_name: &HashMap<&str, Vec<&Sample>>, candidates: &[&str]) -> Vec<f64
 }
 
 /// Parses a metrics page of `engine` into load figures stamped `at`.
+///
+/// Only the sample lines of the metrics kvpick reads reach the parser: a vLLM page
+/// is mostly histogram buckets, and skipping them makes parsing ~50x cheaper.
 pub fn parse_load(engine: Engine, text: &str, at: Instant) -> Result<ScrapedLoad, ScrapeError> {
-    let scrape = Scrape::parse(text.lines().map(|l| Ok(normalise_line(l))))
-        .map_err(|e| ScrapeError::Parse(e.to_string()))?;
+    let n = names(engine);
+    let wanted: Vec<&str> = [
+        n.queue,
+        n.running,
+        n.kv_usage,
+        n.cache_info,
+        n.block_size_gauge,
+        n.num_blocks_gauge,
+    ]
+    .concat();
+    let lines = text
+        .lines()
+        .filter(|l| wanted.contains(&sample_name(l)))
+        .map(|l| Ok(normalise_line(l)));
+    let scrape = Scrape::parse(lines).map_err(|e| ScrapeError::Parse(e.to_string()))?;
     let mut by_name: HashMap<&str, Vec<&Sample>> = HashMap::new();
     for s in &scrape.samples {
         by_name.entry(s.metric.as_str()).or_default().push(s);
     }
-    let n = names(engine);
     let sum = |candidates: &'static [&'static str]| {
         let v = values(&by_name, candidates);
         (!v.is_empty()).then(|| v.iter().sum::<f64>())
@@ -510,5 +537,84 @@ mod tests {
         let live = serve_page(VLLM).await;
         let err = fetch(&client, live, "/nope", Duration::from_secs(5)).await;
         assert!(matches!(err, Err(ScrapeError::Status(404))));
+    }
+}
+
+/// Measurements for `docs/discovery.md`; run with
+/// `cargo test --release --lib scrape::measure -- --ignored --nocapture`.
+#[cfg(test)]
+mod measure {
+    use super::*;
+
+    const VLLM: &str = include_str!("../tests/fixtures/vllm_metrics.txt");
+
+    /// CPU time this thread has used, from `/proc/thread-self/schedstat`.
+    fn thread_cpu() -> Duration {
+        let text = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+        Duration::from_nanos(text.split_whitespace().next().unwrap().parse().unwrap())
+    }
+
+    #[test]
+    #[ignore = "measurement, not a check"]
+    fn scrape_cost_per_endpoint() {
+        // The worker runs on its own thread so only the scraper's CPU is counted.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                tx.send(listener.local_addr().unwrap()).unwrap();
+                let app =
+                    axum::Router::new().route("/metrics", axum::routing::get(|| async { VLLM }));
+                axum::serve(listener, app).await.unwrap();
+            });
+        });
+        let addr = rx.recv().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let table = EndpointTable::new();
+        table.replace(vec![crate::endpoints::Endpoint::new(addr)]);
+        let state = Arc::clone(&table.snapshot().endpoints[0]);
+        let config = ScrapeConfig::default();
+        let client = http_client();
+        const N: u32 = 2000;
+        rt.block_on(async {
+            for _ in 0..100 {
+                scrape_one(&client, &state, &config).await.unwrap();
+            }
+            for round in 0..3 {
+                let t = thread_cpu();
+                for _ in 0..N {
+                    fetch(&client, addr, "/metrics", config.timeout).await.unwrap();
+                }
+                let get = (thread_cpu() - t) / N;
+                let t = thread_cpu();
+                for _ in 0..N {
+                    scrape_one(&client, &state, &config).await.unwrap();
+                }
+                let scrape = (thread_cpu() - t) / N;
+                let t = thread_cpu();
+                for _ in 0..N {
+                    parse_load(Engine::Vllm, VLLM, Instant::now()).unwrap();
+                }
+                let parse = (thread_cpu() - t) / N;
+                let t = thread_cpu();
+                for _ in 0..N / 20 {
+                    let lines = VLLM.lines().map(|l| Ok(normalise_line(l)));
+                    prometheus_parse::Scrape::parse(lines).unwrap();
+                }
+                let full = (thread_cpu() - t) / (N / 20);
+                println!(
+                    "round {round}: page {} bytes; CPU per plain GET {get:?}, per GET+parse {scrape:?}, \
+                     parse alone {parse:?}, parsing every line (unfiltered) {full:?}",
+                    VLLM.len()
+                );
+            }
+        });
     }
 }

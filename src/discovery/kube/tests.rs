@@ -436,3 +436,47 @@ fn rbac_manifest_grants_read_only_namespaced_access() {
     assert_eq!(binding.role_ref.name, role.metadata.name.unwrap());
     assert_eq!(binding.subjects.unwrap()[0].name, sa.metadata.name.unwrap());
 }
+
+/// Measurement for `docs/discovery.md`: time from a pod's readiness change arriving
+/// on the watch to `Scheduler::pick` on the live table answering differently. Run
+/// with `cargo test --release --lib readiness_to_decision -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "measurement, not a check"]
+async fn readiness_to_decision_latency() {
+    let api = Arc::new(FakeApi::default());
+    *api.pool.lock() = Some(pool_json(&[APP], &[8000]));
+    *api.pods.lock() = vec![pod("a", &[APP], true, Some("10.0.0.1"))];
+    let (table, task) = start(&api, pool_source());
+    wait_for(&table, &["10.0.0.1:8000"]).await;
+    let scheduler = Scheduler::new();
+    let mut samples = Vec::new();
+    for i in 0..400 {
+        let ready = i % 2 == 1;
+        let p = pod("a", &[APP], ready, Some("10.0.0.1"));
+        let value = api.with_version(serde_json::to_value(&p).unwrap());
+        *api.pods.lock() = vec![p];
+        let start = std::time::Instant::now();
+        api.event(true, "MODIFIED", value).await;
+        loop {
+            let routed = scheduler
+                .pick(&PickRequest::default(), &table.snapshot())
+                .is_ok();
+            if routed == ready {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        samples.push(start.elapsed());
+    }
+    samples.sort();
+    let pct = |p: f64| samples[((samples.len() - 1) as f64 * p) as usize];
+    println!(
+        "readiness change -> decision change over {} flips: p50 {:?}, p90 {:?}, p99 {:?}, max {:?}",
+        samples.len(),
+        pct(0.5),
+        pct(0.9),
+        pct(0.99),
+        samples[samples.len() - 1]
+    );
+    task.abort();
+}
