@@ -13,6 +13,7 @@ pub mod identity;
 pub mod kv;
 pub mod request;
 pub mod scheduler;
+pub mod scrape;
 pub mod server;
 pub mod sessions;
 pub mod telemetry;
