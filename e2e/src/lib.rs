@@ -7,3 +7,7 @@ pub mod kvcache;
 pub mod mock_worker;
 pub mod serve;
 pub mod tokenizer;
+pub mod gateway;
+pub mod client;
+pub mod stack;
+pub mod workload;

@@ -455,37 +455,42 @@ fn text_of(content: &Value) -> String {
     }
 }
 
+/// The prompt tokens of chat `messages` under the worker's chat template: each
+/// message is its role marker followed by its text, then the assistant marker.
+pub fn chat_prompt_tokens(messages: &[Value]) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    for m in messages {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("user");
+        tokens.push(tokenizer::role_marker(role));
+        tokens.extend(tokenizer::encode(&text_of(
+            m.get("content").unwrap_or(&Value::Null),
+        )));
+    }
+    tokens.push(tokenizer::role_marker("assistant"));
+    tokens
+}
+
 fn parse_prompt(api: Api, body: &[u8], default_max: usize) -> Result<Prompt, Reject> {
     let bad = |m: String| Reject(StatusCode::BAD_REQUEST, "invalid_request_error", m);
     let v: Value =
         serde_json::from_slice(body).map_err(|e| bad(format!("body is not JSON: {e}")))?;
-    let mut tokens = Vec::new();
-    match api {
-        Api::Chat => {
-            let msgs = v
-                .get("messages")
+    let tokens = match api {
+        Api::Chat => chat_prompt_tokens(
+            v.get("messages")
                 .and_then(Value::as_array)
-                .ok_or_else(|| bad("`messages` must be an array".into()))?;
-            for m in msgs {
-                let role = m.get("role").and_then(Value::as_str).unwrap_or("user");
-                tokens.push(tokenizer::role_marker(role));
-                tokens.extend(tokenizer::encode(&text_of(
-                    m.get("content").unwrap_or(&Value::Null),
-                )));
-            }
-            tokens.push(tokenizer::role_marker("assistant"));
-        }
+                .ok_or_else(|| bad("`messages` must be an array".into()))?,
+        ),
         Api::Completions => match v.get("prompt") {
-            Some(Value::String(s)) => tokens = tokenizer::encode(s),
+            Some(Value::String(s)) => tokenizer::encode(s),
             Some(Value::Array(a)) if a.iter().all(Value::is_u64) => {
-                tokens = a.iter().filter_map(Value::as_u64).map(|t| t as u32).collect()
+                a.iter().filter_map(Value::as_u64).map(|t| t as u32).collect()
             }
             Some(Value::Array(a)) => {
-                tokens = tokenizer::encode(a.first().and_then(Value::as_str).unwrap_or(""))
+                tokenizer::encode(a.first().and_then(Value::as_str).unwrap_or(""))
             }
             _ => return Err(bad("`prompt` must be a string or an array".into())),
         },
-    }
+    };
     let max_tokens = v
         .get("max_completion_tokens")
         .or_else(|| v.get("max_tokens"))
