@@ -11,3 +11,4 @@ pub mod gateway;
 pub mod client;
 pub mod stack;
 pub mod workload;
+pub mod report;
