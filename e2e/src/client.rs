@@ -41,7 +41,11 @@ impl Reply {
             .filter_map(|l| l.strip_prefix("data: "))
             .filter(|l| *l != "[DONE]")
             .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(String::from))
+            .filter_map(|v| {
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(String::from)
+            })
             .collect()
     }
 }
@@ -72,8 +76,7 @@ impl Client {
     pub fn new(addr: SocketAddr) -> Self {
         Client {
             addr,
-            http: hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-                .build_http(),
+            http: hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http(),
         }
     }
 
@@ -108,7 +111,8 @@ impl Client {
         body: &Value,
         headers: &[(&str, &str)],
     ) -> Result<Reply, ClientError> {
-        self.send(Method::POST, path, headers, body.to_string()).await
+        self.send(Method::POST, path, headers, body.to_string())
+            .await
     }
 
     /// GETs a path.

@@ -265,7 +265,8 @@ impl ExtProcStream {
 }
 
 fn error_response(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
-    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
+    let body =
+        serde_json::json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
@@ -386,7 +387,9 @@ impl Gateway {
         let (parts, body) = req.into_parts();
         let body = match body.collect().await {
             Ok(b) => b.to_bytes(),
-            Err(e) => return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string()),
+            Err(e) => {
+                return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string())
+            }
         };
         let mut headers = parts.headers;
         for h in HOP_BY_HOP {
@@ -399,7 +402,10 @@ impl Gateway {
             .to_string();
         if !headers.contains_key("x-request-id") {
             let id = format!("gw-{:016x}", self.next_id.fetch_add(1, Ordering::Relaxed));
-            headers.insert("x-request-id", HeaderValue::from_str(&id).expect("hex is ASCII"));
+            headers.insert(
+                "x-request-id",
+                HeaderValue::from_str(&id).expect("hex is ASCII"),
+            );
         }
         let down = Downstream {
             method: parts.method,
@@ -502,12 +508,19 @@ impl Gateway {
         down: &Downstream,
     ) -> Result<Verdict, PickerFailure> {
         let mut pairs = vec![
-            (":method".to_string(), down.method.as_str().as_bytes().to_vec()),
+            (
+                ":method".to_string(),
+                down.method.as_str().as_bytes().to_vec(),
+            ),
             (":path".to_string(), down.path.as_bytes().to_vec()),
             (":authority".to_string(), down.authority.as_bytes().to_vec()),
             (":scheme".to_string(), b"http".to_vec()),
         ];
-        pairs.extend(header_pairs(&down.headers).into_iter().filter(|(k, _)| k != "host"));
+        pairs.extend(
+            header_pairs(&down.headers)
+                .into_iter()
+                .filter(|(k, _)| k != "host"),
+        );
         let header_only = down.body.is_empty();
         s.send(ProcessingRequest {
             request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
@@ -584,7 +597,8 @@ impl Gateway {
                 .and_then(|m| m.mutation);
             match mutation {
                 Some(Mutation::StreamedResponse(chunk)) => {
-                    body.get_or_insert_with(Vec::new).extend_from_slice(&chunk.body);
+                    body.get_or_insert_with(Vec::new)
+                        .extend_from_slice(&chunk.body);
                     if chunk.end_of_stream {
                         break;
                     }
@@ -625,7 +639,9 @@ impl Gateway {
         *up.headers_mut().expect("builder is valid so far") = headers;
         let up = match up.body(Full::new(body)) {
             Ok(r) => r,
-            Err(e) => return error_response(StatusCode::BAD_GATEWAY, "bad_gateway", &e.to_string()),
+            Err(e) => {
+                return error_response(StatusCode::BAD_GATEWAY, "bad_gateway", &e.to_string())
+            }
         };
         let resp = match self.http.request(up).await {
             Ok(r) => r,
@@ -660,7 +676,10 @@ impl Gateway {
         for h in HOP_BY_HOP {
             headers.remove(*h);
         }
-        let mut pairs = vec![(":status".to_string(), parts.status.as_str().as_bytes().to_vec())];
+        let mut pairs = vec![(
+            ":status".to_string(),
+            parts.status.as_str().as_bytes().to_vec(),
+        )];
         pairs.extend(header_pairs(&headers));
         let full_duplex = self.config.body_mode == BodyMode::FullDuplex;
         s.send(ProcessingRequest {
@@ -713,7 +732,11 @@ impl Gateway {
             let body = match answer.response {
                 Some(processing_response::Response::ResponseBody(b)) => {
                     apply_common(b.response.as_ref(), &mut headers, &mut String::new());
-                    match b.response.and_then(|c| c.body_mutation).and_then(|m| m.mutation) {
+                    match b
+                        .response
+                        .and_then(|c| c.body_mutation)
+                        .and_then(|m| m.mutation)
+                    {
                         Some(Mutation::Body(b)) => Bytes::from(b),
                         Some(Mutation::ClearBody(true)) => Bytes::new(),
                         _ => whole,
@@ -800,7 +823,10 @@ impl Gateway {
                 }
             }
         });
-        Ok(builder(headers, Body::from_stream(ReceiverStream::new(out_rx))))
+        Ok(builder(
+            headers,
+            Body::from_stream(ReceiverStream::new(out_rx)),
+        ))
     }
 
     /// The picker failed: forward unchanged to a fallback (fail-open) or refuse (fail-close).
@@ -938,7 +964,10 @@ mod tests {
             .into_iter()
             .collect(),
         };
-        assert_eq!(destination_from(Some(&md)).as_deref(), Some("10.0.0.1:8000"));
+        assert_eq!(
+            destination_from(Some(&md)).as_deref(),
+            Some("10.0.0.1:8000")
+        );
         assert_eq!(destination_from(Some(&Struct::default())), None);
     }
 }

@@ -229,7 +229,9 @@ mod tests {
             .await
             .unwrap();
         let mut sub = zeromq::SubSocket::new();
-        sub.connect(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+        sub.connect(&format!("tcp://127.0.0.1:{port}"))
+            .await
+            .unwrap();
         sub.subscribe("").await.unwrap();
         // A SUB socket only gets messages after its subscription reached the PUB side.
         let mut got = None;

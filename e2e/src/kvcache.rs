@@ -195,11 +195,7 @@ impl KvCache {
     }
 
     fn evict_one(&mut self, keep: &[u64]) -> Option<u64> {
-        let victim = self
-            .lru
-            .iter()
-            .find(|(_, h)| !keep.contains(h))
-            .copied()?;
+        let victim = self.lru.iter().find(|(_, h)| !keep.contains(h)).copied()?;
         self.lru.remove(&victim);
         self.blocks.remove(&victim.1);
         Some(victim.1)
@@ -276,7 +272,11 @@ mod tests {
         let CacheEvent::Stored { parent, .. } = &b.events[0] else {
             panic!()
         };
-        assert_eq!(*parent, Some(present[1]), "new blocks chain to the cached prefix");
+        assert_eq!(
+            *parent,
+            Some(present[1]),
+            "new blocks chain to the cached prefix"
+        );
     }
 
     #[test]

@@ -2,13 +2,13 @@
 //! Envoy-behaving test gateway, a test Kubernetes API server, and helpers that
 //! start the whole stack in-process for tests and the demo.
 
+pub mod client;
+pub mod gateway;
 pub mod kv_events;
 pub mod kvcache;
 pub mod mock_worker;
-pub mod serve;
-pub mod tokenizer;
-pub mod gateway;
-pub mod client;
-pub mod stack;
-pub mod workload;
 pub mod report;
+pub mod serve;
+pub mod stack;
+pub mod tokenizer;
+pub mod workload;

@@ -317,7 +317,6 @@ impl WorkerHandle {
     }
 }
 
-
 fn router(worker: Arc<Worker>) -> Router {
     Router::new()
         .route(
@@ -409,11 +408,7 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
         bs = w.config.block_size,
         nb = w.config.num_blocks,
     );
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        text,
-    )
-        .into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 /// A rejected request: status, OpenAI error type, message.
@@ -482,9 +477,11 @@ fn parse_prompt(api: Api, body: &[u8], default_max: usize) -> Result<Prompt, Rej
         ),
         Api::Completions => match v.get("prompt") {
             Some(Value::String(s)) => tokenizer::encode(s),
-            Some(Value::Array(a)) if a.iter().all(Value::is_u64) => {
-                a.iter().filter_map(Value::as_u64).map(|t| t as u32).collect()
-            }
+            Some(Value::Array(a)) if a.iter().all(Value::is_u64) => a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|t| t as u32)
+                .collect(),
             Some(Value::Array(a)) => {
                 tokenizer::encode(a.first().and_then(Value::as_str).unwrap_or(""))
             }
@@ -524,7 +521,9 @@ fn reply_words(prompt: &[u32], n: usize) -> Vec<&'static str> {
     let mut h = crate::kvcache::block_hash(None, prompt);
     (0..n)
         .map(|_| {
-            h = h.wrapping_mul(0x5851_f42d_4c95_7f2d).wrapping_add(1442695040888963407);
+            h = h
+                .wrapping_mul(0x5851_f42d_4c95_7f2d)
+                .wrapping_add(1442695040888963407);
             WORDS[(h >> 33) as usize % WORDS.len()]
         })
         .collect()
@@ -662,7 +661,12 @@ impl Worker {
             .as_ref()
             .and_then(|id| inner.sessions.get_mut(id))
         {
-            pin_for_session(&mut inner.caches[rank as usize], s, &present, &access.events);
+            pin_for_session(
+                &mut inner.caches[rank as usize],
+                s,
+                &present,
+                &access.events,
+            );
         }
         self.publish(&access.events);
         (access.hit_tokens, access.queried_tokens)
@@ -680,7 +684,12 @@ impl Worker {
             .as_ref()
             .and_then(|id| inner.sessions.get_mut(id))
         {
-            pin_for_session(&mut inner.caches[rank as usize], s, &present, &access.events);
+            pin_for_session(
+                &mut inner.caches[rank as usize],
+                s,
+                &present,
+                &access.events,
+            );
         }
         self.publish(&access.events);
     }
@@ -798,7 +807,10 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
     let prefill = w.config.ttft + w.config.prefill_per_token * uncached;
     let words = reply_words(&prompt.tokens, prompt.max_tokens);
     let output: Vec<u32> = words.iter().map(|wd| tokenizer::word_id(wd)).collect();
-    let id = format!("cmpl-{:016x}", crate::kvcache::block_hash(None, &prompt.tokens));
+    let id = format!(
+        "cmpl-{:016x}",
+        crate::kvcache::block_hash(None, &prompt.tokens)
+    );
     let created = crate::kv_events::now_ts() as u64;
     let usage = json!({
         "prompt_tokens": queried,
@@ -842,7 +854,11 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
             } else {
                 format!(" {word}")
             };
-            let finish_reason = if i == last { json!("stop") } else { Value::Null };
+            let finish_reason = if i == last {
+                json!("stop")
+            } else {
+                Value::Null
+            };
             let chunk = match api {
                 Api::Chat => json!({
                     "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -853,7 +869,11 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
                     "choices": [{"index": 0, "text": piece, "finish_reason": finish_reason}],
                 }),
             };
-            if tx.send(Bytes::from(format!("data: {chunk}\n\n"))).await.is_err() {
+            if tx
+                .send(Bytes::from(format!("data: {chunk}\n\n")))
+                .await
+                .is_err()
+            {
                 return;
             }
         }

@@ -79,7 +79,10 @@ mod tests {
         let t = markdown_table(&[row(3, 50, 100), row(1, 0, 0)]);
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 5);
-        assert_eq!(lines[2], "| 127.0.0.1:1 | 7 | 3 | 75.0% | 50.0% | 50 / 100 |");
+        assert_eq!(
+            lines[2],
+            "| 127.0.0.1:1 | 7 | 3 | 75.0% | 50.0% | 50 / 100 |"
+        );
         assert_eq!(lines[3], "| 127.0.0.1:1 | 7 | 1 | 25.0% | 0.0% | 0 / 0 |");
         assert_eq!(lines[4], "| **all** | | 4 | 100.0% | 50.0% | 50 / 100 |");
     }

@@ -18,7 +18,9 @@ pub struct Server {
 impl Server {
     /// Serves `router` on `listener` (HTTP/1.1).
     pub fn start(listener: TcpListener, router: Router) -> Server {
-        let addr = listener.local_addr().expect("a bound listener has an address");
+        let addr = listener
+            .local_addr()
+            .expect("a bound listener has an address");
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
             loop {

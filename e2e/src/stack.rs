@@ -13,6 +13,7 @@ use kvpick::extproc::ExtProcConfig;
 use kvpick::server::App;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
+use tonic::transport::ServerTlsConfig;
 
 use crate::gateway::{BodyMode, FailureMode, GatewayConfig, GatewayHandle};
 use crate::mock_worker::{WorkerConfig, WorkerHandle};
@@ -29,6 +30,9 @@ pub enum StackError {
     /// The gateway failed to start.
     #[error(transparent)]
     Gateway(#[from] crate::gateway::GatewayError),
+    /// The self-signed certificate could not be made.
+    #[error(transparent)]
+    Tls(#[from] kvpick::tls::TlsError),
     /// kvpick did not load the expected endpoints in time.
     #[error("kvpick did not pick up {0} endpoints in time")]
     NotSynced(usize),
@@ -53,6 +57,7 @@ pub fn write_endpoints(path: &Path, endpoints: &[(SocketAddr, u64)]) -> std::io:
 /// with fresh state.
 pub struct Kvpick {
     addr: SocketAddr,
+    tls: Option<ServerTlsConfig>,
     endpoints_file: PathBuf,
     poll: Duration,
     app: App,
@@ -61,16 +66,19 @@ pub struct Kvpick {
 
 impl Kvpick {
     /// Starts kvpick reading `endpoints_file`, listening on `addr` (port 0: any).
+    /// With `tls`, ext_proc is served over TLS.
     pub async fn start(
         addr: SocketAddr,
         endpoints_file: PathBuf,
         poll: Duration,
+        tls: Option<ServerTlsConfig>,
     ) -> Result<Kvpick, StackError> {
         let front = TcpListener::bind(addr).await?;
         let addr = front.local_addr()?;
-        let (app, tasks) = Self::launch(front, &endpoints_file, poll).await?;
+        let (app, tasks) = Self::launch(front, &endpoints_file, poll, tls.clone()).await?;
         Ok(Kvpick {
             addr,
+            tls,
             endpoints_file,
             poll,
             app,
@@ -82,13 +90,14 @@ impl Kvpick {
         front: TcpListener,
         endpoints_file: &Path,
         poll: Duration,
+        tls: Option<ServerTlsConfig>,
     ) -> Result<(App, Vec<JoinHandle<()>>), StackError> {
         let app = App::new("e2e");
         let inner = TcpListener::bind("127.0.0.1:0").await?;
         let inner_addr = inner.local_addr()?;
         let service = app.ext_proc(ExtProcConfig::default());
         let grpc = tokio::spawn(async move {
-            if let Err(e) = kvpick::server::serve_ext_proc(inner, service, None).await {
+            if let Err(e) = kvpick::server::serve_ext_proc(inner, service, tls).await {
                 tracing::error!(error = %e, "kvpick ext_proc server stopped");
             }
         });
@@ -137,7 +146,8 @@ impl Kvpick {
     pub async fn restart(&mut self) -> Result<(), StackError> {
         self.stop().await;
         let front = TcpListener::bind(self.addr).await?;
-        let (app, tasks) = Self::launch(front, &self.endpoints_file, self.poll).await?;
+        let (app, tasks) =
+            Self::launch(front, &self.endpoints_file, self.poll, self.tls.clone()).await?;
         self.app = app;
         self.tasks = tasks;
         Ok(())
@@ -185,6 +195,8 @@ pub struct StackOptions {
     pub failure_mode: FailureMode,
     /// How often kvpick polls the endpoints file.
     pub poll: Duration,
+    /// Serve ext_proc over TLS with a self-signed certificate the gateway trusts.
+    pub tls: bool,
 }
 
 impl Default for StackOptions {
@@ -200,6 +212,7 @@ impl Default for StackOptions {
             body_mode: BodyMode::FullDuplex,
             failure_mode: FailureMode::Close,
             poll: Duration::from_millis(20),
+            tls: false,
         }
     }
 }
@@ -234,15 +247,26 @@ impl Stack {
             workers.push(WorkerHandle::start(local, opts.worker.clone()).await?);
         }
         let endpoints_file = dir.join("endpoints.yaml");
-        let listed: Vec<(SocketAddr, u64)> =
-            workers.iter().map(|w| (w.addr(), w.instance_id())).collect();
+        let listed: Vec<(SocketAddr, u64)> = workers
+            .iter()
+            .map(|w| (w.addr(), w.instance_id()))
+            .collect();
         write_endpoints(&endpoints_file, &listed)?;
-        let kvpick = Kvpick::start(local, endpoints_file.clone(), opts.poll).await?;
+        let (tls, ca) = match opts.tls {
+            true => {
+                let (tls, pem) = kvpick::tls::self_signed(&["localhost"])?;
+                (Some(tls), Some(pem))
+            }
+            false => (None, None),
+        };
+        let scheme = if opts.tls { "https" } else { "http" };
+        let kvpick = Kvpick::start(local, endpoints_file.clone(), opts.poll, tls).await?;
         kvpick.wait_for_endpoints(workers.len()).await?;
         let gateway = GatewayHandle::start(
             local,
             GatewayConfig {
-                ext_proc: format!("http://{}", kvpick.addr()),
+                ext_proc: format!("{scheme}://{}", kvpick.addr()),
+                ext_proc_ca: ca,
                 body_mode: opts.body_mode,
                 failure_mode: opts.failure_mode,
                 fallback: workers.iter().map(WorkerHandle::addr).collect(),

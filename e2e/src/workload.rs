@@ -54,9 +54,30 @@ pub struct Outcome {
 }
 
 const LEXICON: &[&str] = &[
-    "policy", "request", "answer", "carefully", "context", "tool", "user", "format", "json",
-    "safety", "cite", "sources", "never", "always", "brief", "steps", "plan", "check", "result",
-    "agent", "memory", "task", "goal", "review",
+    "policy",
+    "request",
+    "answer",
+    "carefully",
+    "context",
+    "tool",
+    "user",
+    "format",
+    "json",
+    "safety",
+    "cite",
+    "sources",
+    "never",
+    "always",
+    "brief",
+    "steps",
+    "plan",
+    "check",
+    "result",
+    "agent",
+    "memory",
+    "task",
+    "goal",
+    "review",
 ];
 
 /// A deterministic system prompt of `words` words.
@@ -64,7 +85,9 @@ pub fn system_prompt(index: usize, words: usize) -> String {
     let mut out = format!("You are assistant {index}.");
     let mut h = index as u64 + 1;
     for _ in 0..words {
-        h = h.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        h = h
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         out.push(' ');
         out.push_str(LEXICON[(h >> 33) as usize % LEXICON.len()]);
     }

@@ -33,21 +33,45 @@ fn chat(system: &str, user: &str) -> Value {
 #[tokio::test]
 async fn serves_openai_shapes_streaming_and_not() {
     let (_w, c) = worker(fast()).await;
-    let r = c.post_json("/v1/chat/completions", &chat("be brief", "hi"), &[]).await.unwrap();
+    let r = c
+        .post_json("/v1/chat/completions", &chat("be brief", "hi"), &[])
+        .await
+        .unwrap();
     assert_eq!(r.status, 200);
     let v = r.json();
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["usage"]["completion_tokens"], 4);
-    assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap().split(' ').count(), 4);
+    assert_eq!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .split(' ')
+            .count(),
+        4
+    );
 
     let mut body = chat("be brief", "hi");
     body["stream"] = json!(true);
-    let r = c.post_json("/v1/chat/completions", &body, &[]).await.unwrap();
+    let r = c
+        .post_json("/v1/chat/completions", &body, &[])
+        .await
+        .unwrap();
     assert_eq!(r.headers["content-type"], "text/event-stream");
     assert!(r.text().ends_with("data: [DONE]\n\n"));
-    assert_eq!(r.chat_text(), v["choices"][0]["message"]["content"], "same prompt, same reply");
+    assert_eq!(
+        r.chat_text(),
+        v["choices"][0]["message"]["content"],
+        "same prompt, same reply"
+    );
 
-    let r = c.post_json("/v1/completions", &json!({"prompt": "once upon", "max_tokens": 2}), &[]).await.unwrap();
+    let r = c
+        .post_json(
+            "/v1/completions",
+            &json!({"prompt": "once upon", "max_tokens": 2}),
+            &[],
+        )
+        .await
+        .unwrap();
     assert_eq!(r.json()["object"], "text_completion");
     let models = c.get("/v1/models").await.unwrap().json();
     assert_eq!(models["data"][0]["id"], "mock-model");
@@ -58,13 +82,24 @@ async fn serves_openai_shapes_streaming_and_not() {
 async fn counts_prefix_hits_in_whole_blocks() {
     let (w, c) = worker(fast()).await;
     let system = "word ".repeat(100);
-    c.post_json("/v1/chat/completions", &chat(&system, "first"), &[]).await.unwrap();
-    let second = c.post_json("/v1/chat/completions", &chat(&system, "second"), &[]).await.unwrap();
-    let msgs = chat(&system, "second")["messages"].as_array().unwrap().clone();
+    c.post_json("/v1/chat/completions", &chat(&system, "first"), &[])
+        .await
+        .unwrap();
+    let second = c
+        .post_json("/v1/chat/completions", &chat(&system, "second"), &[])
+        .await
+        .unwrap();
+    let msgs = chat(&system, "second")["messages"]
+        .as_array()
+        .unwrap()
+        .clone();
     let tokens = chat_prompt_tokens(&msgs);
     // System marker + 100 words + user marker + 1 word + assistant marker; the
     // first 101 tokens are shared, so 6 full blocks of 16 hit.
-    assert_eq!(second.json()["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
+    assert_eq!(
+        second.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96
+    );
     let counters = w.counters();
     assert_eq!(counters.prefix_cache_hits, 96);
     assert_eq!(counters.prefix_cache_queries, 2 * tokens.len() as u64);
@@ -86,7 +121,11 @@ async fn rejects_requests_routed_to_another_worker() {
     let (w, c) = worker(fast()).await;
     let other = (w.instance_id() + 1).to_string();
     let r = c
-        .post_json("/v1/chat/completions", &chat("s", "u"), &[("x-worker-instance-id", &other)])
+        .post_json(
+            "/v1/chat/completions",
+            &chat("s", "u"),
+            &[("x-worker-instance-id", &other)],
+        )
         .await
         .unwrap();
     assert_eq!(r.status, 421);
@@ -102,8 +141,18 @@ async fn rejects_requests_routed_to_another_worker() {
         .unwrap();
     assert_eq!(r.status, 400, "rank 1 of a dp-size-1 worker");
     let seen = w.seen();
-    assert_eq!((seen.counters.misdirected, seen.counters.errors, seen.counters.requests), (1, 2, 0));
-    assert_eq!(seen.requests[0].worker_instance_id.as_deref(), Some(other.as_str()));
+    assert_eq!(
+        (
+            seen.counters.misdirected,
+            seen.counters.errors,
+            seen.counters.requests
+        ),
+        (1, 2, 0)
+    );
+    assert_eq!(
+        seen.requests[0].worker_instance_id.as_deref(),
+        Some(other.as_str())
+    );
 }
 
 #[tokio::test]
@@ -118,19 +167,53 @@ async fn sessions_open_continue_close_and_free_blocks() {
         b["nvext"] = json!({"session_control": sc});
         b
     };
-    let r = c.post_json("/v1/chat/completions", &turn(None, "early"), &[]).await.unwrap();
+    let r = c
+        .post_json("/v1/chat/completions", &turn(None, "early"), &[])
+        .await
+        .unwrap();
     assert_eq!(r.status, 404, "a turn of an unknown session is an error");
     assert_eq!(r.json()["error"]["type"], "session_not_found");
-    assert_eq!(c.post_json("/v1/chat/completions", &turn(Some("open"), "a"), &[]).await.unwrap().status, 200);
-    assert_eq!(c.post_json("/v1/chat/completions", &turn(None, "b"), &[]).await.unwrap().status, 200);
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &turn(Some("open"), "a"), &[])
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &turn(None, "b"), &[])
+            .await
+            .unwrap()
+            .status,
+        200
+    );
     assert_eq!(w.seen().sessions, vec!["s1"]);
     let used_before_close = w.counters().blocks_used;
-    assert_eq!(c.post_json("/v1/chat/completions", &turn(Some("close"), "c"), &[]).await.unwrap().status, 200);
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &turn(Some("close"), "c"), &[])
+            .await
+            .unwrap()
+            .status,
+        200
+    );
     let after = w.counters();
-    assert_eq!((after.sessions_open, after.sessions_opened, after.sessions_closed), (0, 1, 1));
+    assert_eq!(
+        (
+            after.sessions_open,
+            after.sessions_opened,
+            after.sessions_closed
+        ),
+        (0, 1, 1)
+    );
     assert!(after.session_blocks_freed > 0);
-    assert!(after.blocks_used < used_before_close, "closing freed the session's blocks");
-    let r = c.post_json("/v1/chat/completions", &turn(None, "d"), &[]).await.unwrap();
+    assert!(
+        after.blocks_used < used_before_close,
+        "closing freed the session's blocks"
+    );
+    let r = c
+        .post_json("/v1/chat/completions", &turn(None, "d"), &[])
+        .await
+        .unwrap();
     assert_eq!(r.status, 404, "closed sessions are gone");
 }
 
@@ -150,7 +233,9 @@ async fn publishes_vllm_kv_events_for_stored_blocks() {
     let mut got = None;
     for i in 0..50 {
         let body = chat(&format!("prompt {i} ").repeat(20), "q");
-        c.post_json("/v1/chat/completions", &body, &[]).await.unwrap();
+        c.post_json("/v1/chat/completions", &body, &[])
+            .await
+            .unwrap();
         if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
             got = Some((m, body));
             break;
@@ -168,7 +253,12 @@ async fn publishes_vllm_kv_events_for_stored_blocks() {
         .expect("a BlockStored event");
     let tokens = chat_prompt_tokens(body["messages"].as_array().unwrap());
     let expected = prefix_hashes(&tokens, 16);
-    let hashes: Vec<u64> = stored[1].as_array().unwrap().iter().map(|h| h.as_u64().unwrap()).collect();
+    let hashes: Vec<u64> = stored[1]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_u64().unwrap())
+        .collect();
     if seq == 0 {
         assert_eq!(hashes, expected, "first batch stores the whole prompt");
         assert!(stored[2].is_nil(), "no parent for the first block");

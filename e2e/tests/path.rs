@@ -25,7 +25,10 @@ fn assert_routed_to_self(s: &Stack) -> usize {
     for w in &s.workers {
         let seen = w.seen();
         for r in &seen.requests {
-            assert_eq!(r.worker_instance_id.as_deref(), Some(&*w.instance_id().to_string()));
+            assert_eq!(
+                r.worker_instance_id.as_deref(),
+                Some(&*w.instance_id().to_string())
+            );
             assert_eq!(r.destination.as_deref(), Some(&*w.addr().to_string()));
             assert_eq!(r.dp_rank.as_deref(), Some("0"));
             assert_eq!(r.prefill_instance_id, None);
@@ -40,7 +43,10 @@ fn assert_routed_to_self(s: &Stack) -> usize {
 fn assert_json_error(r: &Reply, status: u16) {
     assert_eq!(r.status, status, "{}", r.text());
     assert_eq!(r.headers["content-type"], "application/json");
-    let msg = r.json()["error"]["message"].as_str().unwrap_or_default().to_string();
+    let msg = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     assert!(!msg.is_empty(), "no error message in {}", r.text());
 }
 
@@ -53,14 +59,22 @@ async fn routing_headers_reach_the_worker(mode: BodyMode) {
     let c = s.client();
     for i in 0..12 {
         let r = c
-            .post_json("/v1/chat/completions", &chat(&format!("hello {i}"), i % 2 == 0), &[])
+            .post_json(
+                "/v1/chat/completions",
+                &chat(&format!("hello {i}"), i % 2 == 0),
+                &[],
+            )
             .await
             .unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
         assert!(!r.chat_text().is_empty());
     }
     let r = c
-        .post_json("/v1/completions", &json!({"model": "mock-model", "prompt": "once upon a time", "max_tokens": 2}), &[])
+        .post_json(
+            "/v1/completions",
+            &json!({"model": "mock-model", "prompt": "once upon a time", "max_tokens": 2}),
+            &[],
+        )
         .await
         .unwrap();
     assert_eq!(r.json()["object"], "text_completion", "{}", r.text());
@@ -75,6 +89,24 @@ async fn routing_headers_reach_the_worker_full_duplex() {
 #[tokio::test]
 async fn routing_headers_reach_the_worker_buffered() {
     routing_headers_reach_the_worker(BodyMode::Buffered).await;
+}
+
+#[tokio::test]
+async fn ext_proc_over_tls_with_the_self_signed_certificate() {
+    let s = stack(StackOptions {
+        tls: true,
+        ..StackOptions::default()
+    })
+    .await;
+    for stream in [false, true] {
+        let r = s
+            .client()
+            .post_json("/v1/chat/completions", &chat("over tls", stream), &[])
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(assert_routed_to_self(&s), 2);
 }
 
 #[tokio::test]
@@ -134,7 +166,11 @@ async fn bad_requests_get_400_with_a_json_error() {
         .await
         .unwrap();
     assert_json_error(&r, 400);
-    assert_eq!(assert_routed_to_self(&s), 0, "no bad request reached a worker");
+    assert_eq!(
+        assert_routed_to_self(&s),
+        0,
+        "no bad request reached a worker"
+    );
 }
 
 #[tokio::test]
@@ -172,7 +208,11 @@ async fn a_killed_worker_fails_fast_then_traffic_moves_to_the_others() {
     for i in 0..12 {
         let r = s
             .client()
-            .post_json("/v1/chat/completions", &chat(&format!("q{i}"), i % 2 == 1), &[])
+            .post_json(
+                "/v1/chat/completions",
+                &chat(&format!("q{i}"), i % 2 == 1),
+                &[],
+            )
             .await
             .unwrap();
         assert_eq!(r.status, 200);
@@ -184,9 +224,18 @@ async fn a_killed_worker_fails_fast_then_traffic_moves_to_the_others() {
 async fn kvpick_restart_fails_closed_then_the_gateway_reconnects() {
     let mut s = stack(StackOptions::default()).await;
     let c = s.client();
-    assert_eq!(c.post_json("/v1/chat/completions", &chat("a", false), &[]).await.unwrap().status, 200);
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &chat("a", false), &[])
+            .await
+            .unwrap()
+            .status,
+        200
+    );
     s.kvpick.stop().await;
-    let r = c.post_json("/v1/chat/completions", &chat("b", false), &[]).await.unwrap();
+    let r = c
+        .post_json("/v1/chat/completions", &chat("b", false), &[])
+        .await
+        .unwrap();
     assert_json_error(&r, 503);
     assert_eq!(r.json()["error"]["type"], "ext_proc_unavailable");
     s.kvpick.restart().await.unwrap();
@@ -200,7 +249,10 @@ async fn kvpick_restart_fails_closed_then_the_gateway_reconnects() {
     }
     assert_eq!(assert_routed_to_self(&s), 5);
     assert_eq!(
-        s.gateway.stats().failed_closed.load(std::sync::atomic::Ordering::Relaxed),
+        s.gateway
+            .stats()
+            .failed_closed
+            .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
 }
@@ -221,9 +273,15 @@ async fn kvpick_down_fails_open_to_a_fallback_worker() {
     assert_eq!(r.status, 200, "{}", r.text());
     let seen: Vec<_> = s.workers.iter().flat_map(|w| w.seen().requests).collect();
     assert_eq!(seen.len(), 1);
-    assert_eq!(seen[0].worker_instance_id, None, "no picker, no routing headers");
     assert_eq!(
-        s.gateway.stats().failed_open.load(std::sync::atomic::Ordering::Relaxed),
+        seen[0].worker_instance_id, None,
+        "no picker, no routing headers"
+    );
+    assert_eq!(
+        s.gateway
+            .stats()
+            .failed_open
+            .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
 }
@@ -247,7 +305,15 @@ async fn a_session_stays_on_one_worker_and_the_worker_frees_it() {
         .collect();
     assert_eq!(serving.len(), 1, "all turns on one worker");
     let c = s.workers[serving[0]].counters();
-    assert_eq!((c.requests, c.sessions_opened, c.sessions_closed, c.sessions_open), (5, 1, 1, 0));
+    assert_eq!(
+        (
+            c.requests,
+            c.sessions_opened,
+            c.sessions_closed,
+            c.sessions_open
+        ),
+        (5, 1, 1, 0)
+    );
     assert!(c.session_blocks_freed > 0);
     assert_eq!(assert_routed_to_self(&s), 5);
 }
@@ -281,30 +347,47 @@ async fn repeated_prefixes_hit_the_workers_caches() {
     };
     let mut prompts = Vec::new();
     for session in 0..w.sessions {
-        let mut messages = vec![json!({"role": "system", "content": system_prompt(session % w.system_prompts, w.system_words)})];
+        let mut messages = vec![
+            json!({"role": "system", "content": system_prompt(session % w.system_prompts, w.system_words)}),
+        ];
         for turn in 0..w.turns {
             messages.push(json!({"role": "user", "content": format!("s{session} t{turn}: go on")}));
             prompts.push(chat_prompt_tokens(&messages));
             let r = c
-                .post_json("/v1/chat/completions", &chat_body(&w, session, turn, &messages), &[])
+                .post_json(
+                    "/v1/chat/completions",
+                    &chat_body(&w, session, turn, &messages),
+                    &[],
+                )
                 .await
                 .unwrap();
             assert_eq!(r.status, 200);
             messages.push(json!({"role": "assistant", "content": r.chat_text()}));
         }
     }
-    let (hits, queries) = s.workers.iter().map(|w| w.counters()).fold((0, 0), |(h, q), c| {
-        (h + c.prefix_cache_hits, q + c.prefix_cache_queries)
-    });
+    let (hits, queries) = s
+        .workers
+        .iter()
+        .map(|w| w.counters())
+        .fold((0, 0), |(h, q), c| {
+            (h + c.prefix_cache_hits, q + c.prefix_cache_queries)
+        });
     let measured = hits as f64 / queries as f64;
     let baseline = round_robin_hit_rate(&prompts, 4);
     let ideal = round_robin_hit_rate(&prompts, 1);
-    eprintln!("hit rate: kvpick {measured:.3}, round-robin {baseline:.3}, one shared cache {ideal:.3}");
+    eprintln!(
+        "hit rate: kvpick {measured:.3}, round-robin {baseline:.3}, one shared cache {ideal:.3}"
+    );
     assert!(
         measured > baseline + 0.1,
         "kvpick's hit rate {measured:.3} is not clearly above round-robin's {baseline:.3}"
     );
-    let used: HashSet<usize> = (0..4).filter(|&i| s.workers[i].counters().requests > 0).collect();
-    assert!(used.len() >= 2, "two system prompts should use at least two workers");
+    let used: HashSet<usize> = (0..4)
+        .filter(|&i| s.workers[i].counters().requests > 0)
+        .collect();
+    assert!(
+        used.len() >= 2,
+        "two system prompts should use at least two workers"
+    );
     assert_eq!(assert_routed_to_self(&s), prompts.len());
 }

@@ -39,8 +39,7 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .init();
     let a = Args::parse();
@@ -93,7 +92,11 @@ async fn main() -> anyhow::Result<()> {
         took.as_secs_f64()
     );
     if !outcome.failures.is_empty() {
-        anyhow::bail!("{} requests failed: statuses {:?}", outcome.failures.len(), outcome.failures);
+        anyhow::bail!(
+            "{} requests failed: statuses {:?}",
+            outcome.failures.len(),
+            outcome.failures
+        );
     }
     Ok(())
 }
