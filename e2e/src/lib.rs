@@ -2,6 +2,7 @@
 //! Envoy-behaving test gateway, a test Kubernetes API server, and helpers that
 //! start the whole stack in-process for tests and the demo.
 
+pub mod apiserver;
 pub mod client;
 pub mod gateway;
 pub mod kv_events;
