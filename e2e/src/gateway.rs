@@ -81,6 +81,9 @@ pub struct GatewayConfig {
     pub ext_proc_ca: Option<String>,
     /// TLS server name to check the certificate against.
     pub ext_proc_server_name: String,
+    /// For `https://`: do not verify the picker's certificate at all (as GIE's
+    /// Envoy configuration does with the EPP's self-signed certificate).
+    pub ext_proc_insecure: bool,
     /// Body mode.
     pub body_mode: BodyMode,
     /// Fail open or closed.
@@ -101,6 +104,7 @@ impl Default for GatewayConfig {
             ext_proc: "http://127.0.0.1:9002".into(),
             ext_proc_ca: None,
             ext_proc_server_name: "localhost".into(),
+            ext_proc_insecure: false,
             body_mode: BodyMode::FullDuplex,
             failure_mode: FailureMode::Close,
             fallback: Vec::new(),
@@ -168,18 +172,30 @@ pub struct GatewayHandle {
 impl GatewayHandle {
     /// Starts a gateway listening on `addr`.
     pub async fn start(addr: SocketAddr, config: GatewayConfig) -> Result<Self, GatewayError> {
-        let mut endpoint = Endpoint::from_shared(config.ext_proc.clone())?
-            .connect_timeout(Duration::from_secs(1))
-            .tcp_nodelay(true);
-        if config.ext_proc.starts_with("https://") {
-            let mut tls = ClientTlsConfig::new().domain_name(config.ext_proc_server_name.clone());
-            if let Some(pem) = &config.ext_proc_ca {
-                tls = tls.ca_certificate(Certificate::from_pem(pem));
+        let https = config.ext_proc.starts_with("https://");
+        let channel = if https && config.ext_proc_insecure {
+            // Our own TLS connector under a plain-http endpoint, so tonic adds none.
+            let plain = config.ext_proc.replacen("https://", "http://", 1);
+            Endpoint::from_shared(plain)?
+                .connect_timeout(Duration::from_secs(1))
+                .connect_with_connector_lazy(insecure_tls::connector(
+                    config.ext_proc_server_name.clone(),
+                ))
+        } else {
+            let mut endpoint = Endpoint::from_shared(config.ext_proc.clone())?
+                .connect_timeout(Duration::from_secs(1))
+                .tcp_nodelay(true);
+            if https {
+                let mut tls =
+                    ClientTlsConfig::new().domain_name(config.ext_proc_server_name.clone());
+                if let Some(pem) = &config.ext_proc_ca {
+                    tls = tls.ca_certificate(Certificate::from_pem(pem));
+                }
+                endpoint = endpoint.tls_config(tls)?;
             }
-            endpoint = endpoint.tls_config(tls)?;
-        }
-        // Lazy: connects on first use and reconnects after the picker restarts.
-        let channel = endpoint.connect_lazy();
+            // Lazy: connects on first use and reconnects after the picker restarts.
+            endpoint.connect_lazy()
+        };
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| GatewayError::Bind(addr, e))?;
@@ -899,6 +915,104 @@ fn forward_verdict(
         path,
         body,
         destination,
+    }
+}
+
+/// TLS towards the picker without certificate verification.
+mod insecure_tls {
+    use std::sync::Arc;
+
+    use http::Uri;
+    use hyper_util::rt::TokioIo;
+    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+    use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    use rustls::{DigitallySignedStruct, SignatureScheme};
+    use tokio::net::TcpStream;
+    use tokio_rustls::TlsConnector;
+
+    /// Accepts any certificate; still checks the handshake signatures.
+    #[derive(Debug)]
+    struct AcceptAny(Arc<CryptoProvider>);
+
+    impl ServerCertVerifier for AcceptAny {
+        fn verify_server_cert(
+            &self,
+            _end_entity: &CertificateDer<'_>,
+            _intermediates: &[CertificateDer<'_>],
+            _server_name: &ServerName<'_>,
+            _ocsp: &[u8],
+            _now: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            verify_tls12_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            verify_tls13_signature(
+                message,
+                cert,
+                dss,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.signature_verification_algorithms.supported_schemes()
+        }
+    }
+
+    /// A connector speaking TLS (ALPN h2) to the URI's host and port.
+    pub fn connector(
+        server_name: String,
+    ) -> impl tower::Service<
+        Uri,
+        Response = TokioIo<tokio_rustls::client::TlsStream<TcpStream>>,
+        Error = std::io::Error,
+        Future = impl Send,
+    > + Clone
+           + Send
+           + 'static {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .expect("ring supports the default protocol versions")
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AcceptAny(provider)))
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let tls = TlsConnector::from(Arc::new(config));
+        tower::service_fn(move |uri: Uri| {
+            let tls = tls.clone();
+            let server_name = server_name.clone();
+            async move {
+                let host = uri.host().unwrap_or("127.0.0.1").to_string();
+                let port = uri.port_u16().unwrap_or(443);
+                let tcp = TcpStream::connect((host.as_str(), port)).await?;
+                tcp.set_nodelay(true)?;
+                let name = ServerName::try_from(server_name)
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+                Ok(TokioIo::new(tls.connect(name, tcp).await?))
+            }
+        })
     }
 }
 

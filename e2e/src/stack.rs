@@ -197,6 +197,8 @@ pub struct StackOptions {
     pub poll: Duration,
     /// Serve ext_proc over TLS with a self-signed certificate the gateway trusts.
     pub tls: bool,
+    /// With `tls`: the gateway skips certificate verification instead of trusting it.
+    pub tls_insecure: bool,
 }
 
 impl Default for StackOptions {
@@ -213,6 +215,7 @@ impl Default for StackOptions {
             failure_mode: FailureMode::Close,
             poll: Duration::from_millis(20),
             tls: false,
+            tls_insecure: false,
         }
     }
 }
@@ -266,7 +269,8 @@ impl Stack {
             local,
             GatewayConfig {
                 ext_proc: format!("{scheme}://{}", kvpick.addr()),
-                ext_proc_ca: ca,
+                ext_proc_ca: ca.filter(|_| !opts.tls_insecure),
+                ext_proc_insecure: opts.tls_insecure,
                 body_mode: opts.body_mode,
                 failure_mode: opts.failure_mode,
                 fallback: workers.iter().map(WorkerHandle::addr).collect(),

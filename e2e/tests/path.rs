@@ -91,10 +91,10 @@ async fn routing_headers_reach_the_worker_buffered() {
     routing_headers_reach_the_worker(BodyMode::Buffered).await;
 }
 
-#[tokio::test]
-async fn ext_proc_over_tls_with_the_self_signed_certificate() {
+async fn ext_proc_over_tls(insecure: bool) {
     let s = stack(StackOptions {
         tls: true,
+        tls_insecure: insecure,
         ..StackOptions::default()
     })
     .await;
@@ -107,6 +107,16 @@ async fn ext_proc_over_tls_with_the_self_signed_certificate() {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     assert_eq!(assert_routed_to_self(&s), 2);
+}
+
+#[tokio::test]
+async fn ext_proc_over_tls_trusting_the_self_signed_certificate() {
+    ext_proc_over_tls(false).await;
+}
+
+#[tokio::test]
+async fn ext_proc_over_tls_without_verification() {
+    ext_proc_over_tls(true).await;
 }
 
 #[tokio::test]

@@ -25,6 +25,9 @@ struct Args {
     /// PEM file of the certificate (or CA) to trust for an https:// picker.
     #[arg(long, env = "TEST_GATEWAY_EXT_PROC_CA")]
     ext_proc_ca: Option<PathBuf>,
+    /// For https://: skip verifying the picker's certificate (kvpick's self-signed one).
+    #[arg(long, env = "TEST_GATEWAY_EXT_PROC_INSECURE")]
+    ext_proc_insecure: bool,
     /// TLS server name of the picker.
     #[arg(
         long,
@@ -82,6 +85,7 @@ async fn main() -> anyhow::Result<()> {
             ext_proc: a.ext_proc,
             ext_proc_ca,
             ext_proc_server_name: a.ext_proc_server_name,
+            ext_proc_insecure: a.ext_proc_insecure,
             body_mode: a.body_mode,
             failure_mode: a.failure_mode,
             fallback: a.fallback,
