@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -22,7 +22,7 @@ use tonic_health::ServingStatus;
 use crate::endpoints::EndpointTable;
 
 /// How a request ended at kvpick.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RequestResult {
     /// Routed to an endpoint.
     Routed,
@@ -32,6 +32,24 @@ pub enum RequestResult {
     NoEndpoint,
     /// 503: the subset hint matched nothing.
     SubsetEmpty,
+}
+
+impl RequestResult {
+    /// The `result` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestResult::Routed => "routed",
+            RequestResult::BadRequest => "bad_request",
+            RequestResult::NoEndpoint => "no_endpoint",
+            RequestResult::SubsetEmpty => "subset_empty",
+        }
+    }
+}
+
+impl EncodeLabelValue for RequestResult {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]

@@ -96,32 +96,43 @@ impl ExternalProcessor for ExtProcService {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let shared = Arc::clone(&self.shared);
-        let span = tracing::info_span!("ext_proc");
-        shared.metrics.streams.inc();
-        tokio::spawn(
-            async move {
-                let guard_tx = tx.clone();
-                let run = AssertUnwindSafe(run_stream(Arc::clone(&shared), inbound, tx));
-                if let Err(panic) = run.catch_unwind().await {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
-                    error!(panic = %what, "ext_proc stream panicked");
-                    shared.metrics.stream_panics.inc();
-                    let _ = guard_tx
-                        .send(Err(Status::internal(
-                            "kvpick: internal error on this stream",
-                        )))
-                        .await;
-                }
-                shared.metrics.streams.dec();
-            }
-            .instrument(span),
-        );
+        let metrics = Arc::clone(&shared.metrics);
+        spawn_contained(metrics, tx.clone(), run_stream(shared, inbound, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
+}
+
+/// Runs one stream's work in its own task. A panic there is caught, logged and
+/// counted, and ends only that stream with an INTERNAL status.
+fn spawn_contained<F>(
+    metrics: Arc<Metrics>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    work: F,
+) where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    metrics.streams.inc();
+    let span = tracing::info_span!("ext_proc");
+    tokio::spawn(
+        async move {
+            if let Err(panic) = AssertUnwindSafe(work).catch_unwind().await {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                error!(panic = %what, "ext_proc stream panicked");
+                metrics.stream_panics.inc();
+                let _ = tx
+                    .send(Err(Status::internal(
+                        "kvpick: internal error on this stream",
+                    )))
+                    .await;
+            }
+            metrics.streams.dec();
+        }
+        .instrument(span),
+    );
 }
 
 async fn run_stream(
@@ -172,4 +183,26 @@ async fn send_all(
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_stream_ends_with_internal_and_others_go_on() {
+        let metrics = Arc::new(Metrics::new("t"));
+        let (tx, mut rx) = mpsc::channel(4);
+        spawn_contained(Arc::clone(&metrics), tx.clone(), async { panic!("boom") });
+        let status = rx.recv().await.unwrap().unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Internal);
+        // Another stream still runs and answers normally.
+        let (tx2, mut rx2) = mpsc::channel(4);
+        spawn_contained(Arc::clone(&metrics), tx2.clone(), async move {
+            let _ = tx2.send(Ok(ProcessingResponse::default())).await;
+        });
+        assert!(rx2.recv().await.unwrap().is_ok());
+        assert_eq!(metrics.stream_panics.get(), 1);
+        drop(tx);
+    }
 }

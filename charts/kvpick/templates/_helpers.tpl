@@ -1,0 +1,76 @@
+{{/* Chart name, truncated to a valid label value. */}}
+{{- define "kvpick.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name of the release's objects. */}}
+{{- define "kvpick.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* chart label value: name-version. */}}
+{{- define "kvpick.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select kvpick's own pods. */}}
+{{- define "kvpick.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpick.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "kvpick.labels" -}}
+helm.sh/chart: {{ include "kvpick.chart" . }}
+{{ include "kvpick.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: endpoint-picker
+{{- end }}
+
+{{/* ServiceAccount kvpick runs as. */}}
+{{- define "kvpick.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvpick.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Name of the InferencePool kvpick serves. */}}
+{{- define "kvpick.poolName" -}}
+{{- default (include "kvpick.fullname" .) .Values.inferencePool.name }}
+{{- end }}
+
+{{/* Secret that holds the session-token signing key. */}}
+{{- define "kvpick.sessionKeySecret" -}}
+{{- default (printf "%s-session-key" (include "kvpick.fullname" .)) .Values.sessionKey.existingSecret }}
+{{- end }}
+
+{{/* Image reference. */}}
+{{- define "kvpick.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Namespace of the Gateway the HTTPRoute attaches to. */}}
+{{- define "kvpick.gatewayNamespace" -}}
+{{- default .Release.Namespace .Values.envoyGateway.gateway.namespace }}
+{{- end }}
+
+{{/* The pool's matchLabels as a kubectl label selector: k1=v1,k2=v2. */}}
+{{- define "kvpick.poolSelector" -}}
+{{- $pairs := list }}
+{{- range $k, $v := .Values.inferencePool.selector }}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
