@@ -199,6 +199,8 @@ pub struct StackOptions {
     pub tls: bool,
     /// With `tls`: the gateway skips certificate verification instead of trusting it.
     pub tls_insecure: bool,
+    /// The gateway sends a subset hint naming the workers at these indices.
+    pub subset: Option<Vec<usize>>,
 }
 
 impl Default for StackOptions {
@@ -216,6 +218,7 @@ impl Default for StackOptions {
             poll: Duration::from_millis(20),
             tls: false,
             tls_insecure: false,
+            subset: None,
         }
     }
 }
@@ -275,6 +278,10 @@ impl Stack {
                 failure_mode: opts.failure_mode,
                 fallback: workers.iter().map(WorkerHandle::addr).collect(),
                 message_timeout: Duration::from_secs(2),
+                subset: opts
+                    .subset
+                    .as_ref()
+                    .map(|ix| ix.iter().map(|&i| workers[i].addr().to_string()).collect()),
                 ..GatewayConfig::default()
             },
         )

@@ -120,6 +120,34 @@ async fn ext_proc_over_tls_without_verification() {
 }
 
 #[tokio::test]
+async fn the_subset_hint_limits_the_candidates() {
+    let s = stack(StackOptions {
+        subset: Some(vec![1, 2]),
+        ..StackOptions::default()
+    })
+    .await;
+    for i in 0..10 {
+        let r = s
+            .client()
+            .post_json("/v1/chat/completions", &chat(&format!("q{i}"), false), &[])
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let counts: Vec<u64> = s.workers.iter().map(|w| w.counters().requests).collect();
+    assert_eq!((counts[0], counts[3]), (0, 0), "{counts:?}");
+    assert_eq!(counts[1] + counts[2], 10);
+}
+
+#[tokio::test]
+async fn header_only_requests_are_routed_on_the_headers() {
+    let s = stack(StackOptions::default()).await;
+    let r = s.client().get("/v1/models").await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["data"][0]["id"], "mock-model");
+}
+
+#[tokio::test]
 async fn large_bodies_stream_through_in_chunks() {
     let s = stack(StackOptions::default()).await;
     // Well over the gateway's 4 KiB chunks and kvpick's 62 000-byte answer chunks.
