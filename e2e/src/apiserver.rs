@@ -267,6 +267,37 @@ pub fn inference_pool(
     })
 }
 
+/// Seeds an InferencePool `pool` in `namespace` selecting `app=<pool>` on
+/// `port`, and one Ready pod per worker (`<pool>-<i>`, pod IP = the worker's IP,
+/// annotated with its `kvpick.io/instance-id`); every worker must listen on `port`.
+pub fn seed_pool(
+    state: &ApiState,
+    namespace: &str,
+    pool: &str,
+    port: u16,
+    workers: &[(SocketAddr, u64)],
+) -> Result<(), ApiError> {
+    state.apply(
+        Kind::InferencePool,
+        inference_pool(namespace, pool, &[("app", pool)], &[port], "kvpick", 9002),
+    )?;
+    for (i, (addr, id)) in workers.iter().enumerate() {
+        let id = id.to_string();
+        state.apply(
+            Kind::Pod,
+            pod(
+                namespace,
+                &format!("{pool}-{i}"),
+                &addr.ip().to_string(),
+                true,
+                &[("app", pool)],
+                &[("kvpick.io/instance-id", &id)],
+            ),
+        )?;
+    }
+    Ok(())
+}
+
 /// Writes a kubeconfig pointing at `server` (e.g. `http://127.0.0.1:PORT`) with
 /// `namespace` as the context's default namespace and no credentials.
 pub fn write_kubeconfig(path: &Path, server: &str, namespace: &str) -> std::io::Result<()> {

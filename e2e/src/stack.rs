@@ -52,6 +52,35 @@ pub fn write_endpoints(path: &Path, endpoints: &[(SocketAddr, u64)]) -> std::io:
     std::fs::rename(&tmp, path)
 }
 
+/// Starts `n` workers on one port, each on its own loopback address
+/// (`127.0.0.1`, `127.0.0.2`, …), as pods of one InferencePool have one target
+/// port on distinct pod IPs.
+pub async fn start_workers_on_one_port(
+    n: usize,
+    config: &WorkerConfig,
+) -> Result<Vec<WorkerHandle>, StackError> {
+    let mut last = None;
+    for _attempt in 0..20 {
+        let first = WorkerHandle::start(([127, 0, 0, 1], 0).into(), config.clone()).await?;
+        let port = first.addr().port();
+        let mut workers = vec![first];
+        for i in 1..n {
+            let addr: SocketAddr = ([127, 0, 0, 1 + i as u8], port).into();
+            match WorkerHandle::start(addr, config.clone()).await {
+                Ok(w) => workers.push(w),
+                Err(e) => {
+                    last = Some(e);
+                    break;
+                }
+            }
+        }
+        if workers.len() == n {
+            return Ok(workers);
+        }
+    }
+    Err(last.map_or(StackError::NotSynced(n), StackError::Worker))
+}
+
 /// kvpick running in-process behind a TCP front that can be cut like a killed
 /// process (every open connection drops), and restarted on the same address
 /// with fresh state.

@@ -205,3 +205,42 @@ async fn a_too_old_resource_version_gets_410_and_bookmarks_flow() {
         .unwrap();
     assert!(matches!(ev, kube::api::WatchEvent::Bookmark(_)), "{ev:?}");
 }
+
+#[tokio::test]
+async fn a_seeded_pool_lists_one_ready_pod_per_worker_on_distinct_loopback_ips() {
+    let workers =
+        e2e::stack::start_workers_on_one_port(3, &e2e::mock_worker::WorkerConfig::default())
+            .await
+            .unwrap();
+    let port = workers[0].addr().port();
+    let listed: Vec<_> = workers
+        .iter()
+        .map(|w| (w.addr(), w.instance_id()))
+        .collect();
+    let server = ApiServer::start(([127, 0, 0, 1], 0).into(), Duration::from_secs(1))
+        .await
+        .unwrap();
+    e2e::apiserver::seed_pool(server.state(), "inference", "vllm", port, &listed).unwrap();
+    let pods: Api<Pod> = Api::default_namespaced(client_for(&server).await);
+    let list = pods
+        .list(&ListParams::default().labels("app=vllm"))
+        .await
+        .unwrap();
+    let ips: Vec<String> = list
+        .items
+        .iter()
+        .filter(|p| is_ready(p))
+        .filter_map(|p| p.status.as_ref()?.pod_ip.clone())
+        .collect();
+    assert_eq!(ips, vec!["127.0.0.1", "127.0.0.2", "127.0.0.3"]);
+    for (w, p) in workers.iter().zip(&list.items) {
+        assert_eq!(w.addr().port(), port);
+        let id = &p.metadata.annotations.as_ref().unwrap()["kvpick.io/instance-id"];
+        assert_eq!(id, &w.instance_id().to_string());
+        let health = e2e::client::Client::new(w.addr())
+            .get("/health")
+            .await
+            .unwrap();
+        assert_eq!(health.status, 200);
+    }
+}
