@@ -119,7 +119,7 @@ pub fn now_ts() -> f64 {
 /// consecutive sequence numbers starting at 0.
 #[derive(Clone)]
 pub struct Publisher {
-    tx: mpsc::UnboundedSender<Vec<KvEvent>>,
+    tx: mpsc::UnboundedSender<(Vec<KvEvent>, Option<u32>)>,
 }
 
 /// Why the publisher could not start.
@@ -136,13 +136,12 @@ pub enum PublishError {
 }
 
 impl Publisher {
-    /// Binds a PUB socket on `127.0.0.1:port` (0 for any) and starts publishing;
+    /// Binds a PUB socket on `host:port` (port 0 for any) and starts publishing;
     /// returns the publisher, the bound port, and the task to abort on shutdown.
     pub async fn bind(
         host: &str,
         port: u16,
         topic: String,
-        dp_rank: Option<u32>,
     ) -> Result<(Publisher, u16, tokio::task::JoinHandle<()>), PublishError> {
         let mut socket = zeromq::PubSocket::new();
         let endpoint = format!("tcp://{host}:{port}");
@@ -154,10 +153,10 @@ impl Publisher {
             zeromq::Endpoint::Tcp(_, p) => p,
             _ => port,
         };
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<KvEvent>>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<(Vec<KvEvent>, Option<u32>)>();
         let task = tokio::spawn(async move {
             let mut seq: u64 = 0;
-            while let Some(events) = rx.recv().await {
+            while let Some((events, dp_rank)) = rx.recv().await {
                 let payload = encode_batch(now_ts(), &events, dp_rank);
                 let frames = vec![
                     Bytes::from(topic.clone().into_bytes()),
@@ -175,10 +174,12 @@ impl Publisher {
         Ok((Publisher { tx }, port, task))
     }
 
-    /// Queues a batch (dropped silently when the publisher has stopped, as a PUB socket drops).
-    pub fn publish(&self, events: Vec<KvEvent>) {
+    /// Queues a batch from data-parallel rank `dp_rank` (`None` for a worker
+    /// without data parallelism); dropped silently when the publisher has
+    /// stopped, as a PUB socket drops.
+    pub fn publish(&self, events: Vec<KvEvent>, dp_rank: Option<u32>) {
         if !events.is_empty() {
-            let _ = self.tx.send(events);
+            let _ = self.tx.send((events, dp_rank));
         }
     }
 }
@@ -225,9 +226,7 @@ mod tests {
     #[tokio::test]
     async fn publishes_three_frames_with_sequence_numbers() {
         use zeromq::SocketRecv;
-        let (publisher, port, task) = Publisher::bind("127.0.0.1", 0, "kv".into(), None)
-            .await
-            .unwrap();
+        let (publisher, port, task) = Publisher::bind("127.0.0.1", 0, "kv".into()).await.unwrap();
         let mut sub = zeromq::SubSocket::new();
         sub.connect(&format!("tcp://127.0.0.1:{port}"))
             .await
@@ -236,7 +235,7 @@ mod tests {
         // A SUB socket only gets messages after its subscription reached the PUB side.
         let mut got = None;
         for _ in 0..100 {
-            publisher.publish(vec![KvEvent::AllBlocksCleared]);
+            publisher.publish(vec![KvEvent::AllBlocksCleared], None);
             if let Ok(Ok(m)) =
                 tokio::time::timeout(std::time::Duration::from_millis(20), sub.recv()).await
             {

@@ -238,7 +238,6 @@ impl WorkerHandle {
                     &address.ip().to_string(),
                     port,
                     config.kv_events_topic.clone(),
-                    (config.dp_size > 1).then_some(0),
                 )
                 .await?;
                 (Some(p), Some(port), Some(AbortOnDrop(task)))
@@ -560,13 +559,15 @@ impl Worker {
         inner.seen.push(seen);
     }
 
-    fn publish(&self, events: &[CacheEvent]) {
+    /// Publishes cache changes of `rank` (the batch names the rank when dp size > 1).
+    fn publish(&self, rank: u32, events: &[CacheEvent]) {
         if let Some(p) = &self.events {
             p.publish(
                 events
                     .iter()
                     .map(|e| KvEvent::from_cache(e, self.config.block_size))
                     .collect(),
+                (self.config.dp_size > 1).then_some(rank),
             );
         }
     }
@@ -668,7 +669,7 @@ impl Worker {
                 &access.events,
             );
         }
-        self.publish(&access.events);
+        self.publish(rank, &access.events);
         (access.hit_tokens, access.queried_tokens)
     }
 
@@ -691,7 +692,7 @@ impl Worker {
                 &access.events,
             );
         }
-        self.publish(&access.events);
+        self.publish(rank, &access.events);
     }
 
     /// Ends a session: unpins its blocks and frees those it created.
@@ -706,7 +707,7 @@ impl Worker {
         inner.counters.sessions_closed += 1;
         inner.counters.session_blocks_freed += freed.len() as u64;
         if !freed.is_empty() {
-            self.publish(&[CacheEvent::Removed(freed)]);
+            self.publish(s.rank, &[CacheEvent::Removed(freed)]);
         }
     }
 }

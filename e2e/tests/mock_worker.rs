@@ -266,3 +266,33 @@ async fn publishes_vllm_kv_events_for_stored_blocks() {
     assert_eq!(stored[3].as_array().unwrap().len(), hashes.len() * 16);
     assert_eq!(stored[4].as_u64(), Some(16));
 }
+
+#[tokio::test]
+async fn each_dp_rank_has_its_own_cache() {
+    let (w, c) = worker(WorkerConfig {
+        dp_size: 2,
+        ..fast()
+    })
+    .await;
+    let id = w.instance_id().to_string();
+    let body = chat(&"shared ".repeat(64), "q");
+    let send = |rank: &'static str| {
+        let (c, id, body) = (c.clone(), id.clone(), body.clone());
+        async move {
+            c.post_json(
+                "/v1/chat/completions",
+                &body,
+                &[("x-worker-instance-id", &id), ("x-dp-rank", rank)],
+            )
+            .await
+            .unwrap()
+            .json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    assert_eq!(send("0").await, 0);
+    assert_eq!(send("1").await, 0, "rank 1 has not seen the prompt");
+    assert_eq!(send("1").await, 64);
+    assert_eq!(w.seen().requests[2].dp_rank.as_deref(), Some("1"));
+}
