@@ -242,7 +242,10 @@ struct Downstream {
     path: String,
     authority: String,
     headers: HeaderMap,
+    /// The whole body (empty while it is being streamed to the picker).
     body: Bytes,
+    /// The request has no body.
+    header_only: bool,
 }
 
 /// The picker's verdict on the request path.
@@ -400,11 +403,19 @@ const HOP_BY_HOP: &[&str] = &[
 
 impl Gateway {
     async fn proxy(self: Arc<Self>, req: Request<Body>) -> Response<Body> {
-        let (parts, body) = req.into_parts();
-        let body = match body.collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) => {
-                return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string())
+        let (parts, client_body) = req.into_parts();
+        let header_only = http_body::Body::is_end_stream(&client_body);
+        // Full duplex streams the client body to the picker as it arrives; buffered
+        // mode (like Envoy) reads it whole first.
+        let streaming = self.config.body_mode == BodyMode::FullDuplex && !header_only;
+        let (body, client_body) = if streaming {
+            (Bytes::new(), Some(client_body))
+        } else {
+            match client_body.collect().await {
+                Ok(b) => (b.to_bytes(), None),
+                Err(e) => {
+                    return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string())
+                }
             }
         };
         let mut headers = parts.headers;
@@ -423,7 +434,7 @@ impl Gateway {
                 HeaderValue::from_str(&id).expect("hex is ASCII"),
             );
         }
-        let down = Downstream {
+        let mut down = Downstream {
             method: parts.method,
             path: parts
                 .uri
@@ -433,14 +444,55 @@ impl Gateway {
             authority,
             headers,
             body,
+            header_only,
         };
-        let mut stream = match self.open_stream().await {
+        let opened = match self.open_stream().await {
+            Ok(mut s) => self.send_request_headers(&mut s, &down).await.map(|_| s),
+            Err(e) => Err(e),
+        };
+        let mut stream = match opened {
             Ok(s) => s,
-            Err(e) => return self.picker_failed(&down, e).await,
+            Err(e) => {
+                if let Some(b) = client_body {
+                    match b.collect().await {
+                        Ok(b) => down.body = b.to_bytes(),
+                        Err(e) => {
+                            return error_response(
+                                StatusCode::BAD_REQUEST,
+                                "bad_request",
+                                &e.to_string(),
+                            )
+                        }
+                    }
+                }
+                return self.picker_failed(&down, e).await;
+            }
         };
-        let verdict = match self.request_path(&mut stream, &down).await {
+        let pump = client_body.map(|b| {
+            tokio::spawn(pump_request_body(
+                b,
+                stream.tx.clone(),
+                self.config.chunk_size.max(1),
+            ))
+        });
+        let verdict = self.request_answers(&mut stream, &down).await;
+        let verdict = match verdict {
             Ok(v) => v,
-            Err(e) => return self.picker_failed(&down, e).await,
+            Err(e) => {
+                if let Some(p) = pump {
+                    match p.await {
+                        Ok(Ok(b)) => down.body = b,
+                        _ => {
+                            return error_response(
+                                StatusCode::BAD_REQUEST,
+                                "bad_request",
+                                "the client body failed",
+                            )
+                        }
+                    }
+                }
+                return self.picker_failed(&down, e).await;
+            }
         };
         match verdict {
             Verdict::Immediate(resp) => {
@@ -517,12 +569,12 @@ impl Gateway {
         md
     }
 
-    /// Runs the request path on the ext_proc stream and returns the verdict.
-    async fn request_path(
+    /// Sends the request headers (the first message of the stream).
+    async fn send_request_headers(
         &self,
         s: &mut ExtProcStream,
         down: &Downstream,
-    ) -> Result<Verdict, PickerFailure> {
+    ) -> Result<(), PickerFailure> {
         let mut pairs = vec![
             (
                 ":method".to_string(),
@@ -537,38 +589,31 @@ impl Gateway {
                 .into_iter()
                 .filter(|(k, _)| k != "host"),
         );
-        let header_only = down.body.is_empty();
         s.send(ProcessingRequest {
             request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
                 headers: Some(pb_headers(pairs)),
-                end_of_stream: header_only,
+                end_of_stream: down.header_only,
                 ..Default::default()
             })),
             metadata_context: Some(self.metadata_context()),
             protocol_config: Some(self.protocol_config()),
             ..Default::default()
         })
-        .await?;
+        .await
+    }
+
+    /// Reads the picker's answers on the request path (sending the body first in
+    /// buffered mode) and returns the verdict.
+    async fn request_answers(
+        &self,
+        s: &mut ExtProcStream,
+        down: &Downstream,
+    ) -> Result<Verdict, PickerFailure> {
+        let header_only = down.header_only;
         let mut headers = down.headers.clone();
         let mut path = down.path.clone();
         let mut destination = None;
-        let body_msg = |body: &[u8], end_of_stream: bool| ProcessingRequest {
-            request: Some(processing_request::Request::RequestBody(HttpBody {
-                body: body.to_vec(),
-                end_of_stream,
-                ..Default::default()
-            })),
-            ..Default::default()
-        };
         let full_duplex = self.config.body_mode == BodyMode::FullDuplex;
-        if full_duplex && !header_only {
-            // Full duplex: the body follows at once, without waiting for any answer.
-            let chunks: Vec<&[u8]> = down.body.chunks(self.config.chunk_size.max(1)).collect();
-            let last = chunks.len() - 1;
-            for (i, chunk) in chunks.into_iter().enumerate() {
-                s.send(body_msg(chunk, i == last)).await?;
-            }
-        }
         // The headers answer.
         let msg = s.recv().await?;
         merge_destination(&mut destination, msg.dynamic_metadata.as_ref());
@@ -589,7 +634,7 @@ impl Gateway {
             return Ok(forward_verdict(headers, path, Bytes::new(), destination));
         }
         if !full_duplex {
-            s.send(body_msg(&down.body, true)).await?;
+            s.send(request_body_msg(&down.body, true)).await?;
         }
         // Body answers until the body is complete.
         let mut body: Option<Vec<u8>> = None;
@@ -880,6 +925,47 @@ impl Gateway {
                     "upstream_connect_error",
                     &format!("fallback {dest}: {e}"),
                 )
+            }
+        }
+    }
+}
+
+fn request_body_msg(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: body.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// Streams the client body to the picker as it arrives (chunks of at most
+/// `chunk` bytes, then an empty end-of-stream chunk, as Envoy sends), and returns
+/// the whole body.
+async fn pump_request_body(
+    mut body: Body,
+    tx: mpsc::Sender<ProcessingRequest>,
+    chunk: usize,
+) -> Result<Bytes, String> {
+    let mut whole = bytes::BytesMut::new();
+    loop {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                let Ok(data) = frame.into_data() else {
+                    continue; // trailers are not forwarded
+                };
+                for piece in data.chunks(chunk) {
+                    // A closed stream means the picker already answered or failed.
+                    let _ = tx.send(request_body_msg(piece, false)).await;
+                }
+                whole.extend_from_slice(&data);
+            }
+            Some(Err(e)) => return Err(e.to_string()),
+            None => {
+                let _ = tx.send(request_body_msg(&[], true)).await;
+                return Ok(whole.freeze());
             }
         }
     }
