@@ -76,7 +76,8 @@ impl Client {
     pub fn new(addr: SocketAddr) -> Self {
         Client {
             addr,
-            http: hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http(),
+            http: hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+                .build(crate::serve::nodelay_connector()),
         }
     }
 

@@ -205,7 +205,7 @@ impl GatewayHandle {
             ext_proc: ExternalProcessorClient::new(channel),
             http: Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
-                .build_http(),
+                .build(crate::serve::nodelay_connector()),
             next_id: AtomicU64::new(1),
             next_fallback: AtomicUsize::new(0),
             stats: Arc::clone(&stats),

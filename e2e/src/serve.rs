@@ -75,3 +75,11 @@ impl Drop for AbortOnDrop {
         self.0.abort();
     }
 }
+
+/// An HTTP client connector with `TCP_NODELAY` (without it, small requests wait
+/// on Nagle's algorithm and delayed ACKs).
+pub fn nodelay_connector() -> hyper_util::client::legacy::connect::HttpConnector {
+    let mut c = hyper_util::client::legacy::connect::HttpConnector::new();
+    c.set_nodelay(true);
+    c
+}
