@@ -32,7 +32,7 @@ fn chat(system: &str, user: &str) -> Value {
 
 #[tokio::test]
 async fn serves_openai_shapes_streaming_and_not() {
-    let (_w, c) = worker(fast()).await;
+    let (w, c) = worker(fast()).await;
     let r = c
         .post_json("/v1/chat/completions", &chat("be brief", "hi"), &[])
         .await
@@ -76,6 +76,12 @@ async fn serves_openai_shapes_streaming_and_not() {
     let models = c.get("/v1/models").await.unwrap().json();
     assert_eq!(models["data"][0]["id"], "mock-model");
     assert_eq!(c.get("/health").await.unwrap().status, 200);
+    let seen = c.get("/debug/seen").await.unwrap().json();
+    assert_eq!(seen["counters"]["requests"], 3);
+    assert_eq!(seen["requests"][2]["path"], "/v1/completions");
+    assert_eq!(seen["instance_id"], w.instance_id());
+    w.set_healthy(false);
+    assert_eq!(c.get("/health").await.unwrap().status, 503);
 }
 
 #[tokio::test]
