@@ -324,9 +324,7 @@ async fn kvpick_down_fails_open_to_a_fallback_worker() {
     );
 }
 
-/// Needs session affinity in kvpick's scheduler (sessions land from another branch).
 #[tokio::test]
-#[ignore = "needs kvpick session affinity (scheduler branch); run with --ignored once merged"]
 async fn a_session_stays_on_one_worker_and_the_worker_frees_it() {
     let s = stack(StackOptions::default()).await;
     let w = Workload {
@@ -374,11 +372,10 @@ fn round_robin_hit_rate(turns: &[(Vec<u32>, Vec<u32>)], workers: usize) -> f64 {
     hits as f64 / queries as f64
 }
 
-/// Needs prefix-aware scoring in kvpick's scheduler (lands from another branch);
-/// the fewest-in-flight picker on main spreads sequential requests at random
-/// (measured: about 0.5 vs 0.445 round-robin; with the `core` branch's scheduler 0.85).
+/// Sequential requests, so only prefix affinity (not load) decides. Measured: the
+/// fewest-in-flight picker got about 0.5 against 0.445 for the round-robin
+/// replay; the prefix-aware scheduler 0.85.
 #[tokio::test]
-#[ignore = "needs kvpick prefix-aware scheduling (scheduler branch); run with --ignored once merged"]
 async fn repeated_prefixes_hit_the_workers_caches() {
     let s = stack(StackOptions::default()).await;
     let c = s.client();
