@@ -2,9 +2,6 @@
 //! test API server, with the whole path: client → gateway → kvpick → 4 workers
 //! on 127.0.0.1..4 sharing one port, as pods of one InferencePool.
 //!
-//! Gated on the `kube-discovery` feature until `kvpick::discovery::kube` is on
-//! main; then drop the gate (`cargo test -p e2e --features kube-discovery` meanwhile).
-#![cfg(feature = "kube-discovery")]
 
 use std::sync::Arc;
 use std::time::Duration;
