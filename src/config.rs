@@ -9,6 +9,8 @@ use std::time::Duration;
 use clap::{ArgAction, Parser};
 
 use crate::extproc::ExtProcConfig;
+use crate::kv::index::IndexConfig;
+use crate::scheduler::{SchedulerConfig, Weights};
 use crate::telemetry::LogFormat;
 
 /// kvpick: a KV-cache-aware endpoint picker for the Gateway API Inference Extension.
@@ -69,9 +71,90 @@ pub struct Args {
         default_value = "x-kvpick-session"
     )]
     pub session_token_header: String,
+
+    /// File holding the HMAC key that signs session tokens (mount a Secret); share
+    /// it between replicas so they honour each other's tokens.
+    #[arg(long, env = "KVPICK_SESSION_KEY_FILE")]
+    pub session_key_file: Option<PathBuf>,
+
+    /// The session token HMAC key itself (prefer --session-key-file). Without
+    /// either, a random per-process key is used.
+    #[arg(long, env = "KVPICK_SESSION_KEY", hide_env_values = true)]
+    pub session_key: Option<String>,
+
+    /// Text prefix block size in bytes (about 4 bytes a token: 64 ≈ 16 tokens).
+    #[arg(long, env = "KVPICK_PREFIX_BYTE_BLOCK", default_value_t = 64)]
+    pub prefix_byte_block: usize,
+
+    /// Prefix block size in tokens for prompts given as token ids (the engine's
+    /// KV block size).
+    #[arg(long, env = "KVPICK_PREFIX_TOKEN_BLOCK", default_value_t = 16)]
+    pub prefix_token_block: usize,
+
+    /// Approximate prefix index: blocks remembered per worker rank until its
+    /// scraped KV capacity is known.
+    #[arg(long, env = "KVPICK_PREFIX_CAPACITY_BLOCKS", default_value_t = 31_250)]
+    pub prefix_capacity_blocks: usize,
+
+    /// Approximate prefix index: seconds an entry stays valid after its last use
+    /// (0: no expiry, LRU only).
+    #[arg(long, env = "KVPICK_PREFIX_TTL_SECS", default_value_t = 900)]
+    pub prefix_ttl_secs: u64,
+
+    /// Cost weight per prompt block the candidate must still prefill.
+    #[arg(long, env = "KVPICK_WEIGHT_PREFILL", default_value_t = 1.0)]
+    pub weight_prefill: f64,
+
+    /// Cost weight per block of active load on the candidate.
+    #[arg(long, env = "KVPICK_WEIGHT_DECODE", default_value_t = 1.0)]
+    pub weight_decode: f64,
+
+    /// Cost weight per scraped queued request (counted at the request's size).
+    #[arg(long, env = "KVPICK_WEIGHT_QUEUE", default_value_t = 1.0)]
+    pub weight_queue: f64,
+
+    /// Cost weight of scraped KV-cache usage (0..1, counted at the request's size).
+    #[arg(long, env = "KVPICK_WEIGHT_KV_USAGE", default_value_t = 1.0)]
+    pub weight_kv_usage: f64,
+
+    /// Prefill weight when picking the prefill worker of a disaggregated pool.
+    #[arg(long, env = "KVPICK_WEIGHT_PREFILL_OVERLAP", default_value_t = 2.0)]
+    pub weight_prefill_overlap: f64,
+
+    /// 0 picks the cheapest candidate; above 0, softmax sampling over costs scaled
+    /// to [0, 1] with this temperature.
+    #[arg(long, env = "KVPICK_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f64,
+
+    /// Scraped load older than this (ms) is ignored by the scheduler.
+    #[arg(long, env = "KVPICK_SCRAPE_MAX_AGE_MS", default_value_t = 5_000)]
+    pub scrape_max_age_ms: u64,
 }
 
 impl Args {
+    /// The scheduler settings these flags describe; `session_key` is loaded by the caller.
+    pub fn scheduler(&self, session_key: Vec<u8>) -> SchedulerConfig {
+        SchedulerConfig {
+            byte_block: self.prefix_byte_block.max(1),
+            token_block: self.prefix_token_block.max(1),
+            weights: Weights {
+                prefill: self.weight_prefill,
+                decode: self.weight_decode,
+                queue: self.weight_queue,
+                kv_usage: self.weight_kv_usage,
+                prefill_overlap: self.weight_prefill_overlap,
+            },
+            temperature: self.temperature.max(0.0),
+            scrape_max_age: Duration::from_millis(self.scrape_max_age_ms),
+            index: IndexConfig {
+                default_capacity: self.prefix_capacity_blocks,
+                ttl: (self.prefix_ttl_secs > 0).then(|| Duration::from_secs(self.prefix_ttl_secs)),
+            },
+            session_token_header: self.session_token_header.to_ascii_lowercase(),
+            session_key,
+        }
+    }
+
     /// The ext_proc handler settings these flags describe.
     pub fn ext_proc(&self) -> ExtProcConfig {
         ExtProcConfig {
@@ -99,5 +182,27 @@ mod tests {
         assert!(!a.secure_serving);
         let a = Args::try_parse_from(["kvpick", "--secure-serving"]).unwrap();
         assert!(a.secure_serving);
+    }
+
+    #[test]
+    fn scheduler_flags_map_to_config() {
+        let a = Args::try_parse_from(["kvpick"]).unwrap();
+        let c = a.scheduler(Vec::new());
+        let d = SchedulerConfig::default();
+        assert_eq!((c.byte_block, c.token_block), (d.byte_block, d.token_block));
+        assert_eq!(c.weights, d.weights);
+        assert_eq!(c.index.ttl, d.index.ttl);
+        assert_eq!(c.index.default_capacity, d.index.default_capacity);
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--prefix-ttl-secs=0",
+            "--weight-decode=0.5",
+            "--temperature=0.2",
+        ])
+        .unwrap();
+        let c = a.scheduler(Vec::new());
+        assert_eq!(c.index.ttl, None);
+        assert_eq!(c.weights.decode, 0.5);
+        assert_eq!(c.temperature, 0.2);
     }
 }

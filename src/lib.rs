@@ -1,17 +1,19 @@
 //! kvpick: a KV-cache-aware endpoint picker (EPP) for the Kubernetes Gateway API
 //! Inference Extension.
 //!
-//! The core ([`request`], [`endpoints`], [`scheduler`], [`identity`]) is plain
-//! Rust. The glue ([`extproc`], [`discovery`], [`telemetry`], [`server`]) speaks
-//! gRPC, HTTP and Kubernetes.
+//! The core ([`request`], [`endpoints`], [`kv`], [`sessions`], [`scheduler`],
+//! [`identity`]) is plain Rust. The glue ([`extproc`], [`discovery`], [`telemetry`],
+//! [`server`]) speaks gRPC, HTTP and Kubernetes.
 
 pub mod config;
 pub mod discovery;
 pub mod endpoints;
 pub mod extproc;
 pub mod identity;
+pub mod kv;
 pub mod request;
 pub mod scheduler;
 pub mod server;
+pub mod sessions;
 pub mod telemetry;
 pub mod tls;

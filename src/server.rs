@@ -14,7 +14,7 @@ use crate::config::Args;
 use crate::discovery;
 use crate::endpoints::EndpointTable;
 use crate::extproc::{ExtProcService, Shared};
-use crate::scheduler::Scheduler;
+use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::telemetry::{self, Metrics};
 
 /// Why kvpick stopped.
@@ -40,6 +40,14 @@ pub enum ServeError {
     /// Discovery failed.
     #[error("discovery: {0}")]
     Discovery(String),
+    /// The session key file could not be read.
+    #[error("session key file {path}: {source}")]
+    SessionKey {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// No endpoint source was configured.
     #[error("no endpoint source: pass --endpoints-file FILE (standalone mode)")]
     NoSource,
@@ -60,13 +68,34 @@ pub struct App {
 }
 
 impl App {
-    /// Fresh state for a pool named `pool`.
-    pub fn new(pool: &str) -> Self {
+    /// Fresh state for a pool named `pool`, scheduling with `scheduler`.
+    pub fn new(pool: &str, scheduler: SchedulerConfig) -> Self {
+        let scheduler = Arc::new(Scheduler::new(scheduler));
+        let metrics = Arc::new(Metrics::new(pool));
+        metrics.register_scheduler(Arc::clone(&scheduler));
         App {
             endpoints: Arc::new(EndpointTable::new()),
-            scheduler: Arc::new(Scheduler::new()),
-            metrics: Arc::new(Metrics::new(pool)),
+            scheduler,
+            metrics,
         }
+    }
+
+    /// Runs the scheduler's periodic upkeep (session reaping, index expiry,
+    /// forgetting gone workers) every `every`, until the task is dropped.
+    pub fn spawn_maintenance(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let scheduler = Arc::clone(&self.scheduler);
+        let endpoints = Arc::clone(&self.endpoints);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let reaped = scheduler.maintain(&endpoints.snapshot(), std::time::Instant::now());
+                if reaped > 0 {
+                    tracing::debug!(reaped, "expired sessions reaped");
+                }
+            }
+        })
     }
 
     /// The ext_proc service over this state.
@@ -119,9 +148,37 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, ServeError> {
         .map_err(|source| ServeError::Bind { addr, source })
 }
 
+/// How often the scheduler's upkeep runs.
+const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The session token key: from `--session-key-file`, else `--session-key`, else
+/// random (with a warning: replicas will not honour each other's tokens).
+fn session_key(args: &Args) -> Result<Vec<u8>, ServeError> {
+    if let Some(path) = &args.session_key_file {
+        let bytes = std::fs::read(path).map_err(|source| ServeError::SessionKey {
+            path: path.clone(),
+            source,
+        })?;
+        let key = bytes.trim_ascii().to_vec();
+        if !key.is_empty() {
+            return Ok(key);
+        }
+        tracing::warn!(path = %path.display(), "session key file is empty");
+    }
+    if let Some(key) = args.session_key.as_ref().filter(|k| !k.is_empty()) {
+        return Ok(key.as_bytes().to_vec());
+    }
+    tracing::warn!(
+        "no session key configured (--session-key-file): using a random per-process key; \
+         other replicas and restarts will not honour this replica's session tokens"
+    );
+    Ok(crate::sessions::random_key())
+}
+
 /// Runs kvpick as configured by `args` until a component fails.
 pub async fn run(args: Args) -> Result<(), ServeError> {
-    let app = App::new(&pool_label(&args));
+    let app = App::new(&pool_label(&args), args.scheduler(session_key(&args)?));
+    let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
     let discovery = match &args.endpoints_file {
         Some(path) => {
             let path = path.clone();
@@ -158,6 +215,15 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
         r = serve_health(health, Arc::clone(&app.endpoints)) => r,
         r = telemetry::serve_metrics(metrics, Arc::clone(&app.metrics), Arc::clone(&app.endpoints)) => r.map_err(ServeError::Metrics),
         r = discovery => r.map_err(|e| ServeError::Discovery(e.to_string()))?,
+    }
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

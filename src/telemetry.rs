@@ -9,17 +9,96 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use std::sync::atomic::Ordering;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder,
+    NoLabelSet,
+};
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
 use crate::endpoints::EndpointTable;
+use crate::scheduler::{Scheduler, Stage};
+
+/// Renders [`crate::scheduler::SchedulerStats`] and friends on each scrape.
+#[derive(Debug)]
+struct SchedulerCollector {
+    scheduler: Arc<Scheduler>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StageLabels {
+    stage: &'static str,
+}
+
+impl Collector for SchedulerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = self.scheduler.stats();
+        let counters = [
+            (
+                "kvpick_prefix_blocks_queried",
+                "Prompt prefix blocks looked up in the prefix index",
+                s.blocks_queried.load(Ordering::Relaxed),
+            ),
+            (
+                "kvpick_prefix_blocks_matched",
+                "Prompt prefix blocks the chosen worker rank already held (hit ratio = matched / queried)",
+                s.blocks_matched.load(Ordering::Relaxed),
+            ),
+            (
+                "kvpick_session_repicks",
+                "Session requests re-picked because their bound worker was gone",
+                s.session_repicks.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, help, v) in counters {
+            let c = ConstCounter::new(v);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        let gauges = [
+            (
+                "kvpick_prefix_index_entries",
+                "Indexed (prefix block, worker rank) entries",
+                self.scheduler.index().len() as i64,
+            ),
+            (
+                "kvpick_session_bindings",
+                "Sessions bound to a worker rank",
+                self.scheduler.sessions().len() as i64,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            let g = ConstGauge::new(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "kvpick_scheduler_stage_duration_seconds",
+            "Time spent in each stage of a routing decision",
+            None,
+            MetricType::Histogram,
+        )?;
+        for stage in Stage::ALL {
+            let h = s.stage(stage).snapshot();
+            family
+                .encode_family(&StageLabels {
+                    stage: stage.name(),
+                })?
+                .encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
+        }
+        Ok(())
+    }
+}
 
 /// How a request ended at kvpick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -147,6 +226,12 @@ impl Metrics {
         }
     }
 
+    /// Exposes the scheduler's counters (prefix hit ratio, index size, sessions,
+    /// re-picks, per-stage latency), read at render time.
+    pub fn register_scheduler(&self, scheduler: Arc<Scheduler>) {
+        self.register(|r| r.register_collector(Box::new(SchedulerCollector { scheduler })));
+    }
+
     /// Registers more metrics (other modules call this at start-up).
     pub fn register(&self, f: impl FnOnce(&mut Registry)) {
         f(&mut self.registry.lock());
@@ -259,4 +344,46 @@ pub fn init_logging(format: LogFormat) {
         LogFormat::Json => builder.json().with_current_span(true).try_init(),
         LogFormat::Text => builder.try_init(),
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::{PickRequest, SchedulerConfig};
+
+    #[test]
+    fn renders_scheduler_metrics() {
+        let metrics = Metrics::new("pool");
+        let scheduler = Arc::new(Scheduler::new(SchedulerConfig::default()));
+        metrics.register_scheduler(Arc::clone(&scheduler));
+        let table = EndpointTable::new();
+        table.replace(vec![crate::endpoints::Endpoint::new(
+            "10.0.0.1:80".parse().unwrap(),
+        )]);
+        let body = crate::request::parse(
+            format!(r#"{{"model":"m","prompt":"{}"}}"#, "a".repeat(64 * 3)).as_bytes(),
+            None,
+        )
+        .unwrap();
+        let req = PickRequest {
+            body: Some(&body),
+            ..Default::default()
+        };
+        for _ in 0..2 {
+            let d = scheduler.pick(&req, &table.snapshot()).unwrap();
+            scheduler.finish(&d, Some(200));
+        }
+        let text = metrics.render(&table);
+        for line in [
+            "kvpick_prefix_blocks_queried_total 6",
+            "kvpick_prefix_blocks_matched_total 3",
+            "kvpick_session_repicks_total 0",
+            "kvpick_prefix_index_entries 3",
+            "kvpick_session_bindings 0",
+            "kvpick_scheduler_stage_duration_seconds_count{stage=\"lookup\"} 2",
+            "kvpick_scheduler_stage_duration_seconds_bucket{le=\"+Inf\",stage=\"hash\"} 2",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+    }
 }

@@ -1,0 +1,299 @@
+//! Chained prefix block hashes (xxh3-64).
+//!
+//! A prompt is cut into blocks; each block's hash covers its parent's hash and its
+//! own content, so equal hashes mean equal prefixes. Every chain starts from a seed
+//! derived from the model and LoRA adapter, so different models never match.
+//!
+//! Block kinds:
+//! - text: byte chunks of `byte_block` bytes (default [`DEFAULT_BYTE_BLOCK`] = 64
+//!   bytes, about 16 tokens, the Gateway API Inference Extension default);
+//! - token ids: blocks of `token_block` tokens (the engine's KV block size), hashed
+//!   exactly as [`token_block_hashes`] does, so precise mode (KV events carry token
+//!   ids) and requests with token ids produce the same hashes;
+//! - images: one block per image, hashing its reference (URL or data URL), so the
+//!   blocks after an image depend on it.
+//!
+//! Only full blocks are hashed: a trailing partial block never matches anything in
+//! an engine cache. A partial block followed by a segment of another kind (text
+//! then image, say) is closed early as a short block, so the chain stays defined.
+
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+
+use crate::request::Segment;
+
+/// Default text block size in bytes (about 16 tokens).
+pub const DEFAULT_BYTE_BLOCK: usize = 64;
+
+/// Default token block size (vLLM's default KV block size).
+pub const DEFAULT_TOKEN_BLOCK: usize = 16;
+
+/// Domain tags so text, image and token blocks of equal bytes never collide.
+const TEXT_TAG: u8 = 0x01;
+const IMAGE_TAG: u8 = 0x02;
+
+/// The chain seed for a model and optional LoRA adapter.
+pub fn model_seed(model: &str, lora: Option<&str>) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(b"kvpick/v1\0");
+    h.update(model.as_bytes());
+    h.update(&[0]);
+    if let Some(lora) = lora {
+        h.update(lora.as_bytes());
+    }
+    h.digest()
+}
+
+/// Chained hashes of the full `block_size`-token blocks of `tokens`. The first block
+/// chains from `parent`, or from `seed` when `parent` is `None`. Each hash is
+/// xxh3-64 over the parent hash (8 bytes little-endian) and the block's token ids
+/// (4 bytes little-endian each).
+pub fn token_block_hashes(
+    seed: u64,
+    parent: Option<u64>,
+    tokens: &[u32],
+    block_size: usize,
+) -> Vec<u64> {
+    let block_size = block_size.max(1);
+    let mut prev = parent.unwrap_or(seed);
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    let mut buf = Vec::with_capacity(8 + block_size * 4);
+    for block in tokens.chunks_exact(block_size) {
+        prev = hash_token_block(&mut buf, prev, block);
+        out.push(prev);
+    }
+    out
+}
+
+fn hash_token_block(buf: &mut Vec<u8>, parent: u64, tokens: &[u32]) -> u64 {
+    buf.clear();
+    buf.extend_from_slice(&parent.to_le_bytes());
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64(buf)
+}
+
+fn text_block(parent: u64, bytes: &[u8]) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&parent.to_le_bytes());
+    h.update(&[TEXT_TAG]);
+    h.update(bytes);
+    h.digest()
+}
+
+fn image_block(parent: u64, reference: &str) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&parent.to_le_bytes());
+    h.update(&[IMAGE_TAG]);
+    h.update(&xxh3_64(reference.as_bytes()).to_le_bytes());
+    h.digest()
+}
+
+/// Chained block hashes of a whole prompt (see the module docs for the rules).
+/// Consecutive text segments form one byte stream and consecutive token segments
+/// one token stream; a prompt of token ids only hashes exactly like
+/// `token_block_hashes(seed, None, tokens, token_block)`.
+pub fn request_block_hashes(
+    seed: u64,
+    segments: &[Segment],
+    byte_block: usize,
+    token_block: usize,
+) -> Vec<u64> {
+    let byte_block = byte_block.max(1);
+    let token_block = token_block.max(1);
+    let mut out = Vec::new();
+    let mut prev = seed;
+    let mut text: Vec<u8> = Vec::new();
+    let mut toks: Vec<u32> = Vec::new();
+    let mut buf = Vec::new();
+    for seg in segments {
+        match seg {
+            Segment::Text(t) => {
+                if !toks.is_empty() {
+                    prev = hash_token_block(&mut buf, prev, &toks);
+                    out.push(prev);
+                    toks.clear();
+                }
+                let mut bytes = t.as_bytes();
+                if !text.is_empty() {
+                    let take = (byte_block - text.len()).min(bytes.len());
+                    text.extend_from_slice(&bytes[..take]);
+                    bytes = &bytes[take..];
+                    if text.len() == byte_block {
+                        prev = text_block(prev, &text);
+                        out.push(prev);
+                        text.clear();
+                    }
+                }
+                let mut chunks = bytes.chunks_exact(byte_block);
+                for c in &mut chunks {
+                    prev = text_block(prev, c);
+                    out.push(prev);
+                }
+                text.extend_from_slice(chunks.remainder());
+            }
+            Segment::Tokens(t) => {
+                if !text.is_empty() {
+                    prev = text_block(prev, &text);
+                    out.push(prev);
+                    text.clear();
+                }
+                let mut ids = t.as_slice();
+                if !toks.is_empty() {
+                    let take = (token_block - toks.len()).min(ids.len());
+                    toks.extend_from_slice(&ids[..take]);
+                    ids = &ids[take..];
+                    if toks.len() == token_block {
+                        prev = token_block_hash_push(&mut buf, &mut out, prev, &toks);
+                        toks.clear();
+                    }
+                }
+                let mut chunks = ids.chunks_exact(token_block);
+                for c in &mut chunks {
+                    prev = token_block_hash_push(&mut buf, &mut out, prev, c);
+                }
+                toks.extend_from_slice(chunks.remainder());
+            }
+            Segment::Image(url) => {
+                if !text.is_empty() {
+                    prev = text_block(prev, &text);
+                    out.push(prev);
+                    text.clear();
+                }
+                if !toks.is_empty() {
+                    prev = token_block_hash_push(&mut buf, &mut out, prev, &toks);
+                    toks.clear();
+                }
+                prev = image_block(prev, url);
+                out.push(prev);
+            }
+        }
+    }
+    out
+}
+
+fn token_block_hash_push(buf: &mut Vec<u8>, out: &mut Vec<u64>, parent: u64, t: &[u32]) -> u64 {
+    let h = hash_token_block(buf, parent, t);
+    out.push(h);
+    h
+}
+
+/// How many blocks a prompt occupies for load accounting: like
+/// [`request_block_hashes`] but counting a trailing partial block, and at least 1.
+pub fn request_size_blocks(segments: &[Segment], byte_block: usize, token_block: usize) -> u64 {
+    let (mut bytes, mut tokens, mut images) = (0usize, 0usize, 0u64);
+    for s in segments {
+        match s {
+            Segment::Text(t) => bytes += t.len(),
+            Segment::Tokens(t) => tokens += t.len(),
+            Segment::Image(_) => images += 1,
+        }
+    }
+    let blocks = bytes.div_ceil(byte_block.max(1)) as u64
+        + tokens.div_ceil(token_block.max(1)) as u64
+        + images;
+    blocks.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(s: &str) -> Segment {
+        Segment::Text(s.to_string())
+    }
+
+    #[test]
+    fn seeds_differ_by_model_and_lora() {
+        let a = model_seed("m", None);
+        assert_ne!(a, model_seed("m2", None));
+        assert_ne!(a, model_seed("m", Some("adapter")));
+        assert_eq!(a, model_seed("m", None));
+        let toks: Vec<u32> = (0..32).collect();
+        assert_ne!(
+            token_block_hashes(a, None, &toks, 16),
+            token_block_hashes(model_seed("m2", None), None, &toks, 16)
+        );
+    }
+
+    #[test]
+    fn token_chain_hashes_full_blocks_and_chains_parents() {
+        let toks: Vec<u32> = (0..40).collect();
+        let all = token_block_hashes(7, None, &toks, 16);
+        assert_eq!(all.len(), 2, "the 8 trailing tokens are not hashed");
+        // Continuing from a parent equals hashing the whole sequence.
+        let tail = token_block_hashes(7, Some(all[0]), &toks[16..32], 16);
+        assert_eq!(tail, vec![all[1]]);
+        // A change in block 0 changes every later block.
+        let mut other = toks.clone();
+        other[3] = 999;
+        let changed = token_block_hashes(7, None, &other, 16);
+        assert_ne!(changed[0], all[0]);
+        assert_ne!(changed[1], all[1]);
+        // A change in block 1 keeps block 0.
+        let mut late = toks.clone();
+        late[20] = 999;
+        let late = token_block_hashes(7, None, &late, 16);
+        assert_eq!(late[0], all[0]);
+        assert_ne!(late[1], all[1]);
+    }
+
+    #[test]
+    fn token_prompts_hash_like_the_token_chain() {
+        let toks: Vec<u32> = (100..150).collect();
+        let direct = token_block_hashes(5, None, &toks, 16);
+        let split = vec![
+            Segment::Tokens(toks[..10].to_vec()),
+            Segment::Tokens(toks[10..].to_vec()),
+        ];
+        assert_eq!(request_block_hashes(5, &split, 64, 16), direct);
+    }
+
+    #[test]
+    fn text_blocks_are_byte_chunks_across_segments() {
+        let s = "a".repeat(64 * 3 + 10);
+        let whole = request_block_hashes(1, &[text(&s)], 64, 16);
+        assert_eq!(whole.len(), 3);
+        let parts = request_block_hashes(1, &[text(&s[..100]), text(&s[100..])], 64, 16);
+        assert_eq!(parts, whole);
+        // A longer prompt extends the chain: shared leading blocks.
+        let longer = request_block_hashes(1, &[text(&format!("{s}{}", "b".repeat(200)))], 64, 16);
+        assert_eq!(&longer[..3], &whole[..]);
+        assert_eq!(longer.len(), 6);
+    }
+
+    #[test]
+    fn images_are_mixed_into_the_chain() {
+        let pre = "p".repeat(128);
+        let post = "q".repeat(128);
+        let req = |img: &str| {
+            request_block_hashes(
+                1,
+                &[text(&pre), Segment::Image(img.into()), text(&post)],
+                64,
+                16,
+            )
+        };
+        let a = req("https://x/cat.png");
+        let b = req("https://x/cat.png");
+        let c = req("https://x/dog.png");
+        assert_eq!(a, b, "same image and text share every block");
+        assert_eq!(a.len(), 5);
+        assert_eq!(&a[..2], &c[..2], "text before the image is shared");
+        assert!(a[2..].iter().zip(&c[2..]).all(|(x, y)| x != y));
+    }
+
+    #[test]
+    fn size_counts_partial_blocks() {
+        assert_eq!(request_size_blocks(&[], 64, 16), 1);
+        assert_eq!(request_size_blocks(&[text(&"x".repeat(65))], 64, 16), 2);
+        assert_eq!(
+            request_size_blocks(
+                &[Segment::Tokens(vec![1; 17]), Segment::Image("u".into())],
+                64,
+                16
+            ),
+            3
+        );
+    }
+}

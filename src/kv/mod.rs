@@ -1,0 +1,8 @@
+//! The KV-cache view of the pool: prefix block hashing ([`hash`]) and the index of
+//! which (worker, dp rank) holds which blocks ([`index`]).
+//!
+//! Approximate mode fills the index from routing decisions; precise mode fills it
+//! from the engines' KV events. Both use the same block hashes and the same index.
+
+pub mod hash;
+pub mod index;
