@@ -299,7 +299,11 @@ async fn start_noop() -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
 
 /// Drives the server on `port` with `cfg.concurrency` streams for warm-up plus
 /// `cfg.duration`; latencies are kept only from the measured window.
-async fn drive(port: u16, bodies: Arc<Vec<Vec<u8>>>, cfg: &OverheadConfig) -> anyhow::Result<ServerFigures> {
+async fn drive(
+    port: u16,
+    bodies: Arc<Vec<Vec<u8>>>,
+    cfg: &OverheadConfig,
+) -> anyhow::Result<ServerFigures> {
     let mut channels = Vec::new();
     for _ in 0..cfg.connections.max(1) {
         channels.push(
@@ -384,7 +388,11 @@ mod tests {
     fn chat_bodies_have_the_asked_size_and_parse() {
         for bytes in [1024, 32 * 1024] {
             let b = chat_body(bytes, 3);
-            assert!(b.len() >= bytes * 9 / 10 && b.len() <= bytes + 64, "{}", b.len());
+            assert!(
+                b.len() >= bytes * 9 / 10 && b.len() <= bytes + 64,
+                "{}",
+                b.len()
+            );
             let parsed = kvpick::request::parse(&b, None).unwrap();
             assert_eq!(parsed.model, "llama");
         }

@@ -41,7 +41,10 @@ pub fn overhead(report: &OverheadReport, path: &Path) -> anyhow::Result<()> {
         .map(|r| format!("{}B/{}ep", human_bytes(r.body_bytes), r.endpoints))
         .collect();
     let mut chart = ChartBuilder::on(&root)
-        .caption("ext_proc decision latency: kvpick vs no-op", ("sans-serif", 22))
+        .caption(
+            "ext_proc decision latency: kvpick vs no-op",
+            ("sans-serif", 22),
+        )
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
@@ -136,7 +139,10 @@ pub fn replay_hit_rate(report: &ReplayReport, path: &Path) -> anyhow::Result<()>
         } else {
             PALETTE[i % PALETTE.len()]
         };
-        Rectangle::new([(i as f64 - 0.35, 0.0), (i as f64 + 0.35, *v)], color.filled())
+        Rectangle::new(
+            [(i as f64 - 0.35, 0.0), (i as f64 + 0.35, *v)],
+            color.filled(),
+        )
     }))?;
     chart.draw_series(values.iter().enumerate().map(|(i, v)| {
         Text::new(

@@ -107,7 +107,10 @@ impl ScaleReport {
             ],
             vec![
                 format!("lookup, {}-block prompt, p50 / p99", self.prompt_blocks),
-                format!("{:.0} µs / {:.0} µs", self.lookup_p50_us, self.lookup_p99_us),
+                format!(
+                    "{:.0} µs / {:.0} µs",
+                    self.lookup_p50_us, self.lookup_p99_us
+                ),
             ],
             vec![
                 "full pick (hash + lookup + score), p50 / p99".into(),
