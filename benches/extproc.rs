@@ -28,7 +28,8 @@ use kvpick::server::{serve_ext_proc, App};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -229,7 +230,7 @@ fn overhead(c: &mut Criterion) {
         tokio::spawn(
             Server::builder()
                 .add_service(ExternalProcessorServer::new(Noop))
-                .serve_with_incoming(TcpListenerStream::new(l)),
+                .serve_with_incoming(TcpIncoming::from(l).with_nodelay(Some(true))),
         );
         (kv_port, noop_port)
     });
