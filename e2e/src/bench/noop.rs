@@ -1,7 +1,7 @@
 //! A no-op ext_proc server: the baseline of the overhead benchmark.
 //!
 //! It speaks the same FULL_DUPLEX_STREAMED protocol on the same tonic stack as
-//! kvpick (same message builders, same HTTP/2 stream limit) but does no parsing
+//! kvpick (same message builders, same HTTP/2 stream limit, TCP_NODELAY) but does no parsing
 //! and no scheduling: it collects the body, answers the held headers with a fixed
 //! endpoint, streams the body back, and passes the response path through.
 
@@ -17,7 +17,8 @@ use futures::{Stream, StreamExt};
 use kvpick::extproc::messages;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -95,6 +96,6 @@ pub async fn serve(listener: TcpListener) -> Result<(), tonic::transport::Error>
     Server::builder()
         .max_concurrent_streams(Some(100_000))
         .add_service(ExternalProcessorServer::new(Noop))
-        .serve_with_incoming(TcpListenerStream::new(listener))
+        .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true)))
         .await
 }

@@ -308,6 +308,7 @@ async fn drive(
     for _ in 0..cfg.connections.max(1) {
         channels.push(
             Channel::from_shared(format!("http://127.0.0.1:{port}"))?
+                .tcp_nodelay(true)
                 .connect()
                 .await?,
         );

@@ -205,3 +205,55 @@ pub fn replay_ttft(report: &ReplayReport, path: &Path) -> anyhow::Result<()> {
     root.present()?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::overhead::{OverheadRun, ServerFigures};
+    use crate::bench::replay::PolicyFigures;
+
+    #[test]
+    fn plots_render_labelled_svg() {
+        let dir = std::env::temp_dir().join(format!("kvpick-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fig = |p50_us, p99_us| ServerFigures {
+            p50_us,
+            p99_us,
+            rps: 1.0,
+        };
+        let overhead_report = OverheadReport {
+            runs: vec![OverheadRun {
+                body_bytes: 1024,
+                endpoints: 8,
+                kvpick: fig(150.0, 400.0),
+                noop: fig(100.0, 300.0),
+                p99_ratio: 4.0 / 3.0,
+            }],
+        };
+        let policy = |name: &str, hit_rate| PolicyFigures {
+            name: name.into(),
+            hit_rate,
+            spread: 1.5,
+            ttft_p50_ms: 100.0,
+            ttft_p99_ms: 900.0,
+            ttft_ms: vec![50.0, 100.0, 900.0],
+        };
+        let replay_report = ReplayReport {
+            trace: "t".into(),
+            requests: 3,
+            workers: 2,
+            capacity_blocks: 10,
+            ceiling_hit_rate: 0.6,
+            policies: vec![policy("round-robin", 0.1), policy("kvpick-precise", 0.5)],
+        };
+        overhead(&overhead_report, &dir.join("o.svg")).unwrap();
+        replay_hit_rate(&replay_report, &dir.join("h.svg")).unwrap();
+        replay_ttft(&replay_report, &dir.join("t.svg")).unwrap();
+        let h = std::fs::read_to_string(dir.join("h.svg")).unwrap();
+        assert!(h.starts_with("<svg"));
+        assert!(h.contains("kvpick-precise") && h.contains("50.0%"));
+        let o = std::fs::read_to_string(dir.join("o.svg")).unwrap();
+        assert!(o.contains("1K") && o.contains("no-op p99"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,7 +1,7 @@
 //! `kvpick-bench`: kvpick's benchmarks. Each subcommand prints a Markdown table
 //! (default) or one JSON object (`--format json`) and writes SVG plots to `--plots`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -24,6 +24,9 @@ struct Cli {
     /// Directory for SVG plots (created if missing); plots are skipped when unset.
     #[arg(long, global = true)]
     plots: Option<PathBuf>,
+    /// Also write the JSON report to this file.
+    #[arg(long, global = true)]
+    save: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -95,7 +98,15 @@ enum Command {
     },
 }
 
-fn emit<T: serde::Serialize>(format: Format, report: &T, markdown: String) -> anyhow::Result<()> {
+fn emit<T: serde::Serialize>(
+    format: Format,
+    save: Option<&Path>,
+    report: &T,
+    markdown: String,
+) -> anyhow::Result<()> {
+    if let Some(path) = save {
+        std::fs::write(path, serde_json::to_string_pretty(report)? + "\n")?;
+    }
     match format {
         Format::Markdown => print!("{markdown}"),
         Format::Json => println!("{}", serde_json::to_string(report)?),
@@ -129,7 +140,7 @@ fn main() -> anyhow::Result<()> {
             if let Some(dir) = &cli.plots {
                 plot::overhead(&report, &dir.join("overhead.svg"))?;
             }
-            emit(cli.format, &report, report.markdown())
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::Replay {
             trace: path,
@@ -166,7 +177,7 @@ fn main() -> anyhow::Result<()> {
                 plot::replay_hit_rate(&report, &dir.join("replay-hit-rate.svg"))?;
                 plot::replay_ttft(&report, &dir.join("replay-ttft.svg"))?;
             }
-            emit(cli.format, &report, report.markdown())
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::Scale {
             endpoints,
@@ -178,7 +189,7 @@ fn main() -> anyhow::Result<()> {
                 blocks_per_endpoint,
                 iterations,
             });
-            emit(cli.format, &report, report.markdown())
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
     }
 }
