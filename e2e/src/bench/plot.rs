@@ -33,8 +33,15 @@ pub fn overhead(report: &OverheadReport, path: &Path) -> anyhow::Result<()> {
         .runs
         .iter()
         .map(|r| r.kvpick.p99_us.max(r.noop.p99_us))
-        .fold(1.0, f64::max)
-        * 1.15;
+        .fold(10.0, f64::max)
+        * 2.0;
+    let ymin = report
+        .runs
+        .iter()
+        .map(|r| r.kvpick.p50_us.min(r.noop.p50_us))
+        .fold(f64::MAX, f64::min)
+        .clamp(1.0, ymax / 10.0)
+        / 2.0;
     let labels: Vec<String> = report
         .runs
         .iter()
@@ -48,7 +55,7 @@ pub fn overhead(report: &OverheadReport, path: &Path) -> anyhow::Result<()> {
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
-        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)?;
+        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), (ymin..ymax).log_scale())?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -62,7 +69,7 @@ pub fn overhead(report: &OverheadReport, path: &Path) -> anyhow::Result<()> {
             }
         })
         .x_desc("body size / endpoints")
-        .y_desc("µs (last body chunk → headers answer)")
+        .y_desc("µs, log scale (last body chunk → headers answer)")
         .draw()?;
     type Pick = fn(&super::overhead::OverheadRun) -> f64;
     let series: [(&str, Pick, RGBColor); 4] = [
