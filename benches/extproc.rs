@@ -206,7 +206,7 @@ async fn connect(port: u16) -> Channel {
 fn overhead(c: &mut Criterion) {
     let rt = Runtime::new().unwrap();
     let (kv_port, noop_port) = rt.block_on(async {
-        let app = App::new("bench", Default::default());
+        let app = App::new("bench");
         app.endpoints.replace(
             (0..64)
                 .map(|i| {

@@ -614,8 +614,8 @@ impl Scheduler {
         *self.active.entry(c.key).or_insert(0) += size;
     }
 
-    /// Headers to add to the response of a routed request: the signed session
-    /// token, for session turns other than `close`.
+    /// Headers to add to a successful (2xx) response of a routed request: the
+    /// signed session token, for session turns other than `close`.
     pub fn response_headers(&self, decision: &Decision) -> Option<Vec<(String, String)>> {
         let s = decision.session.as_ref()?;
         if s.action == Some(SessionAction::Close) {

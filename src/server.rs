@@ -68,8 +68,13 @@ pub struct App {
 }
 
 impl App {
+    /// Fresh state for a pool named `pool`, with default scheduler settings.
+    pub fn new(pool: &str) -> Self {
+        Self::with_scheduler(pool, SchedulerConfig::default())
+    }
+
     /// Fresh state for a pool named `pool`, scheduling with `scheduler`.
-    pub fn new(pool: &str, scheduler: SchedulerConfig) -> Self {
+    pub fn with_scheduler(pool: &str, scheduler: SchedulerConfig) -> Self {
         let scheduler = Arc::new(Scheduler::new(scheduler));
         let metrics = Arc::new(Metrics::new(pool));
         metrics.register_scheduler(Arc::clone(&scheduler));
@@ -183,7 +188,7 @@ fn session_key(args: &Args) -> Result<Vec<u8>, ServeError> {
 
 /// Runs kvpick as configured by `args` until a component fails.
 pub async fn run(args: Args) -> Result<(), ServeError> {
-    let app = App::new(&pool_label(&args), args.scheduler(session_key(&args)?));
+    let app = App::with_scheduler(&pool_label(&args), args.scheduler(session_key(&args)?));
     let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
     let discovery = match &args.endpoints_file {
         Some(path) => {

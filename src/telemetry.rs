@@ -4,12 +4,12 @@
 //! (`inference_extension_scheduler_e2e_duration_seconds`, `inference_pool_ready_pods`);
 //! kvpick's own carry the `kvpick_` prefix.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use std::sync::atomic::Ordering;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{

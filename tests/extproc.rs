@@ -37,7 +37,7 @@ async fn start(endpoints: Vec<Endpoint>) -> Server {
 }
 
 async fn start_with(endpoints: Vec<Endpoint>, config: ExtProcConfig) -> Server {
-    let app = App::new("test-pool", Default::default());
+    let app = App::new("test-pool");
     app.endpoints.replace(endpoints);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -782,7 +782,7 @@ async fn five_hundred_concurrent_streams() {
 
 #[tokio::test]
 async fn tls_is_served_with_a_self_signed_certificate() {
-    let app = App::new("tls", Default::default());
+    let app = App::new("tls");
     app.endpoints.replace(pool(1));
     let (tls, cert_pem) = kvpick::tls::self_signed(&["localhost"]).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

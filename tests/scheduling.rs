@@ -27,7 +27,7 @@ const LIMIT: Duration = Duration::from_secs(10);
 
 /// A kvpick ext_proc server over `workers` fake endpoints.
 async fn start(workers: usize, key: &[u8]) -> (App, SocketAddr) {
-    let app = App::new(
+    let app = App::with_scheduler(
         "test",
         SchedulerConfig {
             session_key: key.to_vec(),

@@ -28,7 +28,7 @@ async fn status(
 
 #[tokio::test]
 async fn health_turns_serving_once_endpoints_are_known() {
-    let app = App::new("pool", Default::default());
+    let app = App::new("pool");
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(serve_health(listener, Arc::clone(&app.endpoints)));
@@ -80,7 +80,7 @@ async fn health_turns_serving_once_endpoints_are_known() {
 
 #[tokio::test]
 async fn metrics_are_exposed_with_gie_names() {
-    let app = App::new("my-pool", Default::default());
+    let app = App::new("my-pool");
     app.endpoints.replace(vec![
         Endpoint::new("10.0.0.1:80".parse().unwrap()),
         Endpoint::new("10.0.0.2:80".parse().unwrap()),

@@ -462,9 +462,15 @@ impl StreamState {
     fn on_response_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
         self.response_status =
             find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
+        // Only a successful response carries scheduler headers (a session token
+        // must not pin a session to a worker that failed its turn).
+        let ok = self
+            .response_status
+            .is_some_and(|s| (200..300).contains(&s));
         let mutation = self
             .routed
             .as_ref()
+            .filter(|_| ok)
             .and_then(|r| self.shared.scheduler.response_headers(&r.decision))
             .map(|headers| HeaderMutation {
                 set_headers: headers.iter().map(|(k, v)| set_header(k, v)).collect(),

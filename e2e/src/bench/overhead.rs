@@ -272,7 +272,7 @@ fn endpoints(n: usize) -> Vec<Endpoint> {
 
 /// Starts kvpick's ext_proc server on loopback over `n` standalone endpoints.
 async fn start_kvpick(n: usize) -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
-    let app = App::new("bench", Default::default());
+    let app = App::new("bench");
     app.endpoints.replace(endpoints(n));
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
