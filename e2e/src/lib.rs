@@ -3,6 +3,7 @@
 //! start the whole stack in-process for tests and the demo.
 
 pub mod apiserver;
+pub mod bench;
 pub mod client;
 pub mod gateway;
 pub mod kv_events;
