@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{ArgAction, Parser};
+use clap::{ArgAction, Args as ClapArgs, Parser, Subcommand};
 
 use crate::extproc::ExtProcConfig;
 use crate::kv::index::IndexConfig;
@@ -18,6 +18,10 @@ use crate::telemetry::LogFormat;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "kvpick", version, about)]
 pub struct Args {
+    /// A subcommand instead of serving.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// Address to bind all listeners on.
     #[arg(long, env = "KVPICK_BIND_ADDRESS", default_value = "0.0.0.0")]
     pub bind_address: IpAddr,
@@ -48,9 +52,59 @@ pub struct Args {
     #[arg(long, env = "KVPICK_ENDPOINTS_FILE")]
     pub endpoints_file: Option<PathBuf>,
 
+    /// Name of the InferencePool to serve (Kubernetes mode).
+    #[arg(long, env = "KVPICK_POOL_NAME")]
+    pub pool_name: Option<String>,
+
+    /// Namespace of the pool (or of the selected pods); when unset or `default`,
+    /// the `NAMESPACE` environment variable, then `default`.
+    #[arg(long, env = "KVPICK_POOL_NAMESPACE")]
+    pub pool_namespace: Option<String>,
+
+    /// API group of the InferencePool: `inference.networking.k8s.io` (v1) or
+    /// `inference.networking.x-k8s.io` (v1alpha2).
+    #[arg(
+        long,
+        env = "KVPICK_POOL_GROUP",
+        default_value = crate::discovery::pool::GROUP_V1
+    )]
+    pub pool_group: String,
+
+    /// Without an InferencePool: select pods by `key=value[,key=value...]`.
+    #[arg(long, env = "KVPICK_ENDPOINT_SELECTOR")]
+    pub endpoint_selector: Option<String>,
+
+    /// With `--endpoint-selector`: the pods' serving ports, `port[,port...]`.
+    #[arg(long, env = "KVPICK_ENDPOINT_TARGET_PORTS")]
+    pub endpoint_target_ports: Option<String>,
+
+    /// Kubeconfig file; default: in-cluster config, then `KUBECONFIG`, then `~/.kube/config`.
+    #[arg(long, env = "KVPICK_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// How often each endpoint's `/metrics` is scraped, in ms.
+    #[arg(long, env = "KVPICK_SCRAPE_INTERVAL_MS", default_value_t = 50)]
+    pub scrape_interval_ms: u64,
+
+    /// Scraped load older than this (ms) is ignored.
+    #[arg(long, env = "KVPICK_SCRAPE_STALENESS_MS", default_value_t = 2000)]
+    pub scrape_staleness_ms: u64,
+
+    /// Timeout of one scrape, in ms (a slow worker never delays the others).
+    #[arg(long, env = "KVPICK_SCRAPE_TIMEOUT_MS", default_value_t = 1000)]
+    pub scrape_timeout_ms: u64,
+
+    /// Most scrapes in flight at once.
+    #[arg(long, env = "KVPICK_SCRAPE_CONCURRENCY", default_value_t = 64)]
+    pub scrape_concurrency: usize,
+
     /// Log format.
     #[arg(long, env = "KVPICK_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+
+    /// Flags of the GIE EPP, accepted so its Helm chart can run kvpick.
+    #[command(flatten)]
+    pub gie: GieFlags,
 
     /// Largest request body accepted, in bytes (413 beyond).
     #[arg(long, env = "KVPICK_MAX_BODY_BYTES", default_value_t = 32 << 20)]
@@ -126,11 +180,6 @@ pub struct Args {
     /// to [0, 1] with this temperature.
     #[arg(long, env = "KVPICK_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
-
-    /// Scraped load older than this (ms) is ignored by the scheduler.
-    #[arg(long, env = "KVPICK_SCRAPE_MAX_AGE_MS", default_value_t = 5_000)]
-    pub scrape_max_age_ms: u64,
-
     /// Follow the workers' KV events (precise prefix mode) where engines publish them.
     #[arg(long, env = "KVPICK_KV_EVENTS", default_value_t = true,
           action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
@@ -161,6 +210,214 @@ pub struct Args {
     pub tokenizer_threads: usize,
 }
 
+/// Subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Print the InferencePool CRD (YAML) and exit.
+    Crd,
+}
+
+/// GIE EPP flags: the ones that map to kvpick are honoured, the rest are accepted
+/// and ignored with a warning (see `docs/discovery.md`). Hidden from `--help`.
+#[derive(Debug, Clone, Default, ClapArgs)]
+pub struct GieFlags {
+    /// Honoured: overrides `--scrape-interval-ms` (Go duration, e.g. `50ms`).
+    #[arg(long, hide = true, value_parser = parse_go_duration)]
+    pub refresh_metrics_interval: Option<Duration>,
+    /// Honoured: overrides `--scrape-staleness-ms` (Go duration, e.g. `2s`).
+    #[arg(long, hide = true, value_parser = parse_go_duration)]
+    pub metrics_staleness_threshold: Option<Duration>,
+    /// Honoured: URL path of the workers' metrics.
+    #[arg(
+        long,
+        hide = true,
+        env = "KVPICK_MODEL_SERVER_METRICS_PATH",
+        default_value = "/metrics"
+    )]
+    pub model_server_metrics_path: String,
+    /// Honoured: scrape this port instead of each endpoint's own port.
+    #[arg(long, hide = true, env = "KVPICK_MODEL_SERVER_METRICS_PORT")]
+    pub model_server_metrics_port: Option<u16>,
+    /// Honoured for `http`; `https` is not supported (warning, scraped over http).
+    #[arg(long, hide = true, default_value = "http")]
+    pub model_server_metrics_scheme: String,
+    /// Honoured: `json` selects JSON logs, `console` text logs.
+    #[arg(long, hide = true)]
+    pub zap_encoder: Option<String>,
+    /// Honoured: log verbosity (0-1 info, 2-4 debug, 5+ trace) unless `RUST_LOG` is set.
+    #[arg(short = 'v', long = "v", hide = true)]
+    pub verbosity: Option<u8>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub ha_enable_leader_election: Option<bool>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub tracing: Option<bool>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub health_checking: Option<bool>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_pprof: Option<bool>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_cert_reload: Option<bool>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub metrics_endpoint_auth: Option<bool>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub model_server_metrics_https_insecure_skip_verify: Option<bool>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub zap_devel: Option<bool>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub config_file: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub config_text: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub refresh_prometheus_metrics_interval: Option<String>,
+    /// Ignored with a warning (kvpick reads its metric names by engine type).
+    #[arg(long, hide = true)]
+    pub total_queued_requests_metric: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub total_running_requests_metric: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub kv_cache_usage_percentage_metric: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub lora_info_metric: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub cache_info_metric: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub zap_log_level: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub zap_stacktrace_level: Option<String>,
+    /// Ignored with a warning.
+    #[arg(long, hide = true)]
+    pub zap_time_encoding: Option<String>,
+}
+
+impl GieFlags {
+    /// One warning per GIE flag that was given but has no effect in kvpick.
+    pub fn warnings(&self) -> Vec<String> {
+        let set = [
+            (
+                "ha-enable-leader-election",
+                self.ha_enable_leader_election.is_some(),
+            ),
+            ("tracing", self.tracing.is_some()),
+            ("health-checking", self.health_checking.is_some()),
+            ("enable-pprof", self.enable_pprof.is_some()),
+            ("enable-cert-reload", self.enable_cert_reload.is_some()),
+            (
+                "metrics-endpoint-auth",
+                self.metrics_endpoint_auth.is_some(),
+            ),
+            (
+                "model-server-metrics-https-insecure-skip-verify",
+                self.model_server_metrics_https_insecure_skip_verify
+                    .is_some(),
+            ),
+            ("zap-devel", self.zap_devel.is_some()),
+            ("config-file", self.config_file.is_some()),
+            ("config-text", self.config_text.is_some()),
+            (
+                "refresh-prometheus-metrics-interval",
+                self.refresh_prometheus_metrics_interval.is_some(),
+            ),
+            (
+                "total-queued-requests-metric",
+                self.total_queued_requests_metric.is_some(),
+            ),
+            (
+                "total-running-requests-metric",
+                self.total_running_requests_metric.is_some(),
+            ),
+            (
+                "kv-cache-usage-percentage-metric",
+                self.kv_cache_usage_percentage_metric.is_some(),
+            ),
+            ("lora-info-metric", self.lora_info_metric.is_some()),
+            ("cache-info-metric", self.cache_info_metric.is_some()),
+            ("zap-log-level", self.zap_log_level.is_some()),
+            ("zap-stacktrace-level", self.zap_stacktrace_level.is_some()),
+            ("zap-time-encoding", self.zap_time_encoding.is_some()),
+        ];
+        let mut out: Vec<String> = set
+            .iter()
+            .filter(|(_, given)| *given)
+            .map(|(name, _)| format!("GIE flag --{name} has no effect in kvpick; ignored"))
+            .collect();
+        if !self
+            .model_server_metrics_scheme
+            .eq_ignore_ascii_case("http")
+        {
+            out.push(format!(
+                "--model-server-metrics-scheme={} is not supported; scraping over http",
+                self.model_server_metrics_scheme
+            ));
+        }
+        out
+    }
+}
+
+/// Parses a Go `time.Duration` string such as `50ms`, `2s`, `1m30s` or `1.5h`.
+pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let mut rest = s;
+    let mut total = 0f64;
+    if rest.is_empty() {
+        return Err("empty duration".into());
+    }
+    while !rest.is_empty() {
+        let num_end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(|| format!("{s:?}: missing unit (ns, us, ms, s, m, h)"))?;
+        let value: f64 = rest[..num_end]
+            .parse()
+            .map_err(|_| format!("{s:?}: bad number"))?;
+        rest = &rest[num_end..];
+        let unit_end = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_end] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            u => return Err(format!("{s:?}: unknown unit {u:?}")),
+        };
+        total += value * scale;
+        rest = &rest[unit_end..];
+    }
+    Ok(Duration::from_secs_f64(total))
+}
+
+/// The pool namespace as the GIE EPP resolves it: the flag unless unset or
+/// `default`, then the `NAMESPACE` environment variable, then `default`.
+pub fn resolve_namespace(flag: Option<&str>, env_namespace: Option<&str>) -> String {
+    let flag = flag.map(str::trim).filter(|s| !s.is_empty());
+    match (flag, env_namespace.map(str::trim).filter(|s| !s.is_empty())) {
+        (Some(f), _) if f != "default" => f.to_string(),
+        (_, Some(env)) => env.to_string(),
+        (f, None) => f.unwrap_or("default").to_string(),
+    }
+}
+
 impl Args {
     /// KV-event subscriber settings, or `None` when `--kv-events=false`.
     pub fn kv_events(&self) -> Option<SubscriberConfig> {
@@ -185,13 +442,63 @@ impl Args {
                 prefill_overlap: self.weight_prefill_overlap,
             },
             temperature: self.temperature.max(0.0),
-            scrape_max_age: Duration::from_millis(self.scrape_max_age_ms),
+            scrape_max_age: self.scrape_staleness(),
             index: IndexConfig {
                 default_capacity: self.prefix_capacity_blocks,
                 ttl: (self.prefix_ttl_secs > 0).then(|| Duration::from_secs(self.prefix_ttl_secs)),
             },
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
+        }
+    }
+
+    /// The namespace to watch (see [`resolve_namespace`]).
+    pub fn namespace(&self) -> String {
+        let env = std::env::var("NAMESPACE").ok();
+        resolve_namespace(self.pool_namespace.as_deref(), env.as_deref())
+    }
+
+    /// The scrape interval (`--refresh-metrics-interval` wins over `--scrape-interval-ms`).
+    pub fn scrape_interval(&self) -> Duration {
+        self.gie
+            .refresh_metrics_interval
+            .unwrap_or(Duration::from_millis(self.scrape_interval_ms))
+            .max(Duration::from_millis(1))
+    }
+
+    /// How old scraped load may be (`--metrics-staleness-threshold` wins).
+    pub fn scrape_staleness(&self) -> Duration {
+        self.gie
+            .metrics_staleness_threshold
+            .unwrap_or(Duration::from_millis(self.scrape_staleness_ms))
+    }
+
+    /// The scraper settings these flags describe.
+    pub fn scrape(&self) -> crate::scrape::ScrapeConfig {
+        crate::scrape::ScrapeConfig {
+            interval: self.scrape_interval(),
+            timeout: Duration::from_millis(self.scrape_timeout_ms.max(1)),
+            concurrency: self.scrape_concurrency.max(1),
+            path: self.gie.model_server_metrics_path.clone(),
+            port: self.gie.model_server_metrics_port,
+        }
+    }
+
+    /// The log format (`--zap-encoder json` selects JSON).
+    pub fn log_format(&self) -> LogFormat {
+        match self.gie.zap_encoder.as_deref() {
+            Some("json") => LogFormat::Json,
+            Some("console") => LogFormat::Text,
+            _ => self.log_format,
+        }
+    }
+
+    /// The default log filter for GIE's `-v` verbosity.
+    pub fn log_level(&self) -> &'static str {
+        match self.gie.verbosity {
+            None | Some(0..=1) => "info",
+            Some(2..=4) => "debug",
+            Some(_) => "trace",
         }
     }
 
@@ -244,6 +551,88 @@ mod tests {
         assert_eq!(c.index.ttl, None);
         assert_eq!(c.weights.decode, 0.5);
         assert_eq!(c.temperature, 0.2);
+    }
+
+    #[test]
+    fn gie_chart_arguments_parse() {
+        // What the GIE inferencepool chart passes to its EPP container.
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--pool-name",
+            "llama",
+            "--pool-namespace",
+            "team",
+            "--pool-group",
+            "inference.networking.x-k8s.io",
+            "--zap-encoder",
+            "json",
+            "--config-file",
+            "/config/default-plugins.yaml",
+            "--total-queued-requests-metric",
+            "nv_trt_llm_request_metrics{request_type=waiting}",
+            "--lora-info-metric",
+            "",
+            "--ha-enable-leader-election",
+            "--tracing=false",
+            "--metrics-endpoint-auth=false",
+            "--v",
+            "3",
+            "--refresh-metrics-interval",
+            "100ms",
+            "--metrics-staleness-threshold",
+            "1m30s",
+            "--model-server-metrics-port",
+            "8080",
+        ])
+        .unwrap();
+        assert_eq!(a.pool_name.as_deref(), Some("llama"));
+        assert_eq!(a.pool_group, "inference.networking.x-k8s.io");
+        assert_eq!(a.log_format(), LogFormat::Json);
+        assert_eq!(a.log_level(), "debug");
+        assert_eq!(a.scrape_interval(), Duration::from_millis(100));
+        assert_eq!(a.scrape_staleness(), Duration::from_secs(90));
+        assert_eq!(a.scrape().port, Some(8080));
+        assert_eq!(a.gie.tracing, Some(false));
+        let warnings = a.gie.warnings();
+        assert_eq!(warnings.len(), 6, "{warnings:?}");
+        assert!(warnings.iter().any(|w| w.contains("--config-file")));
+        assert!(warnings
+            .iter()
+            .any(|w| w.contains("--ha-enable-leader-election")));
+
+        let a = Args::try_parse_from(["kvpick"]).unwrap();
+        assert!(a.gie.warnings().is_empty());
+        assert_eq!(a.scrape_interval(), Duration::from_millis(50));
+        assert_eq!(a.scrape_staleness(), Duration::from_secs(2));
+        assert_eq!(a.pool_group, "inference.networking.k8s.io");
+    }
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(parse_go_duration("50ms"), Ok(Duration::from_millis(50)));
+        assert_eq!(parse_go_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_go_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_go_duration("1h2m"), Ok(Duration::from_secs(3720)));
+        assert_eq!(parse_go_duration("0"), Ok(Duration::ZERO));
+        assert!(parse_go_duration("5").is_err());
+        assert!(parse_go_duration("5d").is_err());
+        assert!(parse_go_duration("").is_err());
+    }
+
+    #[test]
+    fn namespace_resolution_follows_gie() {
+        assert_eq!(resolve_namespace(Some("team"), Some("other")), "team");
+        assert_eq!(resolve_namespace(None, Some("other")), "other");
+        assert_eq!(resolve_namespace(Some("default"), Some("other")), "other");
+        assert_eq!(resolve_namespace(Some("default"), None), "default");
+        assert_eq!(resolve_namespace(None, None), "default");
+        assert_eq!(resolve_namespace(Some(""), Some(" ")), "default");
+    }
+
+    #[test]
+    fn crd_subcommand() {
+        let a = Args::try_parse_from(["kvpick", "crd"]).unwrap();
+        assert!(matches!(a.command, Some(Command::Crd)));
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod kv;
 pub mod kvevents;
 pub mod request;
 pub mod scheduler;
+pub mod scrape;
 pub mod server;
 pub mod sessions;
 pub mod telemetry;

@@ -1,10 +1,17 @@
 use clap::Parser;
-use kvpick::config::Args;
+use kvpick::config::{Args, Command};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    kvpick::telemetry::init_logging(args.log_format);
+    if let Some(Command::Crd) = args.command {
+        print!("{}", kvpick::discovery::pool::crd_yaml());
+        return Ok(());
+    }
+    kvpick::telemetry::init_logging(args.log_format(), args.log_level());
+    for warning in args.gie.warnings() {
+        tracing::warn!("{warning}");
+    }
     kvpick::server::run(args).await?;
     Ok(())
 }

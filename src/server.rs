@@ -55,7 +55,10 @@ pub enum ServeError {
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] TokenizeError),
     /// No endpoint source was configured.
-    #[error("no endpoint source: pass --endpoints-file FILE (standalone mode)")]
+    #[error(
+        "no endpoint source: pass --pool-name NAME, --endpoint-selector K=V --endpoint-target-ports P, \
+         or --endpoints-file FILE (standalone mode)"
+    )]
     NoSource,
 }
 
@@ -214,8 +217,65 @@ fn session_key(args: &Args) -> Result<Vec<u8>, ServeError> {
     Ok(crate::sessions::random_key())
 }
 
+/// Where the endpoint set comes from, as the flags choose it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndpointSource {
+    /// `--endpoints-file`: a static YAML file.
+    File(std::path::PathBuf),
+    /// `--pool-name` or `--endpoint-selector`: Kubernetes.
+    Kube {
+        /// Namespace of the pool and its pods.
+        namespace: String,
+        /// Pool or selector.
+        source: discovery::kube::Source,
+    },
+}
+
+impl EndpointSource {
+    /// The source `args` select: an endpoints file wins, then a pool, then a selector.
+    pub fn from_args(args: &Args) -> Result<EndpointSource, ServeError> {
+        if let Some(path) = &args.endpoints_file {
+            return Ok(EndpointSource::File(path.clone()));
+        }
+        let bad = |e: discovery::kube::KubeError| ServeError::Discovery(e.to_string());
+        let source = match (&args.pool_name, &args.endpoint_selector) {
+            (Some(name), _) if !name.trim().is_empty() => discovery::kube::Source::Pool {
+                name: name.trim().to_string(),
+                group: discovery::kube::PoolGroup::parse(&args.pool_group).map_err(bad)?,
+            },
+            (_, Some(selector)) if !selector.trim().is_empty() => {
+                discovery::kube::Source::selector(
+                    selector,
+                    args.endpoint_target_ports.as_deref().unwrap_or_default(),
+                )
+                .map_err(bad)?
+            }
+            _ => return Err(ServeError::NoSource),
+        };
+        Ok(EndpointSource::Kube {
+            namespace: args.namespace(),
+            source,
+        })
+    }
+}
+
+async fn kube_client(args: &Args) -> Result<kube::Client, ServeError> {
+    let err = |e: &dyn std::fmt::Display| ServeError::Discovery(format!("Kubernetes client: {e}"));
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| err(&e))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                .await
+                .map_err(|e| err(&e))?
+        }
+        None => kube::Config::infer().await.map_err(|e| err(&e))?,
+    };
+    kube::Client::try_from(config).map_err(|e| err(&e))
+}
+
 /// Runs kvpick as configured by `args` until a component fails.
 pub async fn run(args: Args) -> Result<(), ServeError> {
+    let source = EndpointSource::from_args(&args)?;
     let mut app = App::with_scheduler(&pool_label(&args), args.scheduler(session_key(&args)?));
     if let Some(dir) = &args.tokenizer_dir {
         let tokenizer = Tokenizer::load(dir)?;
@@ -226,18 +286,27 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
     let _kv_events = args
         .kv_events()
         .map(|c| AbortOnDrop(app.spawn_kv_events(c, KV_EVENTS_FOLLOW_INTERVAL)));
-    let discovery = match &args.endpoints_file {
-        Some(path) => {
-            let path = path.clone();
-            let table = Arc::clone(&app.endpoints);
+    app.metrics.set_scrape_staleness(args.scrape_staleness());
+    let table = Arc::clone(&app.endpoints);
+    let discovery = match source {
+        EndpointSource::File(path) => tokio::spawn(async move {
+            discovery::file::watch(path, table, Duration::from_secs(1))
+                .await
+                .map_err(|e| ServeError::Discovery(e.to_string()))
+        }),
+        EndpointSource::Kube { namespace, source } => {
+            let client = kube_client(&args).await?;
             tokio::spawn(async move {
-                discovery::file::watch(path, table, Duration::from_secs(1))
+                discovery::kube::run(client, &namespace, source, table)
                     .await
                     .map_err(|e| ServeError::Discovery(e.to_string()))
             })
         }
-        None => return Err(ServeError::NoSource),
     };
+    tokio::spawn(crate::scrape::run(
+        args.scrape(),
+        Arc::clone(&app.endpoints),
+    ));
     let tls = if args.secure_serving {
         Some(match &args.cert_path {
             Some(dir) => crate::tls::from_dir(dir)?,
@@ -275,8 +344,60 @@ impl Drop for AbortOnDrop {
 }
 
 fn pool_label(args: &Args) -> String {
-    args.endpoints_file
-        .as_ref()
-        .map(|p| p.display().to_string())
+    if let Some(path) = &args.endpoints_file {
+        return path.display().to_string();
+    }
+    args.pool_name
+        .clone()
+        .or_else(|| args.endpoint_selector.clone())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn source(argv: &[&str]) -> Result<EndpointSource, ServeError> {
+        EndpointSource::from_args(&Args::try_parse_from(argv).unwrap())
+    }
+
+    #[test]
+    fn flags_choose_the_endpoint_source() {
+        assert!(matches!(
+            source(&["kvpick", "--endpoints-file", "e.yaml", "--pool-name", "p"]),
+            Ok(EndpointSource::File(_))
+        ));
+        match source(&["kvpick", "--pool-name", "p", "--pool-namespace", "team"]).unwrap() {
+            EndpointSource::Kube { namespace, source } => {
+                assert_eq!(namespace, "team");
+                assert!(matches!(source, discovery::kube::Source::Pool { .. }));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            source(&[
+                "kvpick",
+                "--pool-namespace",
+                "team",
+                "--endpoint-selector",
+                "app=x",
+                "--endpoint-target-ports",
+                "8000"
+            ]),
+            Ok(EndpointSource::Kube {
+                source: discovery::kube::Source::Selector(_),
+                ..
+            })
+        ));
+        assert!(matches!(
+            source(&["kvpick", "--endpoint-selector", "app=x"]),
+            Err(ServeError::Discovery(_))
+        ));
+        assert!(matches!(
+            source(&["kvpick", "--pool-name", "p", "--pool-group", "example.com"]),
+            Err(ServeError::Discovery(_))
+        ));
+        assert!(matches!(source(&["kvpick"]), Err(ServeError::NoSource)));
+    }
 }

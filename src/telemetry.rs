@@ -147,6 +147,15 @@ struct PoolLabels {
     name: String,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PodLabels {
+    name: String,
+    model_server_pod: String,
+}
+
+/// A gauge holding an `f64`.
+type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+
 /// All of kvpick's Prometheus metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -156,6 +165,10 @@ pub struct Metrics {
     decision_seconds: Histogram,
     in_flight: Family<EndpointLabels, Gauge>,
     ready_pods: Family<PoolLabels, Gauge>,
+    average_kv: Family<PoolLabels, FloatGauge>,
+    average_queue: Family<PoolLabels, FloatGauge>,
+    per_pod_queue: Family<PodLabels, FloatGauge>,
+    scrape_staleness: parking_lot::Mutex<Duration>,
     /// Requests whose client sent routing headers (removed).
     pub spoofed_headers: Counter,
     /// Open ext_proc streams.
@@ -192,8 +205,26 @@ impl Metrics {
         let ready_pods = Family::<PoolLabels, Gauge>::default();
         registry.register(
             "inference_pool_ready_pods",
-            "Ready endpoints in the pool",
+            "Ready pods in the pool",
             ready_pods.clone(),
+        );
+        let average_kv = Family::<PoolLabels, FloatGauge>::default();
+        registry.register(
+            "inference_pool_average_kv_cache_utilization",
+            "Average KV-cache utilization (0-1) of the pool's ready endpoints with fresh metrics",
+            average_kv.clone(),
+        );
+        let average_queue = Family::<PoolLabels, FloatGauge>::default();
+        registry.register(
+            "inference_pool_average_queue_size",
+            "Average engine queue length of the pool's ready endpoints with fresh metrics",
+            average_queue.clone(),
+        );
+        let per_pod_queue = Family::<PodLabels, FloatGauge>::default();
+        registry.register(
+            "inference_pool_per_pod_queue_size",
+            "Engine queue length per ready pod (summed over its target ports), fresh metrics only",
+            per_pod_queue.clone(),
         );
         let spoofed_headers = Counter::default();
         registry.register(
@@ -220,6 +251,10 @@ impl Metrics {
             decision_seconds,
             in_flight,
             ready_pods,
+            average_kv,
+            average_queue,
+            per_pod_queue,
+            scrape_staleness: parking_lot::Mutex::new(Duration::from_secs(2)),
             spoofed_headers,
             streams,
             stream_panics,
@@ -230,6 +265,11 @@ impl Metrics {
     /// re-picks, per-stage latency), read at render time.
     pub fn register_scheduler(&self, scheduler: Arc<Scheduler>) {
         self.register(|r| r.register_collector(Box::new(SchedulerCollector { scheduler })));
+    }
+
+    /// Sets how old scraped load may be to count in the pool gauges (default 2 s).
+    pub fn set_scrape_staleness(&self, staleness: Duration) {
+        *self.scrape_staleness.lock() = staleness;
     }
 
     /// Registers more metrics (other modules call this at start-up).
@@ -261,11 +301,42 @@ impl Metrics {
                     .set(i64::from(e.in_flight(rank)));
             }
         }
-        self.ready_pods
-            .get_or_create(&PoolLabels {
-                name: self.pool_name.clone(),
-            })
-            .set(snapshot.endpoints.len() as i64);
+        let pool = PoolLabels {
+            name: self.pool_name.clone(),
+        };
+        let mut pods: Vec<&str> = snapshot
+            .endpoints
+            .iter()
+            .map(|e| e.endpoint.name.as_str())
+            .collect();
+        pods.sort_unstable();
+        pods.dedup();
+        self.ready_pods.get_or_create(&pool).set(pods.len() as i64);
+        let now = std::time::Instant::now();
+        let staleness = *self.scrape_staleness.lock();
+        let (mut kv_sum, mut queue_sum, mut fresh) = (0.0, 0.0, 0usize);
+        let mut per_pod: std::collections::BTreeMap<String, f64> = Default::default();
+        for e in &snapshot.endpoints {
+            if let Some(load) = e.scraped(now, staleness) {
+                kv_sum += load.kv_usage;
+                queue_sum += load.queue;
+                fresh += 1;
+                let pod = e.endpoint.name.rsplit('/').next().unwrap_or_default();
+                *per_pod.entry(pod.to_string()).or_default() += load.queue;
+            }
+        }
+        let avg = |sum: f64| if fresh == 0 { 0.0 } else { sum / fresh as f64 };
+        self.average_kv.get_or_create(&pool).set(avg(kv_sum));
+        self.average_queue.get_or_create(&pool).set(avg(queue_sum));
+        self.per_pod_queue.clear();
+        for (pod, queue) in per_pod {
+            self.per_pod_queue
+                .get_or_create(&PodLabels {
+                    name: self.pool_name.clone(),
+                    model_server_pod: pod,
+                })
+                .set(queue);
+        }
         let mut out = String::new();
         // Encoding into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry.lock());
@@ -301,6 +372,7 @@ pub async fn serve_metrics(
 pub const HEALTH_SERVICES: &[&str] = &[
     "",
     "readiness",
+    "inference-extension",
     "envoy.service.ext_proc.v3.ExternalProcessor",
 ];
 
@@ -335,10 +407,10 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global tracing subscriber (`RUST_LOG` filters; default `info`).
-pub fn init_logging(format: LogFormat) {
+/// Installs the global tracing subscriber (`RUST_LOG` filters; default `default_level`).
+pub fn init_logging(format: LogFormat, default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     let _ = match format {
         LogFormat::Json => builder.json().with_current_span(true).try_init(),
@@ -349,6 +421,7 @@ pub fn init_logging(format: LogFormat) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoints::{Endpoint, ScrapedLoad};
     use crate::scheduler::{PickRequest, SchedulerConfig};
 
     #[test]
@@ -385,5 +458,60 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
+    }
+
+    fn ep(addr: &str, pod: &str) -> Endpoint {
+        let mut e = Endpoint::new(addr.parse().unwrap());
+        e.name = pod.to_string();
+        e
+    }
+
+    fn gauge_line<'a>(text: &'a str, prefix: &str) -> &'a str {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+    }
+
+    #[test]
+    fn pool_gauges_use_fresh_scrapes_only() {
+        let table = EndpointTable::new();
+        table.replace(vec![
+            ep("10.0.0.1:8000", "ns/a"),
+            ep("10.0.0.1:8001", "ns/a"),
+            ep("10.0.0.2:8000", "ns/b"),
+            ep("10.0.0.3:8000", "ns/c"),
+        ]);
+        let snap = table.snapshot();
+        let now = std::time::Instant::now();
+        let load = |queue: f64, kv: f64, at| ScrapedLoad {
+            queue,
+            running: 0.0,
+            kv_usage: kv,
+            block_size: None,
+            num_blocks: None,
+            at,
+        };
+        snap.endpoints[0].set_scraped(load(2.0, 0.2, now));
+        snap.endpoints[1].set_scraped(load(4.0, 0.4, now));
+        snap.endpoints[2].set_scraped(load(6.0, 0.6, now));
+        // Stale: ignored.
+        snap.endpoints[3].set_scraped(load(100.0, 1.0, now - Duration::from_secs(10)));
+        let metrics = Metrics::new("pool");
+        let text = metrics.render(&table);
+        assert!(gauge_line(&text, "inference_pool_ready_pods{").ends_with(" 3"));
+        let kv: f64 = gauge_line(&text, "inference_pool_average_kv_cache_utilization{")
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((kv - 0.4).abs() < 1e-9, "{kv}");
+        assert!(gauge_line(&text, "inference_pool_average_queue_size{").ends_with(" 4.0"));
+        assert!(gauge_line(
+            &text,
+            "inference_pool_per_pod_queue_size{name=\"pool\",model_server_pod=\"a\"}"
+        )
+        .ends_with(" 6.0"));
+        assert!(!text.contains("model_server_pod=\"c\""));
     }
 }

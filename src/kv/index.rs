@@ -215,9 +215,13 @@ impl PrefixIndex {
             for &h in hashes {
                 let seq = w.next_seq;
                 w.next_seq += 1;
-                w.recency.insert(h, (seq, stamp));
+                let previous = w.recency.insert(h, (seq, stamp));
                 w.order.push_back((h, seq));
-                self.upsert_holder(h, worker, stamp);
+                // A block touched again within the same stamp (second) already has a
+                // holder with this stamp (or a precise one): skip the shared map.
+                if previous.is_none_or(|(_, s)| s != stamp) {
+                    self.upsert_holder(h, worker, stamp);
+                }
             }
             self.evict(worker, w, stamp);
         });

@@ -1,0 +1,417 @@
+//! `kvpick-bench overhead`: decision latency and throughput of kvpick's ext_proc
+//! server next to a no-op ext_proc server, both driven the way Envoy drives them.
+//!
+//! Each request is one FULL_DUPLEX_STREAMED stream: request headers carrying the
+//! `protocol_config`, the body in 16 KiB chunks sent without waiting (as Envoy
+//! forwards them), then the client reads the held headers answer and the body
+//! streamed back, sends response headers and a response body with
+//! `end_of_stream`, and reads their answers, so the request finishes on the server.
+//! Decision latency is the time from sending the last body chunk to receiving the
+//! headers answer. Many streams run at once over a few HTTP/2 connections.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    body_mutation, processing_request, processing_response, HttpBody, HttpHeaders,
+    ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+};
+use futures::StreamExt;
+use kvpick::endpoints::Endpoint;
+use kvpick::extproc::ExtProcConfig;
+use kvpick::server::{serve_ext_proc, App};
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::Streaming;
+
+use super::{markdown_table, micros, quantile, sorted, SplitMix64};
+
+/// Body chunk size the load generator sends (Envoy forwards reads of about this size).
+pub const CHUNK: usize = 16 * 1024;
+
+/// Settings of one overhead run.
+#[derive(Debug, Clone)]
+pub struct OverheadConfig {
+    /// Chat body sizes in bytes.
+    pub body_bytes: Vec<usize>,
+    /// Endpoint counts.
+    pub endpoints: Vec<usize>,
+    /// Measured time per (cell, server).
+    pub duration: Duration,
+    /// Unmeasured warm-up per (cell, server).
+    pub warmup: Duration,
+    /// Concurrent streams.
+    pub concurrency: usize,
+    /// HTTP/2 connections the streams share.
+    pub connections: usize,
+}
+
+/// Latency and throughput of one server in one cell.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ServerFigures {
+    /// Median decision latency in microseconds.
+    pub p50_us: f64,
+    /// 99th percentile decision latency in microseconds.
+    pub p99_us: f64,
+    /// Completed requests per second.
+    pub rps: f64,
+}
+
+/// One (body size, endpoint count) cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct OverheadRun {
+    /// Request body size in bytes.
+    pub body_bytes: usize,
+    /// Endpoints in the pool.
+    pub endpoints: usize,
+    /// kvpick's figures.
+    pub kvpick: ServerFigures,
+    /// The no-op server's figures.
+    pub noop: ServerFigures,
+    /// kvpick p99 / no-op p99.
+    pub p99_ratio: f64,
+}
+
+/// The whole overhead report.
+#[derive(Debug, Clone, Serialize)]
+pub struct OverheadReport {
+    /// One entry per cell.
+    pub runs: Vec<OverheadRun>,
+}
+
+impl OverheadReport {
+    /// The report as a Markdown table.
+    pub fn markdown(&self) -> String {
+        let rows: Vec<Vec<String>> = self
+            .runs
+            .iter()
+            .map(|r| {
+                vec![
+                    r.body_bytes.to_string(),
+                    r.endpoints.to_string(),
+                    format!("{:.0}", r.kvpick.p50_us),
+                    format!("{:.0}", r.noop.p50_us),
+                    format!("{:.0}", r.kvpick.p99_us),
+                    format!("{:.0}", r.noop.p99_us),
+                    format!("{:.2}", r.p99_ratio),
+                    format!("{:.0}", r.kvpick.rps),
+                    format!("{:.0}", r.noop.rps),
+                ]
+            })
+            .collect();
+        markdown_table(
+            &[
+                "body bytes",
+                "endpoints",
+                "kvpick p50 µs",
+                "noop p50 µs",
+                "kvpick p99 µs",
+                "noop p99 µs",
+                "p99 ratio",
+                "kvpick req/s",
+                "noop req/s",
+            ],
+            &rows,
+        )
+    }
+}
+
+/// An OpenAI chat body of about `bytes` bytes. Bodies with different `variant`
+/// share their first half (a common system prompt) and differ after it.
+pub fn chat_body(bytes: usize, variant: u64) -> Vec<u8> {
+    let words = |seed: u64, n: usize| {
+        let mut g = SplitMix64::new(seed);
+        let mut s = String::with_capacity(n + 16);
+        while s.len() < n {
+            s.push_str(&format!("w{} ", g.below(50_000)));
+        }
+        s
+    };
+    let half = bytes.saturating_sub(120) / 2;
+    let body = serde_json::json!({
+        "model": "llama",
+        "messages": [
+            {"role": "system", "content": words(1, half)},
+            {"role": "user", "content": words(1_000 + variant, half)},
+        ],
+        "stream": true
+    });
+    serde_json::to_vec(&body).expect("a JSON value serialises")
+}
+
+fn header(key: &str, value: &str) -> HeaderValue {
+    HeaderValue {
+        key: key.to_string(),
+        raw_value: value.as_bytes().to_vec(),
+        ..Default::default()
+    }
+}
+
+fn request_headers() -> ProcessingRequest {
+    let headers = [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "gateway"),
+        ("content-type", "application/json"),
+    ]
+    .iter()
+    .map(|(k, v)| header(k, v))
+    .collect();
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            ..Default::default()
+        })),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+            response_body_mode: BodySendMode::FullDuplexStreamed as i32,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn body_msg(bytes: &[u8], end_of_stream: bool, response: bool) -> ProcessingRequest {
+    let b = HttpBody {
+        body: bytes.to_vec(),
+        end_of_stream,
+        ..Default::default()
+    };
+    ProcessingRequest {
+        request: Some(if response {
+            processing_request::Request::ResponseBody(b)
+        } else {
+            processing_request::Request::RequestBody(b)
+        }),
+        ..Default::default()
+    }
+}
+
+/// Whether `msg` is a streamed body answer with `end_of_stream`.
+fn ends_body(msg: &ProcessingResponse) -> bool {
+    let common = match &msg.response {
+        Some(processing_response::Response::RequestBody(b))
+        | Some(processing_response::Response::ResponseBody(b)) => b.response.as_ref(),
+        _ => None,
+    };
+    matches!(
+        common
+            .and_then(|c| c.body_mutation.as_ref())
+            .and_then(|m| m.mutation.as_ref()),
+        Some(body_mutation::Mutation::StreamedResponse(s)) if s.end_of_stream
+    )
+}
+
+async fn next(responses: &mut Streaming<ProcessingResponse>) -> anyhow::Result<ProcessingResponse> {
+    responses
+        .next()
+        .await
+        .ok_or_else(|| anyhow!("server closed the stream early"))?
+        .context("server answered with an error status")
+}
+
+/// Runs one Envoy-style request to completion; returns the decision latency.
+pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> {
+    let (tx, rx) = mpsc::channel(64);
+    let send = |m| {
+        let tx = tx.clone();
+        async move {
+            tx.send(m)
+                .await
+                .map_err(|_| anyhow!("request stream closed"))
+        }
+    };
+    send(request_headers()).await?;
+    let mut responses = ExternalProcessorClient::new(ch.clone())
+        .process(ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    let chunks: Vec<&[u8]> = body.chunks(CHUNK).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        send(body_msg(c, i + 1 == chunks.len(), false)).await?;
+    }
+    let sent = Instant::now();
+    let first = next(&mut responses).await?;
+    let latency = sent.elapsed();
+    match first.response {
+        Some(processing_response::Response::RequestHeaders(_)) => {}
+        other => bail!("expected the headers answer first, got {other:?}"),
+    }
+    while !ends_body(&next(&mut responses).await?) {}
+    send(ProcessingRequest {
+        request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![header(":status", "200")],
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await?;
+    send(body_msg(b"data: [DONE]\n\n", true, true)).await?;
+    drop(tx);
+    while !ends_body(&next(&mut responses).await?) {}
+    Ok(latency)
+}
+
+fn endpoints(n: usize) -> Vec<Endpoint> {
+    (0..n)
+        .map(|i| {
+            let addr = format!("10.{}.{}.{}:8000", i / 65_536, (i / 256) % 256, i % 256);
+            Endpoint::new(addr.parse().expect("a valid socket address"))
+        })
+        .collect()
+}
+
+/// Starts kvpick's ext_proc server on loopback over `n` standalone endpoints.
+async fn start_kvpick(n: usize) -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
+    let app = App::new("bench");
+    app.endpoints.replace(endpoints(n));
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let task = tokio::spawn(async move {
+        let _app = app;
+        if let Err(e) = serve_ext_proc(listener, service, None).await {
+            eprintln!("kvpick ext_proc server failed: {e}");
+        }
+    });
+    Ok((port, task))
+}
+
+async fn start_noop() -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let task = tokio::spawn(async move {
+        if let Err(e) = super::noop::serve(listener).await {
+            eprintln!("no-op ext_proc server failed: {e}");
+        }
+    });
+    Ok((port, task))
+}
+
+/// Drives the server on `port` with `cfg.concurrency` streams for warm-up plus
+/// `cfg.duration`; latencies are kept only from the measured window.
+async fn drive(
+    port: u16,
+    bodies: Arc<Vec<Vec<u8>>>,
+    cfg: &OverheadConfig,
+) -> anyhow::Result<ServerFigures> {
+    let mut channels = Vec::new();
+    for _ in 0..cfg.connections.max(1) {
+        channels.push(
+            Channel::from_shared(format!("http://127.0.0.1:{port}"))?
+                .tcp_nodelay(true)
+                .connect()
+                .await?,
+        );
+    }
+    let start = Instant::now();
+    let measure_from = start + cfg.warmup;
+    let end = measure_from + cfg.duration;
+    let mut tasks = Vec::new();
+    for i in 0..cfg.concurrency.max(1) {
+        let ch = channels[i % channels.len()].clone();
+        let bodies = Arc::clone(&bodies);
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut k = i;
+            loop {
+                let began = Instant::now();
+                if began >= end {
+                    break;
+                }
+                let l = one_request(&ch, &bodies[k % bodies.len()]).await?;
+                k += 1;
+                if began >= measure_from && Instant::now() <= end {
+                    lat.push(micros(l));
+                }
+            }
+            anyhow::Ok(lat)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    let lat = sorted(all);
+    Ok(ServerFigures {
+        p50_us: quantile(&lat, 0.5),
+        p99_us: quantile(&lat, 0.99),
+        rps: lat.len() as f64 / cfg.duration.as_secs_f64(),
+    })
+}
+
+/// Runs every (body size, endpoint count) cell against both servers.
+pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
+    let mut runs = Vec::new();
+    for &bytes in &cfg.body_bytes {
+        let bodies = Arc::new((0..64).map(|v| chat_body(bytes, v)).collect::<Vec<_>>());
+        for &n in &cfg.endpoints {
+            let (noop_port, noop_task) = start_noop().await?;
+            let noop = drive(noop_port, Arc::clone(&bodies), cfg).await?;
+            noop_task.abort();
+            let (kv_port, kv_task) = start_kvpick(n).await?;
+            let kvpick = drive(kv_port, Arc::clone(&bodies), cfg).await?;
+            kv_task.abort();
+            eprintln!(
+                "overhead: {bytes} B, {n} endpoints: kvpick p99 {:.0} µs, noop p99 {:.0} µs",
+                kvpick.p99_us, noop.p99_us
+            );
+            runs.push(OverheadRun {
+                body_bytes: bodies[0].len(),
+                endpoints: n,
+                p99_ratio: if noop.p99_us > 0.0 {
+                    kvpick.p99_us / noop.p99_us
+                } else {
+                    0.0
+                },
+                kvpick,
+                noop,
+            });
+        }
+    }
+    Ok(OverheadReport { runs })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_bodies_have_the_asked_size_and_parse() {
+        for bytes in [1024, 32 * 1024] {
+            let b = chat_body(bytes, 3);
+            assert!(
+                b.len() >= bytes * 9 / 10 && b.len() <= bytes + 64,
+                "{}",
+                b.len()
+            );
+            let parsed = kvpick::request::parse(&b, None).unwrap();
+            assert_eq!(parsed.model, "llama");
+        }
+        assert_ne!(chat_body(1024, 1), chat_body(1024, 2));
+    }
+
+    #[tokio::test]
+    async fn one_request_completes_against_both_servers() {
+        let body = chat_body(100_000, 0);
+        for start in [start_noop().await, start_kvpick(8).await] {
+            let (port, task) = start.unwrap();
+            let ch = Channel::from_shared(format!("http://127.0.0.1:{port}"))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            one_request(&ch, &body).await.unwrap();
+            task.abort();
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Mooncake-format request traces and deterministic prompts for them.
+//!
+//! One JSON object a line: `timestamp` (ms), `input_length` and `output_length`
+//! (tokens) and `hash_ids` (one id per 512-token prompt block; equal leading ids
+//! mean an equal prefix). A prompt is made by turning each id into 512 token ids
+//! drawn from a PRNG seeded with the id, concatenating them, and cutting to
+//! `input_length`, so requests share exactly the prefixes the trace says.
+
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Deserialize;
+
+use super::SplitMix64;
+
+/// Tokens per trace block.
+pub const BLOCK_TOKENS: usize = 512;
+
+/// Token ids are drawn below this (a typical vocabulary size).
+const VOCAB: u64 = 128_000;
+
+/// One request of a trace.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct TraceRequest {
+    /// Arrival in milliseconds from the start of the trace.
+    pub timestamp: u64,
+    /// Prompt length in tokens.
+    pub input_length: usize,
+    /// Generated tokens.
+    pub output_length: usize,
+    /// Prefix block ids, one per 512 prompt tokens.
+    pub hash_ids: Vec<u64>,
+}
+
+/// Reads a trace file; requests are returned in arrival order.
+pub fn load(path: &Path) -> anyhow::Result<Vec<TraceRequest>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    parse(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// Parses trace text (JSON lines; blank lines skipped); sorts by arrival, stably.
+pub fn parse(text: &str) -> anyhow::Result<Vec<TraceRequest>> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r: TraceRequest =
+            serde_json::from_str(line).with_context(|| format!("line {}", i + 1))?;
+        out.push(r);
+    }
+    out.sort_by_key(|r| r.timestamp);
+    Ok(out)
+}
+
+/// The 512 deterministic token ids of block `hash_id`.
+pub fn block_tokens(hash_id: u64) -> Vec<u32> {
+    let mut g = SplitMix64::new(hash_id ^ 0x6b76_7069_636b);
+    (0..BLOCK_TOKENS).map(|_| g.below(VOCAB) as u32).collect()
+}
+
+/// The prompt token ids of a request: its blocks' tokens, cut to `input_length`
+/// (never longer than its blocks).
+pub fn prompt_tokens(r: &TraceRequest) -> Vec<u32> {
+    let mut out = Vec::with_capacity(r.hash_ids.len() * BLOCK_TOKENS);
+    for &id in &r.hash_ids {
+        out.extend(block_tokens(id));
+    }
+    out.truncate(r.input_length);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_orders_by_arrival() {
+        let t = parse(
+            r#"{"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}
+
+{"timestamp": 1, "input_length": 512, "output_length": 9, "hash_ids": [1]}"#,
+        )
+        .unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0].timestamp, 1);
+        assert_eq!(t[1].hash_ids, vec![1, 2]);
+        assert!(parse("{\"timestamp\": 1}").is_err());
+    }
+
+    #[test]
+    fn shared_ids_give_shared_prefixes() {
+        let a = TraceRequest {
+            timestamp: 0,
+            input_length: 700,
+            output_length: 1,
+            hash_ids: vec![10, 11],
+        };
+        let b = TraceRequest {
+            hash_ids: vec![10, 12],
+            input_length: 1024,
+            ..a.clone()
+        };
+        let (ta, tb) = (prompt_tokens(&a), prompt_tokens(&b));
+        assert_eq!(ta.len(), 700);
+        assert_eq!(tb.len(), 1024);
+        assert_eq!(ta[..512], tb[..512]);
+        assert_ne!(ta[512..700], tb[512..700]);
+        assert_eq!(block_tokens(10), block_tokens(10));
+    }
+}

@@ -1,0 +1,195 @@
+//! `kvpick-bench`: kvpick's benchmarks. Each subcommand prints a Markdown table
+//! (default) or one JSON object (`--format json`) and writes SVG plots to `--plots`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use e2e::bench::{overhead, plot, replay, scale, sim::TimeModel, trace};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    /// A Markdown table.
+    Markdown,
+    /// One JSON object.
+    Json,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "kvpick benchmarks: overhead, trace replay, scale")]
+struct Cli {
+    /// Output format.
+    #[arg(long, global = true, value_enum, default_value = "markdown")]
+    format: Format,
+    /// Directory for SVG plots (created if missing); plots are skipped when unset.
+    #[arg(long, global = true)]
+    plots: Option<PathBuf>,
+    /// Also write the JSON report to this file.
+    #[arg(long, global = true)]
+    save: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Decision latency and throughput of kvpick's ext_proc server next to a no-op server.
+    Overhead {
+        /// Chat body sizes in bytes.
+        #[arg(long, value_delimiter = ',', default_value = "1024,32768,225280")]
+        body_bytes: Vec<usize>,
+        /// Endpoint counts.
+        #[arg(long, value_delimiter = ',', default_value = "8,64,1024")]
+        endpoints: Vec<usize>,
+        /// Measured seconds per cell and server.
+        #[arg(long, default_value_t = 3.0)]
+        duration: f64,
+        /// Warm-up seconds per cell and server (not measured).
+        #[arg(long, default_value_t = 0.5)]
+        warmup: f64,
+        /// Concurrent streams.
+        #[arg(long, default_value_t = 32)]
+        concurrency: usize,
+        /// HTTP/2 connections shared by the streams.
+        #[arg(long, default_value_t = 2)]
+        connections: usize,
+    },
+    /// Replays a Mooncake-format trace through routing policies against simulated workers.
+    Replay {
+        /// The trace (JSON lines with timestamp, input_length, output_length, hash_ids).
+        #[arg(long, default_value = "../shared/data/mooncake_synthetic_trace.jsonl")]
+        trace: PathBuf,
+        /// Simulated workers.
+        #[arg(long, default_value_t = 8)]
+        workers: usize,
+        /// KV pool size of each worker in 512-token blocks.
+        #[arg(long, default_value_t = 1000)]
+        capacity_blocks: usize,
+        /// Only the first N requests of the trace.
+        #[arg(long)]
+        requests: Option<usize>,
+        /// Prefill throughput of a worker on uncached tokens.
+        #[arg(long, default_value_t = TimeModel::default().prefill_tokens_per_s)]
+        prefill_tokens_per_s: f64,
+        /// Fixed cost of every prefill, ms.
+        #[arg(long, default_value_t = TimeModel::default().prefill_fixed_ms)]
+        prefill_fixed_ms: f64,
+        /// Time per output token of a lone request, ms.
+        #[arg(long, default_value_t = TimeModel::default().decode_ms_per_token)]
+        decode_ms_per_token: f64,
+        /// Decoding requests at which per-token time has doubled.
+        #[arg(long, default_value_t = TimeModel::default().decode_batch_knee)]
+        decode_batch_knee: f64,
+        /// Seed of the baselines' tie-breaking.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Index and scheduler at fleet scale: memory, lookup, ingest, churn.
+    Scale {
+        /// Workers.
+        #[arg(long, default_value_t = 10_000)]
+        endpoints: usize,
+        /// Indexed blocks per worker (10,000 × 1,000 = 10 M).
+        #[arg(long, default_value_t = 1_000)]
+        blocks_per_endpoint: usize,
+        /// Timed lookups and picks.
+        #[arg(long, default_value_t = 200)]
+        iterations: usize,
+    },
+}
+
+fn emit<T: serde::Serialize>(
+    format: Format,
+    save: Option<&Path>,
+    report: &T,
+    markdown: String,
+) -> anyhow::Result<()> {
+    if let Some(path) = save {
+        std::fs::write(path, serde_json::to_string_pretty(report)? + "\n")?;
+    }
+    match format {
+        Format::Markdown => print!("{markdown}"),
+        Format::Json => println!("{}", serde_json::to_string(report)?),
+    }
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(dir) = &cli.plots {
+        std::fs::create_dir_all(dir)?;
+    }
+    match cli.command {
+        Command::Overhead {
+            body_bytes,
+            endpoints,
+            duration,
+            warmup,
+            concurrency,
+            connections,
+        } => {
+            let cfg = overhead::OverheadConfig {
+                body_bytes,
+                endpoints,
+                duration: Duration::from_secs_f64(duration),
+                warmup: Duration::from_secs_f64(warmup),
+                concurrency,
+                connections,
+            };
+            let report = tokio::runtime::Runtime::new()?.block_on(overhead::run(&cfg))?;
+            if let Some(dir) = &cli.plots {
+                plot::overhead(&report, &dir.join("overhead.svg"))?;
+            }
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::Replay {
+            trace: path,
+            workers,
+            capacity_blocks,
+            requests,
+            prefill_tokens_per_s,
+            prefill_fixed_ms,
+            decode_ms_per_token,
+            decode_batch_knee,
+            seed,
+        } => {
+            let mut requests_all = trace::load(&path)?;
+            if let Some(n) = requests {
+                requests_all.truncate(n);
+            }
+            let cfg = replay::ReplayConfig {
+                workers,
+                capacity_blocks,
+                model: TimeModel {
+                    prefill_tokens_per_s,
+                    prefill_fixed_ms,
+                    decode_ms_per_token,
+                    decode_batch_knee,
+                },
+                seed,
+            };
+            let name = path
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let report = replay::run(&name, &requests_all, &cfg);
+            if let Some(dir) = &cli.plots {
+                plot::replay_hit_rate(&report, &dir.join("replay-hit-rate.svg"))?;
+                plot::replay_ttft(&report, &dir.join("replay-ttft.svg"))?;
+            }
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::Scale {
+            endpoints,
+            blocks_per_endpoint,
+            iterations,
+        } => {
+            let report = scale::run(&scale::ScaleConfig {
+                endpoints,
+                blocks_per_endpoint,
+                iterations,
+            });
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! The whole path on one machine, in-process: kvpick in standalone mode (ext_proc
+//! plus the endpoints-file watcher), mock workers and the test gateway, all on
+//! 127.0.0.1 ephemeral ports. Tests and the demo start it with [`Stack::start`].
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpick::endpoints::EndpointTable;
+use kvpick::extproc::ExtProcConfig;
+use kvpick::server::App;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::{JoinHandle, JoinSet};
+use tonic::transport::ServerTlsConfig;
+
+use crate::gateway::{BodyMode, FailureMode, GatewayConfig, GatewayHandle};
+use crate::mock_worker::{WorkerConfig, WorkerHandle};
+
+/// Why the stack could not start or change.
+#[derive(Debug, thiserror::Error)]
+pub enum StackError {
+    /// File or socket I/O.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// A worker failed to start.
+    #[error(transparent)]
+    Worker(#[from] crate::mock_worker::WorkerError),
+    /// The gateway failed to start.
+    #[error(transparent)]
+    Gateway(#[from] crate::gateway::GatewayError),
+    /// The self-signed certificate could not be made.
+    #[error(transparent)]
+    Tls(#[from] kvpick::tls::TlsError),
+    /// kvpick did not load the expected endpoints in time.
+    #[error("kvpick did not pick up {0} endpoints in time")]
+    NotSynced(usize),
+}
+
+/// Writes a standalone endpoints file (atomically: readers never see half a file).
+pub fn write_endpoints(path: &Path, endpoints: &[(SocketAddr, u64)]) -> std::io::Result<()> {
+    let mut yaml = String::from("endpoints:\n");
+    for (addr, id) in endpoints {
+        yaml.push_str(&format!("  - address: {addr}\n    instance_id: {id}\n"));
+    }
+    if endpoints.is_empty() {
+        yaml = "endpoints: []\n".into();
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, yaml)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Starts `n` workers on one port, each on its own loopback address
+/// (`127.0.0.1`, `127.0.0.2`, …), as pods of one InferencePool have one target
+/// port on distinct pod IPs.
+pub async fn start_workers_on_one_port(
+    n: usize,
+    config: &WorkerConfig,
+) -> Result<Vec<WorkerHandle>, StackError> {
+    let mut last = None;
+    for _attempt in 0..20 {
+        let first = WorkerHandle::start(([127, 0, 0, 1], 0).into(), config.clone()).await?;
+        let port = first.addr().port();
+        let mut workers = vec![first];
+        for i in 1..n {
+            let addr: SocketAddr = ([127, 0, 0, 1 + i as u8], port).into();
+            match WorkerHandle::start(addr, config.clone()).await {
+                Ok(w) => workers.push(w),
+                Err(e) => {
+                    last = Some(e);
+                    break;
+                }
+            }
+        }
+        if workers.len() == n {
+            return Ok(workers);
+        }
+    }
+    Err(last.map_or(StackError::NotSynced(n), StackError::Worker))
+}
+
+/// kvpick running in-process behind a TCP front that can be cut like a killed
+/// process (every open connection drops), and restarted on the same address
+/// with fresh state.
+pub struct Kvpick {
+    addr: SocketAddr,
+    tls: Option<ServerTlsConfig>,
+    endpoints_file: PathBuf,
+    poll: Duration,
+    app: App,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Kvpick {
+    /// Starts kvpick reading `endpoints_file`, listening on `addr` (port 0: any).
+    /// With `tls`, ext_proc is served over TLS.
+    pub async fn start(
+        addr: SocketAddr,
+        endpoints_file: PathBuf,
+        poll: Duration,
+        tls: Option<ServerTlsConfig>,
+    ) -> Result<Kvpick, StackError> {
+        let front = TcpListener::bind(addr).await?;
+        let addr = front.local_addr()?;
+        let (app, tasks) = Self::launch(front, &endpoints_file, poll, tls.clone()).await?;
+        Ok(Kvpick {
+            addr,
+            tls,
+            endpoints_file,
+            poll,
+            app,
+            tasks,
+        })
+    }
+
+    async fn launch(
+        front: TcpListener,
+        endpoints_file: &Path,
+        poll: Duration,
+        tls: Option<ServerTlsConfig>,
+    ) -> Result<(App, Vec<JoinHandle<()>>), StackError> {
+        let app = App::new("e2e");
+        let inner = TcpListener::bind("127.0.0.1:0").await?;
+        let inner_addr = inner.local_addr()?;
+        let service = app.ext_proc(ExtProcConfig::default());
+        let grpc = tokio::spawn(async move {
+            if let Err(e) = kvpick::server::serve_ext_proc(inner, service, tls).await {
+                tracing::error!(error = %e, "kvpick ext_proc server stopped");
+            }
+        });
+        let table = Arc::clone(&app.endpoints);
+        let path = endpoints_file.to_path_buf();
+        let discovery = tokio::spawn(async move {
+            if let Err(e) = kvpick::discovery::file::watch(path, table, poll).await {
+                tracing::error!(error = %e, "kvpick file discovery stopped");
+            }
+        });
+        let proxy = tokio::spawn(tcp_front(front, inner_addr));
+        Ok((app, vec![grpc, discovery, proxy]))
+    }
+
+    /// The ext_proc address the gateway dials.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The live endpoint table.
+    pub fn endpoints(&self) -> &Arc<EndpointTable> {
+        &self.app.endpoints
+    }
+
+    /// Waits until kvpick's table holds exactly `n` endpoints.
+    pub async fn wait_for_endpoints(&self, n: usize) -> Result<(), StackError> {
+        for _ in 0..400 {
+            let t = &self.app.endpoints;
+            if t.is_synced() && t.snapshot().endpoints.len() == n {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Err(StackError::NotSynced(n))
+    }
+
+    /// Kills kvpick: the listener and every open ext_proc connection close.
+    pub async fn stop(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+
+    /// Starts a fresh kvpick (new state) on the same address.
+    pub async fn restart(&mut self) -> Result<(), StackError> {
+        self.stop().await;
+        let front = TcpListener::bind(self.addr).await?;
+        let (app, tasks) =
+            Self::launch(front, &self.endpoints_file, self.poll, self.tls.clone()).await?;
+        self.app = app;
+        self.tasks = tasks;
+        Ok(())
+    }
+}
+
+impl Drop for Kvpick {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Forwards every connection on `front` to `to`; aborting the task cuts them all.
+async fn tcp_front(front: TcpListener, to: SocketAddr) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = front.accept() => {
+                let Ok((mut down, _)) = accepted else { continue };
+                let _ = down.set_nodelay(true);
+                conns.spawn(async move {
+                    if let Ok(mut up) = TcpStream::connect(to).await {
+                        let _ = up.set_nodelay(true);
+                        let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+                    }
+                });
+            }
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
+/// How to build a [`Stack`].
+#[derive(Debug, Clone)]
+pub struct StackOptions {
+    /// Number of mock workers.
+    pub workers: usize,
+    /// Settings of every worker (instance ids are left to the bound address).
+    pub worker: WorkerConfig,
+    /// The gateway's body mode.
+    pub body_mode: BodyMode,
+    /// The gateway's failure mode; fail-open falls back to the workers.
+    pub failure_mode: FailureMode,
+    /// How often kvpick polls the endpoints file.
+    pub poll: Duration,
+    /// Serve ext_proc over TLS with a self-signed certificate the gateway trusts.
+    pub tls: bool,
+    /// With `tls`: the gateway skips certificate verification instead of trusting it.
+    pub tls_insecure: bool,
+    /// The gateway sends a subset hint naming the workers at these indices.
+    pub subset: Option<Vec<usize>>,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        StackOptions {
+            workers: 4,
+            worker: WorkerConfig {
+                ttft: Duration::from_millis(2),
+                prefill_per_token: Duration::from_micros(2),
+                itl: Duration::from_micros(200),
+                ..WorkerConfig::default()
+            },
+            body_mode: BodyMode::FullDuplex,
+            failure_mode: FailureMode::Close,
+            poll: Duration::from_millis(20),
+            tls: false,
+            tls_insecure: false,
+            subset: None,
+        }
+    }
+}
+
+/// client → test gateway → kvpick → mock workers.
+pub struct Stack {
+    dir: PathBuf,
+    /// The standalone endpoints file kvpick watches.
+    pub endpoints_file: PathBuf,
+    /// The workers, in start order.
+    pub workers: Vec<WorkerHandle>,
+    /// kvpick.
+    pub kvpick: Kvpick,
+    /// The gateway.
+    pub gateway: GatewayHandle,
+}
+
+static NEXT_DIR: AtomicU64 = AtomicU64::new(0);
+
+impl Stack {
+    /// Starts everything and waits until kvpick knows every worker.
+    pub async fn start(opts: StackOptions) -> Result<Stack, StackError> {
+        let dir = std::env::temp_dir().join(format!(
+            "kvpick-e2e-{}-{}",
+            std::process::id(),
+            NEXT_DIR.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let local: SocketAddr = ([127, 0, 0, 1], 0).into();
+        let mut workers = Vec::with_capacity(opts.workers);
+        for _ in 0..opts.workers {
+            workers.push(WorkerHandle::start(local, opts.worker.clone()).await?);
+        }
+        let endpoints_file = dir.join("endpoints.yaml");
+        let listed: Vec<(SocketAddr, u64)> = workers
+            .iter()
+            .map(|w| (w.addr(), w.instance_id()))
+            .collect();
+        write_endpoints(&endpoints_file, &listed)?;
+        let (tls, ca) = match opts.tls {
+            true => {
+                let (tls, pem) = kvpick::tls::self_signed(&["localhost"])?;
+                (Some(tls), Some(pem))
+            }
+            false => (None, None),
+        };
+        let scheme = if opts.tls { "https" } else { "http" };
+        let kvpick = Kvpick::start(local, endpoints_file.clone(), opts.poll, tls).await?;
+        kvpick.wait_for_endpoints(workers.len()).await?;
+        let gateway = GatewayHandle::start(
+            local,
+            GatewayConfig {
+                ext_proc: format!("{scheme}://{}", kvpick.addr()),
+                ext_proc_ca: ca.filter(|_| !opts.tls_insecure),
+                ext_proc_insecure: opts.tls_insecure,
+                body_mode: opts.body_mode,
+                failure_mode: opts.failure_mode,
+                fallback: workers.iter().map(WorkerHandle::addr).collect(),
+                message_timeout: Duration::from_secs(2),
+                subset: opts
+                    .subset
+                    .as_ref()
+                    .map(|ix| ix.iter().map(|&i| workers[i].addr().to_string()).collect()),
+                ..GatewayConfig::default()
+            },
+        )
+        .await?;
+        Ok(Stack {
+            dir,
+            endpoints_file,
+            workers,
+            kvpick,
+            gateway,
+        })
+    }
+
+    /// Lists only the workers at `indices` in the endpoints file and waits until
+    /// kvpick has reloaded it.
+    pub async fn set_endpoints(&self, indices: &[usize]) -> Result<(), StackError> {
+        let listed: Vec<(SocketAddr, u64)> = indices
+            .iter()
+            .map(|&i| (self.workers[i].addr(), self.workers[i].instance_id()))
+            .collect();
+        write_endpoints(&self.endpoints_file, &listed)?;
+        self.kvpick.wait_for_endpoints(listed.len()).await
+    }
+
+    /// A client of the gateway.
+    pub fn client(&self) -> crate::client::Client {
+        crate::client::Client::new(self.gateway.addr())
+    }
+
+    /// The index of the worker with this instance id.
+    pub fn worker_index(&self, instance_id: u64) -> Option<usize> {
+        self.workers
+            .iter()
+            .position(|w| w.instance_id() == instance_id)
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

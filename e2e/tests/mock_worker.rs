@@ -1,0 +1,304 @@
+//! The mock worker on its own: API shapes, sidecar checks, sessions, metrics, KV events.
+
+use std::time::Duration;
+
+use e2e::client::Client;
+use e2e::kvcache::prefix_hashes;
+use e2e::mock_worker::{chat_prompt_tokens, WorkerConfig, WorkerHandle};
+use serde_json::{json, Value};
+use zeromq::{Socket, SocketRecv};
+
+async fn worker(config: WorkerConfig) -> (WorkerHandle, Client) {
+    let w = WorkerHandle::start(([127, 0, 0, 1], 0).into(), config)
+        .await
+        .unwrap();
+    let c = Client::new(w.addr());
+    (w, c)
+}
+
+fn fast() -> WorkerConfig {
+    WorkerConfig {
+        ttft: Duration::ZERO,
+        prefill_per_token: Duration::ZERO,
+        itl: Duration::ZERO,
+        ..WorkerConfig::default()
+    }
+}
+
+fn chat(system: &str, user: &str) -> Value {
+    json!({"model": "mock-model", "max_tokens": 4, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": user}]})
+}
+
+#[tokio::test]
+async fn serves_openai_shapes_streaming_and_not() {
+    let (w, c) = worker(fast()).await;
+    let r = c
+        .post_json("/v1/chat/completions", &chat("be brief", "hi"), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert_eq!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .split(' ')
+            .count(),
+        4
+    );
+
+    let mut body = chat("be brief", "hi");
+    body["stream"] = json!(true);
+    let r = c
+        .post_json("/v1/chat/completions", &body, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.headers["content-type"], "text/event-stream");
+    assert!(r.text().ends_with("data: [DONE]\n\n"));
+    assert_eq!(
+        r.chat_text(),
+        v["choices"][0]["message"]["content"],
+        "same prompt, same reply"
+    );
+
+    let r = c
+        .post_json(
+            "/v1/completions",
+            &json!({"prompt": "once upon", "max_tokens": 2}),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.json()["object"], "text_completion");
+    let models = c.get("/v1/models").await.unwrap().json();
+    assert_eq!(models["data"][0]["id"], "mock-model");
+    assert_eq!(c.get("/health").await.unwrap().status, 200);
+    let seen = c.get("/debug/seen").await.unwrap().json();
+    assert_eq!(seen["counters"]["requests"], 3);
+    assert_eq!(seen["requests"][2]["path"], "/v1/completions");
+    assert_eq!(seen["instance_id"], w.instance_id());
+    w.set_healthy(false);
+    assert_eq!(c.get("/health").await.unwrap().status, 503);
+}
+
+#[tokio::test]
+async fn counts_prefix_hits_in_whole_blocks() {
+    let (w, c) = worker(fast()).await;
+    let system = "word ".repeat(100);
+    c.post_json("/v1/chat/completions", &chat(&system, "first"), &[])
+        .await
+        .unwrap();
+    let second = c
+        .post_json("/v1/chat/completions", &chat(&system, "second"), &[])
+        .await
+        .unwrap();
+    let msgs = chat(&system, "second")["messages"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let tokens = chat_prompt_tokens(&msgs);
+    // System marker + 100 words + user marker + 1 word + assistant marker; the
+    // first 101 tokens are shared, so 6 full blocks of 16 hit.
+    assert_eq!(
+        second.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96
+    );
+    let counters = w.counters();
+    assert_eq!(counters.prefix_cache_hits, 96);
+    assert_eq!(counters.prefix_cache_queries, 2 * tokens.len() as u64);
+    let metrics = c.get("/metrics").await.unwrap().text();
+    for line in [
+        "vllm:prefix_cache_hits_total{model_name=\"mock-model\"} 96",
+        "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1024\"} 1",
+        "vllm:num_requests_running{model_name=\"mock-model\"} 0",
+        "vllm:num_requests_waiting{model_name=\"mock-model\"} 0",
+        "vllm:kv_cache_usage_perc{model_name=\"mock-model\"} ",
+        "vllm:prefix_cache_queries_total{model_name=\"mock-model\"} ",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
+}
+
+#[tokio::test]
+async fn rejects_requests_routed_to_another_worker() {
+    let (w, c) = worker(fast()).await;
+    let other = (w.instance_id() + 1).to_string();
+    let r = c
+        .post_json(
+            "/v1/chat/completions",
+            &chat("s", "u"),
+            &[("x-worker-instance-id", &other)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 421);
+    assert_eq!(r.json()["error"]["type"], "misdirected_request");
+    let mine = w.instance_id().to_string();
+    let r = c
+        .post_json(
+            "/v1/chat/completions",
+            &chat("s", "u"),
+            &[("x-worker-instance-id", &mine), ("x-dp-rank", "1")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400, "rank 1 of a dp-size-1 worker");
+    let seen = w.seen();
+    assert_eq!(
+        (
+            seen.counters.misdirected,
+            seen.counters.errors,
+            seen.counters.requests
+        ),
+        (1, 2, 0)
+    );
+    assert_eq!(
+        seen.requests[0].worker_instance_id.as_deref(),
+        Some(other.as_str())
+    );
+}
+
+#[tokio::test]
+async fn sessions_open_continue_close_and_free_blocks() {
+    let (w, c) = worker(fast()).await;
+    let turn = |action: Option<&str>, text: &str| {
+        let mut b = chat(&"context ".repeat(64), text);
+        let mut sc = json!({"session_id": "s1"});
+        if let Some(a) = action {
+            sc["action"] = json!(a);
+        }
+        b["nvext"] = json!({"session_control": sc});
+        b
+    };
+    let r = c
+        .post_json("/v1/chat/completions", &turn(None, "early"), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 404, "a turn of an unknown session is an error");
+    assert_eq!(r.json()["error"]["type"], "session_not_found");
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &turn(Some("open"), "a"), &[])
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &turn(None, "b"), &[])
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    assert_eq!(w.seen().sessions, vec!["s1"]);
+    let used_before_close = w.counters().blocks_used;
+    assert_eq!(
+        c.post_json("/v1/chat/completions", &turn(Some("close"), "c"), &[])
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    let after = w.counters();
+    assert_eq!(
+        (
+            after.sessions_open,
+            after.sessions_opened,
+            after.sessions_closed
+        ),
+        (0, 1, 1)
+    );
+    assert!(after.session_blocks_freed > 0);
+    assert!(
+        after.blocks_used < used_before_close,
+        "closing freed the session's blocks"
+    );
+    let r = c
+        .post_json("/v1/chat/completions", &turn(None, "d"), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 404, "closed sessions are gone");
+}
+
+#[tokio::test]
+async fn publishes_vllm_kv_events_for_stored_blocks() {
+    let (w, c) = worker(WorkerConfig {
+        kv_events_port: Some(0),
+        ..fast()
+    })
+    .await;
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&format!("tcp://127.0.0.1:{}", w.kv_events_port().unwrap()))
+        .await
+        .unwrap();
+    sub.subscribe("").await.unwrap();
+    // The subscription reaches the publisher asynchronously; retry with fresh prompts.
+    let mut got = None;
+    for i in 0..50 {
+        let body = chat(&format!("prompt {i} ").repeat(20), "q");
+        c.post_json("/v1/chat/completions", &body, &[])
+            .await
+            .unwrap();
+        if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+            got = Some((m, body));
+            break;
+        }
+    }
+    let (msg, body) = got.expect("no KV events");
+    assert_eq!(msg.len(), 3);
+    let seq = u64::from_be_bytes(msg.get(1).unwrap()[..].try_into().unwrap());
+    let batch = rmpv::decode::read_value(&mut &msg.get(2).unwrap()[..]).unwrap();
+    let events = batch.as_array().unwrap()[1].as_array().unwrap();
+    let stored = events
+        .iter()
+        .map(|e| e.as_array().unwrap())
+        .find(|e| e[0].as_str() == Some("BlockStored"))
+        .expect("a BlockStored event");
+    let tokens = chat_prompt_tokens(body["messages"].as_array().unwrap());
+    let expected = prefix_hashes(&tokens, 16);
+    let hashes: Vec<u64> = stored[1]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_u64().unwrap())
+        .collect();
+    if seq == 0 {
+        assert_eq!(hashes, expected, "first batch stores the whole prompt");
+        assert!(stored[2].is_nil(), "no parent for the first block");
+    }
+    assert_eq!(stored[3].as_array().unwrap().len(), hashes.len() * 16);
+    assert_eq!(stored[4].as_u64(), Some(16));
+}
+
+#[tokio::test]
+async fn each_dp_rank_has_its_own_cache() {
+    let (w, c) = worker(WorkerConfig {
+        dp_size: 2,
+        ..fast()
+    })
+    .await;
+    let id = w.instance_id().to_string();
+    let body = chat(&"shared ".repeat(64), "q");
+    let send = |rank: &'static str| {
+        let (c, id, body) = (c.clone(), id.clone(), body.clone());
+        async move {
+            c.post_json(
+                "/v1/chat/completions",
+                &body,
+                &[("x-worker-instance-id", &id), ("x-dp-rank", rank)],
+            )
+            .await
+            .unwrap()
+            .json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    assert_eq!(send("0").await, 0);
+    assert_eq!(send("1").await, 0, "rank 1 has not seen the prompt");
+    assert_eq!(send("1").await, 64);
+    assert_eq!(w.seen().requests[2].dp_rank.as_deref(), Some("1"));
+}

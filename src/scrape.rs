@@ -1,0 +1,620 @@
+//! Polls every endpoint's Prometheus `/metrics` and stores its load in the
+//! [`EndpointTable`] ([`EndpointState::set_scraped`]).
+//!
+//! Each tick (default 50 ms) starts a scrape for every endpoint that has none in
+//! flight, up to a concurrency bound; each scrape has its own timeout, so a slow or
+//! dead worker only delays itself. Metric names follow the engine label:
+//!
+//! | figure | vLLM | SGLang | trtllm-serve |
+//! | --- | --- | --- | --- |
+//! | queue | `vllm:num_requests_waiting` | `sglang:num_queue_reqs` | `trtllm_num_requests_waiting` |
+//! | running | `vllm:num_requests_running` | `sglang:num_running_reqs` | `trtllm_num_requests_running` |
+//! | KV usage (0-1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | `sglang:token_usage` | `trtllm_kv_cache_utilization` |
+//! | block size | `vllm:cache_config_info{block_size}` | `sglang:cache_config_info{page_size}` | `trtllm_kv_cache_tokens_per_block` |
+//! | blocks | `vllm:cache_config_info{num_gpu_blocks}` | `sglang:cache_config_info{num_pages}` | `trtllm_kv_cache_max_blocks` |
+//!
+//! trtllm names are also read with a `trtllm:` prefix (as Dynamo re-exports them).
+//! Several samples of one gauge (one per data-parallel engine) are summed for queue
+//! and running and averaged for KV usage.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
+use prometheus_parse::{Sample, Scrape, Value};
+use tokio::sync::Semaphore;
+use tracing::{debug, info, warn};
+
+use crate::endpoints::{EndpointState, EndpointTable, Engine, ScrapedLoad};
+
+/// Largest metrics page read, in bytes.
+const MAX_PAGE_BYTES: usize = 8 << 20;
+
+/// Scraper settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScrapeConfig {
+    /// Time between scrape rounds.
+    pub interval: Duration,
+    /// Timeout of one scrape (connect, request and body).
+    pub timeout: Duration,
+    /// Most scrapes in flight at once.
+    pub concurrency: usize,
+    /// URL path of the metrics page.
+    pub path: String,
+    /// Port to scrape instead of each endpoint's own port.
+    pub port: Option<u16>,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        ScrapeConfig {
+            interval: Duration::from_millis(50),
+            timeout: Duration::from_secs(1),
+            concurrency: 64,
+            path: "/metrics".to_string(),
+            port: None,
+        }
+    }
+}
+
+/// Why one scrape failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    /// Connection or protocol failure.
+    #[error("request failed: {0}")]
+    Http(String),
+    /// The worker answered with a non-2xx status.
+    #[error("HTTP status {0}")]
+    Status(u16),
+    /// No complete answer within the timeout.
+    #[error("timed out")]
+    Timeout,
+    /// The page is not Prometheus text.
+    #[error("unparsable metrics: {0}")]
+    Parse(String),
+    /// A metric kvpick needs is absent.
+    #[error("metric {0} missing")]
+    Missing(&'static str),
+}
+
+/// Metric names of one engine.
+struct Names {
+    queue: &'static [&'static str],
+    running: &'static [&'static str],
+    kv_usage: &'static [&'static str],
+    /// Info metric with block size and count as labels.
+    cache_info: &'static [&'static str],
+    block_size_label: &'static str,
+    num_blocks_label: &'static str,
+    /// Gauges with block size and count as values (trtllm).
+    block_size_gauge: &'static [&'static str],
+    num_blocks_gauge: &'static [&'static str],
+}
+
+fn names(engine: Engine) -> Names {
+    match engine {
+        Engine::Vllm => Names {
+            queue: &["vllm:num_requests_waiting"],
+            running: &["vllm:num_requests_running"],
+            kv_usage: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+            cache_info: &["vllm:cache_config_info"],
+            block_size_label: "block_size",
+            num_blocks_label: "num_gpu_blocks",
+            block_size_gauge: &[],
+            num_blocks_gauge: &[],
+        },
+        Engine::Sglang => Names {
+            queue: &["sglang:num_queue_reqs"],
+            running: &["sglang:num_running_reqs"],
+            kv_usage: &["sglang:token_usage"],
+            cache_info: &["sglang:cache_config_info"],
+            block_size_label: "page_size",
+            num_blocks_label: "num_pages",
+            block_size_gauge: &[],
+            num_blocks_gauge: &[],
+        },
+        Engine::Trtllm => Names {
+            queue: &["trtllm_num_requests_waiting", "trtllm:num_requests_waiting"],
+            running: &["trtllm_num_requests_running", "trtllm:num_requests_running"],
+            kv_usage: &["trtllm_kv_cache_utilization", "trtllm:kv_cache_utilization"],
+            cache_info: &[],
+            block_size_label: "",
+            num_blocks_label: "",
+            block_size_gauge: &[
+                "trtllm_kv_cache_tokens_per_block",
+                "trtllm:kv_cache_tokens_per_block",
+            ],
+            num_blocks_gauge: &["trtllm_kv_cache_max_blocks", "trtllm:kv_cache_max_blocks"],
+        },
+    }
+}
+
+fn scalar(v: &Value) -> Option<f64> {
+    match v {
+        Value::Gauge(x) | Value::Counter(x) | Value::Untyped(x) => {
+            Some(*x).filter(|x| x.is_finite())
+        }
+        _ => None,
+    }
+}
+
+/// The parser's name for `name` (see [`normalise_line`]).
+fn parsed_name(name: &str) -> String {
+    name.replace(':', "_")
+}
+
+/// Rewrites the metric name of a line so `prometheus-parse` (whose name pattern is
+/// `\w+`) accepts it: `:` becomes `_` (`vllm:num_requests_waiting` is read as
+/// `vllm_num_requests_waiting`). Label values are left alone.
+fn normalise_line(line: &str) -> String {
+    let line = line.trim_start();
+    if let Some(comment) = line.strip_prefix('#') {
+        let mut parts = comment.trim_start().splitn(3, char::is_whitespace);
+        return match (parts.next(), parts.next(), parts.next()) {
+            (Some(kw @ ("HELP" | "TYPE")), Some(name), rest) => {
+                format!("# {kw} {} {}", parsed_name(name), rest.unwrap_or_default())
+            }
+            _ => String::new(),
+        };
+    }
+    let end = line
+        .find(|c: char| c == '{' || c.is_whitespace())
+        .unwrap_or(line.len());
+    let mut out = String::with_capacity(line.len());
+    out.extend(line[..end].chars().map(|c| if c == ':' { '_' } else { c }));
+    out.push_str(&line[end..]);
+    out
+}
+
+/// The metric name of a sample line (empty for comments and blank lines).
+fn sample_name(line: &str) -> &str {
+    let line = line.trim_start();
+    if line.starts_with('#') {
+        return "";
+    }
+    let end = line
+        .find(|c: char| c == '{' || c.is_whitespace())
+        .unwrap_or(line.len());
+    &line[..end]
+}
+
+/// Values of the first name in `candidates` that has samples.
+fn values(by_name: &HashMap<&str, Vec<&Sample>>, candidates: &[&str]) -> Vec<f64> {
+    candidates
+        .iter()
+        .find_map(|n| {
+            by_name
+                .get(parsed_name(n).as_str())
+                .filter(|s| !s.is_empty())
+        })
+        .map(|samples| samples.iter().filter_map(|s| scalar(&s.value)).collect())
+        .unwrap_or_default()
+}
+
+/// Parses a metrics page of `engine` into load figures stamped `at`.
+///
+/// Only the sample lines of the metrics kvpick reads reach the parser: a vLLM page
+/// is mostly histogram buckets, and skipping them makes parsing ~50x cheaper.
+pub fn parse_load(engine: Engine, text: &str, at: Instant) -> Result<ScrapedLoad, ScrapeError> {
+    let n = names(engine);
+    let wanted: Vec<&str> = [
+        n.queue,
+        n.running,
+        n.kv_usage,
+        n.cache_info,
+        n.block_size_gauge,
+        n.num_blocks_gauge,
+    ]
+    .concat();
+    let lines = text
+        .lines()
+        .filter(|l| wanted.contains(&sample_name(l)))
+        .map(|l| Ok(normalise_line(l)));
+    let scrape = Scrape::parse(lines).map_err(|e| ScrapeError::Parse(e.to_string()))?;
+    let mut by_name: HashMap<&str, Vec<&Sample>> = HashMap::new();
+    for s in &scrape.samples {
+        by_name.entry(s.metric.as_str()).or_default().push(s);
+    }
+    let sum = |candidates: &'static [&'static str]| {
+        let v = values(&by_name, candidates);
+        (!v.is_empty()).then(|| v.iter().sum::<f64>())
+    };
+    let queue = sum(n.queue).ok_or(ScrapeError::Missing(n.queue[0]))?;
+    let running = sum(n.running).ok_or(ScrapeError::Missing(n.running[0]))?;
+    let kv = values(&by_name, n.kv_usage);
+    if kv.is_empty() {
+        return Err(ScrapeError::Missing(n.kv_usage[0]));
+    }
+    let kv_usage = (kv.iter().sum::<f64>() / kv.len() as f64).clamp(0.0, 1.0);
+
+    let info = n.cache_info.iter().find_map(|name| {
+        by_name
+            .get(parsed_name(name).as_str())
+            .and_then(|s| s.first())
+    });
+    let label = |key: &str| -> Option<f64> { info?.labels.get(key)?.parse::<f64>().ok() };
+    let gauge = |candidates: &[&str]| values(&by_name, candidates).first().copied();
+    let block_size = label(n.block_size_label)
+        .or_else(|| gauge(n.block_size_gauge))
+        .filter(|v| *v >= 1.0 && *v <= f64::from(u32::MAX))
+        .map(|v| v as u32);
+    let num_blocks = label(n.num_blocks_label)
+        .or_else(|| gauge(n.num_blocks_gauge))
+        .filter(|v| *v >= 1.0)
+        .map(|v| v as u64);
+    Ok(ScrapedLoad {
+        queue: queue.max(0.0),
+        running: running.max(0.0),
+        kv_usage,
+        block_size,
+        num_blocks,
+        at,
+    })
+}
+
+/// HTTP client used for scraping.
+pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+
+/// A keep-alive HTTP/1 client for scraping.
+pub fn http_client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build(connector)
+}
+
+/// Fetches `http://addr{path}` and returns the body text, within `timeout`.
+pub async fn fetch(
+    client: &HttpClient,
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Result<Bytes, ScrapeError> {
+    let uri: http::Uri = format!("http://{addr}{path}")
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| ScrapeError::Http(e.to_string()))?;
+    let work = async {
+        let resp = client
+            .get(uri)
+            .await
+            .map_err(|e| ScrapeError::Http(e.to_string()))?;
+        if !resp.status().is_success() {
+            return Err(ScrapeError::Status(resp.status().as_u16()));
+        }
+        let body = Limited::new(resp.into_body(), MAX_PAGE_BYTES)
+            .collect()
+            .await
+            .map_err(|e| ScrapeError::Http(e.to_string()))?;
+        Ok(body.to_bytes())
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| ScrapeError::Timeout)?
+}
+
+/// Scrapes one endpoint once and returns its load.
+pub async fn scrape_one(
+    client: &HttpClient,
+    state: &EndpointState,
+    config: &ScrapeConfig,
+) -> Result<ScrapedLoad, ScrapeError> {
+    let ep = &state.endpoint;
+    let addr = SocketAddr::new(ep.address.ip(), config.port.unwrap_or(ep.address.port()));
+    let page = fetch(client, addr, &config.path, config.timeout).await?;
+    let text = std::str::from_utf8(&page).map_err(|e| ScrapeError::Parse(e.to_string()))?;
+    parse_load(ep.engine, text, Instant::now())
+}
+
+/// Per-endpoint bookkeeping: whether a scrape is in flight, and whether the last failed.
+#[derive(Debug, Default, Clone, Copy)]
+struct Track {
+    busy: bool,
+    failing: bool,
+}
+
+/// Scrapes every endpoint of `table` forever, as `config` says.
+pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
+    let client = http_client();
+    let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
+    let tracks: Arc<Mutex<HashMap<SocketAddr, Track>>> = Arc::default();
+    let config = Arc::new(config);
+    let mut tick = tokio::time::interval(config.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    info!(interval = ?config.interval, timeout = ?config.timeout, "scraping endpoint metrics");
+    loop {
+        tick.tick().await;
+        let snapshot = table.snapshot();
+        {
+            // Forget endpoints that left the table (and are not being scraped).
+            let mut t = tracks.lock();
+            t.retain(|addr, track| {
+                track.busy
+                    || snapshot
+                        .endpoints
+                        .iter()
+                        .any(|e| e.endpoint.address == *addr)
+            });
+        }
+        for state in &snapshot.endpoints {
+            let addr = state.endpoint.address;
+            if tracks.lock().get(&addr).is_some_and(|t| t.busy) {
+                continue;
+            }
+            let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+                break;
+            };
+            tracks.lock().entry(addr).or_default().busy = true;
+            let (client, config, tracks, state) = (
+                client.clone(),
+                Arc::clone(&config),
+                Arc::clone(&tracks),
+                Arc::clone(state),
+            );
+            tokio::spawn(async move {
+                let result = scrape_one(&client, &state, &config).await;
+                let mut t = tracks.lock();
+                let track = t.entry(addr).or_default();
+                track.busy = false;
+                match result {
+                    Ok(load) => {
+                        state.set_scraped(load);
+                        if track.failing {
+                            info!(endpoint = %addr, "metrics scrape recovered");
+                        }
+                        track.failing = false;
+                    }
+                    Err(e) => {
+                        if !track.failing {
+                            warn!(endpoint = %addr, error = %e, "metrics scrape failed");
+                        } else {
+                            debug!(endpoint = %addr, error = %e, "metrics scrape failed");
+                        }
+                        track.failing = true;
+                    }
+                }
+                drop(permit);
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoints::Endpoint;
+    use tokio::net::TcpListener;
+
+    const VLLM: &str = include_str!("../tests/fixtures/vllm_metrics.txt");
+    const SGLANG: &str = include_str!("../tests/fixtures/sglang_metrics.txt");
+
+    #[test]
+    fn names_with_colons_are_normalised_for_the_parser() {
+        assert_eq!(normalise_line("vllm:x{a=\"b:c\"} 1"), "vllm_x{a=\"b:c\"} 1");
+        assert_eq!(normalise_line("vllm:x 1"), "vllm_x 1");
+        assert_eq!(normalise_line("# TYPE vllm:x gauge"), "# TYPE vllm_x gauge");
+        assert_eq!(normalise_line("# free comment"), "");
+    }
+
+    #[test]
+    fn parses_vllm_page() {
+        let load = parse_load(Engine::Vllm, VLLM, Instant::now()).unwrap();
+        assert_eq!((load.queue, load.running), (3.0, 7.0));
+        assert_eq!(load.kv_usage, 0.4375);
+        assert_eq!(load.block_size, Some(16));
+        assert_eq!(load.num_blocks, Some(27648));
+    }
+
+    #[test]
+    fn parses_sglang_page() {
+        let load = parse_load(Engine::Sglang, SGLANG, Instant::now()).unwrap();
+        assert_eq!((load.queue, load.running), (2.0, 5.0));
+        assert_eq!(load.kv_usage, 0.62);
+        assert_eq!(load.block_size, Some(64));
+        assert_eq!(load.num_blocks, Some(714));
+    }
+
+    #[test]
+    fn older_vllm_name_dp_engines_and_trtllm() {
+        let old = "# TYPE vllm:num_requests_waiting gauge\n\
+            vllm:num_requests_waiting{engine=\"0\"} 1\nvllm:num_requests_waiting{engine=\"1\"} 4\n\
+            vllm:num_requests_running{engine=\"0\"} 2\nvllm:num_requests_running{engine=\"1\"} 0\n\
+            vllm:gpu_cache_usage_perc{engine=\"0\"} 0.2\nvllm:gpu_cache_usage_perc{engine=\"1\"} 0.6\n";
+        let load = parse_load(Engine::Vllm, old, Instant::now()).unwrap();
+        assert_eq!((load.queue, load.running), (5.0, 2.0));
+        assert!((load.kv_usage - 0.4).abs() < 1e-9);
+        assert_eq!((load.block_size, load.num_blocks), (None, None));
+
+        let trt = "trtllm_num_requests_waiting{model_name=\"m\"} 6\n\
+            trtllm_num_requests_running{model_name=\"m\"} 9\n\
+            trtllm_kv_cache_utilization{model_name=\"m\"} 0.75\n\
+            trtllm_kv_cache_tokens_per_block{model_name=\"m\"} 32\n\
+            trtllm_kv_cache_max_blocks{model_name=\"m\"} 4096\n";
+        let load = parse_load(Engine::Trtllm, trt, Instant::now()).unwrap();
+        assert_eq!((load.queue, load.running, load.kv_usage), (6.0, 9.0, 0.75));
+        assert_eq!((load.block_size, load.num_blocks), (Some(32), Some(4096)));
+    }
+
+    #[test]
+    fn wrong_engine_or_missing_metric_is_an_error() {
+        assert!(matches!(
+            parse_load(Engine::Sglang, VLLM, Instant::now()),
+            Err(ScrapeError::Missing("sglang:num_queue_reqs"))
+        ));
+        let no_kv = "vllm:num_requests_waiting 1\nvllm:num_requests_running 1\n";
+        assert!(matches!(
+            parse_load(Engine::Vllm, no_kv, Instant::now()),
+            Err(ScrapeError::Missing("vllm:kv_cache_usage_perc"))
+        ));
+    }
+
+    /// Serves `page` at `/metrics` on a loopback port; returns its address.
+    async fn serve_page(page: &'static str) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app =
+            axum::Router::new().route("/metrics", axum::routing::get(move || async move { page }));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    }
+
+    /// Accepts connections and never answers.
+    async fn serve_nothing() -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((sock, _)) = listener.accept().await {
+                held.push(sock);
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn scrapes_live_workers_while_one_hangs() {
+        let vllm = serve_page(VLLM).await;
+        let sglang = serve_page(SGLANG).await;
+        let hung = serve_nothing().await;
+        let mut sg = Endpoint::new(sglang);
+        sg.engine = Engine::Sglang;
+        let table = Arc::new(EndpointTable::new());
+        table.replace(vec![Endpoint::new(vllm), sg, Endpoint::new(hung)]);
+        let config = ScrapeConfig {
+            interval: Duration::from_millis(10),
+            timeout: Duration::from_secs(30),
+            concurrency: 8,
+            ..Default::default()
+        };
+        let task = tokio::spawn(run(config, Arc::clone(&table)));
+        let snap = table.snapshot();
+        let by_addr = |a: SocketAddr| {
+            snap.endpoints
+                .iter()
+                .find(|e| e.endpoint.address == a)
+                .unwrap()
+        };
+        let fresh = |a: SocketAddr| by_addr(a).scraped(Instant::now(), Duration::from_secs(5));
+        let mut ok = false;
+        for _ in 0..300 {
+            if fresh(vllm).is_some() && fresh(sglang).is_some() {
+                ok = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(ok, "live workers were not scraped while another hangs");
+        assert_eq!(fresh(vllm).unwrap().running, 7.0);
+        assert_eq!(fresh(sglang).unwrap().kv_usage, 0.62);
+        assert!(fresh(hung).is_none());
+        // Rounds keep coming for the live workers although the hung scrape is pending.
+        let first = fresh(vllm).unwrap().at;
+        let mut advanced = false;
+        for _ in 0..300 {
+            if fresh(vllm).unwrap().at > first {
+                advanced = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(advanced, "scraping stalled behind the hung worker");
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn fetch_times_out_and_reports_status() {
+        let client = http_client();
+        let hung = serve_nothing().await;
+        let err = fetch(&client, hung, "/metrics", Duration::from_millis(100)).await;
+        assert!(matches!(err, Err(ScrapeError::Timeout)));
+        let live = serve_page(VLLM).await;
+        let err = fetch(&client, live, "/nope", Duration::from_secs(5)).await;
+        assert!(matches!(err, Err(ScrapeError::Status(404))));
+    }
+}
+
+/// Measurements for `docs/discovery.md`; run with
+/// `cargo test --release --lib scrape::measure -- --ignored --nocapture`.
+#[cfg(test)]
+mod measure {
+    use super::*;
+
+    const VLLM: &str = include_str!("../tests/fixtures/vllm_metrics.txt");
+
+    /// CPU time this thread has used, from `/proc/thread-self/schedstat`.
+    fn thread_cpu() -> Duration {
+        let text = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+        Duration::from_nanos(text.split_whitespace().next().unwrap().parse().unwrap())
+    }
+
+    #[test]
+    #[ignore = "measurement, not a check"]
+    fn scrape_cost_per_endpoint() {
+        // The worker runs on its own thread so only the scraper's CPU is counted.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                tx.send(listener.local_addr().unwrap()).unwrap();
+                let app =
+                    axum::Router::new().route("/metrics", axum::routing::get(|| async { VLLM }));
+                axum::serve(listener, app).await.unwrap();
+            });
+        });
+        let addr = rx.recv().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let table = EndpointTable::new();
+        table.replace(vec![crate::endpoints::Endpoint::new(addr)]);
+        let state = Arc::clone(&table.snapshot().endpoints[0]);
+        let config = ScrapeConfig::default();
+        let client = http_client();
+        const N: u32 = 2000;
+        rt.block_on(async {
+            for _ in 0..100 {
+                scrape_one(&client, &state, &config).await.unwrap();
+            }
+            for round in 0..3 {
+                let t = thread_cpu();
+                for _ in 0..N {
+                    fetch(&client, addr, "/metrics", config.timeout).await.unwrap();
+                }
+                let get = (thread_cpu() - t) / N;
+                let t = thread_cpu();
+                for _ in 0..N {
+                    scrape_one(&client, &state, &config).await.unwrap();
+                }
+                let scrape = (thread_cpu() - t) / N;
+                let t = thread_cpu();
+                for _ in 0..N {
+                    parse_load(Engine::Vllm, VLLM, Instant::now()).unwrap();
+                }
+                let parse = (thread_cpu() - t) / N;
+                let t = thread_cpu();
+                for _ in 0..N / 20 {
+                    let lines = VLLM.lines().map(|l| Ok(normalise_line(l)));
+                    prometheus_parse::Scrape::parse(lines).unwrap();
+                }
+                let full = (thread_cpu() - t) / (N / 20);
+                println!(
+                    "round {round}: page {} bytes; CPU per plain GET {get:?}, per GET+parse {scrape:?}, \
+                     parse alone {parse:?}, parsing every line (unfiltered) {full:?}",
+                    VLLM.len()
+                );
+            }
+        });
+    }
+}
