@@ -183,11 +183,18 @@ impl Kvpick {
     }
 }
 
-impl Drop for Kvpick {
-    fn drop(&mut self) {
+impl Kvpick {
+    /// Cancels kvpick's tasks without waiting for them.
+    fn abort(&self) {
         for t in &self.tasks {
             t.abort();
         }
+    }
+}
+
+impl Drop for Kvpick {
+    fn drop(&mut self) {
+        self.abort();
     }
 }
 
@@ -350,6 +357,8 @@ impl Stack {
 
 impl Drop for Stack {
     fn drop(&mut self) {
+        // Stop kvpick first so its file watcher never sees the endpoints file vanish.
+        self.kvpick.abort();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
