@@ -80,6 +80,25 @@ impl EnvoyStream {
         EnvoyStream { tx, rx }
     }
 
+    /// Opens a stream and sends POST request headers for `path`, not ending the stream.
+    async fn post(
+        ch: &Channel,
+        path: &str,
+        extra: &[(&str, &str)],
+        mode: Option<BodySendMode>,
+        metadata: Option<Metadata>,
+    ) -> Self {
+        let s = Self::open(ch).await;
+        s.send(req_headers(
+            &post_headers(path, extra),
+            false,
+            mode,
+            metadata,
+        ))
+        .await;
+        s
+    }
+
     async fn send(&self, msg: ProcessingRequest) {
         self.tx.send(msg).await.unwrap();
     }
@@ -296,14 +315,13 @@ async fn full_duplex(
     extra_headers: &[(&str, &str)],
     metadata: Option<Metadata>,
 ) -> (EnvoyStream, Routing, Vec<u8>) {
-    let mut s = EnvoyStream::open(ch).await;
-    let h = post_headers("/v1/chat/completions", extra_headers);
-    s.send(req_headers(
-        &h,
-        false,
+    let mut s = EnvoyStream::post(
+        ch,
+        "/v1/chat/completions",
+        extra_headers,
         Some(BodySendMode::FullDuplexStreamed),
         metadata,
-    ))
+    )
     .await;
     // Envoy streams the body in arbitrary chunks without waiting.
     let chunks: Vec<&[u8]> = body.chunks(16 * 1024).collect();
@@ -320,14 +338,13 @@ async fn full_duplex_routes_after_body_and_echoes_it() {
     let srv = start(pool(3)).await;
     let ch = channel(srv.port).await;
     let body = chat_body("hello there");
-    let mut s = EnvoyStream::open(&ch).await;
-    let h = post_headers("/v1/chat/completions", &[]);
-    s.send(req_headers(
-        &h,
-        false,
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/chat/completions",
+        &[],
         Some(BodySendMode::FullDuplexStreamed),
         None,
-    ))
+    )
     .await;
     // The headers answer is held until the body ends.
     assert!(
@@ -371,14 +388,13 @@ async fn large_prompt_is_echoed_in_62000_byte_chunks() {
     assert!(r.get("x-gateway-destination-endpoint").is_some());
     assert_eq!(echo, body);
     // Re-run to inspect chunk sizes.
-    let mut s = EnvoyStream::open(&ch).await;
-    let h = post_headers("/v1/chat/completions", &[]);
-    s.send(req_headers(
-        &h,
-        false,
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/chat/completions",
+        &[],
         Some(BodySendMode::FullDuplexStreamed),
         None,
-    ))
+    )
     .await;
     s.send(body_msg(&body, true, false)).await;
     expect_request_headers(&s.recv().await);
@@ -393,10 +409,14 @@ async fn large_prompt_is_echoed_in_62000_byte_chunks() {
 async fn buffered_mode_answers_headers_then_decides_on_body() {
     let srv = start(pool(2)).await;
     let ch = channel(srv.port).await;
-    let mut s = EnvoyStream::open(&ch).await;
-    let h = post_headers("/v1/completions", &[]);
-    s.send(req_headers(&h, false, Some(BodySendMode::Buffered), None))
-        .await;
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::Buffered),
+        None,
+    )
+    .await;
     let r = expect_request_headers(&s.recv().await);
     assert!(r.get("x-gateway-destination-endpoint").is_none());
     s.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true, false))
@@ -419,9 +439,7 @@ async fn mode_is_inferred_without_protocol_config() {
     let srv = start_with(pool(2), config).await;
     let ch = channel(srv.port).await;
     // Buffered Envoy: waits for the headers answer before sending the body.
-    let mut s = EnvoyStream::open(&ch).await;
-    let h = post_headers("/v1/completions", &[]);
-    s.send(req_headers(&h, false, None, None)).await;
+    let mut s = EnvoyStream::post(&ch, "/v1/completions", &[], None, None).await;
     let r = expect_request_headers(&s.recv().await);
     assert!(r.get("x-gateway-destination-endpoint").is_none());
     s.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true, false))
@@ -430,8 +448,7 @@ async fn mode_is_inferred_without_protocol_config() {
     assert!(r.get("x-gateway-destination-endpoint").is_some());
 
     // Full-duplex Envoy: the body follows at once; kvpick holds the headers.
-    let mut s = EnvoyStream::open(&ch).await;
-    s.send(req_headers(&h, false, None, None)).await;
+    let mut s = EnvoyStream::post(&ch, "/v1/completions", &[], None, None).await;
     s.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true, false))
         .await;
     let r = expect_request_headers(&s.recv().await);
@@ -506,10 +523,14 @@ async fn spoofed_routing_headers_are_overwritten_or_removed() {
 async fn buffered_mode_strips_spoofed_headers_on_the_headers_answer() {
     let srv = start(pool(1)).await;
     let ch = channel(srv.port).await;
-    let mut s = EnvoyStream::open(&ch).await;
-    let h = post_headers("/v1/completions", &[("x-prefill-instance-id", "1")]);
-    s.send(req_headers(&h, false, Some(BodySendMode::Buffered), None))
-        .await;
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[("x-prefill-instance-id", "1")],
+        Some(BodySendMode::Buffered),
+        None,
+    )
+    .await;
     let r = expect_request_headers(&s.recv().await);
     assert_eq!(r.removed, vec!["x-prefill-instance-id".to_string()]);
 }
@@ -543,14 +564,13 @@ async fn bad_bodies_get_400_with_a_json_error_naming_the_field() {
         ),
     ];
     for (body, needle) in cases {
-        let mut s = EnvoyStream::open(&ch).await;
-        let h = post_headers("/v1/chat/completions", &[]);
-        s.send(req_headers(
-            &h,
-            false,
+        let mut s = EnvoyStream::post(
+            &ch,
+            "/v1/chat/completions",
+            &[],
             Some(BodySendMode::FullDuplexStreamed),
             None,
-        ))
+        )
         .await;
         s.send(body_msg(body, true, false)).await;
         let (code, err) = immediate_status(&s.recv().await);
@@ -567,14 +587,13 @@ async fn bad_bodies_get_400_with_a_json_error_naming_the_field() {
 async fn no_endpoint_is_503() {
     let srv = start(Vec::new()).await;
     let ch = channel(srv.port).await;
-    let mut s = EnvoyStream::open(&ch).await;
-    let h = post_headers("/v1/chat/completions", &[]);
-    s.send(req_headers(
-        &h,
-        false,
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/chat/completions",
+        &[],
         Some(BodySendMode::FullDuplexStreamed),
         None,
-    ))
+    )
     .await;
     s.send(body_msg(&chat_body("x"), true, false)).await;
     let (code, err) = immediate_status(&s.recv().await);
@@ -635,14 +654,13 @@ async fn subset_hint_restricts_candidates() {
         Kind::StringValue("10.9.9.9:1".into()),
         Kind::ListValue(ListValue::default()),
     ] {
-        let mut s = EnvoyStream::open(&ch).await;
-        let h = post_headers("/v1/chat/completions", &[]);
-        s.send(req_headers(
-            &h,
-            false,
+        let mut s = EnvoyStream::post(
+            &ch,
+            "/v1/chat/completions",
+            &[],
             Some(BodySendMode::FullDuplexStreamed),
             Some(subset_metadata(empty)),
-        ))
+        )
         .await;
         s.send(body_msg(&chat_body("x"), true, false)).await;
         assert_eq!(immediate_status(&s.recv().await).0, 503);
