@@ -27,7 +27,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::kv_events::{KvEvent, Publisher};
-use crate::kvcache::{CacheEvent, KvCache};
+use crate::kvcache::{Access, CacheEvent, KvCache};
 use crate::serve::{AbortOnDrop, Server};
 use crate::tokenizer;
 
@@ -653,23 +653,9 @@ impl Worker {
     /// Runs the prompt through the rank's cache (and pins it for a session).
     fn prefill(&self, rank: u32, prompt: &Prompt) -> (usize, usize) {
         let mut inner = self.inner.lock();
-        let inner = &mut *inner;
-        let (access, present) = inner.caches[rank as usize].access(&prompt.tokens);
+        let access = self.cache_tokens(&mut inner, rank, prompt, &prompt.tokens);
         inner.counters.prefix_cache_hits += access.hit_tokens as u64;
         inner.counters.prefix_cache_queries += access.queried_tokens as u64;
-        if let Some(s) = prompt
-            .session_id
-            .as_ref()
-            .and_then(|id| inner.sessions.get_mut(id))
-        {
-            pin_for_session(
-                &mut inner.caches[rank as usize],
-                s,
-                &present,
-                &access.events,
-            );
-        }
-        self.publish(rank, &access.events);
         (access.hit_tokens, access.queried_tokens)
     }
 
@@ -678,8 +664,19 @@ impl Worker {
         let mut all = prompt.tokens.clone();
         all.extend_from_slice(output);
         let mut inner = self.inner.lock();
-        let inner = &mut *inner;
-        let (access, present) = inner.caches[rank as usize].access(&all);
+        self.cache_tokens(&mut inner, rank, prompt, &all);
+    }
+
+    /// Runs `tokens` through the rank's cache, pins the blocks for the prompt's
+    /// session, and publishes the resulting KV events.
+    fn cache_tokens(
+        &self,
+        inner: &mut Inner,
+        rank: u32,
+        prompt: &Prompt,
+        tokens: &[u32],
+    ) -> Access {
+        let (access, present) = inner.caches[rank as usize].access(tokens);
         if let Some(s) = prompt
             .session_id
             .as_ref()
@@ -693,6 +690,7 @@ impl Worker {
             );
         }
         self.publish(rank, &access.events);
+        access
     }
 
     /// Ends a session: unpins its blocks and frees those it created.
