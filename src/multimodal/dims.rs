@@ -208,10 +208,12 @@ mod tests {
 
     #[test]
     fn reads_each_format() {
-        let size = |w, h| Ok(ImageSize {
-            width: w,
-            height: h,
-        });
+        let size = |w, h| {
+            Ok(ImageSize {
+                width: w,
+                height: h,
+            })
+        };
         assert_eq!(image_size(&samples::png(640, 480)), size(640, 480));
         assert_eq!(image_size(&samples::jpeg(1024, 768)), size(1024, 768));
         let mut gif = b"GIF89a".to_vec();

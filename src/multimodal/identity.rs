@@ -146,15 +146,37 @@ pub fn decode_data_url(url: &str) -> Option<Result<Vec<u8>, DataUrlError>> {
         return Some(Ok(percent_decode(data.as_bytes())));
     }
     let decoded = if data.bytes().any(|b| b.is_ascii_whitespace()) {
-        let clean: Vec<u8> = data
-            .bytes()
-            .filter(|b| !b.is_ascii_whitespace())
-            .collect();
+        let clean: Vec<u8> = data.bytes().filter(|b| !b.is_ascii_whitespace()).collect();
         decode_b64(&clean)
     } else {
         decode_b64(data.as_bytes())
     };
     Some(decoded.map_err(DataUrlError::Base64))
+}
+
+/// At most the first `max` decoded bytes of a base64 `data:` URL (enough for an
+/// image header), decoding only that much; `None` for other URLs.
+pub fn data_url_header(url: &str, max: usize) -> Option<Vec<u8>> {
+    let rest = url
+        .get(..5)
+        .filter(|p| p.eq_ignore_ascii_case("data:"))
+        .map(|_| &url[5..])?;
+    let (header, data) = rest.split_once(',')?;
+    if !header
+        .rsplit(';')
+        .next()
+        .is_some_and(|p| p.trim().eq_ignore_ascii_case("base64"))
+    {
+        return Some(percent_decode(&data.as_bytes()[..data.len().min(max * 3)]));
+    }
+    // 4 base64 characters make 3 bytes: take whole quads of non-whitespace.
+    let mut clean: Vec<u8> = data
+        .bytes()
+        .filter(|b| !b.is_ascii_whitespace())
+        .take(max.div_ceil(3) * 4)
+        .collect();
+    clean.truncate(clean.len() / 4 * 4);
+    decode_b64(&clean).ok()
 }
 
 /// Base64 with or without padding.
@@ -180,6 +202,14 @@ fn percent_decode(s: &[u8]) -> Vec<u8> {
         i += 1;
     }
     out
+}
+
+/// The identity of an image URL (see [`resolve`]), without keeping its bytes.
+pub fn identify(url: &str) -> ImageIdentity {
+    match decode_data_url(url) {
+        Some(Ok(bytes)) => content_identity(&bytes),
+        _ => url_identity(url),
+    }
 }
 
 /// An image reference resolved as far as kvpick can without the network.
@@ -252,7 +282,10 @@ mod tests {
     fn data_urls_are_identified_by_content() {
         let a = resolve("data:image/png;base64,iVBORw0KGgo=");
         let b = resolve("data:image/x-png;base64,iVBOR\nw0KGgo");
-        assert_eq!(a.identity, b.identity, "media type and line breaks do not matter");
+        assert_eq!(
+            a.identity, b.identity,
+            "media type and line breaks do not matter"
+        );
         assert_eq!(a.identity.source, IdentitySource::Content);
         assert_eq!(a.bytes.as_deref(), Some(&b"\x89PNG\r\n\x1a\n"[..]));
         assert_eq!(a.identity, content_identity(b"\x89PNG\r\n\x1a\n"));
@@ -273,5 +306,12 @@ mod tests {
             Some(Err(DataUrlError::NoComma))
         );
         assert_eq!(decode_data_url("https://x"), None);
+        let url = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUg==";
+        assert_eq!(
+            data_url_header(url, 6).unwrap(),
+            b"\x89PNG\r\n",
+            "only whole quads up to the limit are decoded"
+        );
+        assert_eq!(identify(url), resolve(url).identity);
     }
 }

@@ -18,6 +18,27 @@ pub mod tokens;
 
 pub use tokens::{VisionFamily, VisionModel};
 
+/// Tokens an image of unknown size is counted as (LLaVA-1.5's fixed count, the
+/// order of a typical image in every supported family).
+pub const DEFAULT_IMAGE_TOKENS: u32 = 576;
+
+/// Bytes of a `data:` URL's payload read for its header; a JPEG frame header
+/// after large EXIF blocks may need most of this.
+pub const HEADER_BYTES: usize = 64 * 1024;
+
+/// The prompt tokens an image URL costs: counted from the image header when the
+/// URL is a `data:` URL and `model` is known, else [`DEFAULT_IMAGE_TOKENS`].
+/// Decodes at most [`HEADER_BYTES`] of the payload.
+pub fn estimate_image_tokens(url: &str, model: Option<&VisionModel>) -> u32 {
+    model
+        .and_then(|m| {
+            let header = identity::data_url_header(url, HEADER_BYTES)?;
+            let size = dims::image_size(&header).ok()?;
+            m.image_tokens(size).ok()
+        })
+        .unwrap_or(DEFAULT_IMAGE_TOKENS)
+}
+
 /// How multimodal requests are routed, given kvpick's configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MmRouting {

@@ -168,13 +168,8 @@ impl VisionModel {
                     return Err(TokenCountError::Config("zero patch or merge size"));
                 }
                 let factor = p.patch_size * p.merge_size;
-                let (h, w) = smart_resize(
-                    size.height,
-                    size.width,
-                    factor,
-                    p.min_pixels,
-                    p.max_pixels,
-                )?;
+                let (h, w) =
+                    smart_resize(size.height, size.width, factor, p.min_pixels, p.max_pixels)?;
                 let patches = u64::from(h / p.patch_size) * u64::from(w / p.patch_size);
                 Ok((patches / u64::from(p.merge_size * p.merge_size)) as u32)
             }
@@ -226,7 +221,9 @@ pub fn smart_resize(
 /// `get_num_image_tokens`): base grid + unpadded anyres grid + one newline per row.
 fn llava_next_tokens(p: &ProcessorConfig, size: ImageSize) -> Result<u32, TokenCountError> {
     if p.patch_size == 0 || p.image_size == 0 || p.grid_pinpoints.is_empty() {
-        return Err(TokenCountError::Config("LLaVA-NeXT needs patch size, image size and pinpoints"));
+        return Err(TokenCountError::Config(
+            "LLaVA-NeXT needs patch size, image size and pinpoints",
+        ));
     }
     let (oh, ow) = (size.height, size.width);
     let (best_h, best_w) = select_best_resolution(oh, ow, &p.grid_pinpoints);
@@ -321,7 +318,10 @@ mod tests {
         // 800x600 (w x h) also fits 672x672 best; the 4:3 content leaves 36 rows.
         assert_eq!(next.image_tokens(size(800, 600)), Ok(576 + 36 * 48 + 36));
         // A wide image picks 336x1008 (h x w): 24 rows x 72 columns, then unpadded.
-        assert_eq!(select_best_resolution(300, 1000, &next.processor.grid_pinpoints), (336, 1008));
+        assert_eq!(
+            select_best_resolution(300, 1000, &next.processor.grid_pinpoints),
+            (336, 1008)
+        );
     }
 
     #[test]
@@ -336,6 +336,9 @@ mod tests {
             assert_eq!(VisionFamily::parse(f.as_str()), Some(f));
         }
         assert_eq!(VisionFamily::parse("Qwen2_5-VL"), None);
-        assert_eq!(VisionFamily::parse("QWEN2.5_VL"), Some(VisionFamily::Qwen25Vl));
+        assert_eq!(
+            VisionFamily::parse("QWEN2.5_VL"),
+            Some(VisionFamily::Qwen25Vl)
+        );
     }
 }
