@@ -208,6 +208,44 @@ pub struct Args {
     /// Requests tokenized at once (on blocking threads, off the request path).
     #[arg(long, env = "KVPICK_TOKENIZER_THREADS", default_value_t = 2)]
     pub tokenizer_threads: usize,
+
+    /// Vision model family of the served model (`qwen2-vl`, `qwen2.5-vl`,
+    /// `qwen3-vl`, `llava-1.5`, `llava-next`): with `--tokenizer-dir`, image
+    /// tokens are counted and carry SGLang pad values, so multimodal blocks match
+    /// the engines' (exact multimodal routing).
+    #[arg(long, env = "KVPICK_MM_MODEL_FAMILY", value_parser = parse_vision_family)]
+    pub mm_model_family: Option<crate::multimodal::VisionFamily>,
+
+    /// Vision patch size in pixels (`patch_size` of `preprocessor_config.json`).
+    #[arg(long, env = "KVPICK_MM_PATCH_SIZE")]
+    pub mm_patch_size: Option<u32>,
+
+    /// Patches merged per side into one token (Qwen `merge_size`).
+    #[arg(long, env = "KVPICK_MM_MERGE_SIZE")]
+    pub mm_merge_size: Option<u32>,
+
+    /// Fewest pixels after resizing (Qwen `min_pixels`).
+    #[arg(long, env = "KVPICK_MM_MIN_PIXELS")]
+    pub mm_min_pixels: Option<u64>,
+
+    /// Most pixels after resizing (Qwen `max_pixels`).
+    #[arg(long, env = "KVPICK_MM_MAX_PIXELS")]
+    pub mm_max_pixels: Option<u64>,
+
+    /// The token the engine repeats per image token (default per family:
+    /// `<|image_pad|>`, `<image>`).
+    #[arg(long, env = "KVPICK_MM_IMAGE_TOKEN")]
+    pub mm_image_token: Option<String>,
+
+    /// The text standing for one image in a prompt (default per family).
+    #[arg(long, env = "KVPICK_MM_PLACEHOLDER")]
+    pub mm_placeholder: Option<String>,
+}
+
+fn parse_vision_family(s: &str) -> Result<crate::multimodal::VisionFamily, String> {
+    crate::multimodal::VisionFamily::parse(s).ok_or_else(|| {
+        format!("unknown vision model family {s:?} (qwen2-vl, qwen2.5-vl, qwen3-vl, llava-1.5, llava-next)")
+    })
 }
 
 /// Subcommands.
@@ -419,6 +457,23 @@ pub fn resolve_namespace(flag: Option<&str>, env_namespace: Option<&str>) -> Str
 }
 
 impl Args {
+    /// The vision model the `--mm-*` flags describe, or `None` without a family.
+    pub fn vision_prompt(&self) -> Option<crate::multimodal::VisionPrompt> {
+        let mut v = crate::multimodal::VisionPrompt::new(self.mm_model_family?);
+        let p = &mut v.model.processor;
+        p.patch_size = self.mm_patch_size.unwrap_or(p.patch_size);
+        p.merge_size = self.mm_merge_size.unwrap_or(p.merge_size);
+        p.min_pixels = self.mm_min_pixels.unwrap_or(p.min_pixels);
+        p.max_pixels = self.mm_max_pixels.unwrap_or(p.max_pixels);
+        if let Some(t) = &self.mm_image_token {
+            v.image_token = t.clone();
+        }
+        if let Some(t) = &self.mm_placeholder {
+            v.placeholder = t.clone();
+        }
+        Some(v)
+    }
+
     /// KV-event subscriber settings, or `None` when `--kv-events=false`.
     pub fn kv_events(&self) -> Option<SubscriberConfig> {
         self.kv_events.then(|| SubscriberConfig {
@@ -655,5 +710,24 @@ mod tests {
         );
         let a = Args::try_parse_from(["kvpick", "--kv-events=false"]).unwrap();
         assert!(a.kv_events().is_none());
+    }
+
+    #[test]
+    fn vision_flags() {
+        let a = Args::try_parse_from(["kvpick"]).unwrap();
+        assert!(a.vision_prompt().is_none());
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--mm-model-family=qwen2.5-vl",
+            "--mm-max-pixels=1003520",
+            "--mm-image-token=<|img|>",
+        ])
+        .unwrap();
+        let v = a.vision_prompt().unwrap();
+        assert_eq!(v.model.family, crate::multimodal::VisionFamily::Qwen25Vl);
+        assert_eq!(v.model.processor.max_pixels, 1_003_520);
+        assert_eq!(v.model.processor.patch_size, 14);
+        assert_eq!(v.image_token, "<|img|>");
+        assert!(Args::try_parse_from(["kvpick", "--mm-model-family=gpt"]).is_err());
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Server, ServerTlsConfig};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::config::Args;
 use crate::discovery;
@@ -16,6 +16,7 @@ use crate::endpoints::EndpointTable;
 use crate::extproc::{ExtProcService, Shared};
 use crate::kvevents::subscriber::{KvEventMetrics, KvEvents, SubscriberConfig};
 use crate::kvevents::KvEventSink;
+use crate::multimodal::MmRouting;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::telemetry::{self, Metrics};
 use crate::tokenize::{TokenizeError, Tokenizer, TokenizerPool};
@@ -273,19 +274,70 @@ async fn kube_client(args: &Args) -> Result<kube::Client, ServeError> {
     kube::Client::try_from(config).map_err(|e| err(&e))
 }
 
+/// The multimodal routing mode the flags allow.
+fn mm_routing(args: &Args) -> MmRouting {
+    MmRouting::for_config(args.tokenizer_dir.is_some(), args.mm_model_family.is_some())
+}
+
+/// Says at start-up how images will be routed, and why not better.
+fn log_mm_routing(args: &Args, image_token: Option<u32>) {
+    let mode = mm_routing(args);
+    let family = args.mm_model_family.map(|f| f.as_str());
+    match mode {
+        MmRouting::Exact => info!(
+            mode = mode.as_str(),
+            family,
+            ?image_token,
+            "multimodal routing: exact (image tokens carry SGLang pad values; vLLM image blocks are matched through extra_keys)"
+        ),
+        MmRouting::TextOnly => warn!(
+            mode = mode.as_str(),
+            "multimodal routing: text-only (no --mm-model-family): blocks after an image never match engine blocks"
+        ),
+        MmRouting::Approximate if family.is_some() => warn!(
+            mode = mode.as_str(),
+            family,
+            "multimodal routing: approximate (--mm-model-family needs --tokenizer-dir): images are kvpick-only blocks"
+        ),
+        MmRouting::Approximate => info!(
+            mode = mode.as_str(),
+            "multimodal routing: approximate (no tokenizer): images are kvpick-only blocks keyed by content"
+        ),
+    }
+    if mode == MmRouting::Exact && image_token.is_none() {
+        warn!(
+            family,
+            "the image token is not a single token of this tokenizer: vLLM image blocks cannot be matched (SGLang's can)"
+        );
+    }
+}
+
 /// Runs kvpick as configured by `args` until a component fails.
 pub async fn run(args: Args) -> Result<(), ServeError> {
     let source = EndpointSource::from_args(&args)?;
     let mut app = App::with_scheduler(&pool_label(&args), args.scheduler(session_key(&args)?));
+    let vision = args.vision_prompt();
+    let mut image_token = None;
     if let Some(dir) = &args.tokenizer_dir {
-        let tokenizer = Tokenizer::load(dir)?;
+        let mut tokenizer = Tokenizer::load(dir)?;
+        if let Some(v) = vision.clone() {
+            tokenizer = tokenizer.with_vision(v)?;
+        }
+        image_token = tokenizer.image_token_id();
         info!(dir = %dir.display(), ?tokenizer, "tokenizing requests in-process");
+        app.metrics
+            .register_multimodal(Arc::clone(tokenizer.mm_stats()), mm_routing(&args));
         app.tokenizer = Some(TokenizerPool::new(tokenizer, args.tokenizer_threads));
+    } else {
+        app.metrics
+            .register_multimodal(Arc::default(), mm_routing(&args));
     }
+    log_mm_routing(&args, image_token);
     let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
-    let _kv_events = args
-        .kv_events()
-        .map(|c| AbortOnDrop(app.spawn_kv_events(c, KV_EVENTS_FOLLOW_INTERVAL)));
+    let _kv_events = args.kv_events().map(|mut c| {
+        c.image_token = image_token;
+        AbortOnDrop(app.spawn_kv_events(c, KV_EVENTS_FOLLOW_INTERVAL))
+    });
     app.metrics.set_scrape_staleness(args.scrape_staleness());
     let table = Arc::clone(&app.endpoints);
     let discovery = match source {

@@ -100,6 +100,69 @@ impl Collector for SchedulerCollector {
     }
 }
 
+/// Renders [`crate::multimodal::MmStats`] and the configured multimodal routing mode.
+#[derive(Debug)]
+struct MultimodalCollector {
+    stats: Arc<crate::multimodal::MmStats>,
+    mode: crate::multimodal::MmRouting,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct MmModeLabels {
+    mode: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct MmIdentityLabels {
+    identity: &'static str,
+}
+
+impl Collector for MultimodalCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use crate::multimodal::identity::IdentitySource;
+        use crate::multimodal::MmRouting;
+        let modes = [
+            MmRouting::Exact,
+            MmRouting::Approximate,
+            MmRouting::TextOnly,
+        ];
+        let mut family = encoder.encode_descriptor(
+            "kvpick_mm_routing_mode",
+            "1 for the multimodal routing mode kvpick's configuration allows: exact (tokenizer and vision model: image blocks equal the engines'), approximate (no tokenizer: images are kvpick-only blocks), text_only (tokenizer without a vision model: nothing after the first image matches)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for m in modes {
+            ConstGauge::new(i64::from(m == self.mode))
+                .encode(family.encode_family(&MmModeLabels { mode: m.as_str() })?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "kvpick_mm_requests",
+            "Tokenized requests with images, by how their images were routed: exact (every image token-exact), approximate (an image of unknown size, e.g. a remote URL not fetched), text_only (no vision model)",
+            None,
+            MetricType::Counter,
+        )?;
+        for m in modes {
+            ConstCounter::new(self.stats.requests(m))
+                .encode(family.encode_family(&MmModeLabels { mode: m.as_str() })?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "kvpick_mm_images",
+            "Image identities computed: content (decoded data: URL or fetched bytes, exact) or url (the URL string)",
+            None,
+            MetricType::Counter,
+        )?;
+        for src in [IdentitySource::Content, IdentitySource::Url] {
+            ConstCounter::new(self.stats.images(src)).encode(family.encode_family(
+                &MmIdentityLabels {
+                    identity: src.as_str(),
+                },
+            )?)?;
+        }
+        Ok(())
+    }
+}
+
 /// How a request ended at kvpick.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RequestResult {
@@ -265,6 +328,15 @@ impl Metrics {
     /// re-picks, per-stage latency), read at render time.
     pub fn register_scheduler(&self, scheduler: Arc<Scheduler>) {
         self.register(|r| r.register_collector(Box::new(SchedulerCollector { scheduler })));
+    }
+
+    /// Exposes the multimodal counters and the configured multimodal routing mode.
+    pub fn register_multimodal(
+        &self,
+        stats: Arc<crate::multimodal::MmStats>,
+        mode: crate::multimodal::MmRouting,
+    ) {
+        self.register(|r| r.register_collector(Box::new(MultimodalCollector { stats, mode })));
     }
 
     /// Sets how old scraped load may be to count in the pool gauges (default 2 s).

@@ -32,7 +32,7 @@ use tokio::sync::Semaphore;
 use crate::multimodal::dims::image_size;
 use crate::multimodal::identity::{self, ImageIdentity};
 use crate::multimodal::routing::{expand_images, PromptImage};
-use crate::multimodal::VisionPrompt;
+use crate::multimodal::{MmRouting, MmStats, VisionPrompt};
 use crate::request::{ApiKind, Segment};
 
 /// Why a tokenizer could not be loaded or a request not tokenized.
@@ -89,6 +89,8 @@ pub struct Tokenizer {
     parts_content: bool,
     /// The vision model, when images are tokenized exactly.
     vision: Option<Vision>,
+    /// Multimodal counters.
+    mm_stats: Arc<MmStats>,
 }
 
 /// A vision model resolved against the tokenizer.
@@ -192,6 +194,7 @@ impl Tokenizer {
             special,
             parts_content,
             vision: None,
+            mm_stats: Arc::default(),
         })
     }
 
@@ -229,6 +232,11 @@ impl Tokenizer {
     /// Whether a vision model is configured.
     pub fn has_vision(&self) -> bool {
         self.vision.is_some()
+    }
+
+    /// Multimodal counters (image identities, requests by routing mode).
+    pub fn mm_stats(&self) -> &Arc<MmStats> {
+        &self.mm_stats
     }
 
     /// Renders a chat body (`messages`, optional `tools` and
@@ -282,8 +290,24 @@ impl Tokenizer {
                 let (text, images) = self.render_chat(body)?;
                 match &self.vision {
                     Some(v) if !images.is_empty() => {
-                        let (segments, _) = self.expand_vision(v, &text, &images)?;
+                        let (segments, imgs) = self.expand_vision(v, &text, &images)?;
+                        for i in &imgs {
+                            self.mm_stats.record_image(i.identity.source);
+                        }
+                        let exact = imgs.iter().all(|i| i.tokens.is_some());
+                        self.mm_stats.record_request(if exact {
+                            MmRouting::Exact
+                        } else {
+                            MmRouting::Approximate
+                        });
                         Ok(segments)
+                    }
+                    None if !images.is_empty() => {
+                        for url in &images {
+                            self.mm_stats.record_image(identity::identify(url).source);
+                        }
+                        self.mm_stats.record_request(MmRouting::TextOnly);
+                        self.split_at_images(&text, images, false)
                     }
                     _ => self.split_at_images(&text, images, false),
                 }

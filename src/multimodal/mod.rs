@@ -16,6 +16,8 @@ pub mod identity;
 pub mod routing;
 pub mod tokens;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 pub use tokens::{VisionFamily, VisionModel};
 
 /// Tokens an image of unknown size is counted as (LLaVA-1.5's fixed count, the
@@ -93,6 +95,54 @@ impl VisionPrompt {
             model: VisionModel::new(family),
             placeholder: family.default_placeholder().to_string(),
             image_token: family.default_image_token().to_string(),
+        }
+    }
+}
+
+/// Multimodal counters: the core counts, telemetry reads.
+#[derive(Debug, Default)]
+pub struct MmStats {
+    content_images: AtomicU64,
+    url_images: AtomicU64,
+    exact: AtomicU64,
+    approximate: AtomicU64,
+    text_only: AtomicU64,
+}
+
+impl MmStats {
+    /// Counts one image identity.
+    pub fn record_image(&self, source: identity::IdentitySource) {
+        match source {
+            identity::IdentitySource::Content => &self.content_images,
+            identity::IdentitySource::Url => &self.url_images,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one request with images, by how it was routed.
+    pub fn record_request(&self, mode: MmRouting) {
+        self.requests_cell(mode).fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Image identities computed from `source`.
+    pub fn images(&self, source: identity::IdentitySource) -> u64 {
+        match source {
+            identity::IdentitySource::Content => &self.content_images,
+            identity::IdentitySource::Url => &self.url_images,
+        }
+        .load(Ordering::Relaxed)
+    }
+
+    /// Requests with images routed in `mode`.
+    pub fn requests(&self, mode: MmRouting) -> u64 {
+        self.requests_cell(mode).load(Ordering::Relaxed)
+    }
+
+    fn requests_cell(&self, mode: MmRouting) -> &AtomicU64 {
+        match mode {
+            MmRouting::Exact => &self.exact,
+            MmRouting::Approximate => &self.approximate,
+            MmRouting::TextOnly => &self.text_only,
         }
     }
 }
