@@ -504,6 +504,7 @@ impl Args {
             },
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
+            vision: self.vision_prompt().map(|v| v.model),
         }
     }
 

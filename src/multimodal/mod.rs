@@ -6,12 +6,14 @@
 //!   reading it back from vLLM `extra_keys`;
 //! - [`dims`]: image size from the PNG / JPEG / WebP / GIF header;
 //! - [`tokens`]: how many prompt tokens an image becomes, per model family;
+//! - [`hints`]: writing the hashes into the request for the engine;
 //! - [`routing`]: expanding a prompt's image placeholders into pad values, and
 //!   normalizing vLLM event blocks into the same form.
 //!
 //! How precise routing gets depends on what kvpick knows ([`MmRouting`]).
 
 pub mod dims;
+pub mod hints;
 pub mod identity;
 pub mod routing;
 pub mod tokens;

@@ -60,6 +60,9 @@ pub struct SchedulerConfig {
     pub session_token_header: String,
     /// HMAC key for session tokens (empty: a random per-process key).
     pub session_key: Vec<u8>,
+    /// Sizes images that reach the scheduler untokenized, for load and prefill
+    /// cost (`None`: every image counts `multimodal::DEFAULT_IMAGE_TOKENS`).
+    pub vision: Option<crate::multimodal::VisionModel>,
 }
 
 impl Default for SchedulerConfig {
@@ -73,6 +76,7 @@ impl Default for SchedulerConfig {
             index: IndexConfig::default(),
             session_token_header: "x-kvpick-session".into(),
             session_key: Vec::new(),
+            vision: None,
         }
     }
 }

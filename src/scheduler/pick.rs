@@ -75,10 +75,11 @@ impl Scheduler {
             match req.body {
                 Some(b) => (
                     self.block_hashes(b),
-                    hash::request_size_blocks(
+                    hash::request_size_blocks_for(
                         &b.segments,
                         self.config.byte_block,
                         self.config.token_block,
+                        self.config.vision.as_ref(),
                     ),
                 ),
                 None => (Vec::new(), 1),
