@@ -8,6 +8,7 @@ pub mod client;
 pub mod gateway;
 pub mod kv_events;
 pub mod kvcache;
+pub mod mock_vision;
 pub mod mock_worker;
 pub mod report;
 pub mod serve;

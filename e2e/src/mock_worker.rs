@@ -70,6 +70,9 @@ pub struct WorkerConfig {
     pub kv_events_topic: String,
     /// Reject requests that carry no `x-worker-instance-id` (a sidecar behind a gateway).
     pub require_routing_headers: bool,
+    /// Multimodal engine (SGLang pad_value mode): chat prompts are tokenized with
+    /// the model's tokenizer and images expanded into pad values.
+    pub vision: Option<crate::mock_vision::MockVision>,
 }
 
 impl Default for WorkerConfig {
@@ -88,6 +91,7 @@ impl Default for WorkerConfig {
             kv_events_port: None,
             kv_events_topic: String::new(),
             require_routing_headers: false,
+            vision: None,
         }
     }
 }
@@ -111,6 +115,10 @@ pub struct SeenRequest {
     pub session_id: Option<String>,
     /// `nvext.session_control.action`.
     pub session_action: Option<String>,
+    /// Image tokens in the prompt (multimodal mode).
+    pub image_tokens: usize,
+    /// Whether the request carried one `nvext.mm_hashes` entry per image.
+    pub mm_hashes_given: bool,
     /// Prompt tokens served from the cache.
     pub hit_tokens: usize,
     /// Prompt tokens.
@@ -425,6 +433,8 @@ impl Reject {
 /// What the prompt needs from the body.
 struct Prompt {
     tokens: Vec<u32>,
+    image_tokens: usize,
+    mm_hashes_given: bool,
     max_tokens: usize,
     stream: bool,
     session_id: Option<String>,
@@ -464,17 +474,29 @@ pub fn chat_prompt_tokens(messages: &[Value]) -> Vec<u32> {
     tokens
 }
 
-fn parse_prompt(api: Api, body: &[u8], default_max: usize) -> Result<Prompt, Reject> {
+fn parse_prompt(
+    api: Api,
+    body: &[u8],
+    default_max: usize,
+    vision: Option<&crate::mock_vision::MockVision>,
+) -> Result<Prompt, Reject> {
     let bad = |m: String| Reject(StatusCode::BAD_REQUEST, "invalid_request_error", m);
     let v: Value =
         serde_json::from_slice(body).map_err(|e| bad(format!("body is not JSON: {e}")))?;
-    let tokens = match api {
-        Api::Chat => chat_prompt_tokens(
+    let (mut image_tokens, mut mm_hashes_given) = (0, false);
+    let tokens = match (api, vision) {
+        (Api::Chat, Some(vision)) => {
+            let t = vision.chat_tokens(&v).map_err(bad)?;
+            image_tokens = t.image_tokens;
+            mm_hashes_given = t.hashes_given;
+            t.tokens
+        }
+        (Api::Chat, None) => chat_prompt_tokens(
             v.get("messages")
                 .and_then(Value::as_array)
                 .ok_or_else(|| bad("`messages` must be an array".into()))?,
         ),
-        Api::Completions => match v.get("prompt") {
+        (Api::Completions, _) => match v.get("prompt") {
             Some(Value::String(s)) => tokenizer::encode(s),
             Some(Value::Array(a)) if a.iter().all(Value::is_u64) => a
                 .iter()
@@ -497,6 +519,8 @@ fn parse_prompt(api: Api, body: &[u8], default_max: usize) -> Result<Prompt, Rej
     let sc = v.get("nvext").and_then(|n| n.get("session_control"));
     Ok(Prompt {
         tokens,
+        image_tokens,
+        mm_hashes_given,
         max_tokens,
         stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
         session_id: sc
@@ -757,14 +781,24 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
         request_id: header_str(&headers, "x-request-id"),
         session_id: None,
         session_action: None,
+        image_tokens: 0,
+        mm_hashes_given: false,
         hit_tokens: 0,
         queried_tokens: 0,
         status: 200,
         error: None,
     };
-    let admitted = parse_prompt(api, &body, w.config.default_max_tokens).and_then(|p| {
+    let admitted = parse_prompt(
+        api,
+        &body,
+        w.config.default_max_tokens,
+        w.config.vision.as_ref(),
+    )
+    .and_then(|p| {
         seen.session_id = p.session_id.clone();
         seen.session_action = p.session_action.clone();
+        seen.image_tokens = p.image_tokens;
+        seen.mm_hashes_given = p.mm_hashes_given;
         w.admit(&headers, &p).map(|rank| (p, rank))
     });
     let (prompt, rank) = match admitted {
@@ -805,7 +839,10 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
     let uncached = queried.saturating_sub(hit) as u32;
     let prefill = w.config.ttft + w.config.prefill_per_token * uncached;
     let words = reply_words(&prompt.tokens, prompt.max_tokens);
-    let output: Vec<u32> = words.iter().map(|wd| tokenizer::word_id(wd)).collect();
+    let output: Vec<u32> = match &w.config.vision {
+        Some(v) => v.encode(&words.join(" ")),
+        None => words.iter().map(|wd| tokenizer::word_id(wd)).collect(),
+    };
     let id = format!(
         "cmpl-{:016x}",
         crate::kvcache::block_hash(None, &prompt.tokens)

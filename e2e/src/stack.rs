@@ -33,6 +33,9 @@ pub enum StackError {
     /// The self-signed certificate could not be made.
     #[error(transparent)]
     Tls(#[from] kvpick::tls::TlsError),
+    /// The precise-mode tokenizer could not be loaded.
+    #[error(transparent)]
+    Tokenizer(#[from] kvpick::tokenize::TokenizeError),
     /// kvpick did not load the expected endpoints in time.
     #[error("kvpick did not pick up {0} endpoints in time")]
     NotSynced(usize),
@@ -40,9 +43,27 @@ pub enum StackError {
 
 /// Writes a standalone endpoints file (atomically: readers never see half a file).
 pub fn write_endpoints(path: &Path, endpoints: &[(SocketAddr, u64)]) -> std::io::Result<()> {
+    let plain: Vec<_> = endpoints.iter().map(|&(a, i)| (a, i, None)).collect();
+    write_endpoints_with_events(path, &plain)
+}
+
+/// An endpoints-file entry: address, instance id, and optionally the engine type
+/// and KV-event port.
+pub type EndpointEntry<'a> = (SocketAddr, u64, Option<(&'a str, u16)>);
+
+/// [`write_endpoints`] with, per endpoint, the engine type and KV-event port.
+pub fn write_endpoints_with_events(
+    path: &Path,
+    endpoints: &[EndpointEntry<'_>],
+) -> std::io::Result<()> {
     let mut yaml = String::from("endpoints:\n");
-    for (addr, id) in endpoints {
+    for (addr, id, events) in endpoints {
         yaml.push_str(&format!("  - address: {addr}\n    instance_id: {id}\n"));
+        if let Some((engine, port)) = events {
+            yaml.push_str(&format!(
+                "    engine: {engine}\n    kv_events_port: {port}\n"
+            ));
+        }
     }
     if endpoints.is_empty() {
         yaml = "endpoints: []\n".into();
@@ -87,6 +108,7 @@ pub async fn start_workers_on_one_port(
 pub struct Kvpick {
     addr: SocketAddr,
     tls: Option<ServerTlsConfig>,
+    precise: Option<Precise>,
     endpoints_file: PathBuf,
     poll: Duration,
     app: App,
@@ -102,12 +124,25 @@ impl Kvpick {
         poll: Duration,
         tls: Option<ServerTlsConfig>,
     ) -> Result<Kvpick, StackError> {
+        Self::start_with(addr, endpoints_file, poll, tls, None).await
+    }
+
+    /// [`Kvpick::start`], in precise mode when `precise` is given.
+    pub async fn start_with(
+        addr: SocketAddr,
+        endpoints_file: PathBuf,
+        poll: Duration,
+        tls: Option<ServerTlsConfig>,
+        precise: Option<Precise>,
+    ) -> Result<Kvpick, StackError> {
         let front = TcpListener::bind(addr).await?;
         let addr = front.local_addr()?;
-        let (app, tasks) = Self::launch(front, &endpoints_file, poll, tls.clone()).await?;
+        let (app, tasks) =
+            Self::launch(front, &endpoints_file, poll, tls.clone(), precise.as_ref()).await?;
         Ok(Kvpick {
             addr,
             tls,
+            precise,
             endpoints_file,
             poll,
             app,
@@ -120,8 +155,27 @@ impl Kvpick {
         endpoints_file: &Path,
         poll: Duration,
         tls: Option<ServerTlsConfig>,
+        precise: Option<&Precise>,
     ) -> Result<(App, Vec<JoinHandle<()>>), StackError> {
-        let app = App::new("e2e");
+        let mut app = App::new("e2e");
+        let mut events = None;
+        if let Some(p) = precise {
+            let mut tok = kvpick::tokenize::Tokenizer::load(&p.tokenizer_dir)?;
+            if let Some(v) = p.vision.clone() {
+                tok = tok.with_vision(v)?;
+            }
+            let image_token = tok.image_token_id();
+            app.tokenizer = Some(kvpick::tokenize::TokenizerPool::new(tok, 2));
+            events = Some(app.spawn_kv_events(
+                kvpick::kvevents::subscriber::SubscriberConfig {
+                    model: p.model.clone(),
+                    image_token,
+                    retry_delay: Duration::from_millis(50),
+                    ..Default::default()
+                },
+                Duration::from_millis(50),
+            ));
+        }
         let inner = TcpListener::bind("127.0.0.1:0").await?;
         let inner_addr = inner.local_addr()?;
         let service = app.ext_proc(ExtProcConfig::default());
@@ -138,7 +192,9 @@ impl Kvpick {
             }
         });
         let proxy = tokio::spawn(tcp_front(front, inner_addr));
-        Ok((app, vec![grpc, discovery, proxy]))
+        let mut tasks = vec![grpc, discovery, proxy];
+        tasks.extend(events);
+        Ok((app, tasks))
     }
 
     /// The ext_proc address the gateway dials.
@@ -163,6 +219,27 @@ impl Kvpick {
         Err(StackError::NotSynced(n))
     }
 
+    /// Waits until `n` worker ranks are in precise mode (their KV-event streams
+    /// are connected).
+    pub async fn wait_for_precise(&self, n: usize) -> Result<(), StackError> {
+        for _ in 0..400 {
+            let snap = self.app.endpoints.snapshot();
+            let idx = self.app.scheduler.index();
+            let live = snap
+                .endpoints
+                .iter()
+                .filter(|e| idx.is_precise(e.key(0)))
+                .count();
+            if live >= n {
+                // Subscribed is not yet receiving (ZMQ's slow joiner): settle.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Err(StackError::NotSynced(n))
+    }
+
     /// Kills kvpick: the listener and every open ext_proc connection close.
     pub async fn stop(&mut self) {
         for t in self.tasks.drain(..) {
@@ -175,8 +252,14 @@ impl Kvpick {
     pub async fn restart(&mut self) -> Result<(), StackError> {
         self.stop().await;
         let front = TcpListener::bind(self.addr).await?;
-        let (app, tasks) =
-            Self::launch(front, &self.endpoints_file, self.poll, self.tls.clone()).await?;
+        let (app, tasks) = Self::launch(
+            front,
+            &self.endpoints_file,
+            self.poll,
+            self.tls.clone(),
+            self.precise.as_ref(),
+        )
+        .await?;
         self.app = app;
         self.tasks = tasks;
         Ok(())
@@ -237,6 +320,22 @@ pub struct StackOptions {
     pub tls_insecure: bool,
     /// The gateway sends a subset hint naming the workers at these indices.
     pub subset: Option<Vec<usize>>,
+    /// kvpick in precise mode (the workers publish KV events).
+    pub precise: Option<Precise>,
+}
+
+/// kvpick in precise mode: requests tokenized in-process, KV events from every
+/// worker (started with a publisher), endpoints listed with their engine.
+#[derive(Debug, Clone)]
+pub struct Precise {
+    /// The model's tokenizer directory.
+    pub tokenizer_dir: PathBuf,
+    /// The vision model, for exact multimodal routing.
+    pub vision: Option<kvpick::multimodal::VisionPrompt>,
+    /// The workers' engine type (`vllm`, `sglang`).
+    pub engine: &'static str,
+    /// The model name requests carry (event blocks are keyed under it).
+    pub model: String,
 }
 
 impl Default for StackOptions {
@@ -255,6 +354,7 @@ impl Default for StackOptions {
             tls: false,
             tls_insecure: false,
             subset: None,
+            precise: None,
         }
     }
 }
@@ -285,15 +385,23 @@ impl Stack {
         std::fs::create_dir_all(&dir)?;
         let local: SocketAddr = ([127, 0, 0, 1], 0).into();
         let mut workers = Vec::with_capacity(opts.workers);
+        let mut worker_config = opts.worker.clone();
+        if opts.precise.is_some() && worker_config.kv_events_port.is_none() {
+            worker_config.kv_events_port = Some(0);
+        }
         for _ in 0..opts.workers {
-            workers.push(WorkerHandle::start(local, opts.worker.clone()).await?);
+            workers.push(WorkerHandle::start(local, worker_config.clone()).await?);
         }
         let endpoints_file = dir.join("endpoints.yaml");
-        let listed: Vec<(SocketAddr, u64)> = workers
+        let engine = opts.precise.as_ref().map(|p| p.engine);
+        let listed: Vec<_> = workers
             .iter()
-            .map(|w| (w.addr(), w.instance_id()))
+            .map(|w| {
+                let events = engine.zip(w.kv_events_port());
+                (w.addr(), w.instance_id(), events)
+            })
             .collect();
-        write_endpoints(&endpoints_file, &listed)?;
+        write_endpoints_with_events(&endpoints_file, &listed)?;
         let (tls, ca) = match opts.tls {
             true => {
                 let (tls, pem) = kvpick::tls::self_signed(&["localhost"])?;
@@ -302,8 +410,18 @@ impl Stack {
             false => (None, None),
         };
         let scheme = if opts.tls { "https" } else { "http" };
-        let kvpick = Kvpick::start(local, endpoints_file.clone(), opts.poll, tls).await?;
+        let kvpick = Kvpick::start_with(
+            local,
+            endpoints_file.clone(),
+            opts.poll,
+            tls,
+            opts.precise.clone(),
+        )
+        .await?;
         kvpick.wait_for_endpoints(workers.len()).await?;
+        if opts.precise.is_some() {
+            kvpick.wait_for_precise(workers.len()).await?;
+        }
         let gateway = GatewayHandle::start(
             local,
             GatewayConfig {

@@ -18,7 +18,8 @@ use tracing::{debug, info, warn};
 
 use super::messages::{self, find_header, set_header, DESTINATION_KEY};
 use super::Shared;
-use crate::endpoints::InFlightGuard;
+use crate::endpoints::{Engine, InFlightGuard};
+use crate::multimodal::hints;
 use crate::request::{self, ApiKind, InferenceRequest, Segment};
 use crate::scheduler::{Decision, PickError, PickRequest};
 use crate::telemetry::RequestResult;
@@ -345,10 +346,15 @@ impl StreamState {
         } else {
             (body, false)
         };
+        let mm_hashes = hints::image_hashes(parsed.segments.iter().filter_map(|s| match s {
+            Segment::Image(u) => Some(u.as_str()),
+            _ => None,
+        }));
         let via = RouteVia::Body {
             body,
             rewritten,
             end_of_stream,
+            mm_hashes,
         };
         let has_text = parsed
             .segments
@@ -414,10 +420,28 @@ impl StreamState {
                 )]
             }
             RouteVia::Body {
-                body,
-                rewritten,
+                mut body,
+                mut rewritten,
                 end_of_stream,
+                mm_hashes,
             } => {
+                // The engine hashes images with the identities kvpick routed on.
+                let format = match self
+                    .routed
+                    .as_ref()
+                    .map(|r| r.decision.decode.endpoint.endpoint.engine)
+                {
+                    Some(Engine::Sglang) => Some(hints::HintFormat::Sglang),
+                    Some(Engine::Vllm) => Some(hints::HintFormat::Vllm),
+                    _ => None,
+                };
+                if let Some(new) = format
+                    .filter(|_| !mm_hashes.is_empty())
+                    .and_then(|f| hints::rewrite_body(&body, f, &mm_hashes))
+                {
+                    body = new;
+                    rewritten = true;
+                }
                 if rewritten {
                     mutation
                         .set_headers
@@ -590,6 +614,8 @@ enum RouteVia {
         body: Vec<u8>,
         rewritten: bool,
         end_of_stream: bool,
+        /// Identities of the request's images, handed to the chosen engine.
+        mm_hashes: Vec<u64>,
     },
 }
 

@@ -1,9 +1,11 @@
 //! Telling the engine the image hashes kvpick routed with, so the engine's block
 //! hashes are the ones kvpick looked up.
 //!
-//! - SGLang: the top-level `mm_hashes` field (sglang#25300's field of
-//!   `GenerateReqInput`): one 16-hex-digit hash per image, in prompt order.
-//!   SGLang then uses `pad_value(hash)` at the image's token positions.
+//! - SGLang: `nvext.mm_hashes`, one 16-hex-digit hash per image in prompt order,
+//!   for the worker's sidecar to pass as `mm_hashes` of SGLang's
+//!   `GenerateReqInput` (the field sglang#25300 adds; Dynamo's SGLang handler
+//!   forwards it the same way). SGLang then puts `pad_value(hash)` at the
+//!   image's token positions.
 //! - vLLM: a `uuid` on each image content part (vLLM's per-item multimodal
 //!   UUIDs), in kvpick's 64-character marker form, which vLLM uses as the item's
 //!   hash and echoes in the blocks' `extra_keys`.
@@ -15,14 +17,19 @@ use super::identity::{sglang_mm_hash, vllm_mm_uuid};
 /// Which engine's request format to write the hashes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HintFormat {
-    /// Top-level `mm_hashes` (16 hex digits each).
+    /// `nvext.mm_hashes` (16 hex digits each).
     Sglang,
     /// `uuid` on each image content part (64 characters each).
     Vllm,
 }
 
-/// The top-level field SGLang reads.
+/// The `nvext` field carrying SGLang's hashes.
 pub const SGLANG_FIELD: &str = "mm_hashes";
+
+/// The hashes as `nvext.mm_hashes` holds them.
+pub fn sglang_mm_hashes(hashes: &[u64]) -> Vec<String> {
+    hashes.iter().map(|&h| sglang_mm_hash(h)).collect()
+}
 
 /// Writes `hashes` (one per image, in prompt order) into a chat or Responses
 /// body. Returns how many images were tagged; the body is left as it was when
@@ -36,15 +43,13 @@ pub fn add_mm_hints(body: &mut Value, format: HintFormat, hashes: &[u64]) -> usi
             let Some(obj) = body.as_object_mut() else {
                 return 0;
             };
-            obj.insert(
-                SGLANG_FIELD.into(),
-                Value::Array(
-                    hashes
-                        .iter()
-                        .map(|&h| Value::String(sglang_mm_hash(h)))
-                        .collect(),
-                ),
-            );
+            let nvext = obj
+                .entry("nvext")
+                .or_insert_with(|| Value::Object(Default::default()));
+            if !nvext.is_object() {
+                return 0;
+            }
+            nvext[SGLANG_FIELD] = serde_json::json!(sglang_mm_hashes(hashes));
         }
         HintFormat::Vllm => {
             for (part, &h) in image_parts_mut(body).zip(hashes) {
@@ -53,6 +58,23 @@ pub fn add_mm_hints(body: &mut Value, format: HintFormat, hashes: &[u64]) -> usi
         }
     }
     hashes.len()
+}
+
+/// The identities of a parsed request's images, in prompt order.
+pub fn image_hashes<'a>(urls: impl IntoIterator<Item = &'a str>) -> Vec<u64> {
+    urls.into_iter()
+        .map(|u| super::identity::identify(u).mm_hash)
+        .collect()
+}
+
+/// [`add_mm_hints`] on a body's bytes: the new body, or `None` when the body is
+/// not a JSON object with one image part per hash.
+pub fn rewrite_body(body: &[u8], format: HintFormat, hashes: &[u64]) -> Option<Vec<u8>> {
+    let mut v: Value = serde_json::from_slice(body).ok()?;
+    if add_mm_hints(&mut v, format, hashes) == 0 {
+        return None;
+    }
+    serde_json::to_vec(&v).ok()
 }
 
 fn is_image_part(part: &serde_json::Map<String, Value>) -> bool {
@@ -115,7 +137,7 @@ mod tests {
         let mut b = body();
         assert_eq!(add_mm_hints(&mut b, HintFormat::Sglang, &[1, 0xabc]), 2);
         assert_eq!(
-            b["mm_hashes"],
+            b["nvext"]["mm_hashes"],
             json!(["0000000000000001", "0000000000000abc"])
         );
     }
@@ -128,7 +150,17 @@ mod tests {
             .map(|p| p["uuid"].as_str().unwrap())
             .collect();
         assert_eq!(uuids, vec![vllm_mm_uuid(1), vllm_mm_uuid(2)]);
-        assert!(b.get("mm_hashes").is_none());
+        assert!(b.get("nvext").is_none());
+    }
+
+    #[test]
+    fn bodies_are_rewritten_as_bytes() {
+        let raw = serde_json::to_vec(&body()).unwrap();
+        let hashes = image_hashes(["https://x/1.png", "https://x/2.png"]);
+        let out = rewrite_body(&raw, HintFormat::Sglang, &hashes).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["nvext"]["mm_hashes"][1], json!(sglang_mm_hash(hashes[1])));
+        assert_eq!(rewrite_body(b"[1]", HintFormat::Vllm, &hashes), None);
     }
 
     #[test]
