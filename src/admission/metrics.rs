@@ -77,6 +77,9 @@ struct ObjectiveDurationLabels {
     target_model_name: String,
 }
 
+/// Reads one figure of a queue level.
+type LevelValue = fn(&super::QueueLevel) -> i64;
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn queue_histogram() -> Histogram {
@@ -113,7 +116,7 @@ impl Collector for GateCollector {
         };
         let levels = gate.levels();
         for prefix in ["inference_extension", "llm_d_epp"] {
-            let metrics: [(&str, &str, fn(&super::QueueLevel) -> i64); 2] = [
+            let metrics: [(&str, &str, LevelValue); 2] = [
                 (
                     "flow_control_queue_size",
                     "Current number of requests actively held in the Flow Control queue.",

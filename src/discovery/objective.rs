@@ -191,11 +191,14 @@ impl State {
     }
 }
 
+/// One watch event, an objective reduced to its name and what admission uses.
+type WatchResult = Result<Event<(String, Reduced)>, watcher::Error>;
+
 fn objective_stream<K>(
     api: Api<K>,
     group: Group,
     pool: PoolRef,
-) -> BoxStream<'static, (Group, Result<Event<(String, Reduced)>, watcher::Error>)>
+) -> BoxStream<'static, (Group, WatchResult)>
 where
     K: Resource + ObjectiveShape + Clone + DeserializeOwned + Debug + Send + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
