@@ -13,6 +13,7 @@ pub mod extproc;
 pub mod identity;
 pub mod kv;
 pub mod kvevents;
+pub mod multimodal;
 pub mod request;
 pub mod scheduler;
 pub mod scrape;
