@@ -1,9 +1,11 @@
 //! Sticky sessions: session id → (worker, dp rank), with a sliding inactivity TTL
 //! and signed session tokens.
 //!
-//! The scheduler drives the lifecycle: a session is bound once a turn's response
-//! succeeds, its TTL slides on every turn, and a `close` turn unbinds it once its
-//! response has finished. Expired bindings are reaped ([`SessionStore::reap`]).
+//! The lifecycle, driven by the scheduler through [`SessionStore::pin`] (at pick
+//! time) and [`SessionStore::settle`] (when the response has finished): a session
+//! is bound once a turn's response succeeds, its TTL slides on every turn, and a
+//! `close` turn unbinds it once its response has finished. Expired bindings are
+//! reaped ([`SessionStore::reap`]).
 //!
 //! So that several kvpick replicas (or a restarted one) keep a session on its
 //! worker, responses carry a token naming the session, the worker and an expiry,
@@ -19,11 +21,53 @@ use rand::RngCore;
 use sha2::Sha256;
 
 use crate::endpoints::WorkerKey;
+use crate::request::{InferenceRequest, SessionAction, DEFAULT_SESSION_TIMEOUT_SECS};
 
 type HmacSha256 = Hmac<Sha256>;
 
 /// Token format version prefix.
 const TOKEN_VERSION: &str = "v1";
+
+/// The session turn a request belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionTurn {
+    /// The client's session id.
+    pub id: String,
+    /// `open`, `close`, or `None` for a middle turn (or a header session).
+    pub action: Option<SessionAction>,
+    /// Inactivity timeout.
+    pub timeout: Duration,
+}
+
+impl SessionTurn {
+    /// The session turn of a request: the body's `nvext.session_control`, else the
+    /// session header `header_id` (a middle turn with the default timeout).
+    pub fn of(body: Option<&InferenceRequest>, header_id: Option<&str>) -> Option<SessionTurn> {
+        if let Some(sc) = body.and_then(|b| b.session()) {
+            return Some(SessionTurn {
+                id: sc.session_id.clone(),
+                action: sc.action,
+                timeout: Duration::from_secs(sc.timeout_secs().max(1)),
+            });
+        }
+        header_id.map(|id| SessionTurn {
+            id: id.to_string(),
+            action: None,
+            timeout: Duration::from_secs(DEFAULT_SESSION_TIMEOUT_SECS),
+        })
+    }
+}
+
+/// Where a session turn's worker stands at pick time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pin {
+    /// Bound (or named by a valid token) to this ready worker.
+    Ready(WorkerKey),
+    /// Bound to a worker that is no longer a candidate; the binding was dropped.
+    Gone,
+    /// Not bound here and no valid token.
+    Unbound,
+}
 
 /// One bound session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,6 +155,55 @@ impl SessionStore {
     /// The binding of `id`, expired or not.
     pub fn binding(&self, id: &str) -> Option<Binding> {
         self.bindings.get(id).map(|b| *b)
+    }
+
+    /// The worker a turn is pinned to. `is_ready` says whether a worker can take
+    /// the turn. A live binding to a ready worker slides its TTL; one to a gone
+    /// worker is dropped. Without a binding, a valid signed token (from another
+    /// replica, or this one before a restart) is adopted as the binding.
+    pub fn pin(
+        &self,
+        turn: &SessionTurn,
+        token: Option<&str>,
+        is_ready: impl Fn(WorkerKey) -> bool,
+        now: Instant,
+    ) -> Pin {
+        if let Some(bound) = self.get(&turn.id, now) {
+            if is_ready(bound) {
+                self.touch(&turn.id, turn.timeout, now);
+                return Pin::Ready(bound);
+            }
+            self.unbind(&turn.id);
+            return Pin::Gone;
+        }
+        let Some(claims) = token.and_then(|t| self.verify(t, &turn.id, SystemTime::now())) else {
+            return Pin::Unbound;
+        };
+        if is_ready(claims.worker) {
+            self.bind(&turn.id, claims.worker, turn.timeout, now);
+            Pin::Ready(claims.worker)
+        } else {
+            Pin::Gone
+        }
+    }
+
+    /// A routed turn has finished on `worker` with HTTP `status` (if a response
+    /// arrived): `close` unbinds; a success binds (the opening turn, or a turn of a
+    /// session this replica did not know) and slides the TTL.
+    pub fn settle(&self, turn: &SessionTurn, worker: WorkerKey, status: Option<u16>, now: Instant) {
+        if turn.action == Some(SessionAction::Close) {
+            self.unbind(&turn.id);
+        } else if status.is_some_and(|c| (200..300).contains(&c)) {
+            self.bind(&turn.id, worker, turn.timeout, now);
+        }
+    }
+
+    /// The signed token a successful response of `turn` carries (none for `close`).
+    pub fn turn_token(&self, turn: &SessionTurn, worker: WorkerKey) -> Option<String> {
+        if turn.action == Some(SessionAction::Close) {
+            return None;
+        }
+        Some(self.token(&turn.id, worker, SystemTime::now() + turn.timeout))
     }
 
     /// Removes every binding expired at `now`; returns how many went.

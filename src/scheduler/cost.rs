@@ -1,0 +1,157 @@
+//! The cost of sending a request to a candidate, and the choice among candidates.
+//!
+//! Costs are in KV blocks of work (see `docs/scheduling.md`): blocks the candidate
+//! must still prefill, its active load, and its scraped queue and KV usage counted
+//! at the request's size.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::Rng;
+
+use super::{Scheduler, Target};
+use crate::endpoints::{EndpointState, WorkerKey};
+
+/// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Weights {
+    /// Per block of the prompt the candidate must still prefill (after its overlap).
+    pub prefill: f64,
+    /// Per block of active load on the candidate (prompts of unfinished requests
+    /// kvpick routed there, plus scraped running requests kvpick does not know).
+    pub decode: f64,
+    /// Per scraped queued request, counted at this request's size.
+    pub queue: f64,
+    /// Per unit of scraped KV-cache usage (0..1), counted at this request's size.
+    pub kv_usage: f64,
+    /// The prefill weight used when picking a prefill worker (disaggregated pools).
+    pub prefill_overlap: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            prefill: 1.0,
+            decode: 1.0,
+            queue: 1.0,
+            kv_usage: 1.0,
+            prefill_overlap: 2.0,
+        }
+    }
+}
+
+/// One candidate (worker, rank).
+pub(super) struct Cand<'a> {
+    pub(super) ep: &'a Arc<EndpointState>,
+    pub(super) rank: u32,
+    pub(super) key: WorkerKey,
+}
+
+impl Cand<'_> {
+    pub(super) fn target(&self) -> Target {
+        Target {
+            endpoint: Arc::clone(self.ep),
+            rank: self.rank,
+        }
+    }
+}
+
+pub(super) fn ranks_of<'a>(eps: impl Iterator<Item = &'a Arc<EndpointState>>) -> Vec<Cand<'a>> {
+    eps.flat_map(|ep| {
+        (0..ep.ranks()).map(move |rank| Cand {
+            ep,
+            rank,
+            key: ep.key(rank),
+        })
+    })
+    .collect()
+}
+
+impl Scheduler {
+    /// The cost of sending a request of `size` blocks, `new_blocks` of which the
+    /// candidate must still prefill, to candidate `c`.
+    fn cost(
+        &self,
+        c: &Cand<'_>,
+        new_blocks: usize,
+        size: u64,
+        w_prefill: f64,
+        now: Instant,
+    ) -> f64 {
+        let w = &self.config.weights;
+        let size = size as f64;
+        let active = self.active_blocks(c.key) as f64;
+        let mut decode = active;
+        let mut queue = 0.0;
+        let mut kv = 0.0;
+        if let Some(s) = c.ep.scraped(now, self.config.scrape_max_age) {
+            let ranks = f64::from(c.ep.ranks());
+            let in_flight = f64::from(c.ep.in_flight(c.rank));
+            let per_request = if in_flight > 0.0 {
+                active / in_flight
+            } else {
+                size
+            };
+            // Running requests kvpick did not route (other replicas, direct traffic).
+            decode += (s.running / ranks - in_flight).max(0.0) * per_request;
+            queue = s.queue / ranks * size;
+            kv = s.kv_usage.clamp(0.0, 1.0) * size;
+        }
+        w_prefill * new_blocks as f64 + w.decode * decode + w.queue * queue + w.kv_usage * kv
+    }
+
+    /// Index of the chosen candidate: argmin of the cost with a uniform random
+    /// tie-break, or softmax sampling when a temperature is set.
+    pub(super) fn choose(
+        &self,
+        cands: &[Cand<'_>],
+        overlaps: &[usize],
+        prompt_blocks: usize,
+        size: u64,
+        w_prefill: f64,
+        now: Instant,
+    ) -> usize {
+        let costs: Vec<f64> = cands
+            .iter()
+            .zip(overlaps)
+            .map(|(c, o)| self.cost(c, prompt_blocks.saturating_sub(*o), size, w_prefill, now))
+            .collect();
+        pick_index(&costs, self.config.temperature, &mut rand::rng())
+    }
+}
+
+/// Argmin of `costs` with a uniform random tie-break; with `temperature > 0`,
+/// samples index i with probability ∝ exp(−c′ᵢ / temperature), where c′ are the
+/// costs scaled to [0, 1].
+pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) -> usize {
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    if temperature > 0.0 && costs.len() > 1 {
+        let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let span = if max > min { max - min } else { 1.0 };
+        let weights: Vec<f64> = costs
+            .iter()
+            .map(|c| (-(c - min) / span / temperature).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut x = rng.random::<f64>() * total;
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        return costs.len() - 1;
+    }
+    let mut best = 0;
+    let mut ties = 0u32;
+    for (i, c) in costs.iter().enumerate() {
+        if *c <= min + 1e-9 {
+            ties += 1;
+            // Reservoir sampling over the cheapest candidates.
+            if rng.random_range(0..ties) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}

@@ -1,0 +1,76 @@
+//! What a pick returns: the decision, its targets, and why a pick can fail.
+
+use std::sync::Arc;
+
+use crate::endpoints::{EndpointState, InFlightGuard, WorkerKey};
+use crate::request::InferenceRequest;
+use crate::sessions::SessionTurn;
+
+/// Why no endpoint could be picked (answered with 503).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PickError {
+    /// The endpoint set is empty (or nothing is ready).
+    #[error("no ready endpoint in the pool")]
+    NoEndpoints,
+    /// A subset hint matched none of the ready endpoints.
+    #[error("no ready endpoint matches the subset hint")]
+    SubsetEmpty,
+    /// Endpoints exist, but none can serve as decode destination.
+    #[error("no ready decode-capable endpoint in the pool")]
+    NoDecodeEndpoint,
+}
+
+/// What the scheduler needs to know about one request.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PickRequest<'a> {
+    /// The parsed body; `None` for header-only requests (e.g. `GET /v1/models`).
+    pub body: Option<&'a InferenceRequest>,
+    /// Addresses (`ip:port`) the gateway restricts the choice to, if any.
+    pub subset: Option<&'a [String]>,
+    /// Session id from the session header, for clients that cannot edit the body.
+    pub session_id: Option<&'a str>,
+    /// Signed session token from an earlier response.
+    pub session_token: Option<&'a str>,
+}
+
+/// One chosen (worker, rank).
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// The endpoint.
+    pub endpoint: Arc<EndpointState>,
+    /// The data-parallel rank inside it.
+    pub rank: u32,
+}
+
+impl Target {
+    /// The (worker, rank) key.
+    pub fn key(&self) -> WorkerKey {
+        self.endpoint.key(self.rank)
+    }
+}
+
+/// The routing decision for one request.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    /// Where the request goes (decode side in disaggregated pools).
+    pub decode: Target,
+    /// The prefill worker in disaggregated pools.
+    pub prefill: Option<Target>,
+    /// Random 63-bit bootstrap room when the prefill worker has a bootstrap port.
+    pub bootstrap_room: Option<u64>,
+    /// The session turn, when the request belongs to a session.
+    pub session: Option<SessionTurn>,
+    /// Full prefix blocks of the prompt.
+    pub prompt_blocks: usize,
+    /// Leading prompt blocks the decode target already held.
+    pub overlap_blocks: usize,
+    /// Blocks this request adds to its targets' active load until it finishes.
+    pub load_blocks: u64,
+}
+
+impl Decision {
+    /// Starts counting the request as in flight on its decode rank.
+    pub fn begin(&self) -> InFlightGuard {
+        self.decode.endpoint.begin_request(self.decode.rank)
+    }
+}

@@ -1,0 +1,194 @@
+//! The routing decision: candidates → filters → scores → pick.
+//!
+//! Pure core: no gRPC, Kubernetes or network types. The ext_proc glue hands in a
+//! parsed request and an endpoint [`Snapshot`]; this module returns a [`Decision`]
+//! naming the decode (destination) worker rank and, in disaggregated pools, the
+//! prefill worker rank.
+//!
+//! Stages of one pick (each timed in [`SchedulerStats`]):
+//! 1. session: a live binding (or a valid signed token) pins the request to its
+//!    (worker, rank) while that rank is ready; a gone worker is re-picked;
+//! 2. hash: the prompt becomes chained prefix block hashes ([`crate::kv::hash`]);
+//! 3. lookup: the prefix index says how many leading blocks each candidate holds;
+//! 4. score: a cost per candidate (see [`Weights`] and `docs/scheduling.md`), argmin
+//!    with a random tie-break, or softmax sampling with a temperature.
+//!
+//! The chosen ranks then get the request's blocks in the index (approximate mode)
+//! and its size added to their active load until [`Scheduler::finish`].
+
+mod cost;
+mod decision;
+mod pick;
+mod stats;
+#[cfg(test)]
+mod tests;
+
+pub use cost::Weights;
+pub use decision::{Decision, PickError, PickRequest, Target};
+pub use stats::{
+    HistogramSnapshot, LatencyHistogram, SchedulerStats, Stage, StageTimer, LATENCY_BUCKETS,
+};
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+
+use crate::endpoints::{Snapshot, WorkerKey};
+use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
+use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
+use crate::request::InferenceRequest;
+use crate::sessions::SessionStore;
+
+/// Scheduler settings.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Text block size in bytes.
+    pub byte_block: usize,
+    /// Token block size for prompts given as token ids.
+    pub token_block: usize,
+    /// Cost weights.
+    pub weights: Weights,
+    /// 0 picks the cheapest candidate; above 0, softmax sampling over normalised costs.
+    pub temperature: f64,
+    /// Scraped load older than this is ignored.
+    pub scrape_max_age: Duration,
+    /// Prefix index settings.
+    pub index: IndexConfig,
+    /// Response header carrying the signed session token.
+    pub session_token_header: String,
+    /// HMAC key for session tokens (empty: a random per-process key).
+    pub session_key: Vec<u8>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            byte_block: DEFAULT_BYTE_BLOCK,
+            token_block: DEFAULT_TOKEN_BLOCK,
+            weights: Weights::default(),
+            temperature: 0.0,
+            scrape_max_age: Duration::from_secs(5),
+            index: IndexConfig::default(),
+            session_token_header: "x-kvpick-session".into(),
+            session_key: Vec::new(),
+        }
+    }
+}
+
+/// Picks endpoints for requests.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    index: Arc<PrefixIndex>,
+    sessions: SessionStore,
+    /// Active load per rank in blocks (prompts of unfinished requests).
+    active: DashMap<WorkerKey, u64, KeyHash>,
+    stats: SchedulerStats,
+}
+
+impl Default for Scheduler {
+    fn default() -> Self {
+        Self::new(SchedulerConfig::default())
+    }
+}
+
+impl Scheduler {
+    /// A scheduler with `config`.
+    pub fn new(config: SchedulerConfig) -> Self {
+        Scheduler {
+            index: Arc::new(PrefixIndex::new(config.index)),
+            sessions: SessionStore::new(config.session_key.clone()),
+            active: DashMap::default(),
+            stats: SchedulerStats::default(),
+            config,
+        }
+    }
+
+    /// The pool's prefix index (KV events feed it in precise mode).
+    pub fn index(&self) -> &Arc<PrefixIndex> {
+        &self.index
+    }
+
+    /// The session table.
+    pub fn sessions(&self) -> &SessionStore {
+        &self.sessions
+    }
+
+    /// Counters and stage latencies.
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Active load of a rank in blocks.
+    pub fn active_blocks(&self, key: WorkerKey) -> u64 {
+        self.active.get(&key).map_or(0, |v| *v)
+    }
+
+    /// The chained prefix block hashes of a request body.
+    pub fn block_hashes(&self, body: &InferenceRequest) -> Vec<u64> {
+        hash::request_block_hashes(
+            hash::model_seed(&body.model, None),
+            &body.segments,
+            self.config.byte_block,
+            self.config.token_block,
+        )
+    }
+
+    /// Headers to add to a successful (2xx) response of a routed request: the
+    /// signed session token, for session turns other than `close`.
+    pub fn response_headers(&self, decision: &Decision) -> Option<Vec<(String, String)>> {
+        let turn = decision.session.as_ref()?;
+        let token = self.sessions.turn_token(turn, decision.decode.key())?;
+        Some(vec![(self.config.session_token_header.clone(), token)])
+    }
+
+    /// The request has finished; `status` is the response's HTTP status when one arrived.
+    pub fn finish(&self, decision: &Decision, status: Option<u16>) {
+        self.finish_at(decision, status, Instant::now());
+    }
+
+    /// [`Scheduler::finish`] at a given instant (tests drive the clock).
+    pub fn finish_at(&self, decision: &Decision, status: Option<u16>, now: Instant) {
+        self.release(decision.decode.key(), decision.load_blocks);
+        if let Some(p) = &decision.prefill {
+            self.release(p.key(), decision.load_blocks);
+        }
+        if let Some(turn) = &decision.session {
+            self.sessions
+                .settle(turn, decision.decode.key(), status, now);
+        }
+    }
+
+    fn release(&self, key: WorkerKey, size: u64) {
+        if let Some(mut v) = self.active.get_mut(&key) {
+            *v = v.saturating_sub(size);
+        }
+    }
+
+    /// Periodic upkeep: reaps expired sessions, purges expired index entries, and
+    /// forgets the approximate index entries and idle load of ranks no longer in
+    /// `snapshot` (precise workers are left to the KV-event subscriber).
+    pub fn maintain(&self, snapshot: &Snapshot, now: Instant) -> usize {
+        let reaped = self.sessions.reap(now);
+        self.index.purge_expired(now);
+        let live: HashSet<WorkerKey> = snapshot
+            .endpoints
+            .iter()
+            .flat_map(|e| (0..e.ranks()).map(|r| e.key(r)))
+            .collect();
+        for w in self.index.workers() {
+            if !live.contains(&w) && !self.index.is_precise(w) {
+                self.index.clear_worker(w);
+            }
+        }
+        self.active.retain(|k, v| *v > 0 || live.contains(k));
+        reaped
+    }
+}

@@ -1,0 +1,202 @@
+//! The pick: candidates → session pin → hash → lookup → score → book.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::Rng;
+
+use super::cost::{ranks_of, Cand};
+use super::{Decision, PickError, PickRequest, Scheduler, Stage};
+use crate::endpoints::{EndpointState, Role, Snapshot, WorkerKey};
+use crate::kv::hash;
+use crate::sessions::{Pin, SessionTurn};
+
+impl Scheduler {
+    /// Chooses the decode target (and a prefill target in disaggregated pools).
+    pub fn pick(&self, req: &PickRequest<'_>, snapshot: &Snapshot) -> Result<Decision, PickError> {
+        self.pick_at(req, snapshot, Instant::now())
+    }
+
+    /// [`Scheduler::pick`] at a given instant (tests drive the clock).
+    pub fn pick_at(
+        &self,
+        req: &PickRequest<'_>,
+        snapshot: &Snapshot,
+        now: Instant,
+    ) -> Result<Decision, PickError> {
+        if snapshot.endpoints.is_empty() {
+            return Err(PickError::NoEndpoints);
+        }
+        let eligible: Vec<&Arc<EndpointState>> = match req.subset {
+            Some(subset) => {
+                let c: Vec<_> = snapshot
+                    .endpoints
+                    .iter()
+                    .filter(|e| subset.iter().any(|s| *s == e.endpoint.address_string()))
+                    .collect();
+                if c.is_empty() {
+                    return Err(PickError::SubsetEmpty);
+                }
+                c
+            }
+            None => snapshot.endpoints.iter().collect(),
+        };
+        let decode = ranks_of(
+            eligible
+                .iter()
+                .copied()
+                .filter(|e| e.endpoint.role.serves_decode()),
+        );
+        if decode.is_empty() {
+            return Err(PickError::NoDecodeEndpoint);
+        }
+        let prefill = match req.body {
+            Some(_) => ranks_of(
+                eligible
+                    .iter()
+                    .copied()
+                    .filter(|e| e.endpoint.role == Role::Prefill),
+            ),
+            None => Vec::new(),
+        };
+
+        let (session, pinned) = {
+            let _t = self.stats.time(Stage::Session);
+            let session = SessionTurn::of(req.body, req.session_id);
+            let pinned = session
+                .as_ref()
+                .and_then(|s| self.pinned(s, req.session_token, &decode, now));
+            (session, pinned)
+        };
+
+        let (hashes, load_blocks) = {
+            let _t = self.stats.time(Stage::Hash);
+            match req.body {
+                Some(b) => (
+                    self.block_hashes(b),
+                    hash::request_size_blocks(
+                        &b.segments,
+                        self.config.byte_block,
+                        self.config.token_block,
+                    ),
+                ),
+                None => (Vec::new(), 1),
+            }
+        };
+
+        let (overlaps, prefill_overlaps) = {
+            let _t = self.stats.time(Stage::Lookup);
+            let decode_keys: Vec<WorkerKey> = match pinned {
+                Some(i) => vec![decode[i].key],
+                None => decode.iter().map(|c| c.key).collect(),
+            };
+            let prefill_keys: Vec<WorkerKey> = prefill.iter().map(|c| c.key).collect();
+            (
+                self.lookup(&hashes, &decode_keys, now),
+                self.lookup(&hashes, &prefill_keys, now),
+            )
+        };
+
+        let (di, overlap, pi) = {
+            let _t = self.stats.time(Stage::Score);
+            let w = self.config.weights;
+            let (di, overlap) = match pinned {
+                Some(i) => (i, overlaps[0]),
+                None => {
+                    let i = self.choose(
+                        &decode,
+                        &overlaps,
+                        hashes.len(),
+                        load_blocks,
+                        w.prefill,
+                        now,
+                    );
+                    (i, overlaps[i])
+                }
+            };
+            let pi = (!prefill.is_empty()).then(|| {
+                self.choose(
+                    &prefill,
+                    &prefill_overlaps,
+                    hashes.len(),
+                    load_blocks,
+                    w.prefill_overlap,
+                    now,
+                )
+            });
+            (di, overlap, pi)
+        };
+
+        self.stats
+            .blocks_queried
+            .fetch_add(hashes.len() as u64, Ordering::Relaxed);
+        self.stats
+            .blocks_matched
+            .fetch_add(overlap as u64, Ordering::Relaxed);
+        self.record(&decode[di], &hashes, load_blocks, now);
+        if let Some(pi) = pi {
+            self.record(&prefill[pi], &hashes, load_blocks, now);
+        }
+        let prefill = pi.map(|i| prefill[i].target());
+        let bootstrap_room = prefill
+            .as_ref()
+            .and_then(|p| p.endpoint.endpoint.bootstrap_port)
+            .map(|_| rand::rng().random::<u64>() >> 1);
+        Ok(Decision {
+            decode: decode[di].target(),
+            prefill,
+            bootstrap_room,
+            session,
+            prompt_blocks: hashes.len(),
+            overlap_blocks: overlap,
+            load_blocks,
+        })
+    }
+
+    /// The decode candidate a session turn is pinned to, if any; a binding whose
+    /// worker is gone is counted as a re-pick.
+    fn pinned(
+        &self,
+        turn: &SessionTurn,
+        token: Option<&str>,
+        decode: &[Cand<'_>],
+        now: Instant,
+    ) -> Option<usize> {
+        let ready = |k: WorkerKey| decode.iter().any(|c| c.key == k);
+        match self.sessions.pin(turn, token, ready, now) {
+            Pin::Ready(k) => decode.iter().position(|c| c.key == k),
+            Pin::Gone => {
+                self.stats.session_repicks.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Pin::Unbound => None,
+        }
+    }
+
+    fn lookup(&self, hashes: &[u64], keys: &[WorkerKey], now: Instant) -> Vec<usize> {
+        if hashes.is_empty() {
+            vec![0; keys.len()]
+        } else {
+            self.index.lookup(hashes, keys, now)
+        }
+    }
+
+    /// Approximate mode: the target now holds the prompt's blocks; it carries the
+    /// request's load until it finishes.
+    fn record(&self, c: &Cand<'_>, hashes: &[u64], size: u64, now: Instant) {
+        if !hashes.is_empty() {
+            if let Some(s) = c.ep.scraped(now, self.config.scrape_max_age) {
+                if let Some(n) = s.num_blocks {
+                    // Engine blocks of `block_size` tokens → kvpick blocks (~4 bytes a token).
+                    let tokens = n.saturating_mul(u64::from(s.block_size.unwrap_or(16)));
+                    let per_block = (self.config.byte_block / 4).max(1) as u64;
+                    self.index
+                        .set_capacity(c.key, (tokens / per_block) as usize);
+                }
+            }
+            self.index.insert(c.key, hashes, now);
+        }
+        *self.active.entry(c.key).or_insert(0) += size;
+    }
+}

@@ -1,0 +1,457 @@
+//! Scheduler behaviour, driven through `pick_at` / `finish_at` with a test clock.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::cost::pick_index;
+use super::*;
+use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
+
+fn table(specs: &[(&str, u32, Role)]) -> EndpointTable {
+    let t = EndpointTable::new();
+    t.replace(
+        specs
+            .iter()
+            .map(|(a, dp, role)| {
+                let mut e = Endpoint::new(a.parse().unwrap());
+                e.dp_size = *dp;
+                e.role = *role;
+                e
+            })
+            .collect(),
+    );
+    t
+}
+
+fn both(n: usize) -> EndpointTable {
+    let addrs: Vec<String> = (1..=n).map(|i| format!("10.0.0.{i}:80")).collect();
+    let specs: Vec<(&str, u32, Role)> = addrs.iter().map(|a| (a.as_str(), 1, Role::Both)).collect();
+    table(&specs)
+}
+
+fn body(json: &str) -> InferenceRequest {
+    crate::request::parse(json.as_bytes(), None).unwrap()
+}
+
+fn prompt(text: &str) -> InferenceRequest {
+    body(&serde_json::json!({"model": "m", "prompt": text}).to_string())
+}
+
+fn session(id: &str, action: Option<&str>, text: &str) -> InferenceRequest {
+    let mut sc = serde_json::json!({"session_id": id, "timeout": 60});
+    if let Some(a) = action {
+        sc["action"] = a.into();
+    }
+    body(
+        &serde_json::json!({"model": "m", "prompt": text, "nvext": {"session_control": sc}})
+            .to_string(),
+    )
+}
+
+fn with_body(b: &InferenceRequest) -> PickRequest<'_> {
+    PickRequest {
+        body: Some(b),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn empty_pool_and_empty_subset_are_errors() {
+    let s = Scheduler::default();
+    let t = EndpointTable::new();
+    assert_eq!(
+        s.pick(&PickRequest::default(), &t.snapshot()).unwrap_err(),
+        PickError::NoEndpoints
+    );
+    let t = table(&[("10.0.0.1:80", 1, Role::Both)]);
+    let subset = vec!["10.9.9.9:80".to_string()];
+    let req = PickRequest {
+        subset: Some(&subset),
+        ..Default::default()
+    };
+    assert_eq!(
+        s.pick(&req, &t.snapshot()).unwrap_err(),
+        PickError::SubsetEmpty
+    );
+}
+
+#[test]
+fn spreads_over_ranks_by_load() {
+    let s = Scheduler::default();
+    let t = table(&[
+        ("10.0.0.1:80", 2, Role::Both),
+        ("10.0.0.2:80", 1, Role::Both),
+    ]);
+    let snap = t.snapshot();
+    let mut seen = HashSet::new();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let d = s.pick(&PickRequest::default(), &snap).unwrap();
+        seen.insert(d.decode.key());
+        held.push(d);
+    }
+    assert_eq!(seen.len(), 3, "three idle ranks each get one request");
+    for d in &held {
+        s.finish(d, Some(200));
+        assert_eq!(s.active_blocks(d.decode.key()), 0);
+    }
+}
+
+#[test]
+fn repeated_prompt_returns_to_its_worker() {
+    let s = Scheduler::default();
+    let t = both(8);
+    let snap = t.snapshot();
+    let long = prompt(&"the same long system prompt ".repeat(200));
+    let first = s.pick(&with_body(&long), &snap).unwrap();
+    assert_eq!(first.overlap_blocks, 0);
+    assert!(first.prompt_blocks > 50);
+    s.finish(&first, Some(200));
+    for _ in 0..5 {
+        let again = s.pick(&with_body(&long), &snap).unwrap();
+        assert_eq!(again.decode.key(), first.decode.key());
+        assert_eq!(again.overlap_blocks, again.prompt_blocks);
+        s.finish(&again, Some(200));
+    }
+    let st = s.stats();
+    assert_eq!(
+        st.blocks_matched.load(Ordering::Relaxed) * 6,
+        st.blocks_queried.load(Ordering::Relaxed) * 5
+    );
+}
+
+#[test]
+fn load_outweighs_overlap_when_the_holder_is_busy() {
+    let s = Scheduler::default();
+    let t = both(2);
+    let snap = t.snapshot();
+    let long = prompt(&"x".repeat(64 * 100));
+    let first = s.pick(&with_body(&long), &snap).unwrap();
+    // While the first copy is in flight, the holder costs 100 blocks of load and
+    // the other 100 blocks of prefill: a tie. Two more in flight tip it.
+    let second = s.pick(&with_body(&long), &snap).unwrap();
+    let third = s.pick(&with_body(&long), &snap).unwrap();
+    let keys: HashSet<_> = [&first, &second, &third]
+        .iter()
+        .map(|d| d.decode.key())
+        .collect();
+    assert_eq!(keys.len(), 2, "the busy holder does not get everything");
+}
+
+#[test]
+fn distinct_prompts_spread_out() {
+    let s = Scheduler::default();
+    let t = both(4);
+    let snap = t.snapshot();
+    let mut count: HashMap<WorkerKey, usize> = HashMap::new();
+    let mut held = Vec::new();
+    for i in 0..40 {
+        let p = prompt(&format!("{i} distinct prompt {}", "y".repeat(500)));
+        let d = s.pick(&with_body(&p), &snap).unwrap();
+        *count.entry(d.decode.key()).or_default() += 1;
+        held.push(d);
+    }
+    assert_eq!(count.len(), 4);
+    assert!(count.values().all(|c| *c == 10), "{count:?}");
+}
+
+#[test]
+fn scraped_load_counts_only_while_fresh() {
+    let cfg = SchedulerConfig {
+        scrape_max_age: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let s = Scheduler::new(cfg);
+    let t = both(2);
+    let snap = t.snapshot();
+    let now = Instant::now();
+    let busy = &snap.endpoints[0];
+    busy.set_scraped(ScrapedLoad {
+        queue: 20.0,
+        running: 30.0,
+        kv_usage: 0.9,
+        block_size: None,
+        num_blocks: None,
+        at: now,
+    });
+    for _ in 0..10 {
+        let d = s.pick_at(&PickRequest::default(), &snap, now).unwrap();
+        assert_eq!(d.decode.key(), snap.endpoints[1].key(0));
+        s.finish_at(&d, Some(200), now);
+    }
+    // Once stale, the scrape is ignored: both idle ranks are picked again.
+    let later = now + Duration::from_secs(6);
+    let picked: HashSet<_> = (0..40)
+        .map(|_| {
+            let d = s.pick_at(&PickRequest::default(), &snap, later).unwrap();
+            s.finish_at(&d, Some(200), later);
+            d.decode.key()
+        })
+        .collect();
+    assert_eq!(picked.len(), 2);
+}
+
+#[test]
+fn session_binds_on_success_slides_and_closes() {
+    let s = Scheduler::default();
+    let t = both(4);
+    let snap = t.snapshot();
+    let t0 = Instant::now();
+    let open = session("s1", Some("open"), "hello");
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    let home = d.decode.key();
+    assert!(s.sessions().is_empty(), "not bound before the response");
+    s.finish_at(&d, Some(200), t0);
+    assert_eq!(s.sessions().get("s1", t0), Some(home));
+    // Middle turns stay, even against a different (unrelated, cached) prompt.
+    let mut at = t0;
+    for i in 0..5 {
+        at += Duration::from_secs(50); // under the 60 s timeout, past it in total
+        let turn = session("s1", None, &format!("turn {i}"));
+        let d = s.pick_at(&with_body(&turn), &snap, at).unwrap();
+        assert_eq!(d.decode.key(), home);
+        s.finish_at(&d, Some(200), at);
+    }
+    let close = session("s1", Some("close"), "bye");
+    let d = s.pick_at(&with_body(&close), &snap, at).unwrap();
+    assert_eq!(d.decode.key(), home);
+    assert!(s.response_headers(&d).is_none(), "no token on close");
+    assert_eq!(
+        s.sessions().get("s1", at),
+        Some(home),
+        "bound until finished"
+    );
+    s.finish_at(&d, Some(200), at);
+    assert!(s.sessions().get("s1", at).is_none());
+}
+
+#[test]
+fn failed_open_does_not_bind_and_ttl_expires() {
+    let s = Scheduler::default();
+    let t = both(2);
+    let snap = t.snapshot();
+    let t0 = Instant::now();
+    let open = session("s2", Some("open"), "x");
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    s.finish_at(&d, Some(503), t0);
+    assert!(s.sessions().is_empty());
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    s.finish_at(&d, None, t0);
+    assert!(
+        s.sessions().is_empty(),
+        "a stream that ended early does not bind"
+    );
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    s.finish_at(&d, Some(200), t0);
+    assert_eq!(s.maintain(&snap, t0 + Duration::from_secs(59)), 0);
+    assert_eq!(s.maintain(&snap, t0 + Duration::from_secs(61)), 1);
+    assert!(s.sessions().is_empty());
+}
+
+#[test]
+fn gone_worker_is_repicked_and_counted() {
+    let s = Scheduler::default();
+    let t = both(3);
+    let t0 = Instant::now();
+    let open = session("s3", Some("open"), "x");
+    let d = s.pick_at(&with_body(&open), &t.snapshot(), t0).unwrap();
+    s.finish_at(&d, Some(200), t0);
+    let gone = d.decode.endpoint.endpoint.address;
+    let rest: Vec<Endpoint> = t
+        .snapshot()
+        .endpoints
+        .iter()
+        .filter(|e| e.endpoint.address != gone)
+        .map(|e| e.endpoint.clone())
+        .collect();
+    t.replace(rest);
+    let turn = session("s3", None, "y");
+    let d2 = s.pick_at(&with_body(&turn), &t.snapshot(), t0).unwrap();
+    assert_ne!(d2.decode.endpoint.endpoint.address, gone);
+    assert_eq!(s.stats().session_repicks.load(Ordering::Relaxed), 1);
+    s.finish_at(&d2, Some(200), t0);
+    assert_eq!(s.sessions().get("s3", t0), Some(d2.decode.key()));
+}
+
+#[test]
+fn signed_token_moves_sessions_between_replicas() {
+    let key = b"shared secret".to_vec();
+    let cfg = || SchedulerConfig {
+        session_key: key.clone(),
+        ..Default::default()
+    };
+    let (a, b) = (Scheduler::new(cfg()), Scheduler::new(cfg()));
+    let stranger = Scheduler::default(); // other key
+    let t = both(8);
+    let snap = t.snapshot();
+    let open = session("s4", Some("open"), "x");
+    let d = a.pick(&with_body(&open), &snap).unwrap();
+    a.finish(&d, Some(200));
+    let headers = a.response_headers(&d).unwrap();
+    assert_eq!(headers[0].0, "x-kvpick-session");
+    let token = headers[0].1.clone();
+    let turn = session("s4", None, "y");
+    let req = PickRequest {
+        body: Some(&turn),
+        session_token: Some(&token),
+        ..Default::default()
+    };
+    for _ in 0..5 {
+        let d2 = b.pick(&req, &snap).unwrap();
+        assert_eq!(d2.decode.key(), d.decode.key());
+        b.finish(&d2, Some(200));
+    }
+    // A replica with another key, or a token for another session, ignores it.
+    let other = session("s5", None, "y");
+    let picks: HashSet<_> = (0..30)
+        .map(|_| {
+            let d3 = stranger.pick(&req, &snap).unwrap();
+            stranger.finish(&d3, None);
+            let mismatched = PickRequest {
+                body: Some(&other),
+                session_token: Some(&token),
+                ..Default::default()
+            };
+            let d4 = b.pick(&mismatched, &snap).unwrap();
+            b.finish(&d4, None);
+            (d3.decode.key(), d4.decode.key())
+        })
+        .collect();
+    assert!(picks.iter().map(|p| p.0).collect::<HashSet<_>>().len() > 1);
+    assert!(picks.iter().map(|p| p.1).collect::<HashSet<_>>().len() > 1);
+}
+
+#[test]
+fn header_session_id_sticks() {
+    let s = Scheduler::default();
+    let t = both(8);
+    let snap = t.snapshot();
+    let req = PickRequest {
+        session_id: Some("hdr"),
+        ..Default::default()
+    };
+    let d = s.pick(&req, &snap).unwrap();
+    s.finish(&d, Some(200));
+    for _ in 0..5 {
+        let d2 = s.pick(&req, &snap).unwrap();
+        assert_eq!(d2.decode.key(), d.decode.key());
+        s.finish(&d2, Some(200));
+    }
+}
+
+#[test]
+fn dp_ranks_are_separate_caches() {
+    let s = Scheduler::default();
+    let t = table(&[("10.0.0.1:80", 4, Role::Both)]);
+    let snap = t.snapshot();
+    let long = prompt(&"z".repeat(64 * 20));
+    let d = s.pick(&with_body(&long), &snap).unwrap();
+    s.finish(&d, Some(200));
+    let d2 = s.pick(&with_body(&long), &snap).unwrap();
+    assert_eq!(d2.decode.rank, d.decode.rank);
+    let others: Vec<WorkerKey> = (0..4)
+        .filter(|r| *r != d.decode.rank)
+        .map(|r| snap.endpoints[0].key(r))
+        .collect();
+    let hashes = s.block_hashes(&long);
+    assert!(s
+        .index()
+        .lookup(&hashes, &others, Instant::now())
+        .iter()
+        .all(|c| *c == 0));
+}
+
+#[test]
+fn disaggregated_pool_picks_prefill_by_overlap() {
+    let s = Scheduler::default();
+    let mut eps = Vec::new();
+    for i in 1..=3 {
+        let mut e = Endpoint::new(format!("10.0.0.{i}:80").parse().unwrap());
+        e.role = Role::Prefill;
+        e.bootstrap_port = Some(8998);
+        eps.push(e);
+    }
+    let mut d = Endpoint::new("10.0.1.1:80".parse().unwrap());
+    d.role = Role::Decode;
+    eps.push(d);
+    let t = EndpointTable::new();
+    t.replace(eps);
+    let snap = t.snapshot();
+    let long = prompt(&"p".repeat(64 * 50));
+    let first = s.pick(&with_body(&long), &snap).unwrap();
+    let pf = first.prefill.as_ref().unwrap().key();
+    assert_eq!(first.decode.endpoint.endpoint.role, Role::Decode);
+    assert!(first.bootstrap_room.is_some_and(|r| r < 1 << 63));
+    s.finish(&first, Some(200));
+    for _ in 0..3 {
+        let d = s.pick(&with_body(&long), &snap).unwrap();
+        assert_eq!(d.prefill.as_ref().unwrap().key(), pf);
+        s.finish(&d, Some(200));
+    }
+    let only_prefill = table(&[("10.0.0.1:80", 1, Role::Prefill)]);
+    assert_eq!(
+        s.pick(&PickRequest::default(), &only_prefill.snapshot())
+            .unwrap_err(),
+        PickError::NoDecodeEndpoint
+    );
+}
+
+#[test]
+fn precise_workers_get_no_approximate_entries() {
+    let s = Scheduler::default();
+    let t = both(1);
+    let snap = t.snapshot();
+    let key = snap.endpoints[0].key(0);
+    s.index().set_precise(key, true);
+    let long = prompt(&"q".repeat(64 * 10));
+    let d = s.pick(&with_body(&long), &snap).unwrap();
+    s.finish(&d, Some(200));
+    assert!(s.index().is_empty());
+}
+
+#[test]
+fn maintain_forgets_gone_workers() {
+    let s = Scheduler::default();
+    let t = both(2);
+    let long = prompt(&"r".repeat(64 * 10));
+    let d = s.pick(&with_body(&long), &t.snapshot()).unwrap();
+    s.finish(&d, Some(200));
+    assert_eq!(s.index().len(), 10);
+    s.maintain(&t.snapshot(), Instant::now());
+    assert_eq!(s.index().len(), 10);
+    t.replace(Vec::new());
+    s.maintain(&t.snapshot(), Instant::now());
+    assert!(s.index().is_empty());
+}
+
+#[test]
+fn tie_break_is_uniform_and_temperature_samples() {
+    let mut rng = rand::rng();
+    let mut hits = [0usize; 3];
+    for _ in 0..3000 {
+        hits[pick_index(&[1.0, 1.0, 5.0], 0.0, &mut rng)] += 1;
+    }
+    assert_eq!(hits[2], 0);
+    assert!(hits[0] > 1200 && hits[1] > 1200, "{hits:?}");
+    let mut hits = [0usize; 2];
+    for _ in 0..3000 {
+        hits[pick_index(&[0.0, 1.0], 1.0, &mut rng)] += 1;
+    }
+    // p(1) = e^-1 / (1 + e^-1) ≈ 0.27.
+    assert!(hits[1] > 600 && hits[1] < 1050, "{hits:?}");
+}
+
+#[test]
+fn stage_latencies_are_recorded() {
+    let s = Scheduler::default();
+    let t = both(2);
+    let d = s.pick(&with_body(&prompt("hello")), &t.snapshot()).unwrap();
+    s.finish(&d, Some(200));
+    for stage in Stage::ALL {
+        let h = s.stats().stage(stage).snapshot();
+        assert_eq!(h.count, 1, "{}", stage.name());
+        assert_eq!(h.buckets.len(), LATENCY_BUCKETS.len() + 1);
+        assert_eq!(h.buckets.iter().map(|b| b.1).sum::<u64>(), 1);
+    }
+}
