@@ -3,7 +3,8 @@
 //! Three indexes run the same workloads, each cell (index × workload × workers)
 //! in a child process of its own so that RSS growth is the index's alone:
 //! - `kvpick`: [`PrefixIndex`], every worker precise (fed by `store_engine_blocks`
-//!   / `remove_engine_blocks`, engine hash = kvpick hash);
+//!   / `remove_engine_blocks`, engine hash = kvpick hash), looked up with
+//!   `PrefixIndex::matches` (every worker's overlap, like Dynamo's `find_matches`);
 //! - `dynamo-crtc`: Dynamo's `ConcurrentRadixTreeCompressed` behind a
 //!   `ThreadPoolIndexer` with 2 threads (events enqueued, then flushed);
 //! - `dynamo-radix`: Dynamo's single-threaded `RadixTree`.
@@ -378,7 +379,6 @@ trait Subject {
 
 struct Kvpick {
     index: PrefixIndex,
-    workers: Vec<WorkerKey>,
 }
 
 fn key(worker: u64) -> WorkerKey {
@@ -391,11 +391,10 @@ fn key(worker: u64) -> WorkerKey {
 impl Kvpick {
     fn new(workers: usize) -> Self {
         let index = PrefixIndex::new(IndexConfig::default());
-        let workers: Vec<WorkerKey> = (0..workers as u64).map(key).collect();
-        for w in &workers {
-            index.set_precise(*w, true);
+        for w in 0..workers as u64 {
+            index.set_precise(key(w), true);
         }
-        Kvpick { index, workers }
+        Kvpick { index }
     }
 }
 
@@ -410,11 +409,9 @@ impl Subject for Kvpick {
     }
     fn settle(&self) {}
     fn overlaps(&self, query: &[u64]) -> Overlaps {
-        let counts = self.index.lookup(query, &self.workers, Instant::now());
-        self.workers
-            .iter()
-            .zip(counts)
-            .filter(|(_, n)| *n > 0)
+        self.index
+            .matches(query, Instant::now())
+            .into_iter()
             .map(|(w, n)| (w.instance_id, w.dp_rank, n as u32))
             .collect()
     }
