@@ -1,10 +1,11 @@
 //! kvpick: a KV-cache-aware endpoint picker (EPP) for the Kubernetes Gateway API
 //! Inference Extension.
 //!
-//! The core ([`request`], [`endpoints`], [`kv`], [`sessions`], [`scheduler`],
+//! The core ([`request`], [`endpoints`], [`kv`], [`sessions`], [`scheduler`], [`admission`],
 //! [`identity`]) is plain Rust. The glue ([`extproc`], [`discovery`], [`telemetry`],
 //! [`server`]) speaks gRPC, HTTP and Kubernetes.
 
+pub mod admission;
 pub mod config;
 pub mod discovery;
 pub mod endpoints;
