@@ -436,7 +436,10 @@ mod tests {
         state.set_scraped(load);
         assert_eq!(state.load_view(t0, max_age), LoadView::Fresh(load));
         let later = t0 + std::time::Duration::from_secs(6);
-        assert_eq!(state.load_view(later, max_age), LoadView::Suspect(Some(load)));
+        assert_eq!(
+            state.load_view(later, max_age),
+            LoadView::Suspect(Some(load))
+        );
         state.set_scrape_failed(t0);
         assert_eq!(state.load_view(t0, max_age), LoadView::Suspect(Some(load)));
         state.set_scraped(load);

@@ -33,7 +33,10 @@ mod tests {
     #[test]
     fn huge_durations_saturate_instead_of_panicking() {
         let now = Instant::now();
-        assert_eq!(saturating_add(now, Duration::from_secs(1)), now + Duration::from_secs(1));
+        assert_eq!(
+            saturating_add(now, Duration::from_secs(1)),
+            now + Duration::from_secs(1)
+        );
         assert!(saturating_add(now, Duration::MAX) > now + Duration::from_secs(1 << 40));
         let sys = SystemTime::now();
         assert!(saturating_add_system(sys, Duration::MAX) > sys);

@@ -20,7 +20,13 @@ fn prompt() -> InferenceRequest {
 }
 
 /// A pick forced onto endpoint `i` with a subset hint.
-fn pick_on(s: &Scheduler, req: &PickRequest<'_>, snap: &Snapshot, i: usize, now: Instant) -> Decision {
+fn pick_on(
+    s: &Scheduler,
+    req: &PickRequest<'_>,
+    snap: &Snapshot,
+    i: usize,
+    now: Instant,
+) -> Decision {
     let only = [snap.endpoints[i].endpoint.address_string()];
     let forced = PickRequest {
         subset: Some(&only),
@@ -53,7 +59,9 @@ fn an_endpoint_failing_responses_sits_out_a_growing_backoff() {
     }
     assert_eq!(ejected, 1);
     for _ in 0..50 {
-        let d = s.pick_at(&req, &snap, t0 + Duration::from_millis(900)).unwrap();
+        let d = s
+            .pick_at(&req, &snap, t0 + Duration::from_millis(900))
+            .unwrap();
         assert_eq!(addr(&d), "10.0.0.2:80");
         s.finish_at(&d, Some(200), t0);
     }
@@ -63,7 +71,9 @@ fn an_endpoint_failing_responses_sits_out_a_growing_backoff() {
     assert!(s.record_response(&probe, 502, t1));
     s.finish_at(&probe, Some(502), t1);
     for _ in 0..20 {
-        let d = s.pick_at(&req, &snap, t1 + Duration::from_millis(1900)).unwrap();
+        let d = s
+            .pick_at(&req, &snap, t1 + Duration::from_millis(1900))
+            .unwrap();
         assert_eq!(addr(&d), "10.0.0.2:80");
         s.finish_at(&d, Some(200), t1);
     }

@@ -159,11 +159,11 @@ impl Scheduler {
     /// response path): feeds the decode endpoint's passive health. Returns true
     /// when this response ejected the endpoint.
     pub fn record_response(&self, decision: &Decision, status: u16, now: Instant) -> bool {
-        decision
-            .decode
-            .endpoint
-            .health()
-            .record(Outcome::of_status(status), now, &self.config.health)
+        decision.decode.endpoint.health().record(
+            Outcome::of_status(status),
+            now,
+            &self.config.health,
+        )
     }
 
     /// The request has finished; `status` is the response's HTTP status when one arrived.
