@@ -14,6 +14,7 @@ pub mod health;
 pub mod identity;
 pub mod kv;
 pub mod kvevents;
+pub mod multimodal;
 pub mod request;
 pub mod scheduler;
 pub mod scrape;
