@@ -242,7 +242,11 @@ async fn a_killed_worker_fails_fast_then_traffic_moves_to_the_others() {
         .unwrap();
     // Envoy's local reply, which went through kvpick's response path too.
     assert_eq!(r.status, 503, "{}", r.text());
-    assert!(r.text().starts_with("upstream connect error"), "{}", r.text());
+    assert!(
+        r.text().starts_with("upstream connect error"),
+        "{}",
+        r.text()
+    );
     s.set_endpoints(&[0, 1, 2]).await.unwrap();
     for i in 0..12 {
         let r = s
