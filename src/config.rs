@@ -224,6 +224,19 @@ pub struct Args {
     #[arg(long, env = "KVPICK_TOKENIZER_THREADS", default_value_t = 2)]
     pub tokenizer_threads: usize,
 
+    /// Passive health: consecutive failing responses (5xx, or Envoy's 503 when it
+    /// cannot connect) that take an endpoint out of the candidate set.
+    #[arg(long, env = "KVPICK_EJECT_AFTER_FAILURES", default_value_t = 3)]
+    pub eject_after_failures: u32,
+
+    /// Passive health: how long the first ejection lasts; each one in a row doubles it.
+    #[arg(long, env = "KVPICK_EJECT_BASE_MS", default_value_t = 1000)]
+    pub eject_base_ms: u64,
+
+    /// Passive health: the longest ejection.
+    #[arg(long, env = "KVPICK_EJECT_MAX_MS", default_value_t = 60_000)]
+    pub eject_max_ms: u64,
+
     /// Flow control: under saturation, queue requests by priority (fair across
     /// flows, with a TTL) and shed sheddable ones with 429. Off by default, as the
     /// llm-d Router's `flowControl` feature gate.
@@ -543,6 +556,11 @@ impl Args {
             },
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
+            health: crate::health::HealthConfig {
+                failures: self.eject_after_failures.max(1),
+                base_ejection: Duration::from_millis(self.eject_base_ms),
+                max_ejection: Duration::from_millis(self.eject_max_ms.max(self.eject_base_ms)),
+            },
         }
     }
 

@@ -180,6 +180,8 @@ pub struct Metrics {
     pub streams: Gauge,
     /// Streams that ended in a panic (contained).
     pub stream_panics: Counter,
+    /// Endpoints ejected by passive health (failing responses).
+    pub endpoint_ejections: Counter,
 }
 
 impl Metrics {
@@ -249,6 +251,12 @@ impl Metrics {
             "ext_proc streams that ended in a contained panic",
             stream_panics.clone(),
         );
+        let endpoint_ejections = Counter::default();
+        registry.register(
+            "kvpick_endpoint_ejections",
+            "Times an endpoint was taken out of the candidate set for failing responses (5xx, connect failures)",
+            endpoint_ejections.clone(),
+        );
         Metrics {
             registry: parking_lot::Mutex::new(registry),
             pool_name: pool_name.to_string(),
@@ -263,6 +271,7 @@ impl Metrics {
             spoofed_headers,
             streams,
             stream_panics,
+            endpoint_ejections,
         }
     }
 

@@ -621,6 +621,9 @@ impl StreamState {
     fn on_response_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
         self.response_status =
             find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
+        if let (Some(status), Some(r)) = (self.response_status, &self.routed) {
+            self.record_health(&r.decision, status);
+        }
         // Only a successful response carries scheduler headers (a session token
         // must not pin a session to a worker that failed its turn).
         let ok = self
@@ -658,6 +661,23 @@ impl StreamState {
             self.finish();
         }
         out
+    }
+
+    /// Passive health: the pod's (or Envoy's local) answer to a routed request.
+    fn record_health(&self, decision: &Decision, status: u16) {
+        if self
+            .shared
+            .scheduler
+            .record_response(decision, status, Instant::now())
+        {
+            self.shared.metrics.endpoint_ejections.inc();
+            warn!(
+                endpoint = %decision.decode.endpoint.endpoint.address,
+                status,
+                failures = decision.decode.endpoint.health().failures(),
+                "endpoint ejected after failing responses"
+            );
+        }
     }
 
     /// The request has finished (response complete): release in-flight and tell the

@@ -42,6 +42,12 @@ impl Scheduler {
             }
             None => snapshot.endpoints.iter().collect(),
         };
+        // Passive health: endpoints ejected for failing responses sit out, unless
+        // every one is ejected (then all are tried rather than none).
+        let mut eligible = eligible;
+        if eligible.iter().any(|e| e.health().available(now)) {
+            eligible.retain(|e| e.health().available(now));
+        }
         let decode = ranks_of(
             eligible
                 .iter()
