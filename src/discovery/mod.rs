@@ -3,6 +3,5 @@
 
 pub mod file;
 pub mod kube;
-pub mod objective;
 pub mod pods;
 pub mod pool;

@@ -6,4 +6,3 @@
 
 pub mod hash;
 pub mod index;
-mod slots;
