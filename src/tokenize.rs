@@ -29,6 +29,10 @@ use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value};
 use tokio::sync::Semaphore;
 
+use crate::multimodal::dims::image_size;
+use crate::multimodal::identity::{self, ImageIdentity};
+use crate::multimodal::routing::{expand_images, PromptImage};
+use crate::multimodal::VisionPrompt;
 use crate::request::{ApiKind, Segment};
 
 /// Why a tokenizer could not be loaded or a request not tokenized.
@@ -60,6 +64,10 @@ pub enum TokenizeError {
     /// Encoding failed.
     #[error("encoding: {0}")]
     Encode(String),
+    /// The vision model does not fit the tokenizer, or a prompt's image tokens
+    /// do not pair with its images.
+    #[error("vision: {0}")]
+    Vision(String),
     /// The tokenization task was cancelled.
     #[error("tokenization task failed: {0}")]
     Task(String),
@@ -79,6 +87,26 @@ pub struct Tokenizer {
     /// Whether the template iterates over content parts (OpenAI content format)
     /// rather than reading content as a string.
     parts_content: bool,
+    /// The vision model, when images are tokenized exactly.
+    vision: Option<Vision>,
+}
+
+/// A vision model resolved against the tokenizer.
+#[derive(Debug)]
+struct Vision {
+    prompt: VisionPrompt,
+    /// Token ids of the image token: one id, or several when the tokenizer splits it.
+    image_token_ids: Vec<u32>,
+}
+
+/// What the glue needs to know about each image of a tokenized request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizedImage {
+    /// Its identity.
+    pub identity: ImageIdentity,
+    /// Prompt tokens it became; `None` when its size is unknown (remote URL), in
+    /// which case it and everything after it is hashed apart from engine blocks.
+    pub tokens: Option<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -163,14 +191,52 @@ impl Tokenizer {
             env,
             special,
             parts_content,
+            vision: None,
         })
+    }
+
+    /// Tokenizes images exactly for `prompt`'s model: the chat template gets image
+    /// parts (or, for string-content templates, the placeholder text first in the
+    /// message, as vLLM inserts it) and each image token in the result is
+    /// replaced by the image's token count of SGLang pad values.
+    pub fn with_vision(mut self, prompt: VisionPrompt) -> Result<Self, TokenizeError> {
+        let image_token_ids = match self.inner.token_to_id(&prompt.image_token) {
+            Some(id) => vec![id],
+            None => self.encode(&prompt.image_token, false)?,
+        };
+        if image_token_ids.is_empty() {
+            return Err(TokenizeError::Vision(format!(
+                "image token {:?} encodes to no tokens",
+                prompt.image_token
+            )));
+        }
+        self.vision = Some(Vision {
+            prompt,
+            image_token_ids,
+        });
+        Ok(self)
+    }
+
+    /// The single token id of the vision model's image token, if it is one token
+    /// (what vLLM puts at image positions of its `BlockStored` token ids).
+    pub fn image_token_id(&self) -> Option<u32> {
+        match self.vision.as_ref()?.image_token_ids.as_slice() {
+            [id] => Some(*id),
+            _ => None,
+        }
+    }
+
+    /// Whether a vision model is configured.
+    pub fn has_vision(&self) -> bool {
+        self.vision.is_some()
     }
 
     /// Renders a chat body (`messages`, optional `tools` and
     /// `chat_template_kwargs`) to the prompt string; images become markers.
     pub fn render_chat(&self, body: &Value) -> Result<(String, Vec<String>), TokenizeError> {
         let env = self.env.as_ref().ok_or(TokenizeError::NoTemplate)?;
-        let (messages, images) = chat_messages(body, self.parts_content)?;
+        let placeholder = self.vision.as_ref().map(|v| v.prompt.placeholder.as_str());
+        let (messages, images) = chat_messages(body, self.parts_content, placeholder)?;
         let mut ctx = Map::new();
         if let Some(Value::Object(kw)) = body.get("chat_template_kwargs") {
             ctx.extend(kw.clone());
@@ -214,7 +280,13 @@ impl Tokenizer {
                     body
                 };
                 let (text, images) = self.render_chat(body)?;
-                self.split_at_images(&text, images, false)
+                match &self.vision {
+                    Some(v) if !images.is_empty() => {
+                        let (segments, _) = self.expand_vision(v, &text, &images)?;
+                        Ok(segments)
+                    }
+                    _ => self.split_at_images(&text, images, false),
+                }
             }
         }
     }
@@ -246,6 +318,75 @@ impl Tokenizer {
             _ => return Err(TokenizeError::Body("bad `prompt`".into())),
         }
         Ok(vec![Segment::Tokens(tokens)])
+    }
+
+    /// The rendered prompt's token ids with every image token expanded into pad
+    /// values. Images of unknown size stop the expansion: tokens up to that image,
+    /// the image as a [`Segment::Image`], then the rest unexpanded.
+    fn expand_vision(
+        &self,
+        v: &Vision,
+        text: &str,
+        urls: &[String],
+    ) -> Result<(Vec<Segment>, Vec<TokenizedImage>), TokenizeError> {
+        let ids = self.encode(text, false)?;
+        let mut images = Vec::with_capacity(urls.len());
+        let mut sized = Vec::with_capacity(urls.len());
+        for url in urls {
+            let r = identity::resolve(url);
+            let tokens = r
+                .bytes
+                .as_deref()
+                .and_then(|b| image_size(b).ok())
+                .and_then(|size| v.prompt.model.image_tokens(size).ok());
+            if let (Some(t), true) = (tokens, sized.len() == images.len()) {
+                sized.push(PromptImage {
+                    mm_hash: r.identity.mm_hash,
+                    tokens: t,
+                });
+            }
+            images.push(TokenizedImage {
+                identity: r.identity,
+                tokens,
+            });
+        }
+        if sized.len() == images.len() {
+            let tokens = expand_images(&ids, &v.image_token_ids, &sized)
+                .map_err(|e| TokenizeError::Vision(e.to_string()))?;
+            return Ok((vec![Segment::Tokens(tokens)], images));
+        }
+        // Cut at the first image of unknown size.
+        let cut = sized.len();
+        let ph = &v.image_token_ids;
+        let mut seen = 0;
+        let mut at = None;
+        let mut i = 0;
+        while i < ids.len() {
+            if ids[i..].starts_with(ph) {
+                if seen == cut {
+                    at = Some(i);
+                    break;
+                }
+                seen += 1;
+                i += ph.len();
+            } else {
+                i += 1;
+            }
+        }
+        let at = at.ok_or_else(|| {
+            TokenizeError::Vision(format!(
+                "prompt has fewer image tokens than {} images",
+                urls.len()
+            ))
+        })?;
+        let head = expand_images(&ids[..at], ph, &sized)
+            .map_err(|e| TokenizeError::Vision(e.to_string()))?;
+        let mut out = vec![Segment::Tokens(head), Segment::Image(urls[cut].clone())];
+        let tail = &ids[at + ph.len()..];
+        if !tail.is_empty() {
+            out.push(Segment::Tokens(tail.to_vec()));
+        }
+        Ok((out, images))
     }
 
     fn split_at_images(
@@ -298,6 +439,7 @@ fn iterates_content(template: &str) -> bool {
 fn chat_messages(
     body: &Value,
     parts_content: bool,
+    placeholder: Option<&str>,
 ) -> Result<(Vec<Value>, Vec<String>), TokenizeError> {
     let messages = body
         .get("messages")
@@ -311,10 +453,11 @@ fn chat_messages(
             .cloned()
             .ok_or_else(|| TokenizeError::Body("a message is not an object".into()))?;
         if let Some(Value::Array(parts)) = m.get("content") {
-            let mut texts: Vec<Value> = Vec::with_capacity(parts.len());
+            // Each part as text, or `None` for an image (its URL recorded).
+            let mut items: Vec<Option<String>> = Vec::with_capacity(parts.len());
             for p in parts {
-                let text = match p {
-                    Value::String(s) => s.clone(),
+                let item = match p {
+                    Value::String(s) => Some(s.clone()),
                     Value::Object(o) => match o.get("type").and_then(Value::as_str) {
                         Some("image_url") | Some("input_image") => {
                             let url = match o.get("image_url") {
@@ -327,29 +470,56 @@ fn chat_messages(
                                 _ => String::new(),
                             };
                             images.push(url);
-                            IMAGE_MARK.to_string()
+                            None
                         }
-                        _ => o
-                            .get("text")
-                            .and_then(Value::as_str)
-                            .unwrap_or_default()
-                            .to_string(),
+                        _ => Some(
+                            o.get("text")
+                                .and_then(Value::as_str)
+                                .unwrap_or_default()
+                                .to_string(),
+                        ),
                     },
-                    _ => String::new(),
+                    _ => Some(String::new()),
                 };
-                texts.push(Value::String(text));
+                items.push(item);
             }
-            let content = if parts_content {
-                Value::Array(
-                    texts
+            let content = match (parts_content, placeholder) {
+                // Without a vision model an image is a marker in the text.
+                (true, None) => Value::Array(
+                    items
                         .into_iter()
-                        .map(|t| serde_json::json!({"type": "text", "text": t}))
+                        .map(|t| {
+                            serde_json::json!({"type": "text", "text": t.unwrap_or_else(|| IMAGE_MARK.to_string())})
+                        })
                         .collect(),
-                )
-            } else {
-                // vLLM joins text parts with newlines for string-format templates.
-                let strs: Vec<&str> = texts.iter().filter_map(Value::as_str).collect();
-                Value::String(strs.join("\n"))
+                ),
+                (false, None) => Value::String(
+                    items
+                        .into_iter()
+                        .map(|t| t.unwrap_or_else(|| IMAGE_MARK.to_string()))
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                ),
+                // With one, the template sees image parts and emits the model's
+                // placeholder itself, as vLLM's "openai" content format does.
+                (true, Some(_)) => Value::Array(
+                    items
+                        .into_iter()
+                        .map(|t| match t {
+                            Some(t) => serde_json::json!({"type": "text", "text": t}),
+                            None => serde_json::json!({"type": "image"}),
+                        })
+                        .collect(),
+                ),
+                // String-content templates: vLLM puts one placeholder per image
+                // first, then the text parts, all joined by newlines.
+                (false, Some(ph)) => {
+                    let n = items.iter().filter(|t| t.is_none()).count();
+                    let text: Vec<String> = items.into_iter().flatten().collect();
+                    let mut all: Vec<String> = vec![ph.to_string(); n];
+                    all.push(text.join("\n"));
+                    Value::String(all.join("\n"))
+                }
             };
             m.insert("content".into(), content);
         }

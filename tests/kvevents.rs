@@ -225,6 +225,7 @@ fn decodes_array_like_batches_with_int_hashes_and_no_dp_rank() {
                 medium: Some("GPU".into()),
                 lora_name: None,
                 group_idx: Some(0),
+                block_mm_hashes: Vec::new(),
             }),
             KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![11],

@@ -10,8 +10,14 @@
 //! - token ids: blocks of `token_block` tokens (the engine's KV block size), hashed
 //!   exactly as [`token_block_hashes`] does, so precise mode (KV events carry token
 //!   ids) and requests with token ids produce the same hashes;
-//! - images: one block per image, hashing its reference (URL or data URL), so the
-//!   blocks after an image depend on it.
+//! - images (prompts without token ids): one block per image, hashing the image's
+//!   identity ([`crate::multimodal::identity::identify`]: the decoded bytes of a
+//!   `data:` URL, else the URL), so the blocks after an image depend on it;
+//! - images in token prompts: tokenized prompts carry SGLang's pad values at the
+//!   image token positions ([`crate::multimodal`]), so their blocks are token
+//!   blocks like any other and equal the engines' blocks. A vLLM event block
+//!   whose image tokens cannot be paired with its `extra_keys` hashes is keyed by
+//!   [`mm_block_hash`] and never equals a request block.
 //!
 //! Only full blocks are hashed: a trailing partial block never matches anything in
 //! an engine cache. A partial block followed by a segment of another kind (text
@@ -19,6 +25,7 @@
 
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
+use crate::multimodal::{estimate_image_tokens, identity, VisionModel};
 use crate::request::Segment;
 
 /// Default text block size in bytes (about 16 tokens).
@@ -30,6 +37,7 @@ pub const DEFAULT_TOKEN_BLOCK: usize = 16;
 /// Domain tags so text, image and token blocks of equal bytes never collide.
 const TEXT_TAG: u8 = 0x01;
 const IMAGE_TAG: u8 = 0x02;
+const MM_TOKENS_TAG: u8 = 0x03;
 
 /// The chain seed for a model and optional LoRA adapter.
 pub fn model_seed(model: &str, lora: Option<&str>) -> u64 {
@@ -85,7 +93,23 @@ fn image_block(parent: u64, reference: &str) -> u64 {
     let mut h = Xxh3::new();
     h.update(&parent.to_le_bytes());
     h.update(&[IMAGE_TAG]);
-    h.update(&xxh3_64(reference.as_bytes()).to_le_bytes());
+    h.update(&identity::identify(reference).mm_hash.to_le_bytes());
+    h.digest()
+}
+
+/// The key of a token block that also carries multimodal hashes it cannot be
+/// rewritten into pad values with (see [`crate::multimodal::routing`]): xxh3-64
+/// over the parent, a tag, the token ids and the hashes.
+pub fn mm_block_hash(parent: u64, tokens: &[u32], mm_hashes: &[u64]) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&parent.to_le_bytes());
+    h.update(&[MM_TOKENS_TAG]);
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    for m in mm_hashes {
+        h.update(&m.to_le_bytes());
+    }
     h.digest()
 }
 
@@ -180,18 +204,29 @@ fn token_block_hash_push(buf: &mut Vec<u8>, out: &mut Vec<u64>, parent: u64, t: 
 
 /// How many blocks a prompt occupies for load accounting: like
 /// [`request_block_hashes`] but counting a trailing partial block, and at least 1.
+/// Images still in the prompt (not tokenized) count the tokens they will become
+/// ([`estimate_image_tokens`]); tokenized images are already token ids.
 pub fn request_size_blocks(segments: &[Segment], byte_block: usize, token_block: usize) -> u64 {
-    let (mut bytes, mut tokens, mut images) = (0usize, 0usize, 0u64);
+    request_size_blocks_for(segments, byte_block, token_block, None)
+}
+
+/// [`request_size_blocks`] with the vision model that sizes images.
+pub fn request_size_blocks_for(
+    segments: &[Segment],
+    byte_block: usize,
+    token_block: usize,
+    vision: Option<&VisionModel>,
+) -> u64 {
+    let (mut bytes, mut tokens) = (0usize, 0usize);
     for s in segments {
         match s {
             Segment::Text(t) => bytes += t.len(),
             Segment::Tokens(t) => tokens += t.len(),
-            Segment::Image(_) => images += 1,
+            Segment::Image(url) => tokens += estimate_image_tokens(url, vision) as usize,
         }
     }
-    let blocks = bytes.div_ceil(byte_block.max(1)) as u64
-        + tokens.div_ceil(token_block.max(1)) as u64
-        + images;
+    let blocks =
+        bytes.div_ceil(byte_block.max(1)) as u64 + tokens.div_ceil(token_block.max(1)) as u64;
     blocks.max(1)
 }
 
@@ -287,13 +322,60 @@ mod tests {
     fn size_counts_partial_blocks() {
         assert_eq!(request_size_blocks(&[], 64, 16), 1);
         assert_eq!(request_size_blocks(&[text(&"x".repeat(65))], 64, 16), 2);
+        // 17 tokens plus an image of unknown size (576 tokens): 593 tokens.
         assert_eq!(
             request_size_blocks(
                 &[Segment::Tokens(vec![1; 17]), Segment::Image("u".into())],
                 64,
                 16
             ),
-            3
+            38
+        );
+    }
+
+    #[test]
+    fn images_count_their_tokens_in_load() {
+        use crate::multimodal::{VisionFamily, VisionModel};
+        use base64::Engine as _;
+        let png = crate::multimodal::dims::samples::png(640, 480);
+        let url = format!(
+            "data:image/png;base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(&png)
+        );
+        let qwen = VisionModel::new(VisionFamily::Qwen2Vl);
+        // 391 image tokens (Qwen2-VL, 640x480) in blocks of 16.
+        assert_eq!(
+            request_size_blocks_for(&[Segment::Image(url)], 64, 16, Some(&qwen)),
+            25
+        );
+    }
+
+    #[test]
+    fn images_are_identified_by_content() {
+        let post = text(&"q".repeat(64));
+        let a = request_block_hashes(
+            1,
+            &[
+                Segment::Image("data:image/png;base64,AAAA".into()),
+                post.clone(),
+            ],
+            64,
+            16,
+        );
+        let b = request_block_hashes(
+            1,
+            &[Segment::Image("data:image/jpeg;base64,AA\nAA".into()), post],
+            64,
+            16,
+        );
+        assert_eq!(a, b, "the same bytes are the same image");
+        assert_ne!(
+            mm_block_hash(1, &[5, 5], &[7]),
+            mm_block_hash(1, &[5, 5], &[8])
+        );
+        assert_ne!(
+            mm_block_hash(1, &[5, 5], &[7]),
+            token_block_hashes(1, None, &[5, 5], 2)[0]
         );
     }
 }

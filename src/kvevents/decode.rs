@@ -13,9 +13,12 @@
 //! Trailing fields the decoder does not know are ignored; an unknown event type is
 //! reported as [`KvEvent::Unknown`] rather than failing the batch. Block hashes are
 //! integers (signed or unsigned 64-bit) or byte strings, of which the last 8 bytes
-//! are read big-endian.
+//! are read big-endian. vLLM's `extra_keys` are read for their multimodal
+//! hashes only ([`BlockStored::block_mm_hashes`]).
 
 use rmpv::Value;
+
+use crate::multimodal::identity::{parse_extra_key, ExtraKeyHash};
 
 /// Why a message could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,6 +77,10 @@ pub struct BlockStored {
     pub lora_name: Option<String>,
     /// KV-cache group of hybrid models; `None` for single-group models.
     pub group_idx: Option<i64>,
+    /// Multimodal hashes per block, from vLLM's `extra_keys` (64-character hex
+    /// strings; LoRA names, cache salts and prompt-embedding keys are left out).
+    /// Empty when no block has one; otherwise one entry per block, in order.
+    pub block_mm_hashes: Vec<Vec<ExtraKeyHash>>,
 }
 
 /// `BlockRemoved`: blocks evicted from the cache.
@@ -242,9 +249,42 @@ fn decode_stored(f: &Fields<'_>) -> Result<BlockStored, DecodeError> {
         lora_id: opt_int(f.get(4, "lora_id")),
         medium: opt_str(f.get(5, "medium")),
         lora_name: opt_str(f.get(6, "lora_name")),
-        // Array position 7 is `extra_keys` in current vLLM.
+        block_mm_hashes: extra_keys_mm_hashes(f.get(7, "extra_keys")),
         group_idx: opt_int(f.get(8, "group_idx")),
     })
+}
+
+/// The multimodal hashes of vLLM's `extra_keys`: a list aligned with the blocks,
+/// each nil or a list of keys. A key is a string (an mm hash, a LoRA name, a
+/// `cache_salt`), a `[string, start offset]` pair (vLLM 0.19+), or bytes
+/// (prompt embeddings). Only 64-character hex strings are mm hashes. Shapes this
+/// decoder does not know are skipped rather than failing the batch.
+fn extra_keys_mm_hashes(v: Option<&Value>) -> Vec<Vec<ExtraKeyHash>> {
+    let Some(blocks) = v.and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    let per_block: Vec<Vec<ExtraKeyHash>> = blocks
+        .iter()
+        .map(|keys| {
+            keys.as_array()
+                .map(|keys| {
+                    keys.iter()
+                        .filter_map(|k| match k {
+                            Value::String(s) => s.as_str(),
+                            Value::Array(pair) => pair.first().and_then(Value::as_str),
+                            _ => None,
+                        })
+                        .filter_map(parse_extra_key)
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
+        .collect();
+    if per_block.iter().all(Vec::is_empty) {
+        Vec::new()
+    } else {
+        per_block
+    }
 }
 
 fn decode_removed(f: &Fields<'_>) -> Result<BlockRemoved, DecodeError> {

@@ -21,8 +21,9 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use crate::endpoints::WorkerKey;
-use crate::kv::hash::{model_seed, token_block_hashes};
+use crate::kv::hash::{mm_block_hash, model_seed, token_block_hashes};
 use crate::kv::index::PrefixIndex;
+use crate::multimodal::routing::normalize_vllm_block;
 
 use decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
@@ -44,6 +45,11 @@ pub trait KvEventSink: Send + Sync {
         tokens: &[u32],
         block_size: usize,
     ) -> Vec<u64>;
+    /// The key of one block that carries multimodal hashes it cannot be rewritten
+    /// into pad values with (`kv::hash::mm_block_hash`).
+    fn mm_block_hash(&self, parent: u64, tokens: &[u32], mm_hashes: &[u64]) -> u64 {
+        mm_block_hash(parent, tokens, mm_hashes)
+    }
     /// Records that `worker` holds these (engine hash, kvpick hash) blocks.
     fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant);
     /// Forgets the blocks the engine removed, by engine hash.
@@ -96,6 +102,12 @@ pub struct ApplyStats {
     pub ignored_events: u64,
     /// `AllBlocksCleared` events.
     pub clears: u64,
+    /// Stored blocks with images whose hashes kvpick issued (matchable).
+    pub mm_blocks: u64,
+    /// Stored blocks with images vLLM hashed itself (no kvpick request matches them).
+    pub mm_native_blocks: u64,
+    /// Stored blocks whose image tokens could not be paired with their hashes.
+    pub mm_unmapped_blocks: u64,
 }
 
 impl ApplyStats {
@@ -106,6 +118,9 @@ impl ApplyStats {
         self.orphan_blocks += o.orphan_blocks;
         self.ignored_events += o.ignored_events;
         self.clears += o.clears;
+        self.mm_blocks += o.mm_blocks;
+        self.mm_native_blocks += o.mm_native_blocks;
+        self.mm_unmapped_blocks += o.mm_unmapped_blocks;
     }
 }
 
@@ -116,6 +131,7 @@ pub struct Ingest<S: ?Sized> {
     default_model: String,
     chains: HashMap<WorkerKey, HashMap<u64, u64>>,
     live: HashSet<WorkerKey>,
+    image_token: Option<u32>,
 }
 
 impl<S: KvEventSink + ?Sized> Ingest<S> {
@@ -127,7 +143,16 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             default_model: default_model.into(),
             chains: HashMap::new(),
             live: HashSet::new(),
+            image_token: None,
         }
+    }
+
+    /// The model's image token id: vLLM blocks with `extra_keys` mm hashes get
+    /// their image-token runs rewritten into pad values (SGLang's form, which is
+    /// what requests are hashed in). Without it such blocks never match.
+    pub fn with_image_token(mut self, image_token: Option<u32>) -> Self {
+        self.image_token = image_token;
+        self
     }
 
     /// Applies one batch from `worker`; `model` is the topic's model, if any.
@@ -228,9 +253,13 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             (None, None) => model.unwrap_or(&self.default_model),
         };
         let seed = self.sink.seed(seed_model, None);
-        let ours = self
-            .sink
-            .block_hashes(seed, parent, &e.token_ids, e.block_size);
+        let mut mm = ApplyStats::default();
+        let ours = if e.block_mm_hashes.is_empty() {
+            self.sink
+                .block_hashes(seed, parent, &e.token_ids, e.block_size)
+        } else {
+            mm_stored_hashes(&*self.sink, self.image_token, seed, parent, e, &mut mm)
+        };
         let pairs: Vec<(u64, u64)> = e.block_hashes.iter().copied().zip(ours).collect();
         chain.extend(pairs.iter().copied());
         self.sink.store_engine_blocks(worker, &pairs, now);
@@ -238,7 +267,7 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             stored_blocks: pairs.len() as u64,
             // Engine hashes without full token blocks behind them cannot be keyed.
             orphan_blocks: (e.block_hashes.len() - pairs.len()) as u64,
-            ..Default::default()
+            ..mm
         }
     }
 
@@ -260,6 +289,51 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             ..Default::default()
         }
     }
+}
+
+/// kvpick's keys for a vLLM `BlockStored` whose `extra_keys` carry mm hashes:
+/// block by block, image-token runs become the pad values of the block's hashes
+/// (then the block hashes like any token block, as SGLang's and the request's
+/// do); blocks that cannot be paired are keyed by `mm_block_hash`.
+fn mm_stored_hashes<S: KvEventSink + ?Sized>(
+    sink: &S,
+    image_token: Option<u32>,
+    seed: u64,
+    parent: Option<u64>,
+    e: &BlockStored,
+    stats: &mut ApplyStats,
+) -> Vec<u64> {
+    let bs = e.block_size.max(1);
+    let mut out = Vec::with_capacity(e.token_ids.len() / bs);
+    let mut prev = parent;
+    let mut block = Vec::with_capacity(bs);
+    for (i, chunk) in e.token_ids.chunks_exact(bs).enumerate() {
+        block.clear();
+        block.extend_from_slice(chunk);
+        let keys = e.block_mm_hashes.get(i).map_or(&[][..], Vec::as_slice);
+        let hashes: Vec<u64> = keys.iter().map(|k| k.mm_hash).collect();
+        let h = if hashes.is_empty() {
+            sink.block_hashes(seed, prev, &block, bs)[0]
+        } else {
+            if keys.iter().all(|k| k.issued) {
+                stats.mm_blocks += 1;
+            } else {
+                stats.mm_native_blocks += 1;
+            }
+            match image_token {
+                Some(img) if normalize_vllm_block(&mut block, img, &hashes) => {
+                    sink.block_hashes(seed, prev, &block, bs)[0]
+                }
+                _ => {
+                    stats.mm_unmapped_blocks += 1;
+                    sink.mm_block_hash(prev.unwrap_or(seed), &block, &hashes)
+                }
+            }
+        };
+        out.push(h);
+        prev = Some(h);
+    }
+    out
 }
 
 /// Only GPU-resident blocks (medium absent or `GPU`) of the first KV-cache group

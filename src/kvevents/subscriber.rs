@@ -58,6 +58,8 @@ pub struct SubscriberConfig {
     pub connect_timeout: Duration,
     /// First retry delay after a failed or lost connection (doubles up to 30 s).
     pub retry_delay: Duration,
+    /// The model's image token id, for rewriting vLLM image blocks into pad values.
+    pub image_token: Option<u32>,
 }
 
 impl Default for SubscriberConfig {
@@ -69,6 +71,7 @@ impl Default for SubscriberConfig {
             channel_capacity: 4096,
             connect_timeout: Duration::from_secs(5),
             retry_delay: Duration::from_millis(200),
+            image_token: None,
         }
     }
 }
@@ -99,6 +102,13 @@ struct WorkerLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct MmBlockLabels {
+    instance_id: u64,
+    dp_rank: u32,
+    identity: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ResetLabels {
     instance_id: u64,
     dp_rank: u32,
@@ -121,6 +131,7 @@ pub struct KvEventMetrics {
     dropped: Family<WorkerLabels, Counter>,
     orphans: Family<WorkerLabels, Counter>,
     replayed: Family<WorkerLabels, Counter>,
+    mm_blocks: Family<MmBlockLabels, Counter>,
     decode_errors: Counter,
     ingest_lag: Histogram,
 }
@@ -135,6 +146,7 @@ impl KvEventMetrics {
             dropped: Family::default(),
             orphans: Family::default(),
             replayed: Family::default(),
+            mm_blocks: Family::default(),
             decode_errors: Counter::default(),
             ingest_lag: Histogram::new([
                 0.000_01, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0,
@@ -170,6 +182,11 @@ impl KvEventMetrics {
                 "kvpick_kv_events_replayed_batches",
                 "Event batches recovered from the engine's replay socket",
                 m.replayed.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_mm_blocks",
+                "Stored vLLM blocks with image hashes in extra_keys: identity=issued (hashes kvpick gave the engine, matchable), native (vLLM's own hashes, never matchable: the engine ignored kvpick's UUIDs), unmapped (image tokens not pairable with the hashes)",
+                m.mm_blocks.clone(),
             );
             r.register(
                 "kvpick_kv_events_decode_errors",
@@ -260,6 +277,22 @@ fn ingest_loop(
                         .get_or_create(&l)
                         .inc_by(stats.orphan_blocks);
                 }
+                for (identity, n) in [
+                    ("issued", stats.mm_blocks),
+                    ("native", stats.mm_native_blocks),
+                    ("unmapped", stats.mm_unmapped_blocks),
+                ] {
+                    if n > 0 {
+                        metrics
+                            .mm_blocks
+                            .get_or_create(&MmBlockLabels {
+                                instance_id: worker.instance_id,
+                                dp_rank: worker.dp_rank,
+                                identity,
+                            })
+                            .inc_by(n);
+                    }
+                }
                 for _ in 0..stats.clears {
                     metrics.reset(worker, ResetReason::Cleared);
                 }
@@ -319,7 +352,7 @@ impl KvEvents {
         config: SubscriberConfig,
     ) -> Self {
         let (tx, rx) = mpsc::channel(config.channel_capacity.max(1));
-        let ingest = Ingest::new(sink, config.model.clone());
+        let ingest = Ingest::new(sink, config.model.clone()).with_image_token(config.image_token);
         let m = Arc::clone(&metrics);
         std::thread::Builder::new()
             .name("kv-ingest".into())

@@ -1,0 +1,345 @@
+//! Multimodal precise routing against the engines' own event formats: a prompt
+//! with two images is tokenized by kvpick (Qwen2-VL placeholders, SGLang pad
+//! values), the engine's `BlockStored` events for that prompt are built in
+//! SGLang's form (pad values inline) and vLLM's form (image token ids plus mm
+//! hashes in `extra_keys`), and later requests are routed against them.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use base64::Engine as _;
+use kvpick::endpoints::{Endpoint, EndpointTable, WorkerKey};
+use kvpick::kvevents::decode::decode_batch;
+use kvpick::kvevents::Ingest;
+use kvpick::multimodal::identity::{identify, is_pad_value, pad_value, vllm_mm_uuid};
+use kvpick::multimodal::{VisionFamily, VisionPrompt};
+use kvpick::request::{parse, ApiKind, InferenceRequest};
+use kvpick::scheduler::{PickRequest, Scheduler, SchedulerConfig};
+use kvpick::tokenize::{token_ids, Tokenizer};
+use rmpv::Value;
+use serde_json::json;
+
+const BS: usize = 16;
+const MODEL: &str = "qwen-vl";
+
+fn tokenizer() -> Tokenizer {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen-vl-tokenizer");
+    Tokenizer::load(dir)
+        .unwrap()
+        .with_vision(VisionPrompt::new(VisionFamily::Qwen2Vl))
+        .unwrap()
+}
+
+/// A PNG (header and a few distinguishing bytes) as a `data:` URL.
+fn png_url(w: u32, h: u32, salt: u8) -> String {
+    let mut b = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+    b.extend_from_slice(&w.to_be_bytes());
+    b.extend_from_slice(&h.to_be_bytes());
+    b.extend_from_slice(&[8, 6, 0, 0, 0, salt, salt, salt]);
+    format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(&b)
+    )
+}
+
+fn image(url: &str) -> serde_json::Value {
+    json!({"type": "image_url", "image_url": {"url": url}})
+}
+
+fn text(t: &str) -> serde_json::Value {
+    json!({"type": "text", "text": t})
+}
+
+/// Two images in the first user turn; `follow_up` adds a second turn.
+fn chat(a: &str, b: &str, follow_up: Option<&str>) -> serde_json::Value {
+    let mut messages = vec![json!({"role": "user", "content": [
+        text("look at this picture"), image(a), text("and this"), image(b), text("compare them")
+    ]})];
+    if let Some(f) = follow_up {
+        messages.push(json!({"role": "assistant", "content": "the cat sat on the mat."}));
+        messages.push(json!({"role": "user", "content": f}));
+    }
+    json!({"model": MODEL, "messages": messages})
+}
+
+/// The request as the ext_proc path builds it: parsed, then tokenized.
+fn request(tok: &Tokenizer, body: &serde_json::Value) -> InferenceRequest {
+    let mut r = parse(&serde_json::to_vec(body).unwrap(), Some(ApiKind::Chat)).unwrap();
+    r.segments = tok.tokenize_body(ApiKind::Chat, body).unwrap();
+    r
+}
+
+fn routing_tokens(tok: &Tokenizer, body: &serde_json::Value) -> Vec<u32> {
+    token_ids(&tok.tokenize_body(ApiKind::Chat, body).unwrap())
+}
+
+fn encode(v: Value) -> Vec<u8> {
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(&mut buf, &v).unwrap();
+    buf
+}
+
+fn ints(v: impl IntoIterator<Item = u64>) -> Value {
+    Value::Array(v.into_iter().map(Value::from).collect())
+}
+
+/// SGLang's event for a prompt: array-like, the token ids as SGLang's radix
+/// cache holds them (pad values at image positions), no `extra_keys`.
+fn sglang_event(tokens: &[u32]) -> Vec<u8> {
+    let full = tokens.len() / BS * BS;
+    let stored = Value::Array(vec![
+        Value::from("BlockStored"),
+        ints((0..full / BS).map(|i| 9_000 + i as u64)),
+        Value::Nil,
+        ints(tokens[..full].iter().map(|&t| u64::from(t))),
+        Value::from(BS as u64),
+        Value::Nil,
+    ]);
+    encode(Value::Array(vec![
+        Value::from(1.0),
+        Value::Array(vec![stored]),
+        Value::Nil,
+    ]))
+}
+
+/// vLLM's event for a prompt: map-encoded, sha256-style byte hashes, the model's
+/// image token at image positions and each block's image hashes in
+/// `extra_keys` (vLLM 0.19's `[hash, offset]` pairs), with a cache salt string
+/// in the first block as vLLM adds it. `issued` says whether the hashes are the
+/// UUIDs kvpick handed vLLM or vLLM's own digests.
+fn vllm_event(tokens: &[u32], image_token: u32, images: &[u64], issued: bool) -> Vec<u8> {
+    let full = tokens.len() / BS * BS;
+    let pads: Vec<u32> = images.iter().map(|&h| pad_value(h)).collect();
+    let key = |h: u64| {
+        if issued {
+            vllm_mm_uuid(h)
+        } else {
+            // vLLM's own digest of the image: nothing kvpick knows.
+            format!("{:016x}{}", h ^ 0x5555_5555_5555_5555, "ab".repeat(24))
+        }
+    };
+    let mut extra = Vec::new();
+    for (b, block) in tokens[..full].chunks(BS).enumerate() {
+        let mut keys: Vec<Value> = Vec::new();
+        if b == 0 {
+            keys.push(Value::from("salt-tenant-a"));
+        }
+        let mut seen = Vec::new();
+        for (off, t) in block.iter().enumerate() {
+            if let Some(i) = pads.iter().position(|p| p == t) {
+                if !seen.contains(&i) {
+                    seen.push(i);
+                    keys.push(Value::Array(vec![
+                        Value::from(key(images[i])),
+                        Value::from(off as u64),
+                    ]));
+                }
+            }
+        }
+        extra.push(if keys.is_empty() {
+            Value::Nil
+        } else {
+            Value::Array(keys)
+        });
+    }
+    let worker_tokens = tokens[..full]
+        .iter()
+        .map(|&t| u64::from(if is_pad_value(t) { image_token } else { t }));
+    let hashes = (0..full / BS)
+        .map(|i| Value::Binary([[0xAB; 24].as_slice(), &(7_000 + i as u64).to_be_bytes()].concat()))
+        .collect();
+    let field = |k: &str, v: Value| (Value::from(k), v);
+    let stored = Value::Map(vec![
+        field("type", Value::from("BlockStored")),
+        field("block_hashes", Value::Array(hashes)),
+        field("parent_block_hash", Value::Nil),
+        field("token_ids", ints(worker_tokens)),
+        field("block_size", Value::from(BS as u64)),
+        field("lora_id", Value::Nil),
+        field("medium", Value::from("GPU")),
+        field("lora_name", Value::Nil),
+        field("extra_keys", Value::Array(extra)),
+    ]);
+    encode(Value::Map(vec![
+        field("ts", Value::from(1.0)),
+        field("events", Value::Array(vec![stored])),
+        field("data_parallel_rank", Value::Nil),
+    ]))
+}
+
+struct Pool {
+    scheduler: Scheduler,
+    endpoints: EndpointTable,
+    ingest: Ingest<kvpick::kv::index::PrefixIndex>,
+}
+
+impl Pool {
+    fn new(image_token: Option<u32>) -> Pool {
+        let scheduler = Scheduler::new(SchedulerConfig::default());
+        let endpoints = EndpointTable::new();
+        endpoints.replace(
+            (1..=3)
+                .map(|i| Endpoint::new(format!("10.2.0.{i}:8000").parse().unwrap()))
+                .collect(),
+        );
+        let ingest =
+            Ingest::new(Arc::clone(scheduler.index()), MODEL).with_image_token(image_token);
+        Pool {
+            scheduler,
+            endpoints,
+            ingest,
+        }
+    }
+
+    fn worker(&self, i: usize) -> WorkerKey {
+        self.endpoints.snapshot().endpoints[i].key(0)
+    }
+
+    fn publish(&mut self, worker: WorkerKey, payload: &[u8]) -> kvpick::kvevents::ApplyStats {
+        self.ingest.set_live(worker, true);
+        let batch = decode_batch(payload).unwrap();
+        self.ingest.apply(worker, None, &batch, Instant::now())
+    }
+
+    /// (chosen worker, overlap blocks, prompt blocks).
+    fn route(&self, req: &InferenceRequest) -> (WorkerKey, usize, usize) {
+        let d = self
+            .scheduler
+            .pick(
+                &PickRequest {
+                    body: Some(req),
+                    subset: None,
+                    session_id: None,
+                    session_token: None,
+                },
+                &self.endpoints.snapshot(),
+            )
+            .unwrap();
+        self.scheduler.finish(&d, Some(200));
+        (d.decode.key(), d.overlap_blocks, d.prompt_blocks)
+    }
+}
+
+/// Blocks two token streams share from the start.
+fn shared_blocks(a: &[u32], b: &[u32]) -> usize {
+    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    same / BS
+}
+
+struct Case {
+    tok: Tokenizer,
+    a: String,
+    b: String,
+    c: String,
+}
+
+fn case() -> Case {
+    Case {
+        tok: tokenizer(),
+        // 224x224 -> 64 tokens, 112x224 -> 32 tokens (Qwen2-VL).
+        a: png_url(224, 224, 1),
+        b: png_url(224, 112, 2),
+        c: png_url(224, 112, 3),
+    }
+}
+
+fn check_routing(pool: &Pool, worker: WorkerKey, cs: &Case) {
+    let first = chat(&cs.a, &cs.b, None);
+    let first_tokens = routing_tokens(&cs.tok, &first);
+    let stored = first_tokens.len() / BS;
+    let follow_up = Some("describe both pictures in more detail please");
+
+    // A different second image: only the blocks before it match.
+    let other = chat(&cs.a, &cs.c, follow_up);
+    let other_tokens = routing_tokens(&cs.tok, &other);
+    let up_to = shared_blocks(&first_tokens, &other_tokens);
+    assert!(up_to > 0 && up_to < stored, "{up_to} of {stored}");
+    let (w, overlap, _) = pool.route(&request(&cs.tok, &other));
+    assert_eq!(w, worker);
+    assert_eq!(overlap, up_to, "matches only up to the different image");
+
+    // The same images and a longer text: the engine's whole prompt matches.
+    let longer = chat(&cs.a, &cs.b, follow_up);
+    let (w, overlap, blocks) = pool.route(&request(&cs.tok, &longer));
+    assert_eq!(w, worker, "routed to the worker holding the images");
+    assert_eq!(overlap, stored, "full overlap with the stored prompt");
+    assert!(blocks > stored);
+}
+
+#[test]
+fn routing_tokens_carry_pad_values_for_each_image_token() {
+    let cs = case();
+    let toks = routing_tokens(&cs.tok, &chat(&cs.a, &cs.b, None));
+    let pa = pad_value(identify(&cs.a).mm_hash);
+    let pb = pad_value(identify(&cs.b).mm_hash);
+    assert_eq!(toks.iter().filter(|&&t| t == pa).count(), 64);
+    assert_eq!(toks.iter().filter(|&&t| t == pb).count(), 32);
+    // Qwen2-VL's placeholder: vision_start, the pads, vision_end.
+    let start = cs.tok.encode("<|vision_start|>", false).unwrap()[0];
+    let end = cs.tok.encode("<|vision_end|>", false).unwrap()[0];
+    let i = toks.iter().position(|&t| t == pa).unwrap();
+    assert_eq!(toks[i - 1], start);
+    assert_eq!(toks[i + 64], end);
+    assert!(cs.tok.image_token_id().is_some());
+}
+
+#[test]
+fn sglang_events_with_pad_values_route_two_image_prompts() {
+    let cs = case();
+    let mut pool = Pool::new(None);
+    let worker = pool.worker(1);
+    let tokens = routing_tokens(&cs.tok, &chat(&cs.a, &cs.b, None));
+    let stats = pool.publish(worker, &sglang_event(&tokens));
+    assert_eq!(stats.stored_blocks as usize, tokens.len() / BS);
+    check_routing(&pool, worker, &cs);
+}
+
+#[test]
+fn vllm_events_with_extra_keys_route_two_image_prompts() {
+    let cs = case();
+    let image_token = cs.tok.image_token_id().unwrap();
+    let mut pool = Pool::new(Some(image_token));
+    let worker = pool.worker(2);
+    let tokens = routing_tokens(&cs.tok, &chat(&cs.a, &cs.b, None));
+    let images = [identify(&cs.a).mm_hash, identify(&cs.b).mm_hash];
+    let stats = pool.publish(worker, &vllm_event(&tokens, image_token, &images, true));
+    assert_eq!(stats.stored_blocks as usize, tokens.len() / BS);
+    assert!(stats.mm_blocks >= 6, "{stats:?}");
+    assert_eq!(stats.mm_native_blocks + stats.mm_unmapped_blocks, 0);
+    check_routing(&pool, worker, &cs);
+}
+
+#[test]
+fn vllm_native_hashes_match_only_the_text_before_the_first_image() {
+    let cs = case();
+    let image_token = cs.tok.image_token_id().unwrap();
+    let mut pool = Pool::new(Some(image_token));
+    let worker = pool.worker(0);
+    let first = chat(&cs.a, &cs.b, None);
+    let tokens = routing_tokens(&cs.tok, &first);
+    let images = [identify(&cs.a).mm_hash, identify(&cs.b).mm_hash];
+    // vLLM ignored kvpick's UUIDs and hashed the images itself.
+    let stats = pool.publish(worker, &vllm_event(&tokens, image_token, &images, false));
+    assert!(stats.mm_native_blocks > 0);
+    let before_image = tokens.iter().position(|&t| is_pad_value(t)).unwrap() / BS;
+    let overlaps = pool.scheduler.index().lookup(
+        &pool.scheduler.block_hashes(&request(&cs.tok, &first)),
+        &[worker],
+        Instant::now(),
+    );
+    assert_eq!(overlaps, vec![before_image]);
+}
+
+#[test]
+fn vllm_events_without_the_image_token_are_unmapped() {
+    let cs = case();
+    let image_token = cs.tok.image_token_id().unwrap();
+    let mut pool = Pool::new(None);
+    let worker = pool.worker(0);
+    let tokens = routing_tokens(&cs.tok, &chat(&cs.a, &cs.b, None));
+    let images = [identify(&cs.a).mm_hash, identify(&cs.b).mm_hash];
+    let stats = pool.publish(worker, &vllm_event(&tokens, image_token, &images, true));
+    assert_eq!(stats.mm_unmapped_blocks, stats.mm_blocks);
+    assert!(stats.mm_blocks > 0);
+}
