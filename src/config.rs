@@ -156,6 +156,21 @@ pub struct Args {
     #[arg(long, env = "KVPICK_PREFIX_TTL_SECS", default_value_t = 900)]
     pub prefix_ttl_secs: u64,
 
+    /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
+    /// block count is scraped (then `num_gpu_blocks` × `--prefix-precise-slack`);
+    /// stores beyond the cap are dropped and counted.
+    #[arg(
+        long,
+        env = "KVPICK_PREFIX_PRECISE_MAX_BLOCKS",
+        default_value_t = 1_000_000
+    )]
+    pub prefix_precise_max_blocks: usize,
+
+    /// Precise prefix index: the cap per worker rank is the engine's scraped
+    /// `num_gpu_blocks` times this (at least 1).
+    #[arg(long, env = "KVPICK_PREFIX_PRECISE_SLACK", default_value_t = 1.5)]
+    pub prefix_precise_slack: f64,
+
     /// Cost weight per prompt block the candidate must still prefill.
     #[arg(long, env = "KVPICK_WEIGHT_PREFILL", default_value_t = 1.0)]
     pub weight_prefill: f64,
@@ -208,6 +223,19 @@ pub struct Args {
     /// Requests tokenized at once (on blocking threads, off the request path).
     #[arg(long, env = "KVPICK_TOKENIZER_THREADS", default_value_t = 2)]
     pub tokenizer_threads: usize,
+
+    /// Passive health: consecutive failing responses (5xx, or Envoy's 503 when it
+    /// cannot connect) that take an endpoint out of the candidate set.
+    #[arg(long, env = "KVPICK_EJECT_AFTER_FAILURES", default_value_t = 3)]
+    pub eject_after_failures: u32,
+
+    /// Passive health: how long the first ejection lasts; each one in a row doubles it.
+    #[arg(long, env = "KVPICK_EJECT_BASE_MS", default_value_t = 1000)]
+    pub eject_base_ms: u64,
+
+    /// Passive health: the longest ejection.
+    #[arg(long, env = "KVPICK_EJECT_MAX_MS", default_value_t = 60_000)]
+    pub eject_max_ms: u64,
 
     /// Flow control: under saturation, queue requests by priority (fair across
     /// flows, with a TTL) and shed sheddable ones with 429. Off by default, as the
@@ -523,9 +551,16 @@ impl Args {
             index: IndexConfig {
                 default_capacity: self.prefix_capacity_blocks,
                 ttl: (self.prefix_ttl_secs > 0).then(|| Duration::from_secs(self.prefix_ttl_secs)),
+                default_precise_limit: self.prefix_precise_max_blocks,
+                precise_slack: self.prefix_precise_slack.max(1.0),
             },
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
+            health: crate::health::HealthConfig {
+                failures: self.eject_after_failures.max(1),
+                base_ejection: Duration::from_millis(self.eject_base_ms),
+                max_ejection: Duration::from_millis(self.eject_max_ms.max(self.eject_base_ms)),
+            },
         }
     }
 

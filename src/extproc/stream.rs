@@ -432,22 +432,24 @@ impl StreamState {
     fn finish_request_body(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
         let body = std::mem::take(&mut self.body);
         let kind = self.meta.as_ref().and_then(|m| m.kind);
-        let parsed = match request::parse(&body, kind) {
+        let mut parsed = match request::parse(&body, kind) {
             Ok(p) => p,
             Err(e) => {
                 self.shared.metrics.record_result(RequestResult::BadRequest);
                 return vec![self.reject(400, "invalid_request_error", &e.to_string())];
             }
         };
-        // A client must not pick its worker through the body either.
-        let (body, rewritten) = if parsed.names_worker {
-            match request::strip_client_worker_fields(&body) {
-                Ok(clean) => (clean, true),
-                Err(e) => return vec![self.reject(400, "invalid_request_error", &e.to_string())],
-            }
-        } else {
-            (body, false)
-        };
+        // A client must not pick its worker through the body either: whenever the
+        // body has `nvext`, every copy of the worker fields is removed.
+        let (body, rewritten) =
+            match parsed.rewrite_body(&body, &request::NvExtEdit::strip_client_routing()) {
+                Ok(Some(clean)) => (clean, true),
+                Ok(None) => (body, false),
+                Err(e) => {
+                    self.shared.metrics.record_result(RequestResult::BadRequest);
+                    return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+                }
+            };
         let via = RouteVia::Body {
             body,
             rewritten,
@@ -621,6 +623,9 @@ impl StreamState {
     fn on_response_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
         self.response_status =
             find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
+        if let (Some(status), Some(r)) = (self.response_status, &self.routed) {
+            self.record_health(&r.decision, status);
+        }
         // Only a successful response carries scheduler headers (a session token
         // must not pin a session to a worker that failed its turn).
         let ok = self
@@ -658,6 +663,23 @@ impl StreamState {
             self.finish();
         }
         out
+    }
+
+    /// Passive health: the pod's (or Envoy's local) answer to a routed request.
+    fn record_health(&self, decision: &Decision, status: u16) {
+        if self
+            .shared
+            .scheduler
+            .record_response(decision, status, Instant::now())
+        {
+            self.shared.metrics.endpoint_ejections.inc();
+            warn!(
+                endpoint = %decision.decode.endpoint.endpoint.address,
+                status,
+                failures = decision.decode.endpoint.health().failures(),
+                "endpoint ejected after failing responses"
+            );
+        }
     }
 
     /// The request has finished (response complete): release in-flight and tell the

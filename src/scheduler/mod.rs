@@ -18,6 +18,8 @@
 
 mod cost;
 mod decision;
+#[cfg(test)]
+mod health_tests;
 mod pick;
 mod stats;
 #[cfg(test)]
@@ -36,6 +38,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 
 use crate::endpoints::{Snapshot, WorkerKey};
+use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
 use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
 use crate::request::InferenceRequest;
@@ -60,6 +63,8 @@ pub struct SchedulerConfig {
     pub session_token_header: String,
     /// HMAC key for session tokens (empty: a random per-process key).
     pub session_key: Vec<u8>,
+    /// Passive health: when failing responses eject an endpoint.
+    pub health: HealthConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -73,6 +78,7 @@ impl Default for SchedulerConfig {
             index: IndexConfig::default(),
             session_token_header: "x-kvpick-session".into(),
             session_key: Vec::new(),
+            health: HealthConfig::default(),
         }
     }
 }
@@ -147,6 +153,17 @@ impl Scheduler {
         let turn = decision.session.as_ref()?;
         let token = self.sessions.turn_token(turn, decision.decode.key())?;
         Some(vec![(self.config.session_token_header.clone(), token)])
+    }
+
+    /// The response of a routed request began with HTTP `status` (seen on the
+    /// response path): feeds the decode endpoint's passive health. Returns true
+    /// when this response ejected the endpoint.
+    pub fn record_response(&self, decision: &Decision, status: u16, now: Instant) -> bool {
+        decision.decode.endpoint.health().record(
+            Outcome::of_status(status),
+            now,
+            &self.config.health,
+        )
     }
 
     /// The request has finished; `status` is the response's HTTP status when one arrived.

@@ -42,6 +42,12 @@ impl Scheduler {
             }
             None => snapshot.endpoints.iter().collect(),
         };
+        // Passive health: endpoints ejected for failing responses sit out, unless
+        // every one is ejected (then all are tried rather than none).
+        let mut eligible = eligible;
+        if eligible.iter().any(|e| e.health().available(now)) {
+            eligible.retain(|e| e.health().available(now));
+        }
         let decode = ranks_of(
             eligible
                 .iter()
@@ -193,6 +199,7 @@ impl Scheduler {
                     let per_block = (self.config.byte_block / 4).max(1) as u64;
                     self.index
                         .set_capacity(c.key, (tokens / per_block) as usize);
+                    self.index.set_engine_blocks(c.key, n);
                 }
             }
             self.index.insert(c.key, hashes, now);
