@@ -722,7 +722,7 @@ enum RouteVia {
     },
 }
 
-/// `nvext.agent_hints.priority`.
+/// `nvext.agent_hints.priority` (the parser checks it is an i32).
 fn hint_priority(parsed: &InferenceRequest) -> Option<i32> {
     parsed.nvext.agent_hints.as_ref()?.priority
 }
