@@ -61,6 +61,16 @@ impl Collector for SchedulerCollector {
                 "Session requests re-picked because their bound worker was gone",
                 s.session_repicks.load(Ordering::Relaxed),
             ),
+            (
+                "kvpick_session_rehomes",
+                "Session turns whose worker was gone, forwarded to a new worker as an `open`",
+                s.session_rehomes.load(Ordering::Relaxed),
+            ),
+            (
+                "kvpick_session_evictions",
+                "Sessions evicted (least recently used) because the session table was full",
+                self.scheduler.sessions().evictions(),
+            ),
         ];
         for (name, help, v) in counters {
             let c = ConstCounter::new(v);
@@ -451,6 +461,8 @@ mod tests {
             "kvpick_prefix_blocks_queried_total 6",
             "kvpick_prefix_blocks_matched_total 3",
             "kvpick_session_repicks_total 0",
+            "kvpick_session_rehomes_total 0",
+            "kvpick_session_evictions_total 0",
             "kvpick_prefix_index_entries 3",
             "kvpick_session_bindings 0",
             "kvpick_scheduler_stage_duration_seconds_count{stage=\"lookup\"} 2",
