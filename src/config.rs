@@ -156,6 +156,11 @@ pub struct Args {
     #[arg(long, env = "KVPICK_DEFAULT_OSL_TOKENS", default_value_t = 0)]
     pub default_osl_tokens: u32,
 
+    /// Bootstrap port of `sglang` prefill pods without a `kvpick.io/bootstrap-port`
+    /// annotation (SGLang's default); 0 sends no bootstrap headers for them.
+    #[arg(long, env = "KVPICK_SGLANG_BOOTSTRAP_PORT", default_value_t = 8998)]
+    pub sglang_bootstrap_port: u16,
+
     /// Text prefix block size in bytes (about 4 bytes a token: 64 ≈ 16 tokens).
     #[arg(long, env = "KVPICK_PREFIX_BYTE_BLOCK", default_value_t = 64)]
     pub prefix_byte_block: usize,
@@ -473,6 +478,8 @@ impl Args {
                 self.session_token_max_lifetime_secs.max(1),
             ),
             default_osl_tokens: self.default_osl_tokens,
+            sglang_bootstrap_port: (self.sglang_bootstrap_port != 0)
+                .then_some(self.sglang_bootstrap_port),
         }
     }
 

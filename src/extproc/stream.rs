@@ -465,8 +465,7 @@ impl StreamState {
                 &p.endpoint.endpoint.instance_id.to_string(),
             ));
             set.push(set_header(PREFILL_DP_RANK_HEADER, &p.rank.to_string()));
-            if let (Some(port), Some(room)) = (p.endpoint.endpoint.bootstrap_port, d.bootstrap_room)
-            {
+            if let (Some(port), Some(room)) = (d.bootstrap_port, d.bootstrap_room) {
                 set.push(set_header(
                     BOOTSTRAP_HOST_HEADER,
                     &p.endpoint.endpoint.address.ip().to_string(),

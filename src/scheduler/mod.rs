@@ -43,6 +43,9 @@ use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
 use crate::request::InferenceRequest;
 use crate::sessions::{SessionConfig, SessionStore};
 
+/// SGLang's default disaggregation bootstrap port.
+pub const DEFAULT_SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+
 /// Scheduler settings.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -69,6 +72,9 @@ pub struct SchedulerConfig {
     /// Expected output tokens of a request without `nvext.agent_hints.osl`; the
     /// expected decode blocks are added to the request's booked load.
     pub default_osl_tokens: u32,
+    /// Bootstrap port of `sglang` prefill workers without a
+    /// `kvpick.io/bootstrap-port` annotation (SGLang's default is 8998).
+    pub sglang_bootstrap_port: Option<u16>,
 }
 
 impl Default for SchedulerConfig {
@@ -85,6 +91,7 @@ impl Default for SchedulerConfig {
             session_max_entries: SessionConfig::default().max_entries,
             session_token_max_lifetime: SessionConfig::default().token_max_lifetime,
             default_osl_tokens: 0,
+            sglang_bootstrap_port: Some(DEFAULT_SGLANG_BOOTSTRAP_PORT),
         }
     }
 }

@@ -8,7 +8,7 @@ use rand::Rng;
 
 use super::cost::{ranks_of, Cand};
 use super::{Decision, PickError, PickRequest, Scheduler, Stage};
-use crate::endpoints::{EndpointState, Role, Snapshot, WorkerKey};
+use crate::endpoints::{EndpointState, Engine, Role, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -144,13 +144,19 @@ impl Scheduler {
             self.record(&prefill[pi], &hashes, load_blocks, now);
         }
         let prefill = pi.map(|i| prefill[i].target());
-        let bootstrap_room = prefill
-            .as_ref()
-            .and_then(|p| p.endpoint.endpoint.bootstrap_port)
-            .map(|_| rand::rng().random::<u64>() >> 1);
+        let bootstrap_port = prefill.as_ref().and_then(|p| {
+            let ep = &p.endpoint.endpoint;
+            ep.bootstrap_port.or_else(|| {
+                (ep.engine == Engine::Sglang)
+                    .then_some(self.config.sglang_bootstrap_port)
+                    .flatten()
+            })
+        });
+        let bootstrap_room = bootstrap_port.map(|_| rand::rng().random::<u64>() >> 1);
         Ok(Decision {
             decode: decode[di].target(),
             prefill,
+            bootstrap_port,
             bootstrap_room,
             session,
             prompt_blocks: hashes.len(),

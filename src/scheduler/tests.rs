@@ -667,3 +667,55 @@ fn stage_latencies_are_recorded() {
         assert_eq!(h.buckets.iter().map(|b| b.1).sum::<u64>(), 1);
     }
 }
+
+#[test]
+fn sglang_prefill_without_bootstrap_annotation_gets_the_default_port() {
+    use crate::endpoints::Engine;
+    let pool = |engine: Engine, annotated: Option<u16>| {
+        let mut p = Endpoint::new("10.0.0.1:80".parse().unwrap());
+        p.role = Role::Prefill;
+        p.engine = engine;
+        p.bootstrap_port = annotated;
+        let mut d = Endpoint::new("10.0.1.1:80".parse().unwrap());
+        d.role = Role::Decode;
+        let t = EndpointTable::new();
+        t.replace(vec![p, d]);
+        t
+    };
+    let body = prompt("x");
+    let s = Scheduler::default();
+    let d = s
+        .pick(&with_body(&body), &pool(Engine::Sglang, None).snapshot())
+        .unwrap();
+    assert_eq!(d.bootstrap_port, Some(DEFAULT_SGLANG_BOOTSTRAP_PORT));
+    assert!(d.bootstrap_room.is_some());
+    // The annotation overrides; other engines get no default.
+    let d = s
+        .pick(
+            &with_body(&body),
+            &pool(Engine::Sglang, Some(9000)).snapshot(),
+        )
+        .unwrap();
+    assert_eq!(d.bootstrap_port, Some(9000));
+    let d = s
+        .pick(&with_body(&body), &pool(Engine::Vllm, None).snapshot())
+        .unwrap();
+    assert_eq!((d.bootstrap_port, d.bootstrap_room), (None, None));
+    // The flag changes (or disables) the default.
+    let s = Scheduler::new(SchedulerConfig {
+        sglang_bootstrap_port: Some(18998),
+        ..Default::default()
+    });
+    let d = s
+        .pick(&with_body(&body), &pool(Engine::Sglang, None).snapshot())
+        .unwrap();
+    assert_eq!(d.bootstrap_port, Some(18998));
+    let s = Scheduler::new(SchedulerConfig {
+        sglang_bootstrap_port: None,
+        ..Default::default()
+    });
+    let d = s
+        .pick(&with_body(&body), &pool(Engine::Sglang, None).snapshot())
+        .unwrap();
+    assert_eq!(d.bootstrap_port, None);
+}
