@@ -39,7 +39,9 @@ use rand::RngCore;
 use sha2::Sha256;
 
 use crate::endpoints::WorkerKey;
-use crate::request::{InferenceRequest, SessionAction, DEFAULT_SESSION_TIMEOUT_SECS};
+use crate::request::{
+    InferenceRequest, SessionAction, DEFAULT_SESSION_TIMEOUT_SECS, MAX_SESSION_TIMEOUT_SECS,
+};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -48,7 +50,7 @@ const TOKEN_VERSION: &str = "v2";
 
 /// The longest inactivity timeout a session can hold (one day); longer requested
 /// timeouts are clamped here.
-pub const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(MAX_SESSION_TIMEOUT_SECS);
 
 /// The default inactivity timeout (Dynamo's default, 300 s).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(DEFAULT_SESSION_TIMEOUT_SECS);

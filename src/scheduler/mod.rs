@@ -20,6 +20,8 @@
 
 mod cost;
 mod decision;
+#[cfg(test)]
+mod health_tests;
 mod pick;
 mod stats;
 #[cfg(test)]
@@ -38,6 +40,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 
 use crate::endpoints::{Snapshot, WorkerKey};
+use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
 use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
 use crate::request::InferenceRequest;
@@ -75,6 +78,8 @@ pub struct SchedulerConfig {
     /// Bootstrap port of `sglang` prefill workers without a
     /// `kvpick.io/bootstrap-port` annotation (SGLang's default is 8998).
     pub sglang_bootstrap_port: Option<u16>,
+    /// Passive health: when failing responses eject an endpoint.
+    pub health: HealthConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -92,6 +97,7 @@ impl Default for SchedulerConfig {
             session_token_max_lifetime: SessionConfig::default().token_max_lifetime,
             default_osl_tokens: 0,
             sglang_bootstrap_port: Some(DEFAULT_SGLANG_BOOTSTRAP_PORT),
+            health: HealthConfig::default(),
         }
     }
 }
@@ -173,6 +179,17 @@ impl Scheduler {
             .sessions
             .turn_token(turn, decision.decode.key(), prefill)?;
         Some(vec![(self.config.session_token_header.clone(), token)])
+    }
+
+    /// The response of a routed request began with HTTP `status` (seen on the
+    /// response path): feeds the decode endpoint's passive health. Returns true
+    /// when this response ejected the endpoint.
+    pub fn record_response(&self, decision: &Decision, status: u16, now: Instant) -> bool {
+        decision.decode.endpoint.health().record(
+            Outcome::of_status(status),
+            now,
+            &self.config.health,
+        )
     }
 
     /// The request has finished; `status` is the response's HTTP status when one arrived.

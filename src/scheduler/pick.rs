@@ -43,6 +43,12 @@ impl Scheduler {
             }
             None => snapshot.endpoints.iter().collect(),
         };
+        // Passive health: endpoints ejected for failing responses sit out, unless
+        // every one is ejected (then all are tried rather than none).
+        let mut eligible = eligible;
+        if eligible.iter().any(|e| e.health().available(now)) {
+            eligible.retain(|e| e.health().available(now));
+        }
         let decode = ranks_of(
             eligible
                 .iter()
@@ -173,11 +179,8 @@ impl Scheduler {
             .nvext
             .agent_hints
             .as_ref()
-            .and_then(|h| h.get("osl"))
-            .and_then(serde_json::Value::as_u64)
-            .map_or(self.config.default_osl_tokens, |n| {
-                u32::try_from(n).unwrap_or(u32::MAX)
-            });
+            .and_then(|h| h.osl)
+            .unwrap_or(self.config.default_osl_tokens);
         u64::from(osl).div_ceil(self.config.token_block.max(1) as u64)
     }
 
@@ -231,6 +234,7 @@ impl Scheduler {
                     let per_block = (self.config.byte_block / 4).max(1) as u64;
                     self.index
                         .set_capacity(c.key, (tokens / per_block) as usize);
+                    self.index.set_engine_blocks(c.key, n);
                 }
             }
             self.index.insert(c.key, hashes, now);

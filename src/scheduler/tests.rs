@@ -180,7 +180,8 @@ fn scraped_load_counts_only_while_fresh() {
         assert_eq!(d.decode.key(), snap.endpoints[1].key(0));
         s.finish_at(&d, Some(200), now);
     }
-    // Once stale, the scrape is ignored: both idle ranks are picked again.
+    // Once stale, the scrape is suspect: the busy worker does not turn cheap
+    // (a hung or dead pod stops answering scrapes; issue #13).
     let later = now + Duration::from_secs(6);
     let picked: HashSet<_> = (0..40)
         .map(|_| {
@@ -189,7 +190,7 @@ fn scraped_load_counts_only_while_fresh() {
             d.decode.key()
         })
         .collect();
-    assert_eq!(picked.len(), 2);
+    assert_eq!(picked, HashSet::from([snap.endpoints[1].key(0)]));
 }
 
 #[test]
@@ -345,14 +346,23 @@ fn huge_session_timeout_does_not_panic() {
     let t = both(2);
     let snap = t.snapshot();
     let t0 = Instant::now();
+    // The parser answers 400 to such a timeout; the scheduler must not panic
+    // on one anyway (a body built by other code, a replica with other limits).
+    let huge = |id: &str, action: Option<&str>| {
+        let mut b = turn_with(id, action, Some(60), "x");
+        if let Some(sc) = b.nvext.session_control.as_mut() {
+            sc.timeout = Some(u64::MAX);
+        }
+        b
+    };
     for action in [Some("open"), None, None, Some("close")] {
-        let turn = turn_with("big", action, Some(u64::MAX), "x");
+        let turn = huge("big", action);
         let d = s.pick_at(&with_body(&turn), &snap, t0).unwrap();
         assert!(s.response_headers(&d).is_some() || action == Some("close"));
         s.finish_at(&d, Some(200), t0);
         s.maintain(&snap, t0);
     }
-    let open = turn_with("big2", Some("open"), Some(u64::MAX), "x");
+    let open = huge("big2", Some("open"));
     let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
     s.finish_at(&d, Some(200), t0);
     let held = s.sessions().binding("big2").unwrap();
