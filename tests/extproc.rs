@@ -972,7 +972,7 @@ async fn sglang_prefill_without_bootstrap_annotation_gets_port_8998() {
     prefill.engine = Engine::Vllm;
     srv.app.endpoints.replace(vec![decode, prefill]);
     let (_, r, _) = full_duplex(&ch, &chat_body("y"), &[], None).await;
-    assert_eq!(r.get("x-prefill-instance-id").is_some(), true);
+    assert!(r.get("x-prefill-instance-id").is_some());
     assert_eq!(r.get("x-prefill-bootstrap-port"), None);
 }
 

@@ -768,7 +768,7 @@ fn reopen_rehomed_session(
     })
 }
 
-/// `nvext.agent_hints.priority`, when it is an i32.
+/// `nvext.agent_hints.priority` (the parser checks it is an i32).
 fn hint_priority(parsed: &InferenceRequest) -> Option<i32> {
     parsed.nvext.agent_hints.as_ref()?.priority
 }
