@@ -137,6 +137,30 @@ pub struct Args {
     #[arg(long, env = "KVPICK_SESSION_KEY", hide_env_values = true)]
     pub session_key: Option<String>,
 
+    /// Most sessions held in the session table; past it the least recently used
+    /// session is evicted (`kvpick_session_evictions_total`).
+    #[arg(long, env = "KVPICK_SESSION_MAX_ENTRIES", default_value_t = 100_000)]
+    pub session_max_entries: usize,
+
+    /// Longest a signed session token stays valid after the turn that issued it,
+    /// in seconds, whatever timeout the session asked for.
+    #[arg(
+        long,
+        env = "KVPICK_SESSION_TOKEN_MAX_LIFETIME_SECS",
+        default_value_t = 3600
+    )]
+    pub session_token_max_lifetime_secs: u64,
+
+    /// Expected output tokens of a request without `nvext.agent_hints.osl`; the
+    /// expected decode blocks count in the decode rank's booked load.
+    #[arg(long, env = "KVPICK_DEFAULT_OSL_TOKENS", default_value_t = 0)]
+    pub default_osl_tokens: u32,
+
+    /// Bootstrap port of `sglang` prefill pods without a `kvpick.io/bootstrap-port`
+    /// annotation (SGLang's default); 0 sends no bootstrap headers for them.
+    #[arg(long, env = "KVPICK_SGLANG_BOOTSTRAP_PORT", default_value_t = 8998)]
+    pub sglang_bootstrap_port: u16,
+
     /// Text prefix block size in bytes (about 4 bytes a token: 64 ≈ 16 tokens).
     #[arg(long, env = "KVPICK_PREFIX_BYTE_BLOCK", default_value_t = 64)]
     pub prefix_byte_block: usize,
@@ -155,6 +179,21 @@ pub struct Args {
     /// (0: no expiry, LRU only).
     #[arg(long, env = "KVPICK_PREFIX_TTL_SECS", default_value_t = 900)]
     pub prefix_ttl_secs: u64,
+
+    /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
+    /// block count is scraped (then `num_gpu_blocks` × `--prefix-precise-slack`);
+    /// stores beyond the cap are dropped and counted.
+    #[arg(
+        long,
+        env = "KVPICK_PREFIX_PRECISE_MAX_BLOCKS",
+        default_value_t = 1_000_000
+    )]
+    pub prefix_precise_max_blocks: usize,
+
+    /// Precise prefix index: the cap per worker rank is the engine's scraped
+    /// `num_gpu_blocks` times this (at least 1).
+    #[arg(long, env = "KVPICK_PREFIX_PRECISE_SLACK", default_value_t = 1.5)]
+    pub prefix_precise_slack: f64,
 
     /// Cost weight per prompt block the candidate must still prefill.
     #[arg(long, env = "KVPICK_WEIGHT_PREFILL", default_value_t = 1.0)]
@@ -240,6 +279,96 @@ pub struct Args {
     /// The text standing for one image in a prompt (default per family).
     #[arg(long, env = "KVPICK_MM_PLACEHOLDER")]
     pub mm_placeholder: Option<String>,
+
+    /// Passive health: consecutive failing responses (5xx, or Envoy's 503 when it
+    /// cannot connect) that take an endpoint out of the candidate set.
+    #[arg(long, env = "KVPICK_EJECT_AFTER_FAILURES", default_value_t = 3)]
+    pub eject_after_failures: u32,
+
+    /// Passive health: how long the first ejection lasts; each one in a row doubles it.
+    #[arg(long, env = "KVPICK_EJECT_BASE_MS", default_value_t = 1000)]
+    pub eject_base_ms: u64,
+
+    /// Passive health: the longest ejection.
+    #[arg(long, env = "KVPICK_EJECT_MAX_MS", default_value_t = 60_000)]
+    pub eject_max_ms: u64,
+
+    /// Flow control: under saturation, queue requests by priority (fair across
+    /// flows, with a TTL) and shed sheddable ones with 429. Off by default, as the
+    /// llm-d Router's `flowControl` feature gate.
+    #[arg(long, env = "KVPICK_FLOW_CONTROL", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub flow_control: bool,
+
+    /// Priority of a request naming no known InferenceObjective and carrying no
+    /// `nvext.agent_hints.priority` (negative: sheddable).
+    #[arg(
+        long,
+        env = "KVPICK_DEFAULT_PRIORITY",
+        default_value_t = 0,
+        allow_hyphen_values = true
+    )]
+    pub default_priority: i32,
+
+    /// InferenceObjective priorities without Kubernetes (standalone), or as a base
+    /// the watched objectives override: `name=priority[,name=priority...]`.
+    #[arg(long, env = "KVPICK_INFERENCE_OBJECTIVES", default_value = "")]
+    pub inference_objectives: String,
+
+    /// Watch the pool namespace's InferenceObjectives (`llm-d.ai/v1alpha2` and
+    /// `inference.networking.x-k8s.io/v1alpha2`) in Kubernetes pool mode.
+    #[arg(long, env = "KVPICK_WATCH_INFERENCE_OBJECTIVES", default_value_t = true,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub watch_inference_objectives: bool,
+
+    /// Flow control: longest a request waits in a queue, in ms (then 429).
+    #[arg(long, env = "KVPICK_FLOW_CONTROL_TTL_MS", default_value_t = 60_000)]
+    pub flow_control_ttl_ms: u64,
+
+    /// Flow control: most requests queued in one priority band (then 429).
+    #[arg(
+        long,
+        env = "KVPICK_FLOW_CONTROL_MAX_BAND_REQUESTS",
+        default_value_t = 5000
+    )]
+    pub flow_control_max_band_requests: usize,
+
+    /// Flow control: most body bytes queued in one priority band (then 429).
+    #[arg(long, env = "KVPICK_FLOW_CONTROL_MAX_BAND_BYTES", default_value_t = 256 << 20)]
+    pub flow_control_max_band_bytes: usize,
+
+    /// Saturation: engine queue length at which a worker counts as full.
+    #[arg(
+        long,
+        env = "KVPICK_FLOW_CONTROL_QUEUE_DEPTH_THRESHOLD",
+        default_value_t = 5.0
+    )]
+    pub flow_control_queue_depth_threshold: f64,
+
+    /// Saturation: KV-cache usage (0..1) at which a worker counts as full.
+    #[arg(
+        long,
+        env = "KVPICK_FLOW_CONTROL_KV_CACHE_UTIL_THRESHOLD",
+        default_value_t = 0.8
+    )]
+    pub flow_control_kv_cache_util_threshold: f64,
+
+    /// Saturation: requests kvpick has in flight on one worker rank at which it
+    /// counts as full (0: booked load left out).
+    #[arg(
+        long,
+        env = "KVPICK_FLOW_CONTROL_MAX_IN_FLIGHT_PER_RANK",
+        default_value_t = 100
+    )]
+    pub flow_control_max_in_flight_per_rank: u32,
+
+    /// Flow control: how often (ms) saturation is re-read while requests wait.
+    #[arg(
+        long,
+        env = "KVPICK_FLOW_CONTROL_DISPATCH_INTERVAL_MS",
+        default_value_t = 5
+    )]
+    pub flow_control_dispatch_interval_ms: u64,
 }
 
 fn parse_vision_family(s: &str) -> Result<crate::multimodal::VisionFamily, String> {
@@ -501,10 +630,24 @@ impl Args {
             index: IndexConfig {
                 default_capacity: self.prefix_capacity_blocks,
                 ttl: (self.prefix_ttl_secs > 0).then(|| Duration::from_secs(self.prefix_ttl_secs)),
+                default_precise_limit: self.prefix_precise_max_blocks,
+                precise_slack: self.prefix_precise_slack.max(1.0),
             },
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
             vision: self.vision_prompt().map(|v| v.model),
+            session_max_entries: self.session_max_entries.max(1),
+            session_token_max_lifetime: Duration::from_secs(
+                self.session_token_max_lifetime_secs.max(1),
+            ),
+            default_osl_tokens: self.default_osl_tokens,
+            sglang_bootstrap_port: (self.sglang_bootstrap_port != 0)
+                .then_some(self.sglang_bootstrap_port),
+            health: crate::health::HealthConfig {
+                failures: self.eject_after_failures.max(1),
+                base_ejection: Duration::from_millis(self.eject_base_ms),
+                max_ejection: Duration::from_millis(self.eject_max_ms.max(self.eject_base_ms)),
+            },
         }
     }
 
@@ -558,6 +701,24 @@ impl Args {
         }
     }
 
+    /// The admission settings these flags describe.
+    pub fn admission(&self) -> crate::admission::AdmissionConfig {
+        crate::admission::AdmissionConfig {
+            enabled: self.flow_control,
+            default_priority: self.default_priority,
+            ttl: Duration::from_millis(self.flow_control_ttl_ms),
+            max_band_requests: self.flow_control_max_band_requests,
+            max_band_bytes: self.flow_control_max_band_bytes,
+            dispatch_interval: Duration::from_millis(self.flow_control_dispatch_interval_ms.max(1)),
+            saturation: crate::admission::SaturationConfig {
+                queue_depth_threshold: self.flow_control_queue_depth_threshold,
+                kv_cache_util_threshold: self.flow_control_kv_cache_util_threshold,
+                max_in_flight_per_rank: self.flow_control_max_in_flight_per_rank,
+                metrics_staleness: self.scrape_staleness(),
+            },
+        }
+    }
+
     /// The ext_proc handler settings these flags describe.
     pub fn ext_proc(&self) -> ExtProcConfig {
         ExtProcConfig {
@@ -585,6 +746,45 @@ mod tests {
         assert!(!a.secure_serving);
         let a = Args::try_parse_from(["kvpick", "--secure-serving"]).unwrap();
         assert!(a.secure_serving);
+    }
+
+    #[test]
+    fn flow_control_is_off_by_default_and_flags_map_to_config() {
+        let a = Args::try_parse_from(["kvpick"]).unwrap();
+        let c = a.admission();
+        let d = crate::admission::AdmissionConfig::default();
+        assert!(!c.enabled);
+        assert_eq!(
+            (c.ttl, c.max_band_requests, c.max_band_bytes),
+            (d.ttl, d.max_band_requests, d.max_band_bytes)
+        );
+        assert_eq!(
+            c.saturation.queue_depth_threshold,
+            d.saturation.queue_depth_threshold
+        );
+        assert_eq!(
+            c.saturation.kv_cache_util_threshold,
+            d.saturation.kv_cache_util_threshold
+        );
+        assert_eq!(
+            c.saturation.max_in_flight_per_rank,
+            d.saturation.max_in_flight_per_rank
+        );
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--flow-control",
+            "--default-priority",
+            "-1",
+            "--flow-control-ttl-ms=1500",
+            "--inference-objectives=chat=10,batch=-1",
+        ])
+        .unwrap();
+        let c = a.admission();
+        assert!(c.enabled);
+        assert_eq!(c.default_priority, -1);
+        assert_eq!(c.ttl, Duration::from_millis(1500));
+        let o = crate::admission::priority::parse_objectives(&a.inference_objectives).unwrap();
+        assert_eq!(o.get("batch"), Some(&-1));
     }
 
     #[test]

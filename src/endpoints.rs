@@ -17,6 +17,8 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::sync::watch;
 
+use crate::health::PassiveHealth;
+
 /// What a worker does in a (possibly disaggregated) pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -154,6 +156,21 @@ pub struct EndpointState {
     pub endpoint: Endpoint,
     in_flight: Box<[AtomicU32]>,
     scraped: Mutex<Option<ScrapedLoad>>,
+    /// When the latest scrape failed, if it did (cleared by a successful one).
+    scrape_failed: Mutex<Option<Instant>>,
+    health: PassiveHealth,
+}
+
+/// What the scheduler knows of a worker's scraped load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LoadView {
+    /// A recent successful scrape.
+    Fresh(ScrapedLoad),
+    /// The scrape is stale or failing: the worker may be hung or dead. The last
+    /// figures, if any, are a floor, never a better estimate.
+    Suspect(Option<ScrapedLoad>),
+    /// Never scraped yet (just discovered, or scraping is off).
+    Unknown,
 }
 
 impl EndpointState {
@@ -162,6 +179,8 @@ impl EndpointState {
         EndpointState {
             in_flight: (0..ranks).map(|_| AtomicU32::new(0)).collect(),
             scraped: Mutex::new(None),
+            scrape_failed: Mutex::new(None),
+            health: PassiveHealth::default(),
             endpoint,
         }
     }
@@ -208,6 +227,30 @@ impl EndpointState {
     /// Records freshly scraped load.
     pub fn set_scraped(&self, load: ScrapedLoad) {
         *self.scraped.lock() = Some(load);
+        *self.scrape_failed.lock() = None;
+    }
+
+    /// Records a failed scrape at `at`: the load turns suspect at once.
+    pub fn set_scrape_failed(&self, at: Instant) {
+        *self.scrape_failed.lock() = Some(at);
+    }
+
+    /// The scraped load as the scheduler should see it at `now`.
+    pub fn load_view(&self, now: Instant, max_age: std::time::Duration) -> LoadView {
+        let load = *self.scraped.lock();
+        let failing = self.scrape_failed.lock().is_some();
+        match load {
+            Some(l) if !failing && now.saturating_duration_since(l.at) <= max_age => {
+                LoadView::Fresh(l)
+            }
+            None if !failing => LoadView::Unknown,
+            last => LoadView::Suspect(last),
+        }
+    }
+
+    /// The passive health record fed by the response path.
+    pub fn health(&self) -> &PassiveHealth {
+        &self.health
     }
 
     /// Scraped load if it is younger than `max_age` at `now`.
@@ -374,6 +417,36 @@ mod tests {
         // An out-of-range rank is ignored rather than panicking.
         drop(state.begin_request(7));
         assert_eq!(state.in_flight_total(), 0);
+    }
+
+    #[test]
+    fn a_failing_or_stale_scrape_is_suspect_never_fresh() {
+        let state = EndpointState::new(ep("10.0.0.1:8000"));
+        let t0 = Instant::now();
+        let max_age = std::time::Duration::from_secs(5);
+        assert_eq!(state.load_view(t0, max_age), LoadView::Unknown);
+        let load = ScrapedLoad {
+            queue: 1.0,
+            running: 2.0,
+            kv_usage: 0.5,
+            block_size: None,
+            num_blocks: None,
+            at: t0,
+        };
+        state.set_scraped(load);
+        assert_eq!(state.load_view(t0, max_age), LoadView::Fresh(load));
+        let later = t0 + std::time::Duration::from_secs(6);
+        assert_eq!(
+            state.load_view(later, max_age),
+            LoadView::Suspect(Some(load))
+        );
+        state.set_scrape_failed(t0);
+        assert_eq!(state.load_view(t0, max_age), LoadView::Suspect(Some(load)));
+        state.set_scraped(load);
+        assert_eq!(state.load_view(t0, max_age), LoadView::Fresh(load));
+        let never = EndpointState::new(ep("10.0.0.2:8000"));
+        never.set_scrape_failed(t0);
+        assert_eq!(never.load_view(t0, max_age), LoadView::Suspect(None));
     }
 
     #[test]

@@ -372,6 +372,7 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
                         track.failing = false;
                     }
                     Err(e) => {
+                        state.set_scrape_failed(std::time::Instant::now());
                         if !track.failing {
                             warn!(endpoint = %addr, error = %e, "metrics scrape failed");
                         } else {

@@ -10,6 +10,8 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Server, ServerTlsConfig};
 use tracing::{info, warn};
 
+use crate::admission::metrics::AdmissionMetrics;
+use crate::admission::{AdmissionConfig, Gate, Objectives};
 use crate::config::Args;
 use crate::discovery;
 use crate::endpoints::EndpointTable;
@@ -55,6 +57,9 @@ pub enum ServeError {
     /// The tokenizer directory could not be loaded.
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] TokenizeError),
+    /// `--inference-objectives` is malformed.
+    #[error(transparent)]
+    Objectives(#[from] crate::admission::priority::ObjectiveSpecError),
     /// No endpoint source was configured.
     #[error(
         "no endpoint source: pass --pool-name NAME, --endpoint-selector K=V --endpoint-target-ports P, \
@@ -77,6 +82,10 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// In-process tokenizer for text prompts, when configured.
     pub tokenizer: Option<TokenizerPool>,
+    /// Admission and flow control (off until [`App::set_admission`] turns it on).
+    pub admission: Gate,
+    /// Flow-control and objective metrics.
+    pub admission_metrics: Arc<AdmissionMetrics>,
 }
 
 impl App {
@@ -90,12 +99,32 @@ impl App {
         let scheduler = Arc::new(Scheduler::new(scheduler));
         let metrics = Arc::new(Metrics::new(pool));
         metrics.register_scheduler(Arc::clone(&scheduler));
+        let admission_metrics = AdmissionMetrics::register(&metrics, pool);
+        let off = AdmissionConfig {
+            enabled: false,
+            ..AdmissionConfig::default()
+        };
+        let admission = Gate::new(off, Arc::default(), admission_metrics.clone());
+        admission_metrics.watch(&admission);
         App {
             endpoints: Arc::new(EndpointTable::new()),
             scheduler,
             metrics,
             tokenizer: None,
+            admission,
+            admission_metrics,
         }
+    }
+
+    /// Sets up admission with `config` over `objectives`.
+    pub fn set_admission(&mut self, config: AdmissionConfig, objectives: Arc<Objectives>) {
+        self.admission = Gate::new(config, objectives, self.admission_metrics.clone());
+        self.admission_metrics.watch(&self.admission);
+    }
+
+    /// Runs the flow-control dispatcher until the task is dropped.
+    pub fn spawn_admission(&self) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(self.admission.clone().run(Arc::clone(&self.endpoints)))
     }
 
     /// Starts precise mode: the KV-event ingest thread feeding the scheduler's
@@ -139,6 +168,8 @@ impl App {
             metrics: Arc::clone(&self.metrics),
             config,
             tokenizer: self.tokenizer.clone(),
+            admission: self.admission.clone(),
+            admission_metrics: Some(Arc::clone(&self.admission_metrics)),
         })
     }
 }
@@ -332,6 +363,11 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
         app.metrics
             .register_multimodal(Arc::default(), mm_routing(&args));
     }
+    let static_objectives =
+        crate::admission::priority::parse_objectives(&args.inference_objectives)?;
+    let objectives = Arc::new(Objectives::new(static_objectives.clone()));
+    app.set_admission(args.admission(), Arc::clone(&objectives));
+    let _admission = AbortOnDrop(app.spawn_admission());
     log_mm_routing(&args, image_token);
     let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
     let _kv_events = args.kv_events().map(|mut c| {
@@ -340,6 +376,7 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
     });
     app.metrics.set_scrape_staleness(args.scrape_staleness());
     let table = Arc::clone(&app.endpoints);
+    let mut _objective_watch: Option<AbortOnDrop> = None;
     let discovery = match source {
         EndpointSource::File(path) => tokio::spawn(async move {
             discovery::file::watch(path, table, Duration::from_secs(1))
@@ -348,6 +385,25 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
         }),
         EndpointSource::Kube { namespace, source } => {
             let client = kube_client(&args).await?;
+            if let (true, discovery::kube::Source::Pool { name, group }) =
+                (args.watch_inference_objectives, &source)
+            {
+                let pool = discovery::objective::PoolRef {
+                    name: name.clone(),
+                    group: match group {
+                        discovery::kube::PoolGroup::V1 => discovery::pool::GROUP_V1,
+                        discovery::kube::PoolGroup::V1Alpha2 => discovery::pool::GROUP_V1ALPHA2,
+                    }
+                    .to_string(),
+                };
+                _objective_watch = Some(AbortOnDrop(tokio::spawn(discovery::objective::run(
+                    client.clone(),
+                    namespace.clone(),
+                    pool,
+                    static_objectives,
+                    objectives,
+                ))));
+            }
             tokio::spawn(async move {
                 discovery::kube::run(client, &namespace, source, table)
                     .await

@@ -61,6 +61,21 @@ impl Collector for SchedulerCollector {
                 "Session requests re-picked because their bound worker was gone",
                 s.session_repicks.load(Ordering::Relaxed),
             ),
+            (
+                "kvpick_session_rehomes",
+                "Session turns whose worker was gone, forwarded to a new worker as an `open`",
+                s.session_rehomes.load(Ordering::Relaxed),
+            ),
+            (
+                "kvpick_session_evictions",
+                "Sessions evicted (least recently used) because the session table was full",
+                self.scheduler.sessions().evictions(),
+            ),
+            (
+                "kvpick_prefix_precise_dropped_blocks",
+                "KV-event stored blocks dropped because the worker rank was at its precise-entry cap",
+                self.scheduler.index().precise_dropped(),
+            ),
         ];
         for (name, help, v) in counters {
             let c = ConstCounter::new(v);
@@ -238,6 +253,8 @@ pub struct Metrics {
     pub streams: Gauge,
     /// Streams that ended in a panic (contained).
     pub stream_panics: Counter,
+    /// Endpoints ejected by passive health (failing responses).
+    pub endpoint_ejections: Counter,
 }
 
 impl Metrics {
@@ -307,6 +324,12 @@ impl Metrics {
             "ext_proc streams that ended in a contained panic",
             stream_panics.clone(),
         );
+        let endpoint_ejections = Counter::default();
+        registry.register(
+            "kvpick_endpoint_ejections",
+            "Times an endpoint was taken out of the candidate set for failing responses (5xx, connect failures)",
+            endpoint_ejections.clone(),
+        );
         Metrics {
             registry: parking_lot::Mutex::new(registry),
             pool_name: pool_name.to_string(),
@@ -321,6 +344,7 @@ impl Metrics {
             spoofed_headers,
             streams,
             stream_panics,
+            endpoint_ejections,
         }
     }
 
@@ -523,6 +547,9 @@ mod tests {
             "kvpick_prefix_blocks_queried_total 6",
             "kvpick_prefix_blocks_matched_total 3",
             "kvpick_session_repicks_total 0",
+            "kvpick_session_rehomes_total 0",
+            "kvpick_session_evictions_total 0",
+            "kvpick_prefix_precise_dropped_blocks_total 0",
             "kvpick_prefix_index_entries 3",
             "kvpick_session_bindings 0",
             "kvpick_scheduler_stage_duration_seconds_count{stage=\"lookup\"} 2",

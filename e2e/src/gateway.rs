@@ -709,11 +709,25 @@ impl Gateway {
             Err(e) => {
                 self.stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
                 warn!(%dest, error = %e, "upstream connect error");
-                return error_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "upstream_connect_error",
-                    &format!("upstream {dest}: {e}"),
-                );
+                // Envoy's router answers with a local 503, which runs through the
+                // ext_proc filter's response path like an upstream response.
+                let (parts, _) = Response::builder()
+                    .status(StatusCode::SERVICE_UNAVAILABLE)
+                    .header("content-type", "text/plain")
+                    .header("server", "envoy")
+                    .body(())
+                    .expect("static response parts are valid")
+                    .into_parts();
+                let body = Full::new(Bytes::from(format!(
+                    "upstream connect error or disconnect/reset before headers. \
+                     reset reason: connection failure ({dest}: {e})"
+                )));
+                return match self.response_path(s, parts, body).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        error_response(StatusCode::BAD_GATEWAY, "ext_proc_error", &e.to_string())
+                    }
+                };
             }
         };
         let (parts, upstream) = resp.into_parts();
@@ -727,12 +741,16 @@ impl Gateway {
         }
     }
 
-    async fn response_path(
+    async fn response_path<B>(
         &self,
         mut s: ExtProcStream,
         parts: http::response::Parts,
-        upstream: hyper::body::Incoming,
-    ) -> Result<Response<Body>, PickerFailure> {
+        upstream: B,
+    ) -> Result<Response<Body>, PickerFailure>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: std::fmt::Display,
+    {
         let mut headers = parts.headers;
         for h in HOP_BY_HOP {
             headers.remove(*h);

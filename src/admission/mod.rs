@@ -19,6 +19,7 @@
 //! no decode worker is never queued: the scheduler answers 503 for it, and 503
 //! stays reserved for that.
 
+pub mod metrics;
 pub mod priority;
 pub mod queue;
 pub mod saturation;
@@ -377,9 +378,12 @@ impl Gate {
     }
 
     fn go(&self, class: RequestClass) -> Verdict {
-        self.inner
-            .observer
-            .left(&class, Outcome::Dispatched, Duration::ZERO);
+        // Switched off, requests never pass through flow control (as in llm-d).
+        if self.inner.config.enabled {
+            self.inner
+                .observer
+                .left(&class, Outcome::Dispatched, Duration::ZERO);
+        }
         Verdict::Go(self.permit())
     }
 

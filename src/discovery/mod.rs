@@ -3,5 +3,6 @@
 
 pub mod file;
 pub mod kube;
+pub mod objective;
 pub mod pods;
 pub mod pool;

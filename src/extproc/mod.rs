@@ -21,6 +21,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
 
+use crate::admission::metrics::AdmissionMetrics;
+use crate::admission::Gate;
 use crate::endpoints::EndpointTable;
 use crate::scheduler::Scheduler;
 use crate::telemetry::Metrics;
@@ -64,6 +66,10 @@ pub struct Shared {
     /// In-process tokenizer (`--tokenizer-dir`): text prompts become token ids so
     /// their blocks match the engines' KV events.
     pub tokenizer: Option<crate::tokenize::TokenizerPool>,
+    /// Admission and flow control.
+    pub admission: Gate,
+    /// Objective metrics the stream records (request errors and durations).
+    pub admission_metrics: Option<Arc<AdmissionMetrics>>,
 }
 
 /// The ext_proc service.
@@ -177,10 +183,48 @@ async fn run_stream(
                 return;
             }
         }
+        if !wait_admission(&mut state, &mut inbound, &tx).await {
+            return;
+        }
         if state.is_done() {
             return;
         }
     }
+}
+
+/// Holds the stream's answer while its body waits in a flow-control queue. Envoy
+/// messages arriving meanwhile are handled after the verdict; if the stream goes
+/// away first, dropping the ticket takes the request out of its queue at once.
+/// False when the stream is over.
+async fn wait_admission(
+    state: &mut StreamState,
+    inbound: &mut Streaming<ProcessingRequest>,
+    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+) -> bool {
+    let Some(mut ticket) = state.take_ticket() else {
+        return true;
+    };
+    let mut held = Vec::new();
+    let verdict = loop {
+        tokio::select! {
+            verdict = ticket.wait() => break verdict,
+            next = inbound.next() => match next {
+                Some(Ok(msg)) => held.push(msg),
+                _ => return false,
+            },
+            _ = tx.closed() => return false,
+        }
+    };
+    drop(ticket);
+    if !send_all(tx, state.admitted(verdict)).await {
+        return false;
+    }
+    for msg in held {
+        if !send_all(tx, state.handle(msg)).await {
+            return false;
+        }
+    }
+    true
 }
 
 async fn send_all(

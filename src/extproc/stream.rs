@@ -18,6 +18,10 @@ use tracing::{debug, info, warn};
 
 use super::messages::{self, find_header, set_header, DESTINATION_KEY};
 use super::Shared;
+use crate::admission::priority::{FAIRNESS_ID_HEADER, OBJECTIVE_HEADER};
+use crate::admission::{
+    Permit, Rejection, RequestClass, RequestSignals, Ticket, Verdict, DROPPED_REASON_HEADER,
+};
 use crate::endpoints::{Engine, InFlightGuard};
 use crate::multimodal::hints;
 use crate::request::{self, ApiKind, InferenceRequest, Segment};
@@ -104,6 +108,10 @@ struct RequestMeta {
     session_token: Option<String>,
     /// Routing headers the client sent; removed unless kvpick sets them.
     spoofed: Vec<String>,
+    /// `x-gateway-inference-objective`.
+    objective: Option<String>,
+    /// `x-gateway-inference-fairness-id`.
+    fairness_id: Option<String>,
 }
 
 /// State of one ext_proc stream.
@@ -120,6 +128,18 @@ pub struct StreamState {
     routed: Option<Routed>,
     response_status: Option<u16>,
     tokenizing: Option<(InferenceRequest, RouteVia)>,
+    /// A body waiting in a flow-control queue.
+    admitting: Option<Admitting>,
+    /// The request's admission class, once its body is parsed.
+    class: Option<RequestClass>,
+    started: Instant,
+}
+
+/// A request held by flow control: routed once its ticket is answered.
+struct Admitting {
+    parsed: InferenceRequest,
+    via: RouteVia,
+    ticket: Option<Ticket>,
 }
 
 /// A request body waiting to be tokenized before it is routed.
@@ -157,6 +177,87 @@ impl StreamState {
             routed: None,
             response_status: None,
             tokenizing: None,
+            admitting: None,
+            class: None,
+            started: Instant::now(),
+        }
+    }
+
+    /// The flow-control ticket a body is queued on, if any; answer with
+    /// [`StreamState::admitted`] once it resolves. Dropping the ticket instead
+    /// (the stream went away) takes the request out of its queue.
+    pub fn take_ticket(&mut self) -> Option<Ticket> {
+        self.admitting.as_mut()?.ticket.take()
+    }
+
+    /// Routes the queued body once flow control lets it go, or answers 429.
+    pub fn admitted(&mut self, verdict: Result<Permit, Rejection>) -> Vec<ProcessingResponse> {
+        let Some(Admitting { parsed, via, .. }) = self.admitting.take() else {
+            return Vec::new();
+        };
+        match verdict {
+            Ok(permit) => {
+                let out = self.route(Some(&parsed), via);
+                drop(permit);
+                out
+            }
+            Err(why) => vec![self.shed(why)],
+        }
+    }
+
+    /// Passes a parsed body through admission, then routes it (or holds it, or sheds it).
+    fn admit(&mut self, parsed: InferenceRequest, via: RouteVia) -> Vec<ProcessingResponse> {
+        let meta = self.meta.as_ref();
+        let bytes = match &via {
+            RouteVia::Body { body, .. } => body.len(),
+            RouteVia::Headers => 0,
+        };
+        let class = self.shared.admission.classify(RequestSignals {
+            objective: meta.and_then(|m| m.objective.as_deref()),
+            fairness_id: meta.and_then(|m| m.fairness_id.as_deref()),
+            hint_priority: hint_priority(&parsed),
+            model: &parsed.model,
+            bytes,
+        });
+        self.class = Some(class.clone());
+        let snapshot = self.shared.endpoints.snapshot();
+        match self.shared.admission.admit(class, &snapshot) {
+            Verdict::Go(permit) => {
+                let out = self.route(Some(&parsed), via);
+                drop(permit);
+                out
+            }
+            Verdict::Wait(ticket) => {
+                debug!("pool saturated: request queued by flow control");
+                self.admitting = Some(Admitting {
+                    parsed,
+                    via,
+                    ticket: Some(ticket),
+                });
+                Vec::new()
+            }
+            Verdict::Reject(why) => vec![self.shed(why)],
+        }
+    }
+
+    /// 429 with a JSON body and the `x-llm-d-request-dropped-reason` header.
+    fn shed(&mut self, why: Rejection) -> ProcessingResponse {
+        info!(reason = why.reason(), "request shed by flow control");
+        self.record_error("ResourceExhausted");
+        let message = format!("{why} ({})", why.reason());
+        let mut out = self.reject(429, "rate_limit_exceeded", &message);
+        if let Some(envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response::ImmediateResponse(ir)) = &mut out.response {
+            ir.headers
+                .get_or_insert_with(Default::default)
+                .set_headers
+                .push(set_header(DROPPED_REASON_HEADER, why.reason()));
+        }
+        out
+    }
+
+    fn record_error(&self, code: &'static str) {
+        if let (Some(class), Some(m)) = (&self.class, &self.shared.admission_metrics) {
+            m.error(class, code);
         }
     }
 
@@ -187,7 +288,7 @@ impl StreamState {
             Ok(segments) => parsed.segments = segments,
             Err(e) => debug!(error = %e, "tokenization failed: routing on text blocks"),
         }
-        self.route(Some(&parsed), via)
+        self.admit(parsed, via)
     }
 
     /// True once nothing more will be answered on this stream.
@@ -263,6 +364,8 @@ impl StreamState {
             session_id: find_header(map, &cfg.session_header).filter(|s| !s.is_empty()),
             session_token: find_header(map, &cfg.session_token_header).filter(|s| !s.is_empty()),
             spoofed: spoofed_headers(map),
+            objective: find_header(map, OBJECTIVE_HEADER),
+            fairness_id: find_header(map, FAIRNESS_ID_HEADER),
         };
         if !meta.spoofed.is_empty() {
             info!(headers = ?meta.spoofed, "client sent routing headers; removing them");
@@ -330,22 +433,24 @@ impl StreamState {
     fn finish_request_body(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
         let body = std::mem::take(&mut self.body);
         let kind = self.meta.as_ref().and_then(|m| m.kind);
-        let parsed = match request::parse(&body, kind) {
+        let mut parsed = match request::parse(&body, kind) {
             Ok(p) => p,
             Err(e) => {
                 self.shared.metrics.record_result(RequestResult::BadRequest);
                 return vec![self.reject(400, "invalid_request_error", &e.to_string())];
             }
         };
-        // A client must not pick its worker through the body either.
-        let (body, rewritten) = if parsed.names_worker {
-            match request::strip_client_worker_fields(&body) {
-                Ok(clean) => (clean, true),
-                Err(e) => return vec![self.reject(400, "invalid_request_error", &e.to_string())],
-            }
-        } else {
-            (body, false)
-        };
+        // A client must not pick its worker through the body either: whenever the
+        // body has `nvext`, every copy of the worker fields is removed.
+        let (body, rewritten) =
+            match parsed.rewrite_body(&body, &request::NvExtEdit::strip_client_routing()) {
+                Ok(Some(clean)) => (clean, true),
+                Ok(None) => (body, false),
+                Err(e) => {
+                    self.shared.metrics.record_result(RequestResult::BadRequest);
+                    return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+                }
+            };
         let mm_hashes = hints::image_hashes(parsed.segments.iter().filter_map(|s| match s {
             Segment::Image(u) => Some(u.as_str()),
             _ => None,
@@ -364,7 +469,7 @@ impl StreamState {
             self.tokenizing = Some((parsed, via));
             return Vec::new();
         }
-        self.route(Some(&parsed), via)
+        self.admit(parsed, via)
     }
 
     fn route(
@@ -389,6 +494,7 @@ impl StreamState {
                     _ => RequestResult::NoEndpoint,
                 };
                 self.shared.metrics.record_result(result);
+                self.record_error("ServiceUnavailable");
                 warn!(error = %e, "no endpoint");
                 return vec![self.reject(503, "service_unavailable", &e.to_string())];
             }
@@ -403,6 +509,13 @@ impl StreamState {
             prefill = ?decision.prefill.as_ref().map(|p| p.endpoint.endpoint.instance_id),
             "routed"
         );
+        let via = match reopen_rehomed_session(parsed, &decision, via) {
+            Ok(via) => via,
+            Err(e) => {
+                self.shared.metrics.record_result(RequestResult::BadRequest);
+                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+            }
+        };
         let mut mutation = self.routing_mutation(&decision);
         let metadata = Some(messages::destination_metadata(&address));
         let guard = decision.begin();
@@ -489,8 +602,7 @@ impl StreamState {
                 &p.endpoint.endpoint.instance_id.to_string(),
             ));
             set.push(set_header(PREFILL_DP_RANK_HEADER, &p.rank.to_string()));
-            if let (Some(port), Some(room)) = (p.endpoint.endpoint.bootstrap_port, d.bootstrap_room)
-            {
+            if let (Some(port), Some(room)) = (d.bootstrap_port, d.bootstrap_room) {
                 set.push(set_header(
                     BOOTSTRAP_HOST_HEADER,
                     &p.endpoint.endpoint.address.ip().to_string(),
@@ -541,6 +653,9 @@ impl StreamState {
     fn on_response_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
         self.response_status =
             find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
+        if let (Some(status), Some(r)) = (self.response_status, &self.routed) {
+            self.record_health(&r.decision, status);
+        }
         // Only a successful response carries scheduler headers (a session token
         // must not pin a session to a worker that failed its turn).
         let ok = self
@@ -580,6 +695,23 @@ impl StreamState {
         out
     }
 
+    /// Passive health: the pod's (or Envoy's local) answer to a routed request.
+    fn record_health(&self, decision: &Decision, status: u16) {
+        if self
+            .shared
+            .scheduler
+            .record_response(decision, status, Instant::now())
+        {
+            self.shared.metrics.endpoint_ejections.inc();
+            warn!(
+                endpoint = %decision.decode.endpoint.endpoint.address,
+                status,
+                failures = decision.decode.endpoint.health().failures(),
+                "endpoint ejected after failing responses"
+            );
+        }
+    }
+
     /// The request has finished (response complete): release in-flight and tell the
     /// scheduler how it went.
     fn finish(&mut self) {
@@ -587,6 +719,9 @@ impl StreamState {
             self.shared
                 .scheduler
                 .finish(&r.decision, self.response_status);
+            if let (Some(class), Some(m)) = (&self.class, &self.shared.admission_metrics) {
+                m.finished(class, self.started.elapsed());
+            }
         }
         self.phase = Phase::Done;
     }
@@ -617,6 +752,54 @@ enum RouteVia {
         /// Identities of the request's images, handed to the chosen engine.
         mm_hashes: Vec<u64>,
     },
+}
+
+/// A re-homed session turn (its worker was gone) goes to the new worker as an
+/// `open` carrying the session's timeout, so that worker's sidecar opens the
+/// engine session (Dynamo's session contract; see [`crate::sessions`]).
+fn reopen_rehomed_session(
+    parsed: Option<&InferenceRequest>,
+    decision: &Decision,
+    via: RouteVia,
+) -> Result<RouteVia, request::RequestError> {
+    let (Some(parsed), Some(turn)) = (parsed, decision.session.as_ref()) else {
+        return Ok(via);
+    };
+    let RouteVia::Body {
+        body,
+        rewritten,
+        end_of_stream,
+        mm_hashes,
+    } = via
+    else {
+        return Ok(via);
+    };
+    if !turn.rehomed || parsed.session().is_none() {
+        return Ok(RouteVia::Body {
+            body,
+            rewritten,
+            end_of_stream,
+            mm_hashes,
+        });
+    }
+    let edit = request::NvExtEdit::default()
+        .session_action(request::SessionAction::Open)
+        .session_timeout(turn.timeout.as_secs());
+    let (body, rewritten) = match parsed.clone().rewrite_body(&body, &edit)? {
+        Some(reopened) => (reopened, true),
+        None => (body, rewritten),
+    };
+    Ok(RouteVia::Body {
+        body,
+        rewritten,
+        end_of_stream,
+        mm_hashes,
+    })
+}
+
+/// `nvext.agent_hints.priority` (the parser checks it is an i32).
+fn hint_priority(parsed: &InferenceRequest) -> Option<i32> {
+    parsed.nvext.agent_hints.as_ref()?.priority
 }
 
 fn spoofed_headers(map: Option<&HeaderMap>) -> Vec<String> {

@@ -10,7 +10,7 @@ use std::time::Instant;
 use rand::Rng;
 
 use super::{Scheduler, Target};
-use crate::endpoints::{EndpointState, WorkerKey};
+use crate::endpoints::{EndpointState, LoadView, WorkerKey};
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,8 +84,13 @@ impl Scheduler {
         let mut decode = active;
         let mut queue = 0.0;
         let mut kv = 0.0;
-        if let Some(s) = c.ep.scraped(now, self.config.scrape_max_age) {
-            let ranks = f64::from(c.ep.ranks());
+        let ranks = f64::from(c.ep.ranks());
+        let view = c.ep.load_view(now, self.config.scrape_max_age);
+        let scraped = match view {
+            LoadView::Fresh(s) | LoadView::Suspect(Some(s)) => Some(s),
+            LoadView::Suspect(None) | LoadView::Unknown => None,
+        };
+        if let Some(s) = scraped {
             let in_flight = f64::from(c.ep.in_flight(c.rank));
             let per_request = if in_flight > 0.0 {
                 active / in_flight
@@ -97,6 +102,15 @@ impl Scheduler {
             queue = s.queue / ranks * size;
             kv = s.kv_usage.clamp(0.0, 1.0) * size;
         }
+        if let LoadView::Suspect(_) = view {
+            // A stale or failing scrape never makes a worker cheaper: its last
+            // figures stand, with a full KV cache and one more queued request.
+            queue += size;
+            kv = size;
+        }
+        // Failed responses release their load at once; until a success, each one
+        // counts as a request of this size still running there.
+        decode += f64::from(c.ep.health().failures()) * size;
         w_prefill * new_blocks as f64 + w.decode * decode + w.queue * queue + w.kv_usage * kv
     }
 
@@ -125,12 +139,20 @@ impl Scheduler {
 /// costs scaled to [0, 1].
 pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) -> usize {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    if temperature > 0.0 && costs.len() > 1 {
-        let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if temperature > 0.0 && costs.len() > 1 && min.is_finite() {
+        // Only finite costs scale the span; an infinite (or NaN) cost gets weight 0.
+        let max = costs
+            .iter()
+            .copied()
+            .filter(|c| c.is_finite())
+            .fold(f64::NEG_INFINITY, f64::max);
         let span = if max > min { max - min } else { 1.0 };
         let weights: Vec<f64> = costs
             .iter()
-            .map(|c| (-(c - min) / span / temperature).exp())
+            .map(|&c| match c.is_finite() {
+                true => (-(c - min) / span / temperature).exp(),
+                false => 0.0,
+            })
             .collect();
         let total: f64 = weights.iter().sum();
         let mut x = rng.random::<f64>() * total;
@@ -140,7 +162,8 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
             }
             x -= w;
         }
-        return costs.len() - 1;
+        // Rounding left x ≥ 0 after the last weight: the last candidate with any.
+        return weights.iter().rposition(|w| *w > 0.0).unwrap_or(0);
     }
     let mut best = 0;
     let mut ties = 0u32;

@@ -7,7 +7,9 @@
 //!
 //! Stages of one pick (each timed in [`SchedulerStats`]):
 //! 1. session: a live binding (or a valid signed token) pins the request to its
-//!    (worker, rank) while that rank is ready; a gone worker is re-picked;
+//!    decode (worker, rank), and its prefill (worker, rank) in disaggregated
+//!    pools, while they are ready; a gone decode worker re-homes the session
+//!    (re-picked, forwarded as an `open`; see [`crate::sessions`]);
 //! 2. hash: the prompt becomes chained prefix block hashes ([`crate::kv::hash`]);
 //! 3. lookup: the prefix index says how many leading blocks each candidate holds;
 //! 4. score: a cost per candidate (see [`Weights`] and `docs/scheduling.md`), argmin
@@ -18,6 +20,8 @@
 
 mod cost;
 mod decision;
+#[cfg(test)]
+mod health_tests;
 mod pick;
 mod stats;
 #[cfg(test)]
@@ -36,10 +40,14 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 
 use crate::endpoints::{Snapshot, WorkerKey};
+use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
 use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
 use crate::request::InferenceRequest;
-use crate::sessions::SessionStore;
+use crate::sessions::{SessionConfig, SessionStore};
+
+/// SGLang's default disaggregation bootstrap port.
+pub const DEFAULT_SGLANG_BOOTSTRAP_PORT: u16 = 8998;
 
 /// Scheduler settings.
 #[derive(Debug, Clone)]
@@ -63,6 +71,18 @@ pub struct SchedulerConfig {
     /// Sizes images that reach the scheduler untokenized, for load and prefill
     /// cost (`None`: every image counts `multimodal::DEFAULT_IMAGE_TOKENS`).
     pub vision: Option<crate::multimodal::VisionModel>,
+    /// Most sessions held; past it the least recently used is evicted.
+    pub session_max_entries: usize,
+    /// Longest a session token stays valid after the turn that issued it.
+    pub session_token_max_lifetime: Duration,
+    /// Expected output tokens of a request without `nvext.agent_hints.osl`; the
+    /// expected decode blocks are added to the request's booked load.
+    pub default_osl_tokens: u32,
+    /// Bootstrap port of `sglang` prefill workers without a
+    /// `kvpick.io/bootstrap-port` annotation (SGLang's default is 8998).
+    pub sglang_bootstrap_port: Option<u16>,
+    /// Passive health: when failing responses eject an endpoint.
+    pub health: HealthConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -77,6 +97,11 @@ impl Default for SchedulerConfig {
             session_token_header: "x-kvpick-session".into(),
             session_key: Vec::new(),
             vision: None,
+            session_max_entries: SessionConfig::default().max_entries,
+            session_token_max_lifetime: SessionConfig::default().token_max_lifetime,
+            default_osl_tokens: 0,
+            sglang_bootstrap_port: Some(DEFAULT_SGLANG_BOOTSTRAP_PORT),
+            health: HealthConfig::default(),
         }
     }
 }
@@ -103,7 +128,11 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
-            sessions: SessionStore::new(config.session_key.clone()),
+            sessions: SessionStore::with_config(SessionConfig {
+                key: config.session_key.clone(),
+                max_entries: config.session_max_entries,
+                token_max_lifetime: config.session_token_max_lifetime,
+            }),
             active: DashMap::default(),
             stats: SchedulerStats::default(),
             config,
@@ -149,8 +178,22 @@ impl Scheduler {
     /// signed session token, for session turns other than `close`.
     pub fn response_headers(&self, decision: &Decision) -> Option<Vec<(String, String)>> {
         let turn = decision.session.as_ref()?;
-        let token = self.sessions.turn_token(turn, decision.decode.key())?;
+        let prefill = decision.prefill.as_ref().map(Target::key);
+        let token = self
+            .sessions
+            .turn_token(turn, decision.decode.key(), prefill)?;
         Some(vec![(self.config.session_token_header.clone(), token)])
+    }
+
+    /// The response of a routed request began with HTTP `status` (seen on the
+    /// response path): feeds the decode endpoint's passive health. Returns true
+    /// when this response ejected the endpoint.
+    pub fn record_response(&self, decision: &Decision, status: u16, now: Instant) -> bool {
+        decision.decode.endpoint.health().record(
+            Outcome::of_status(status),
+            now,
+            &self.config.health,
+        )
     }
 
     /// The request has finished; `status` is the response's HTTP status when one arrived.
@@ -160,13 +203,17 @@ impl Scheduler {
 
     /// [`Scheduler::finish`] at a given instant (tests drive the clock).
     pub fn finish_at(&self, decision: &Decision, status: Option<u16>, now: Instant) {
-        self.release(decision.decode.key(), decision.load_blocks);
+        self.release(
+            decision.decode.key(),
+            decision.load_blocks + decision.decode_blocks,
+        );
         if let Some(p) = &decision.prefill {
             self.release(p.key(), decision.load_blocks);
         }
         if let Some(turn) = &decision.session {
+            let prefill = decision.prefill.as_ref().map(Target::key);
             self.sessions
-                .settle(turn, decision.decode.key(), status, now);
+                .settle(turn, decision.decode.key(), prefill, status, now);
         }
     }
 

@@ -1,0 +1,164 @@
+//! Passive health and load staleness as the pick sees them.
+
+use std::time::{Duration, Instant};
+
+use super::cost::pick_index;
+use super::*;
+use crate::endpoints::{Endpoint, EndpointTable, ScrapedLoad};
+
+fn two() -> EndpointTable {
+    let t = EndpointTable::new();
+    t.replace(vec![
+        Endpoint::new("10.0.0.1:80".parse().unwrap()),
+        Endpoint::new("10.0.0.2:80".parse().unwrap()),
+    ]);
+    t
+}
+
+fn prompt() -> InferenceRequest {
+    crate::request::parse(br#"{"model": "m", "prompt": "hello there"}"#, None).unwrap()
+}
+
+/// A pick forced onto endpoint `i` with a subset hint.
+fn pick_on(
+    s: &Scheduler,
+    req: &PickRequest<'_>,
+    snap: &Snapshot,
+    i: usize,
+    now: Instant,
+) -> Decision {
+    let only = [snap.endpoints[i].endpoint.address_string()];
+    let forced = PickRequest {
+        subset: Some(&only),
+        ..*req
+    };
+    s.pick_at(&forced, snap, now).unwrap()
+}
+
+fn addr(d: &Decision) -> String {
+    d.decode.endpoint.endpoint.address_string()
+}
+
+#[test]
+fn an_endpoint_failing_responses_sits_out_a_growing_backoff() {
+    let s = Scheduler::default();
+    let t = two();
+    let snap = t.snapshot();
+    let body = prompt();
+    let req = PickRequest {
+        body: Some(&body),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut ejected = 0;
+    for _ in 0..HealthConfig::default().failures {
+        // Envoy's local reply when the pod refuses connections.
+        let on = pick_on(&s, &req, &snap, 0, t0);
+        ejected += usize::from(s.record_response(&on, 503, t0));
+        s.finish_at(&on, Some(503), t0);
+    }
+    assert_eq!(ejected, 1);
+    for _ in 0..50 {
+        let d = s
+            .pick_at(&req, &snap, t0 + Duration::from_millis(900))
+            .unwrap();
+        assert_eq!(addr(&d), "10.0.0.2:80");
+        s.finish_at(&d, Some(200), t0);
+    }
+    // Back on probation after 1 s; one more failure ejects it for 2 s.
+    let t1 = t0 + Duration::from_secs(1);
+    let probe = pick_on(&s, &req, &snap, 0, t1);
+    assert!(s.record_response(&probe, 502, t1));
+    s.finish_at(&probe, Some(502), t1);
+    for _ in 0..20 {
+        let d = s
+            .pick_at(&req, &snap, t1 + Duration::from_millis(1900))
+            .unwrap();
+        assert_eq!(addr(&d), "10.0.0.2:80");
+        s.finish_at(&d, Some(200), t1);
+    }
+    // Every endpoint ejected: all are tried rather than none.
+    for _ in 0..3 {
+        let on = pick_on(&s, &req, &snap, 1, t1);
+        s.record_response(&on, 500, t1);
+        s.finish_at(&on, Some(500), t1);
+    }
+    assert!(s.pick_at(&req, &snap, t1).is_ok());
+}
+
+#[test]
+fn failed_requests_do_not_make_a_worker_look_idle() {
+    let s = Scheduler::default();
+    let t = two();
+    let snap = t.snapshot();
+    let body = prompt();
+    let req = PickRequest {
+        body: Some(&body),
+        ..Default::default()
+    };
+    let now = Instant::now();
+    // One failure (below the ejection threshold) on the first endpoint.
+    let failed = pick_on(&s, &req, &snap, 0, now);
+    assert!(!s.record_response(&failed, 503, now));
+    s.finish_at(&failed, Some(503), now);
+    assert!(snap.endpoints[0].health().available(now));
+    for _ in 0..50 {
+        let d = s.pick_at(&req, &snap, now).unwrap();
+        assert_eq!(addr(&d), "10.0.0.2:80", "a failing worker looked idle");
+        s.record_response(&d, 200, now);
+        s.finish_at(&d, Some(200), now);
+    }
+}
+
+#[test]
+fn a_stale_or_failing_scrape_makes_an_endpoint_more_expensive() {
+    let s = Scheduler::default();
+    let t = two();
+    let snap = t.snapshot();
+    let body = prompt();
+    let req = PickRequest {
+        body: Some(&body),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let load = |queue: f64, kv_usage: f64, at: Instant| ScrapedLoad {
+        queue,
+        running: 0.0,
+        kv_usage,
+        block_size: None,
+        num_blocks: None,
+        at,
+    };
+    // The first endpoint was idle when last scraped, then its scrapes stopped.
+    snap.endpoints[0].set_scraped(load(0.0, 0.0, t0));
+    let later = t0 + Duration::from_secs(30);
+    snap.endpoints[1].set_scraped(load(0.5, 0.5, later));
+    for _ in 0..30 {
+        let d = s.pick_at(&req, &snap, later).unwrap();
+        assert_eq!(addr(&d), "10.0.0.2:80", "a stale scrape looked idle");
+        s.finish_at(&d, Some(200), later);
+    }
+    // A scrape that just failed counts the same, before the figures age out.
+    snap.endpoints[0].set_scraped(load(0.0, 0.0, later));
+    snap.endpoints[0].set_scrape_failed(later);
+    for _ in 0..30 {
+        let d = s.pick_at(&req, &snap, later).unwrap();
+        assert_eq!(addr(&d), "10.0.0.2:80", "a failing scrape looked idle");
+        s.finish_at(&d, Some(200), later);
+    }
+}
+
+#[test]
+fn one_infinite_cost_never_poisons_the_softmax() {
+    let mut rng = rand::rng();
+    let mut hits = [0usize; 3];
+    for _ in 0..3000 {
+        hits[pick_index(&[1.0, 2.0, f64::INFINITY], 0.5, &mut rng)] += 1;
+    }
+    assert_eq!(hits[2], 0, "{hits:?}");
+    assert!(hits[0] > hits[1] && hits[1] > 0, "{hits:?}");
+    for _ in 0..100 {
+        let i = pick_index(&[f64::NAN, 3.0, f64::INFINITY], 1.0, &mut rng);
+        assert_eq!(i, 1);
+    }
+}
