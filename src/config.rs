@@ -148,6 +148,30 @@ pub struct Args {
     #[arg(long, env = "KVPICK_SESSION_KEY", hide_env_values = true)]
     pub session_key: Option<String>,
 
+    /// Most sessions held in the session table; past it the least recently used
+    /// session is evicted (`kvpick_session_evictions_total`).
+    #[arg(long, env = "KVPICK_SESSION_MAX_ENTRIES", default_value_t = 100_000)]
+    pub session_max_entries: usize,
+
+    /// Longest a signed session token stays valid after the turn that issued it,
+    /// in seconds, whatever timeout the session asked for.
+    #[arg(
+        long,
+        env = "KVPICK_SESSION_TOKEN_MAX_LIFETIME_SECS",
+        default_value_t = 3600
+    )]
+    pub session_token_max_lifetime_secs: u64,
+
+    /// Expected output tokens of a request without `nvext.agent_hints.osl`; the
+    /// expected decode blocks count in the decode rank's booked load.
+    #[arg(long, env = "KVPICK_DEFAULT_OSL_TOKENS", default_value_t = 0)]
+    pub default_osl_tokens: u32,
+
+    /// Bootstrap port of `sglang` prefill pods without a `kvpick.io/bootstrap-port`
+    /// annotation (SGLang's default); 0 sends no bootstrap headers for them.
+    #[arg(long, env = "KVPICK_SGLANG_BOOTSTRAP_PORT", default_value_t = 8998)]
+    pub sglang_bootstrap_port: u16,
+
     /// Text prefix block size in bytes (about 4 bytes a token: 64 ≈ 16 tokens).
     #[arg(long, env = "KVPICK_PREFIX_BYTE_BLOCK", default_value_t = 64)]
     pub prefix_byte_block: usize,
@@ -567,6 +591,13 @@ impl Args {
             },
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
+            session_max_entries: self.session_max_entries.max(1),
+            session_token_max_lifetime: Duration::from_secs(
+                self.session_token_max_lifetime_secs.max(1),
+            ),
+            default_osl_tokens: self.default_osl_tokens,
+            sglang_bootstrap_port: (self.sglang_bootstrap_port != 0)
+                .then_some(self.sglang_bootstrap_port),
             health: crate::health::HealthConfig {
                 failures: self.eject_after_failures.max(1),
                 base_ejection: Duration::from_millis(self.eject_base_ms),

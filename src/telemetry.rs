@@ -62,6 +62,16 @@ impl Collector for SchedulerCollector {
                 s.session_repicks.load(Ordering::Relaxed),
             ),
             (
+                "kvpick_session_rehomes",
+                "Session turns whose worker was gone, forwarded to a new worker as an `open`",
+                s.session_rehomes.load(Ordering::Relaxed),
+            ),
+            (
+                "kvpick_session_evictions",
+                "Sessions evicted (least recently used) because the session table was full",
+                self.scheduler.sessions().evictions(),
+            ),
+            (
                 "kvpick_prefix_precise_dropped_blocks",
                 "KV-event stored blocks dropped because the worker rank was at its precise-entry cap",
                 self.scheduler.index().precise_dropped(),
@@ -474,6 +484,8 @@ mod tests {
             "kvpick_prefix_blocks_queried_total 6",
             "kvpick_prefix_blocks_matched_total 3",
             "kvpick_session_repicks_total 0",
+            "kvpick_session_rehomes_total 0",
+            "kvpick_session_evictions_total 0",
             "kvpick_prefix_precise_dropped_blocks_total 0",
             "kvpick_prefix_index_entries 3",
             "kvpick_session_bindings 0",

@@ -554,6 +554,13 @@ impl StreamState {
             prefill = ?decision.prefill.as_ref().map(|p| p.endpoint.endpoint.instance_id),
             "routed"
         );
+        let via = match reopen_rehomed_session(parsed, &decision, via) {
+            Ok(via) => via,
+            Err(e) => {
+                self.shared.metrics.record_result(RequestResult::BadRequest);
+                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+            }
+        };
         let mut mutation = self.routing_mutation(&decision);
         let metadata = Some(messages::destination_metadata(&address));
         let guard = decision.begin();
@@ -622,8 +629,7 @@ impl StreamState {
                 &p.endpoint.endpoint.instance_id.to_string(),
             ));
             set.push(set_header(PREFILL_DP_RANK_HEADER, &p.rank.to_string()));
-            if let (Some(port), Some(room)) = (p.endpoint.endpoint.bootstrap_port, d.bootstrap_room)
-            {
+            if let (Some(port), Some(room)) = (d.bootstrap_port, d.bootstrap_room) {
                 set.push(set_header(
                     BOOTSTRAP_HOST_HEADER,
                     &p.endpoint.endpoint.address.ip().to_string(),
@@ -773,6 +779,46 @@ enum RouteVia {
         rewritten: bool,
         end_of_stream: bool,
     },
+}
+
+/// A re-homed session turn (its worker was gone) goes to the new worker as an
+/// `open` carrying the session's timeout, so that worker's sidecar opens the
+/// engine session (Dynamo's session contract; see [`crate::sessions`]).
+fn reopen_rehomed_session(
+    parsed: Option<&InferenceRequest>,
+    decision: &Decision,
+    via: RouteVia,
+) -> Result<RouteVia, request::RequestError> {
+    let (Some(parsed), Some(turn)) = (parsed, decision.session.as_ref()) else {
+        return Ok(via);
+    };
+    let RouteVia::Body {
+        body,
+        rewritten,
+        end_of_stream,
+    } = via
+    else {
+        return Ok(via);
+    };
+    if !turn.rehomed || parsed.session().is_none() {
+        return Ok(RouteVia::Body {
+            body,
+            rewritten,
+            end_of_stream,
+        });
+    }
+    let edit = request::NvExtEdit::default()
+        .session_action(request::SessionAction::Open)
+        .session_timeout(turn.timeout.as_secs());
+    let (body, rewritten) = match parsed.clone().rewrite_body(&body, &edit)? {
+        Some(reopened) => (reopened, true),
+        None => (body, rewritten),
+    };
+    Ok(RouteVia::Body {
+        body,
+        rewritten,
+        end_of_stream,
+    })
 }
 
 /// `nvext.agent_hints.priority` (the parser checks it is an i32).
