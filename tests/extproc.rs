@@ -1098,8 +1098,8 @@ async fn a_body_over_the_budget_gets_429_and_the_server_keeps_serving() {
     };
     let srv = start_with(pool(2), config).await;
     let ch = channel(srv.port).await;
-    // A holds 768 KiB of an unfinished body.
-    let held = big_body(1 << 20);
+    // A holds 768 KiB of an unfinished 900 KiB body.
+    let held = big_body(900 << 10);
     let mut a = EnvoyStream::post(
         &ch,
         "/v1/completions",
