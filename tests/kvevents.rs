@@ -959,6 +959,29 @@ mod routing {
             assert_eq!(d.overlap_blocks, 4);
             app.scheduler.finish(&d, Some(200));
         }
+        // Dynamo's pre-tokenized prompt (`nvext.token_data`) is hashed instead of
+        // the text, so a chat request carrying those ids matches the events.
+        let body = serde_json::json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "text that tokenizes to something else"}],
+            "nvext": {"token_data": prompt},
+        })
+        .to_string();
+        let req = parse(body.as_bytes(), Some(ApiKind::Chat)).unwrap();
+        let pick = PickRequest {
+            body: Some(&req),
+            subset: None,
+            session_id: None,
+            session_token: None,
+        };
+        let d = app
+            .scheduler
+            .pick(&pick, &app.endpoints.snapshot())
+            .unwrap();
+        assert_eq!(d.decode.key(), key_b, "token_data ids match B's events");
+        assert_eq!(d.overlap_blocks, 4);
+        app.scheduler.finish(&d, Some(200));
+
         // A prompt nobody holds has no overlap anywhere.
         let other = parse(
             format!(r#"{{"model":"{MODEL}","prompt":[9,9,9,9,9,9,9,9]}}"#).as_bytes(),
