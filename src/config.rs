@@ -115,6 +115,17 @@ pub struct Args {
     #[arg(long, env = "KVPICK_BODY_WAIT_MS", default_value_t = 200)]
     pub body_wait_ms: u64,
 
+    /// Bytes of request bodies all streams together may buffer; a body that does
+    /// not fit gets a 429. Default: a quarter of the container memory limit
+    /// (cgroup `memory.max`), 1 GiB without one.
+    #[arg(long, env = "KVPICK_BODY_BUDGET_BYTES")]
+    pub body_budget_bytes: Option<usize>,
+
+    /// How long (ms) after the request headers the body must be complete; a body
+    /// still arriving then gets a 408.
+    #[arg(long, env = "KVPICK_BODY_DEADLINE_MS", default_value_t = 60_000)]
+    pub body_deadline_ms: u64,
+
     /// Request header carrying a session id (for clients that cannot edit the body).
     #[arg(long, env = "KVPICK_SESSION_HEADER", default_value = "x-session-id")]
     pub session_header: String,
@@ -724,6 +735,10 @@ impl Args {
         ExtProcConfig {
             max_body_bytes: self.max_body_bytes,
             body_wait: Duration::from_millis(self.body_wait_ms),
+            body_budget_bytes: self
+                .body_budget_bytes
+                .unwrap_or_else(crate::extproc::budget::default_budget_bytes),
+            body_deadline: Duration::from_millis(self.body_deadline_ms.max(1)),
             session_header: self.session_header.to_ascii_lowercase(),
             session_token_header: self.session_token_header.to_ascii_lowercase(),
         }

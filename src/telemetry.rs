@@ -249,6 +249,8 @@ pub struct Metrics {
     scrape_staleness: parking_lot::Mutex<Duration>,
     /// Requests whose client sent routing headers (removed).
     pub spoofed_headers: Counter,
+    /// Request bodies refused (429) because the buffered-body budget was full.
+    pub body_budget_rejections: Counter,
     /// Open ext_proc streams.
     pub streams: Gauge,
     /// Streams that ended in a panic (contained).
@@ -312,6 +314,12 @@ impl Metrics {
             "Requests that arrived with routing headers set by the client (removed)",
             spoofed_headers.clone(),
         );
+        let body_budget_rejections = Counter::default();
+        registry.register(
+            "kvpick_body_budget_rejections",
+            "Request bodies answered 429 because the process-wide buffered-body budget was full",
+            body_budget_rejections.clone(),
+        );
         let streams = Gauge::default();
         registry.register(
             "kvpick_ext_proc_streams",
@@ -342,6 +350,7 @@ impl Metrics {
             per_pod_queue,
             scrape_staleness: parking_lot::Mutex::new(Duration::from_secs(2)),
             spoofed_headers,
+            body_budget_rejections,
             streams,
             stream_panics,
             endpoint_ejections,

@@ -1006,3 +1006,157 @@ async fn session_turn_with_a_u64_max_timeout_is_a_400_not_a_crash() {
     let (_, r, _) = full_duplex(&ch, &chat_body("z"), &[], None).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
 }
+
+/// A completions body of about `bytes` bytes.
+fn big_body(bytes: usize) -> Vec<u8> {
+    format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(bytes)).into_bytes()
+}
+
+#[tokio::test]
+async fn oversized_bodies_get_413_in_every_body_mode() {
+    let cap = 5 << 20;
+    let config = ExtProcConfig {
+        max_body_bytes: cap,
+        ..Default::default()
+    };
+    let srv = start_with(pool(2), config).await;
+    let ch = channel(srv.port).await;
+    let over = big_body(cap + 1024);
+
+    // Full duplex: chunks without waiting; the one crossing the cap gets 413.
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    let chunks: Vec<&[u8]> = over.chunks(1 << 20).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        s.send(body_msg(c, i + 1 == chunks.len(), false)).await;
+    }
+    let (status, json) = immediate_status(&s.recv().await);
+    assert_eq!(status, 413);
+    assert!(json["error"]["message"].as_str().unwrap().contains("limit"));
+
+    // Buffered: one message above tonic's 4 MiB default still reaches kvpick.
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::Buffered),
+        None,
+    )
+    .await;
+    expect_request_headers(&s.recv().await);
+    s.send(body_msg(&over, true, false)).await;
+    assert_eq!(immediate_status(&s.recv().await).0, 413);
+
+    // Streamed: one answer per chunk until the cap is crossed.
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::Streamed),
+        None,
+    )
+    .await;
+    expect_request_headers(&s.recv().await);
+    let mut status = None;
+    for (i, c) in chunks.iter().enumerate() {
+        s.send(body_msg(c, i + 1 == chunks.len(), false)).await;
+        let msg = s.recv().await;
+        if let Some(processing_response::Response::ImmediateResponse(_)) = &msg.response {
+            status = Some(immediate_status(&msg).0);
+            break;
+        }
+    }
+    assert_eq!(status, Some(413));
+
+    // A buffered body above 4 MiB but within the cap is routed, not a gRPC error.
+    let fits = big_body(cap - 4096);
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::Buffered),
+        None,
+    )
+    .await;
+    expect_request_headers(&s.recv().await);
+    s.send(body_msg(&fits, true, false)).await;
+    let (r, _) = expect_request_body(&s.recv().await);
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+}
+
+#[tokio::test]
+async fn a_body_over_the_budget_gets_429_and_the_server_keeps_serving() {
+    let config = ExtProcConfig {
+        body_budget_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let srv = start_with(pool(2), config).await;
+    let ch = channel(srv.port).await;
+    // A holds 768 KiB of an unfinished 900 KiB body.
+    let held = big_body(900 << 10);
+    let mut a = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    a.send(body_msg(&held[..768 << 10], false, false)).await;
+    assert!(a.silent_for(100).await);
+    // B does not fit next to it.
+    let mut b = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    b.send(body_msg(&big_body(512 << 10), true, false)).await;
+    let (status, json) = immediate_status(&b.recv().await);
+    assert_eq!(status, 429);
+    assert!(json["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("budget"));
+    // Small requests still route, and A finishes normally.
+    let (_, r, _) = full_duplex(&ch, &chat_body("small"), &[], None).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+    a.send(body_msg(&held[768 << 10..], true, false)).await;
+    let r = expect_request_headers(&a.recv().await);
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+    assert_eq!(srv.app.metrics.body_budget_rejections.get(), 1);
+}
+
+#[tokio::test]
+async fn a_body_that_stops_arriving_gets_408() {
+    let config = ExtProcConfig {
+        body_deadline: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let srv = start_with(pool(2), config).await;
+    let ch = channel(srv.port).await;
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    s.send(body_msg(br#"{"model":"m","pro"#, false, false))
+        .await;
+    let (status, json) = immediate_status(&s.recv().await);
+    assert_eq!(status, 408);
+    assert_eq!(json["error"]["code"], 408);
+    // The server still serves.
+    let (_, r, _) = full_duplex(&ch, &chat_body("next"), &[], None).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+}

@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tracing::{debug, info, warn};
 
+use super::budget::Reservation;
 use super::messages::{self, find_header, set_header, DESTINATION_KEY};
 use super::Shared;
 use crate::admission::priority::{FAIRNESS_ID_HEADER, OBJECTIVE_HEADER};
@@ -112,6 +113,8 @@ struct RequestMeta {
     objective: Option<String>,
     /// `x-gateway-inference-fairness-id`.
     fairness_id: Option<String>,
+    /// `content-length`, when the client sent one.
+    content_length: Option<usize>,
 }
 
 /// State of one ext_proc stream.
@@ -124,6 +127,10 @@ pub struct StreamState {
     meta: Option<RequestMeta>,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
+    /// The buffered body's share of the process-wide budget.
+    reservation: Reservation,
+    /// When the request headers arrived (the body deadline counts from here).
+    headers_at: Option<Instant>,
     body_started: Option<Instant>,
     routed: Option<Routed>,
     response_status: Option<u16>,
@@ -164,6 +171,7 @@ struct Routed {
 impl StreamState {
     /// A fresh stream.
     pub fn new(shared: Arc<Shared>) -> Self {
+        let reservation = shared.body_budget.reservation();
         StreamState {
             shared,
             request_mode: BodyMode::Unknown,
@@ -173,6 +181,8 @@ impl StreamState {
             meta: None,
             subset: None,
             body: Vec::new(),
+            reservation,
+            headers_at: None,
             body_started: None,
             routed: None,
             response_status: None,
@@ -291,6 +301,26 @@ impl StreamState {
         self.admit(parsed, via)
     }
 
+    /// When the request body must be complete, while it is still arriving.
+    pub fn body_deadline(&self) -> Option<Instant> {
+        if self.phase != Phase::RequestBody {
+            return None;
+        }
+        Some(self.headers_at? + self.shared.config.body_deadline)
+    }
+
+    /// The body did not complete by [`StreamState::body_deadline`]: 408.
+    pub fn body_deadline_expired(&mut self) -> Vec<ProcessingResponse> {
+        if self.phase != Phase::RequestBody {
+            return Vec::new();
+        }
+        let msg = format!(
+            "request body not complete {} ms after its headers",
+            self.shared.config.body_deadline.as_millis()
+        );
+        vec![self.reject(408, "timeout", &msg)]
+    }
+
     /// True once nothing more will be answered on this stream.
     pub fn is_done(&self) -> bool {
         self.phase == Phase::Done
@@ -366,7 +396,9 @@ impl StreamState {
             spoofed: spoofed_headers(map),
             objective: find_header(map, OBJECTIVE_HEADER),
             fairness_id: find_header(map, FAIRNESS_ID_HEADER),
+            content_length: find_header(map, "content-length").and_then(|v| v.parse().ok()),
         };
+        self.headers_at = Some(Instant::now());
         if !meta.spoofed.is_empty() {
             info!(headers = ?meta.spoofed, "client sent routing headers; removing them");
             self.shared.metrics.spoofed_headers.inc();
@@ -404,6 +436,23 @@ impl StreamState {
                 self.shared.config.max_body_bytes
             );
             return vec![self.reject(413, "invalid_request_error", &msg)];
+        }
+        if !self.reservation.grow(b.body.len()) {
+            let budget = &self.shared.body_budget;
+            let msg = format!(
+                "kvpick is buffering {} of its {} byte request-body budget; this body does not fit, retry later",
+                budget.used(),
+                budget.limit()
+            );
+            self.shared.metrics.body_budget_rejections.inc();
+            return vec![self.reject(429, "rate_limit_exceeded", &msg)];
+        }
+        if self.body.is_empty() {
+            // One allocation of the announced size instead of doubling growth.
+            let announced = self.meta.as_ref().and_then(|m| m.content_length);
+            if let Some(n) = announced.filter(|n| *n <= self.shared.config.max_body_bytes) {
+                self.body.reserve_exact(n);
+            }
         }
         self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
@@ -477,6 +526,8 @@ impl StreamState {
         parsed: Option<&InferenceRequest>,
         via: RouteVia,
     ) -> Vec<ProcessingResponse> {
+        // The body leaves the stream's buffer with this answer.
+        self.reservation.release();
         let started = Instant::now();
         let snapshot = self.shared.endpoints.snapshot();
         let meta = self.meta.as_ref();
@@ -728,6 +779,8 @@ impl StreamState {
 
     fn reject(&mut self, status: u16, kind: &str, message: &str) -> ProcessingResponse {
         self.phase = Phase::Done;
+        self.body = Vec::new();
+        self.reservation.release();
         messages::immediate_error(status, kind, message)
     }
 }
