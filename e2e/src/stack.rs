@@ -43,18 +43,38 @@ pub enum StackError {
 
 /// Writes a standalone endpoints file (atomically: readers never see half a file).
 pub fn write_endpoints(path: &Path, endpoints: &[(SocketAddr, u64)]) -> std::io::Result<()> {
-    let plain: Vec<_> = endpoints.iter().map(|&(a, i)| (a, i, None)).collect();
-    write_endpoints_with_events(path, &plain)
+    let plain: Vec<_> = endpoints.iter().map(|&(a, id)| (a, id, None)).collect();
+    write_endpoints_with_roles(path, &plain)
+}
+
+/// [`write_endpoints`] with an optional `(role, engine)` per endpoint.
+pub fn write_endpoints_with_roles(
+    path: &Path,
+    endpoints: &[(SocketAddr, u64, Option<(&str, &str)>)],
+) -> std::io::Result<()> {
+    let mut yaml = String::from("endpoints:\n");
+    for (addr, id, role) in endpoints {
+        yaml.push_str(&format!("  - address: {addr}\n    instance_id: {id}\n"));
+        if let Some((role, engine)) = role {
+            yaml.push_str(&format!("    role: {role}\n    engine: {engine}\n"));
+        }
+    }
+    if endpoints.is_empty() {
+        yaml = "endpoints: []\n".into();
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, yaml)?;
+    std::fs::rename(&tmp, path)
 }
 
 /// An endpoints-file entry: address, instance id, and optionally the engine type
 /// and KV-event port.
-pub type EndpointEntry<'a> = (SocketAddr, u64, Option<(&'a str, u16)>);
+pub type EventsEntry<'a> = (SocketAddr, u64, Option<(&'a str, u16)>);
 
 /// [`write_endpoints`] with, per endpoint, the engine type and KV-event port.
 pub fn write_endpoints_with_events(
     path: &Path,
-    endpoints: &[EndpointEntry<'_>],
+    endpoints: &[EventsEntry<'_>],
 ) -> std::io::Result<()> {
     let mut yaml = String::from("endpoints:\n");
     for (addr, id, events) in endpoints {
@@ -322,6 +342,9 @@ pub struct StackOptions {
     pub subset: Option<Vec<usize>>,
     /// kvpick in precise mode (the workers publish KV events).
     pub precise: Option<Precise>,
+    /// `(role, engine)` of each worker in the endpoints file (disaggregated
+    /// pools); empty lists no roles.
+    pub roles: Vec<(&'static str, &'static str)>,
 }
 
 /// kvpick in precise mode: requests tokenized in-process, KV events from every
@@ -355,6 +378,7 @@ impl Default for StackOptions {
             tls_insecure: false,
             subset: None,
             precise: None,
+            roles: Vec::new(),
         }
     }
 }
@@ -393,15 +417,24 @@ impl Stack {
             workers.push(WorkerHandle::start(local, worker_config.clone()).await?);
         }
         let endpoints_file = dir.join("endpoints.yaml");
-        let engine = opts.precise.as_ref().map(|p| p.engine);
-        let listed: Vec<_> = workers
-            .iter()
-            .map(|w| {
-                let events = engine.zip(w.kv_events_port());
-                (w.addr(), w.instance_id(), events)
-            })
-            .collect();
-        write_endpoints_with_events(&endpoints_file, &listed)?;
+        if opts.precise.is_some() {
+            let engine = opts.precise.as_ref().map(|p| p.engine);
+            let listed: Vec<_> = workers
+                .iter()
+                .map(|w| {
+                    let events = engine.zip(w.kv_events_port());
+                    (w.addr(), w.instance_id(), events)
+                })
+                .collect();
+            write_endpoints_with_events(&endpoints_file, &listed)?;
+        } else {
+            let listed: Vec<_> = workers
+                .iter()
+                .enumerate()
+                .map(|(i, w)| (w.addr(), w.instance_id(), opts.roles.get(i).copied()))
+                .collect();
+            write_endpoints_with_roles(&endpoints_file, &listed)?;
+        }
         let (tls, ca) = match opts.tls {
             true => {
                 let (tls, pem) = kvpick::tls::self_signed(&["localhost"])?;
