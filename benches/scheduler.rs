@@ -197,6 +197,7 @@ fn bench_insert(c: &mut Criterion) {
     let idx = PrefixIndex::new(IndexConfig {
         default_capacity: 65_536,
         ttl: None,
+        ..IndexConfig::default()
     });
     let chains: Vec<Vec<u64>> = (0..64u64)
         .map(|w| {
@@ -228,6 +229,7 @@ fn report_memory() {
     let idx = PrefixIndex::new(IndexConfig {
         default_capacity: 1 << 20,
         ttl: None,
+        ..IndexConfig::default()
     });
     let now = Instant::now();
     let workers = 64u64;

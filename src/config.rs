@@ -156,6 +156,21 @@ pub struct Args {
     #[arg(long, env = "KVPICK_PREFIX_TTL_SECS", default_value_t = 900)]
     pub prefix_ttl_secs: u64,
 
+    /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
+    /// block count is scraped (then `num_gpu_blocks` × `--prefix-precise-slack`);
+    /// stores beyond the cap are dropped and counted.
+    #[arg(
+        long,
+        env = "KVPICK_PREFIX_PRECISE_MAX_BLOCKS",
+        default_value_t = 1_000_000
+    )]
+    pub prefix_precise_max_blocks: usize,
+
+    /// Precise prefix index: the cap per worker rank is the engine's scraped
+    /// `num_gpu_blocks` times this (at least 1).
+    #[arg(long, env = "KVPICK_PREFIX_PRECISE_SLACK", default_value_t = 1.5)]
+    pub prefix_precise_slack: f64,
+
     /// Cost weight per prompt block the candidate must still prefill.
     #[arg(long, env = "KVPICK_WEIGHT_PREFILL", default_value_t = 1.0)]
     pub weight_prefill: f64,
@@ -536,6 +551,8 @@ impl Args {
             index: IndexConfig {
                 default_capacity: self.prefix_capacity_blocks,
                 ttl: (self.prefix_ttl_secs > 0).then(|| Duration::from_secs(self.prefix_ttl_secs)),
+                default_precise_limit: self.prefix_precise_max_blocks,
+                precise_slack: self.prefix_precise_slack.max(1.0),
             },
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,

@@ -61,6 +61,11 @@ impl Collector for SchedulerCollector {
                 "Session requests re-picked because their bound worker was gone",
                 s.session_repicks.load(Ordering::Relaxed),
             ),
+            (
+                "kvpick_prefix_precise_dropped_blocks",
+                "KV-event stored blocks dropped because the worker rank was at its precise-entry cap",
+                self.scheduler.index().precise_dropped(),
+            ),
         ];
         for (name, help, v) in counters {
             let c = ConstCounter::new(v);
@@ -460,6 +465,7 @@ mod tests {
             "kvpick_prefix_blocks_queried_total 6",
             "kvpick_prefix_blocks_matched_total 3",
             "kvpick_session_repicks_total 0",
+            "kvpick_prefix_precise_dropped_blocks_total 0",
             "kvpick_prefix_index_entries 3",
             "kvpick_session_bindings 0",
             "kvpick_scheduler_stage_duration_seconds_count{stage=\"lookup\"} 2",

@@ -432,22 +432,24 @@ impl StreamState {
     fn finish_request_body(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
         let body = std::mem::take(&mut self.body);
         let kind = self.meta.as_ref().and_then(|m| m.kind);
-        let parsed = match request::parse(&body, kind) {
+        let mut parsed = match request::parse(&body, kind) {
             Ok(p) => p,
             Err(e) => {
                 self.shared.metrics.record_result(RequestResult::BadRequest);
                 return vec![self.reject(400, "invalid_request_error", &e.to_string())];
             }
         };
-        // A client must not pick its worker through the body either.
-        let (body, rewritten) = if parsed.names_worker {
-            match request::strip_client_worker_fields(&body) {
-                Ok(clean) => (clean, true),
-                Err(e) => return vec![self.reject(400, "invalid_request_error", &e.to_string())],
-            }
-        } else {
-            (body, false)
-        };
+        // A client must not pick its worker through the body either: whenever the
+        // body has `nvext`, every copy of the worker fields is removed.
+        let (body, rewritten) =
+            match parsed.rewrite_body(&body, &request::NvExtEdit::strip_client_routing()) {
+                Ok(Some(clean)) => (clean, true),
+                Ok(None) => (body, false),
+                Err(e) => {
+                    self.shared.metrics.record_result(RequestResult::BadRequest);
+                    return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+                }
+            };
         let via = RouteVia::Body {
             body,
             rewritten,

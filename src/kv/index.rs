@@ -1,10 +1,23 @@
 //! The prefix index: which (worker, dp rank) holds which prefix blocks.
 //!
-//! One index per pool. Blocks live in a sharded [`DashMap`] keyed by block hash, so
-//! a lookup only takes short read locks on the shards of the blocks it walks, and
-//! a writer only locks one shard per block it touches. Per-worker bookkeeping (LRU
-//! order, capacity, engine hashes) sits behind one small mutex per worker that
-//! lookups never take.
+//! One index per pool. Block hashes are chained (a block's hash names its whole
+//! prefix), so a block is found by its hash alone. Blocks live in **runs**: a run
+//! is a sequence of blocks stored together (one KV event, one routing decision)
+//! that every holder holds entirely, with one holder set for the whole run. Each
+//! (worker, rank) gets a dense slot number; a holder set is a sorted slot list, or
+//! a bitset once that is smaller ([`SlotSet`]). A map from block hash to (run,
+//! position) finds where a prompt's blocks are.
+//!
+//! A lookup probes the map for the prompt's first block, then compares the prompt
+//! with the run in place (no probe per block) until the run ends or differs, then
+//! probes again. At each run boundary it intersects the set of workers still
+//! matching with the new run's holders; a worker dropped there scores the blocks
+//! before it, and the walk stops when no worker is left. Its cost grows with the
+//! runs it crosses and the workers it reports, not with the holders per block.
+//!
+//! Writes split a run where holder sets start to differ (a worker storing part of
+//! a run, or losing one block of it): the shorter side moves, so splitting costs
+//! the smaller part. Runs are never merged again.
 //!
 //! Two ways in:
 //! - approximate mode ([`PrefixIndex::insert`]): each routing decision records the
@@ -12,21 +25,29 @@
 //!   in blocks) and a TTL keep the guess close to what the engine still holds;
 //! - precise mode ([`PrefixIndex::store_engine_blocks`],
 //!   [`PrefixIndex::remove_engine_blocks`]): the engine's KV events say exactly
-//!   what is stored and evicted; such entries have no LRU bound and no TTL.
+//!   what is stored and evicted; such entries have no TTL, and at most a per-worker
+//!   cap of them is kept ([`PrefixIndex::set_precise_limit`]): stores beyond it are
+//!   dropped and counted ([`PrefixIndex::precise_dropped`]), so a publisher
+//!   flooding `BlockStored` cannot grow the index without bound.
 //!
 //! A worker marked precise ([`PrefixIndex::set_precise`]) takes no approximate
 //! entries: its events are the truth.
+//!
+//! Concurrency: one reader-writer lock. Lookups share it; writers hold it for at
+//! most [`WRITE_CHUNK`] blocks at a time (large batches, worker clears and
+//! purges are cut into chunks), so a lookup waits behind ingest for at most one
+//! chunk, a few microseconds.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dashmap::DashMap;
-use parking_lot::Mutex;
+use parking_lot::RwLock;
 
 use crate::endpoints::WorkerKey;
+use crate::kv::slots::SlotSet;
 
 /// Default LRU bound per worker in blocks, when neither the engine's capacity nor
 /// a flag says otherwise (the GIE prefix plugin's default).
@@ -35,31 +56,17 @@ pub const DEFAULT_CAPACITY_BLOCKS: usize = 31_250;
 /// Default time an approximate entry stays valid after its last touch.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(900);
 
-/// Stamp of a precise entry: never expires.
-const PRECISE: u32 = u32::MAX;
+/// Default cap on a worker's precise entries until its engine's block count is known.
+pub const DEFAULT_PRECISE_LIMIT: usize = 1_000_000;
 
-/// Block hashes are already uniformly random: use them as their own hash.
-#[derive(Default)]
-struct IdHasher(u64);
+/// Default slack over an engine's block count for its precise cap.
+pub const DEFAULT_PRECISE_SLACK: f64 = 1.5;
 
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 << 8) | u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
+/// Blocks a writer handles per lock acquisition.
+pub const WRITE_CHUNK: usize = 64;
 
-type IdMap<V> = DashMap<u64, V, BuildHasherDefault<IdHasher>>;
-
-/// A fast hasher for small keys such as [`WorkerKey`] (FxHash's mixing step):
-/// lookups and load reads hash one key per candidate on every decision.
+/// A fast hasher for small keys such as [`WorkerKey`] and block hashes (FxHash's
+/// mixing step): every lookup and write hashes keys on the hot path.
 #[derive(Default)]
 pub struct KeyHasher(u64);
 
@@ -80,47 +87,58 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// Build-hasher for maps keyed by [`WorkerKey`].
+/// Build-hasher for maps keyed by [`WorkerKey`] or block hashes.
 pub type KeyHash = BuildHasherDefault<KeyHasher>;
 
-/// One (block, worker) entry.
+type Map<K, V> = HashMap<K, V, KeyHash>;
+
+/// Where a block lives: its run and its absolute position there.
 #[derive(Debug, Clone, Copy)]
-struct Holder {
-    instance_id: u64,
-    dp_rank: u32,
-    /// Seconds since the index was created at the last touch, or [`PRECISE`].
-    stamp: u32,
+struct Loc {
+    run: u32,
+    pos: u32,
 }
 
-impl Holder {
-    fn is(&self, w: WorkerKey) -> bool {
-        self.instance_id == w.instance_id && self.dp_rank == w.dp_rank
-    }
-    fn key(&self) -> WorkerKey {
-        WorkerKey {
-            instance_id: self.instance_id,
-            dp_rank: self.dp_rank,
-        }
+/// Consecutive blocks with one holder set.
+#[derive(Debug, Default)]
+struct Run {
+    /// Absolute position of `hashes[0]` (positions survive moves of the other side).
+    start: u32,
+    hashes: Vec<u64>,
+    holders: SlotSet,
+}
+
+impl Run {
+    fn end(&self) -> u32 {
+        self.start + self.hashes.len() as u32
     }
 }
 
 /// Per-worker bookkeeping.
 #[derive(Debug, Default)]
-struct WorkerBlocks {
-    /// Set when the worker was cleared and dropped from the map; writers retry.
-    removed: bool,
+struct Worker {
+    key: Option<WorkerKey>,
     capacity: Option<usize>,
+    precise_limit: Option<usize>,
     precise: bool,
     /// Approximate entries: hash → (sequence number of the last touch, stamp).
-    recency: HashMap<u64, (u64, u32)>,
+    recency: Map<u64, (u64, u32)>,
     /// Touch order, oldest first; entries whose sequence number is no longer the
     /// one in `recency` are stale and skipped.
     order: VecDeque<(u64, u64)>,
     next_seq: u64,
+    /// Stamp of the oldest live approximate entry (`u32::MAX`: none); stamps are
+    /// kept non-decreasing per worker.
+    oldest: u32,
+    last_stamp: u32,
     /// Precise entries: engine hash → kvpick hash.
-    engine: HashMap<u64, u64>,
-    /// Precise entries: kvpick hash → number of engine blocks naming it.
-    precise_refs: HashMap<u64, u32>,
+    engine: Map<u64, u64>,
+    /// Precise entries: extra engine blocks naming a kvpick hash already held
+    /// precisely (beyond the first); usually empty.
+    extra: Map<u64, u32>,
+    /// Approximate workers only: kvpick hashes held through a precise entry (a
+    /// precise worker's held hashes are exactly its run holdings).
+    precise_held: HashSet<u64, KeyHash>,
 }
 
 /// Settings of a [`PrefixIndex`].
@@ -130,6 +148,11 @@ pub struct IndexConfig {
     pub default_capacity: usize,
     /// How long an approximate entry stays valid after its last touch (`None`: forever).
     pub ttl: Option<Duration>,
+    /// Cap on a worker's precise entries until [`PrefixIndex::set_precise_limit`]
+    /// is called.
+    pub default_precise_limit: usize,
+    /// The precise cap from an engine's block count is that count times this.
+    pub precise_slack: f64,
 }
 
 impl Default for IndexConfig {
@@ -137,18 +160,30 @@ impl Default for IndexConfig {
         IndexConfig {
             default_capacity: DEFAULT_CAPACITY_BLOCKS,
             ttl: Some(DEFAULT_TTL),
+            default_precise_limit: DEFAULT_PRECISE_LIMIT,
+            precise_slack: DEFAULT_PRECISE_SLACK,
         }
     }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    blocks: Map<u64, Loc>,
+    runs: Vec<Run>,
+    free_runs: Vec<u32>,
+    slots: Map<WorkerKey, u32>,
+    workers: Vec<Worker>,
+    free_slots: Vec<u32>,
 }
 
 /// Which (worker, rank) holds which prefix blocks. Send + Sync; share it in an `Arc`.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    blocks: IdMap<Vec<Holder>>,
-    workers: DashMap<WorkerKey, Arc<Mutex<WorkerBlocks>>, KeyHash>,
+    inner: RwLock<Inner>,
     config: IndexConfig,
     base: Instant,
     entries: AtomicUsize,
+    precise_dropped: AtomicU64,
 }
 
 impl Default for PrefixIndex {
@@ -161,11 +196,11 @@ impl PrefixIndex {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Self {
         PrefixIndex {
-            blocks: IdMap::default(),
-            workers: DashMap::default(),
+            inner: RwLock::default(),
             config,
             base: Instant::now(),
             entries: AtomicUsize::new(0),
+            precise_dropped: AtomicU64::new(0),
         }
     }
 
@@ -180,26 +215,13 @@ impl PrefixIndex {
 
     fn stamp(&self, now: Instant) -> u32 {
         let secs = now.saturating_duration_since(self.base).as_secs();
-        secs.min(u64::from(PRECISE - 1)) as u32
+        secs.min(u64::from(u32::MAX - 1)) as u32
     }
 
     fn alive(&self, stamp: u32, now: u32) -> bool {
         match self.config.ttl {
-            _ if stamp == PRECISE => true,
             None => true,
             Some(ttl) => u64::from(now.saturating_sub(stamp)) < ttl.as_secs().max(1),
-        }
-    }
-
-    /// Runs `f` on the worker's bookkeeping under its lock, creating it if needed.
-    fn with_worker<R>(&self, worker: WorkerKey, mut f: impl FnMut(&mut WorkerBlocks) -> R) -> R {
-        loop {
-            let slot = Arc::clone(self.workers.entry(worker).or_default().value());
-            let mut w = slot.lock();
-            if w.removed {
-                continue;
-            }
-            return f(&mut w);
         }
     }
 
@@ -208,239 +230,341 @@ impl PrefixIndex {
     /// its expired ones. Does nothing for a precise worker.
     pub fn insert(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
         let stamp = self.stamp(now);
-        self.with_worker(worker, |w| {
+        let mut after = None;
+        for chunk in hashes.chunks(WRITE_CHUNK) {
+            let mut g = self.inner.write();
+            let slot = g.slot(worker);
+            let w = &mut g.workers[slot as usize];
             if w.precise {
                 return;
             }
-            for &h in hashes {
+            let stamp = stamp.max(w.last_stamp);
+            w.last_stamp = stamp;
+            let mut new = Vec::new();
+            for &h in chunk {
                 let seq = w.next_seq;
                 w.next_seq += 1;
                 let previous = w.recency.insert(h, (seq, stamp));
                 w.order.push_back((h, seq));
-                // A block touched again within the same stamp (second) already has a
-                // holder with this stamp (or a precise one): skip the shared map.
-                if previous.is_none_or(|(_, s)| s != stamp) {
-                    self.upsert_holder(h, worker, stamp);
+                if w.oldest == u32::MAX {
+                    w.oldest = stamp;
+                }
+                if previous.is_none() && !w.precise_held.contains(&h) {
+                    new.push(h);
                 }
             }
-            self.evict(worker, w, stamp);
-        });
+            g.add_holder_runs(&new, after, slot, &mut Vec::new(), &self.entries);
+            after = chunk.last().copied();
+        }
+        self.evict(worker, stamp);
     }
 
-    /// Adds or refreshes the (block, worker) holder; a precise stamp is never
-    /// downgraded by an approximate touch.
-    fn upsert_holder(&self, hash: u64, worker: WorkerKey, stamp: u32) {
-        let mut holders = self.blocks.entry(hash).or_default();
-        match holders.iter_mut().find(|x| x.is(worker)) {
-            Some(x) => {
-                if x.stamp != PRECISE {
-                    x.stamp = stamp;
+    /// Evicts `worker`'s approximate entries beyond its capacity and expired ones,
+    /// a chunk per lock acquisition.
+    fn evict(&self, worker: WorkerKey, now: u32) {
+        loop {
+            let mut g = self.inner.write();
+            let Some(&slot) = g.slots.get(&worker) else {
+                return;
+            };
+            let cap = g.workers[slot as usize]
+                .capacity
+                .unwrap_or(self.config.default_capacity);
+            let mut dropped = Vec::new();
+            let done = {
+                let w = &mut g.workers[slot as usize];
+                loop {
+                    if dropped.len() >= WRITE_CHUNK {
+                        break false;
+                    }
+                    let Some(&(h, seq)) = w.order.front() else {
+                        break true;
+                    };
+                    match w.recency.get(&h).copied() {
+                        Some((s, _)) if s != seq => {
+                            w.order.pop_front();
+                        }
+                        None => {
+                            w.order.pop_front();
+                        }
+                        Some((_, stamp)) if w.recency.len() > cap || !self.alive(stamp, now) => {
+                            w.order.pop_front();
+                            w.recency.remove(&h);
+                            if !w.precise_held.contains(&h) {
+                                dropped.push(h);
+                            }
+                        }
+                        Some(_) => break true,
+                    }
+                }
+            };
+            {
+                let w = &mut g.workers[slot as usize];
+                w.oldest = w
+                    .order
+                    .front()
+                    .and_then(|(h, _)| w.recency.get(h))
+                    .map_or(u32::MAX, |(_, s)| *s);
+                // Keep the stale tail of the order queue bounded.
+                if w.order.len() > 2 * w.recency.len() + 64 {
+                    let mut live: Vec<(u64, u64)> =
+                        w.recency.iter().map(|(h, (s, _))| (*h, *s)).collect();
+                    live.sort_unstable_by_key(|(_, s)| *s);
+                    w.order = live.into();
                 }
             }
-            None => {
-                holders.push(Holder {
-                    instance_id: worker.instance_id,
-                    dp_rank: worker.dp_rank,
-                    stamp,
-                });
-                self.entries.fetch_add(1, Ordering::Relaxed);
+            g.remove_holder_runs(&dropped, slot, &self.entries);
+            if done {
+                return;
             }
         }
     }
 
-    /// Removes the (block, worker) holder if present.
-    fn remove_holder(&self, hash: u64, worker: WorkerKey) {
-        let emptied = match self.blocks.get_mut(&hash) {
-            Some(mut holders) => {
-                if let Some(pos) = holders.iter().position(|x| x.is(worker)) {
-                    holders.swap_remove(pos);
-                    self.entries.fetch_sub(1, Ordering::Relaxed);
-                }
-                holders.is_empty()
-            }
-            None => false,
-        };
-        if emptied {
-            self.blocks.remove_if(&hash, |_, v| v.is_empty());
-        }
-    }
-
-    /// Drops one approximate entry of `w`; the holder goes unless a precise entry keeps it.
-    fn drop_approx(&self, worker: WorkerKey, w: &mut WorkerBlocks, hash: u64) {
-        w.recency.remove(&hash);
-        if !w.precise_refs.contains_key(&hash) {
-            self.remove_holder(hash, worker);
-        }
-    }
-
-    fn evict(&self, worker: WorkerKey, w: &mut WorkerBlocks, now: u32) {
-        let cap = w.capacity.unwrap_or(self.config.default_capacity);
-        while let Some(&(h, seq)) = w.order.front() {
-            let live = w.recency.get(&h).copied().filter(|(s, _)| *s == seq);
-            match live {
-                None => {
-                    w.order.pop_front();
-                }
-                Some((_, stamp)) if w.recency.len() > cap || !self.alive(stamp, now) => {
-                    w.order.pop_front();
-                    self.drop_approx(worker, w, h);
-                }
-                Some(_) => break,
-            }
-        }
-        // Keep the stale tail of the order queue bounded.
-        if w.order.len() > 2 * w.recency.len() + 64 {
-            let mut live: Vec<(u64, u64)> = w.recency.iter().map(|(h, (s, _))| (*h, *s)).collect();
-            live.sort_unstable_by_key(|(_, s)| *s);
-            w.order = live.into();
-        }
-    }
-
-    /// Precise mode: `worker` stored these blocks (engine hash, kvpick hash). The
-    /// engine hash is only kept to find the block again on removal.
+    /// Precise mode: `worker` stored these blocks (engine hash, kvpick hash), in
+    /// chain order. The engine hash is only kept to find the block again on removal.
+    /// Stores beyond the worker's precise cap are dropped and counted.
     pub fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant) {
         // Precise entries never expire: `now` is accepted for symmetry with `insert`.
         let _ = now;
-        self.with_worker(worker, |w| {
-            for &(engine, hash) in blocks {
-                if let Some(old) = w.engine.insert(engine, hash) {
-                    if old == hash {
+        let mut after = None;
+        for chunk in blocks.chunks(WRITE_CHUNK) {
+            let mut g = self.inner.write();
+            let slot = g.slot(worker);
+            let limit = g.workers[slot as usize]
+                .precise_limit
+                .unwrap_or(self.config.default_precise_limit);
+            let mut new = Vec::with_capacity(chunk.len());
+            // One bit per `hash % 64` of the hashes in `new`: skips most scans of it.
+            let mut in_new = 0u64;
+            let mut released = Vec::new();
+            let mut dropped = 0u64;
+            for &(engine, hash) in chunk {
+                let w = &mut g.workers[slot as usize];
+                let full = w.engine.len() >= limit;
+                match w.engine.entry(engine) {
+                    Entry::Occupied(o) if *o.get() == hash => continue,
+                    Entry::Occupied(mut o) => released.push(o.insert(hash)),
+                    Entry::Vacant(_) if full => {
+                        dropped += 1;
                         continue;
                     }
-                    self.release_precise(worker, w, old);
+                    Entry::Vacant(v) => {
+                        v.insert(hash);
+                    }
                 }
-                *w.precise_refs.entry(hash).or_insert(0) += 1;
-                self.upsert_holder(hash, worker, PRECISE);
+                if w.precise {
+                    // Held already (or twice in `new`): `add_holder_runs` says so.
+                    new.push(hash);
+                    continue;
+                }
+                // An approximate worker tracks precise holdings apart.
+                let bit = 1u64 << (hash % 64);
+                let queued = in_new & bit != 0 && new.contains(&hash);
+                if !w.precise_held.insert(hash) {
+                    *w.extra.entry(hash).or_insert(0) += 1;
+                } else if !(queued || g.holds(hash, slot)) {
+                    new.push(hash);
+                    in_new |= bit;
+                }
             }
-        });
+            if dropped > 0 {
+                self.precise_dropped.fetch_add(dropped, Ordering::Relaxed);
+            }
+            let mut held = Vec::new();
+            g.add_holder_runs(&new, after, slot, &mut held, &self.entries);
+            let w = &mut g.workers[slot as usize];
+            for h in held {
+                // A second engine block naming a hash this worker holds precisely.
+                *w.extra.entry(h).or_insert(0) += 1;
+            }
+            g.release_precise(slot, &released, &self.entries);
+            after = chunk.last().map(|(_, h)| *h);
+        }
     }
 
     /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones are ignored.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
-        if !self.workers.contains_key(&worker) {
-            return;
-        }
-        self.with_worker(worker, |w| {
-            for e in engine_hashes {
-                if let Some(hash) = w.engine.remove(e) {
-                    self.release_precise(worker, w, hash);
-                }
-            }
-        });
-    }
-
-    fn release_precise(&self, worker: WorkerKey, w: &mut WorkerBlocks, hash: u64) {
-        let Some(n) = w.precise_refs.get_mut(&hash) else {
-            return;
-        };
-        *n -= 1;
-        if *n > 0 {
-            return;
-        }
-        w.precise_refs.remove(&hash);
-        match w.recency.get(&hash) {
-            // An approximate entry remains: demote the holder to it.
-            Some(&(_, stamp)) => {
-                if let Some(mut holders) = self.blocks.get_mut(&hash) {
-                    if let Some(x) = holders.iter_mut().find(|x| x.is(worker)) {
-                        x.stamp = stamp;
-                    }
-                }
-            }
-            None => self.remove_holder(hash, worker),
+        for chunk in engine_hashes.chunks(WRITE_CHUNK) {
+            let mut g = self.inner.write();
+            let Some(&slot) = g.slots.get(&worker) else {
+                return;
+            };
+            let w = &mut g.workers[slot as usize];
+            let released: Vec<u64> = chunk.iter().filter_map(|e| w.engine.remove(e)).collect();
+            g.release_precise(slot, &released, &self.entries);
         }
     }
 
     /// Forgets everything `worker` holds (event gap, engine restart, reconnect,
-    /// endpoint gone). Its capacity and precise flag are forgotten too.
+    /// endpoint gone). Its capacity, precise cap and precise flag are forgotten too.
     pub fn clear_worker(&self, worker: WorkerKey) {
-        let Some(slot) = self.workers.get(&worker).map(|s| Arc::clone(s.value())) else {
-            return;
+        let (slot, hashes) = {
+            let mut g = self.inner.write();
+            let Some(slot) = g.slots.remove(&worker) else {
+                return;
+            };
+            let w = std::mem::take(&mut g.workers[slot as usize]);
+            let mut hashes: Vec<u64> = w.recency.into_keys().collect();
+            hashes.extend(w.engine.into_values());
+            (slot, hashes)
         };
-        let mut w = slot.lock();
-        let hashes: Vec<u64> = w
-            .recency
-            .keys()
-            .chain(w.precise_refs.keys())
-            .copied()
-            .collect();
-        for h in hashes {
-            self.remove_holder(h, worker);
+        // The slot has no key now (lookups skip it) and is reused only once empty.
+        for chunk in hashes.chunks(WRITE_CHUNK) {
+            self.inner
+                .write()
+                .remove_holder_runs(chunk, slot, &self.entries);
         }
-        *w = WorkerBlocks {
-            removed: true,
-            ..Default::default()
-        };
-        self.workers
-            .remove_if(&worker, |_, v| Arc::ptr_eq(v, &slot));
+        self.inner.write().free_slots.push(slot);
     }
 
     /// Marks `worker` as fed by KV events (precise) or not. Turning precise on drops
     /// its approximate entries.
     pub fn set_precise(&self, worker: WorkerKey, precise: bool) {
-        self.with_worker(worker, |w| {
-            if precise && !w.precise {
-                let hashes: Vec<u64> = w.recency.keys().copied().collect();
-                for h in hashes {
-                    self.drop_approx(worker, w, h);
-                }
-                w.order.clear();
+        let (slot, dropped) = {
+            let mut g = self.inner.write();
+            let slot = g.slot(worker);
+            let w = &mut g.workers[slot as usize];
+            if w.precise == precise {
+                return;
             }
             w.precise = precise;
-        });
+            if !precise {
+                // Track precise holdings apart from approximate ones from now on.
+                w.precise_held = w.engine.values().copied().collect();
+                return;
+            }
+            let precise_held = std::mem::take(&mut w.precise_held);
+            w.order.clear();
+            w.oldest = u32::MAX;
+            let dropped: Vec<u64> = w
+                .recency
+                .drain()
+                .map(|(h, _)| h)
+                .filter(|h| !precise_held.contains(h))
+                .collect();
+            (slot, dropped)
+        };
+        for chunk in dropped.chunks(WRITE_CHUNK) {
+            let mut g = self.inner.write();
+            if g.slots.get(&worker) != Some(&slot) {
+                return;
+            }
+            g.remove_holder_runs(chunk, slot, &self.entries);
+        }
     }
 
     /// Whether `worker` is fed by KV events.
     pub fn is_precise(&self, worker: WorkerKey) -> bool {
-        // Never lock a worker while holding a map shard (clear_worker does the reverse).
-        let slot = self.workers.get(&worker).map(|s| Arc::clone(s.value()));
-        slot.is_some_and(|w| w.lock().precise)
+        let g = self.inner.read();
+        g.slots
+            .get(&worker)
+            .is_some_and(|s| g.workers[*s as usize].precise)
     }
 
     /// Sets the LRU bound of `worker` in blocks (e.g. from the engine's
     /// `num_gpu_blocks`), evicting at once if it shrank.
     pub fn set_capacity(&self, worker: WorkerKey, blocks: usize) {
-        let now = self.stamp(Instant::now());
-        self.with_worker(worker, |w| {
-            if w.capacity != Some(blocks) {
-                w.capacity = Some(blocks);
-                self.evict(worker, w, now);
+        {
+            let g = self.inner.read();
+            if g.slots
+                .get(&worker)
+                .is_some_and(|s| g.workers[*s as usize].capacity == Some(blocks))
+            {
+                return;
             }
-        });
+        }
+        {
+            let mut g = self.inner.write();
+            let slot = g.slot(worker);
+            g.workers[slot as usize].capacity = Some(blocks);
+        }
+        self.evict(worker, self.stamp(Instant::now()));
+    }
+
+    /// Caps `worker`'s precise entries (e.g. the engine's `num_gpu_blocks` times a
+    /// slack). Entries already held stay; stores beyond the cap are dropped.
+    pub fn set_precise_limit(&self, worker: WorkerKey, blocks: usize) {
+        {
+            let g = self.inner.read();
+            if g.slots
+                .get(&worker)
+                .is_some_and(|s| g.workers[*s as usize].precise_limit == Some(blocks))
+            {
+                return;
+            }
+        }
+        let mut g = self.inner.write();
+        let slot = g.slot(worker);
+        g.workers[slot as usize].precise_limit = Some(blocks);
+    }
+
+    /// Caps `worker`'s precise entries from its engine's block count
+    /// (`num_gpu_blocks`, scraped or announced) times the configured slack.
+    pub fn set_engine_blocks(&self, worker: WorkerKey, num_gpu_blocks: u64) {
+        let cap = (num_gpu_blocks as f64 * self.config.precise_slack).ceil();
+        self.set_precise_limit(worker, cap.min(usize::MAX as f64) as usize);
+    }
+
+    /// Precise stores dropped because a worker was at its cap, since start.
+    pub fn precise_dropped(&self) -> u64 {
+        self.precise_dropped.load(Ordering::Relaxed)
+    }
+
+    /// Precise entries (engine blocks) `worker` holds.
+    pub fn precise_len(&self, worker: WorkerKey) -> usize {
+        let g = self.inner.read();
+        g.slots
+            .get(&worker)
+            .map_or(0, |s| g.workers[*s as usize].engine.len())
+    }
+
+    /// Every worker holding the first block of `hashes`, with how many leading
+    /// blocks it holds (counting stops at its first miss); workers holding none are
+    /// left out. Order is unspecified.
+    pub fn matches(&self, hashes: &[u64], now: Instant) -> Vec<(WorkerKey, usize)> {
+        let now = self.stamp(now);
+        let g = self.inner.read();
+        let mut out = Vec::new();
+        g.walk(hashes, &mut out);
+        out.into_iter()
+            .filter_map(|(slot, depth)| {
+                let w = &g.workers[slot as usize];
+                let key = w.key?;
+                let depth = self.visible_depth(w, hashes, depth as usize, now);
+                (depth > 0).then_some((key, depth))
+            })
+            .collect()
+    }
+
+    /// `depth` corrected for expired approximate entries the walk counted (only
+    /// when `w` has some, i.e. before the next purge).
+    fn visible_depth(&self, w: &Worker, hashes: &[u64], depth: usize, now: u32) -> usize {
+        if w.oldest == u32::MAX || self.alive(w.oldest, now) {
+            return depth;
+        }
+        hashes[..depth]
+            .iter()
+            .take_while(|h| {
+                w.precise_held.contains(h)
+                    || w.recency.get(h).is_some_and(|(_, s)| self.alive(*s, now))
+            })
+            .count()
     }
 
     /// For each candidate, how many leading blocks of `hashes` it holds (counting
     /// stops at its first miss). Candidates should be distinct.
     pub fn lookup(&self, hashes: &[u64], candidates: &[WorkerKey], now: Instant) -> Vec<usize> {
         let mut counts = vec![0usize; candidates.len()];
-        if candidates.is_empty() {
+        if candidates.is_empty() || hashes.is_empty() {
             return counts;
         }
-        let now = self.stamp(now);
-        let pos: HashMap<WorkerKey, usize, KeyHash> = candidates
-            .iter()
-            .enumerate()
-            .map(|(i, k)| (*k, i))
-            .collect();
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(holders) = self.blocks.get(h) else {
-                break;
-            };
-            let mut any = false;
-            for x in holders.iter() {
-                if !self.alive(x.stamp, now) {
-                    continue;
-                }
-                if let Some(&c) = pos.get(&x.key()) {
-                    if counts[c] == i {
-                        counts[c] = i + 1;
-                        any = true;
-                    }
-                }
-            }
-            if !any {
-                break;
-            }
+        let found = self.matches(hashes, now);
+        if found.is_empty() {
+            return counts;
+        }
+        let by_key: Map<WorkerKey, usize> = found.into_iter().collect();
+        for (c, k) in counts.iter_mut().zip(candidates) {
+            *c = by_key.get(k).copied().unwrap_or(0);
         }
         counts
     }
@@ -448,22 +572,22 @@ impl PrefixIndex {
     /// Drops expired approximate entries of every worker (lookups already ignore them).
     pub fn purge_expired(&self, now: Instant) {
         let now = self.stamp(now);
-        let workers: Vec<(WorkerKey, Arc<Mutex<WorkerBlocks>>)> = self
-            .workers
-            .iter()
-            .map(|e| (*e.key(), Arc::clone(e.value())))
-            .collect();
-        for (key, slot) in workers {
-            let mut w = slot.lock();
-            if !w.removed {
-                self.evict(key, &mut w, now);
-            }
+        let expired: Vec<WorkerKey> = {
+            let g = self.inner.read();
+            g.workers
+                .iter()
+                .filter(|w| w.oldest != u32::MAX && !self.alive(w.oldest, now))
+                .filter_map(|w| w.key)
+                .collect()
+        };
+        for key in expired {
+            self.evict(key, now);
         }
     }
 
     /// Workers the index holds anything about.
     pub fn workers(&self) -> Vec<WorkerKey> {
-        self.workers.iter().map(|e| *e.key()).collect()
+        self.inner.read().slots.keys().copied().collect()
     }
 
     /// Indexed (block, worker) entries.
@@ -476,26 +600,340 @@ impl PrefixIndex {
         self.len() == 0
     }
 
+    /// Runs (stretches of blocks sharing a holder set) in the index.
+    pub fn runs(&self) -> usize {
+        let g = self.inner.read();
+        g.runs.len() - g.free_runs.len()
+    }
+
     /// Estimated heap bytes held by the index (walks it; for metrics and benches).
     pub fn memory_bytes(&self) -> usize {
         use std::mem::size_of;
-        // hashbrown: one control byte per bucket besides the slot.
-        let slot = size_of::<(u64, Vec<Holder>)>() + 1;
-        let mut bytes = self.blocks.capacity() * slot;
-        for e in self.blocks.iter() {
-            bytes += e.value().capacity() * size_of::<Holder>();
+        fn table<K, V>(capacity: usize) -> usize {
+            // hashbrown: one control byte per bucket besides the slot.
+            capacity * (size_of::<(K, V)>() + 1)
         }
-        let slots: Vec<Arc<Mutex<WorkerBlocks>>> =
-            self.workers.iter().map(|e| Arc::clone(e.value())).collect();
-        for slot in slots {
-            let w = slot.lock();
-            bytes += size_of::<WorkerBlocks>()
-                + w.recency.capacity() * (size_of::<(u64, (u64, u32))>() + 1)
+        let g = self.inner.read();
+        let mut bytes = table::<u64, Loc>(g.blocks.capacity())
+            + g.runs.capacity() * size_of::<Run>()
+            + table::<WorkerKey, u32>(g.slots.capacity())
+            + g.workers.capacity() * size_of::<Worker>();
+        for r in &g.runs {
+            bytes += r.hashes.capacity() * 8
+                + match &r.holders {
+                    SlotSet::Few(v) => v.capacity() * 4,
+                    SlotSet::Many { words, .. } => words.capacity() * 8,
+                };
+        }
+        for w in &g.workers {
+            bytes += table::<u64, (u64, u32)>(w.recency.capacity())
                 + w.order.capacity() * size_of::<(u64, u64)>()
-                + w.engine.capacity() * (size_of::<(u64, u64)>() + 1)
-                + w.precise_refs.capacity() * (size_of::<(u64, u32)>() + 1);
+                + table::<u64, u64>(w.engine.capacity())
+                + table::<u64, u32>(w.extra.capacity())
+                + table::<u64, ()>(w.precise_held.capacity());
         }
         bytes
+    }
+}
+
+impl Inner {
+    /// The slot of `key`, allocating one if needed.
+    fn slot(&mut self, key: WorkerKey) -> u32 {
+        if let Some(s) = self.slots.get(&key) {
+            return *s;
+        }
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                self.workers.push(Worker::default());
+                (self.workers.len() - 1) as u32
+            }
+        };
+        self.workers[slot as usize] = Worker {
+            key: Some(key),
+            oldest: u32::MAX,
+            ..Default::default()
+        };
+        self.slots.insert(key, slot);
+        slot
+    }
+
+    /// Whether `slot` holds block `hash` (through any entry).
+    fn holds(&self, hash: u64, slot: u32) -> bool {
+        self.blocks
+            .get(&hash)
+            .is_some_and(|l| self.runs[l.run as usize].holders.contains(slot))
+    }
+
+    /// Drops one precise reference of `slot` to each hash; a block loses the holder
+    /// when its last reference goes and no approximate entry keeps it.
+    fn release_precise(&mut self, slot: u32, hashes: &[u64], entries: &AtomicUsize) {
+        let mut gone = Vec::new();
+        let w = &mut self.workers[slot as usize];
+        for &h in hashes {
+            if let Some(n) = w.extra.get_mut(&h) {
+                *n -= 1;
+                if *n == 0 {
+                    w.extra.remove(&h);
+                }
+                continue;
+            }
+            if !w.precise {
+                w.precise_held.remove(&h);
+                if w.recency.contains_key(&h) {
+                    // An approximate entry remains: the holder stays for it.
+                    continue;
+                }
+            }
+            gone.push(h);
+        }
+        self.remove_holder_runs(&gone, slot, entries);
+    }
+
+    fn new_run(&mut self, run: Run) -> u32 {
+        match self.free_runs.pop() {
+            Some(r) => {
+                self.runs[r as usize] = run;
+                r
+            }
+            None => {
+                self.runs.push(run);
+                (self.runs.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Splits `run` before absolute position `at` (strictly inside it), moving the
+    /// shorter side to a new run; returns (left, right) run ids.
+    fn split(&mut self, run: u32, at: u32) -> (u32, u32) {
+        let r = &mut self.runs[run as usize];
+        let left_len = (at - r.start) as usize;
+        let holders = r.holders.clone();
+        if left_len <= r.hashes.len() - left_len {
+            let hashes: Vec<u64> = r.hashes.drain(..left_len).collect();
+            let start = r.start;
+            r.start = at;
+            let moved = hashes.clone();
+            let id = self.new_run(Run {
+                start,
+                hashes,
+                holders,
+            });
+            for h in moved {
+                if let Some(l) = self.blocks.get_mut(&h) {
+                    l.run = id;
+                }
+            }
+            (id, run)
+        } else {
+            let hashes = r.hashes.split_off(left_len);
+            r.hashes.shrink_to_fit();
+            let moved = hashes.clone();
+            let id = self.new_run(Run {
+                start: at,
+                hashes,
+                holders,
+            });
+            for h in moved {
+                if let Some(l) = self.blocks.get_mut(&h) {
+                    l.run = id;
+                }
+            }
+            (run, id)
+        }
+    }
+
+    /// The run holding exactly positions `from..to` of `run`, splitting as needed.
+    fn isolate(&mut self, mut run: u32, from: u32, to: u32) -> u32 {
+        if from > self.runs[run as usize].start {
+            run = self.split(run, from).1;
+        }
+        if to < self.runs[run as usize].end() {
+            run = self.split(run, to).0;
+        }
+        run
+    }
+
+    /// Appends run `right` to the run of its chain predecessor `prev` when that
+    /// ends there with the same holders and `right` is not the longer one (writes
+    /// cut into chunks would otherwise leave a shared prefix in pieces).
+    fn merge_after(&mut self, prev: Loc, right: u32) {
+        let left = &self.runs[prev.run as usize];
+        let r = &self.runs[right as usize];
+        if prev.run == right
+            || prev.pos + 1 != left.end()
+            || r.hashes.len() > left.hashes.len()
+            || left.holders != r.holders
+        {
+            return;
+        }
+        let moved = std::mem::take(&mut self.runs[right as usize]);
+        let base = self.runs[prev.run as usize].end();
+        for (k, h) in moved.hashes.iter().enumerate() {
+            self.blocks.insert(
+                *h,
+                Loc {
+                    run: prev.run,
+                    pos: base + k as u32,
+                },
+            );
+        }
+        self.runs[prev.run as usize].hashes.extend(moved.hashes);
+        self.free_runs.push(right);
+    }
+
+    /// The longest stretch of `hashes` (from its start) lying at consecutive
+    /// positions of one run, starting at `loc`.
+    fn stretch(&self, loc: Loc, hashes: &[u64]) -> usize {
+        let r = &self.runs[loc.run as usize];
+        let i = (loc.pos - r.start) as usize;
+        hashes
+            .iter()
+            .zip(&r.hashes[i..])
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
+    /// Adds `slot` as holder of each block in `hashes` (in chain order, following
+    /// block `after`), creating the missing blocks. Blocks `slot` already holds go
+    /// to `held` (a block twice in `hashes` goes there once).
+    fn add_holder_runs(
+        &mut self,
+        hashes: &[u64],
+        after: Option<u64>,
+        slot: u32,
+        held: &mut Vec<u64>,
+        entries: &AtomicUsize,
+    ) {
+        let mut i = 0;
+        // Where the previous block of the chain lives, to append to its run.
+        let mut prev: Option<Loc> = after.and_then(|h| self.blocks.get(&h).copied());
+        while i < hashes.len() {
+            match self.blocks.get(&hashes[i]).copied() {
+                Some(loc) => {
+                    let n = self.stretch(loc, &hashes[i..]);
+                    let run = loc.run;
+                    if self.runs[run as usize].holders.contains(slot) {
+                        held.extend_from_slice(&hashes[i..i + n]);
+                    } else {
+                        let mid = self.isolate(run, loc.pos, loc.pos + n as u32);
+                        self.runs[mid as usize].holders.insert(slot);
+                        entries.fetch_add(n, Ordering::Relaxed);
+                        if let Some(p) = prev {
+                            self.merge_after(p, mid);
+                        }
+                    }
+                    i += n;
+                    let last = self.blocks[&hashes[i - 1]];
+                    prev = Some(last);
+                }
+                None => {
+                    let append = prev.filter(|p| {
+                        let r = &self.runs[p.run as usize];
+                        p.pos + 1 == r.end() && r.holders.is_only(slot)
+                    });
+                    let (run, first) = match append {
+                        Some(p) => (p.run, p.pos + 1),
+                        None => (
+                            self.new_run(Run {
+                                start: 0,
+                                hashes: Vec::with_capacity(hashes.len() - i),
+                                holders: SlotSet::one(slot),
+                            }),
+                            0,
+                        ),
+                    };
+                    // New blocks up to the first known one (or a repeat in `hashes`).
+                    let mut n = 0u32;
+                    for h in &hashes[i..] {
+                        match self.blocks.entry(*h) {
+                            Entry::Occupied(_) => break,
+                            Entry::Vacant(v) => {
+                                v.insert(Loc {
+                                    run,
+                                    pos: first + n,
+                                });
+                                n += 1;
+                            }
+                        }
+                    }
+                    self.runs[run as usize]
+                        .hashes
+                        .extend_from_slice(&hashes[i..i + n as usize]);
+                    entries.fetch_add(n as usize, Ordering::Relaxed);
+                    i += n as usize;
+                    prev = Some(Loc {
+                        run,
+                        pos: first + n - 1,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Removes `slot` as holder of each block in `hashes` it holds; blocks left
+    /// with no holder are forgotten.
+    fn remove_holder_runs(&mut self, hashes: &[u64], slot: u32, entries: &AtomicUsize) {
+        let mut i = 0;
+        while i < hashes.len() {
+            let Some(loc) = self.blocks.get(&hashes[i]).copied() else {
+                i += 1;
+                continue;
+            };
+            let n = self.stretch(loc, &hashes[i..]);
+            i += n;
+            if !self.runs[loc.run as usize].holders.contains(slot) {
+                continue;
+            }
+            let mid = self.isolate(loc.run, loc.pos, loc.pos + n as u32);
+            let r = &mut self.runs[mid as usize];
+            r.holders.remove(slot);
+            entries.fetch_sub(n, Ordering::Relaxed);
+            if r.holders.is_empty() {
+                let r = std::mem::take(r);
+                for h in &r.hashes {
+                    self.blocks.remove(h);
+                }
+                self.free_runs.push(mid);
+            }
+        }
+    }
+
+    /// Walks `hashes` run by run, pushing (slot, leading blocks held) for every
+    /// slot holding the first block.
+    fn walk(&self, hashes: &[u64], out: &mut Vec<(u32, u32)>) {
+        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
+            return;
+        };
+        let mut active = self.runs[first.run as usize].holders.clone();
+        let mut loc = *first;
+        let mut i = 1usize;
+        while i < hashes.len() {
+            let r = &self.runs[loc.run as usize];
+            let off = (loc.pos + 1 - r.start) as usize;
+            let same = hashes[i..]
+                .iter()
+                .zip(&r.hashes[off.min(r.hashes.len())..])
+                .take_while(|(a, b)| a == b)
+                .count();
+            i += same;
+            loc.pos += same as u32;
+            if i == hashes.len() {
+                break;
+            }
+            let Some(next) = self.blocks.get(&hashes[i]) else {
+                break;
+            };
+            if next.run != loc.run {
+                active.retain_in(&self.runs[next.run as usize].holders, i as u32, out);
+                if active.is_empty() {
+                    return;
+                }
+            }
+            loc = *next;
+            i += 1;
+        }
+        out.extend(active.iter().map(|s| (s, i as u32)));
     }
 }
 
@@ -504,6 +942,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::{HashMap, HashSet};
+    use std::sync::Arc;
 
     fn wk(i: u64) -> WorkerKey {
         WorkerKey {
@@ -518,6 +957,7 @@ mod tests {
             IndexConfig {
                 default_capacity: cap,
                 ttl: ttl_secs.map(Duration::from_secs),
+                ..IndexConfig::default()
             },
             base,
         );
@@ -588,6 +1028,77 @@ mod tests {
     }
 
     #[test]
+    fn dp_ranks_are_separate_holders() {
+        let (idx, t) = index(100, None);
+        let r0 = WorkerKey {
+            instance_id: 7,
+            dp_rank: 0,
+        };
+        let r1 = WorkerKey {
+            instance_id: 7,
+            dp_rank: 1,
+        };
+        idx.store_engine_blocks(r0, &[(1, 10), (2, 20)], t);
+        idx.store_engine_blocks(r1, &[(1, 10)], t);
+        assert_eq!(idx.lookup(&[10, 20], &[r0, r1], t), vec![2, 1]);
+        idx.clear_worker(r0);
+        assert_eq!(idx.lookup(&[10, 20], &[r0, r1], t), vec![0, 1]);
+    }
+
+    #[test]
+    fn shared_prefix_is_one_run_and_splits_on_partial_removal() {
+        let (idx, t) = index(100, None);
+        let prefix: Vec<u64> = (100..228).collect();
+        for w in 0..100 {
+            let blocks: Vec<(u64, u64)> = prefix.iter().map(|h| (*h, *h)).collect();
+            idx.store_engine_blocks(wk(w), &blocks, t);
+        }
+        assert_eq!(
+            idx.runs(),
+            1,
+            "one run, one holder set for 128 blocks × 100 workers"
+        );
+        assert_eq!(idx.len(), 12_800);
+        idx.remove_engine_blocks(wk(3), &[150]);
+        assert_eq!(idx.runs(), 3);
+        let all: Vec<WorkerKey> = (0..100).map(wk).collect();
+        let counts = idx.lookup(&prefix, &all, t);
+        assert_eq!(counts[3], 50);
+        assert!(counts.iter().enumerate().all(|(i, c)| i == 3 || *c == 128));
+        let mut m = idx.matches(&prefix, t);
+        m.sort_unstable();
+        assert_eq!(m.len(), 100);
+    }
+
+    #[test]
+    fn precise_cap_drops_and_counts_a_flood_of_stored_blocks() {
+        let (idx, t) = index(100, None);
+        let w = wk(1);
+        idx.set_precise(w, true);
+        idx.set_precise_limit(w, 1_000);
+        // A publisher flooding BlockStored: 50 events of 100 new blocks each.
+        for e in 0..50u64 {
+            let blocks: Vec<(u64, u64)> =
+                (0..100).map(|i| (e * 100 + i, mix(e * 100 + i))).collect();
+            idx.store_engine_blocks(w, &blocks, t);
+        }
+        assert_eq!(idx.precise_len(w), 1_000);
+        assert_eq!(idx.len(), 1_000);
+        assert_eq!(idx.precise_dropped(), 4_000);
+        // Evictions make room again.
+        let evicted: Vec<u64> = (0..100).collect();
+        idx.remove_engine_blocks(w, &evicted);
+        idx.store_engine_blocks(w, &[(9_999_999, 42)], t);
+        assert_eq!(idx.precise_len(w), 901);
+    }
+
+    fn mix(mut z: u64) -> u64 {
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    #[test]
     fn memory_estimate_grows_with_entries() {
         let (idx, t) = index(100_000, None);
         let empty = idx.memory_bytes();
@@ -603,6 +1114,7 @@ mod tests {
         Remove(u64, Vec<u64>),
         Clear(u64),
         Capacity(u64, usize),
+        Precise(u64, bool),
         Advance(u64),
         Lookup(Vec<u64>),
     }
@@ -616,6 +1128,7 @@ mod tests {
             1 => (w.clone(), prop::collection::vec(0u64..20, 1..4)).prop_map(|(w, v)| Op::Remove(w, v)),
             1 => w.clone().prop_map(Op::Clear),
             1 => (w.clone(), 1usize..8).prop_map(|(w, c)| Op::Capacity(w, c)),
+            1 => (w.clone(), any::<bool>()).prop_map(|(w, p)| Op::Precise(w, p)),
             1 => (0u64..6).prop_map(Op::Advance),
             3 => prop::collection::vec(h, 0..8).prop_map(Op::Lookup),
         ]
@@ -651,9 +1164,96 @@ mod tests {
         }
     }
 
+    fn apply(
+        idx: &PrefixIndex,
+        model: &mut HashMap<u64, Model>,
+        op: &Op,
+        base: Instant,
+        now: &mut u64,
+    ) -> Option<(Vec<usize>, Vec<usize>)> {
+        let at = base + Duration::from_secs(*now);
+        match op.clone() {
+            Op::Insert(w, hs) => {
+                idx.insert(wk(w), &hs, at);
+                let m = model.entry(w).or_default();
+                if !m.precise {
+                    for h in hs {
+                        m.lru.retain(|(x, _)| *x != h);
+                        m.lru.push((h, *now));
+                    }
+                    m.evict(*now);
+                }
+            }
+            Op::Store(w, bs) => {
+                idx.store_engine_blocks(wk(w), &bs, at);
+                let m = model.entry(w).or_default();
+                for (e, h) in bs {
+                    m.engine.insert(e, h);
+                }
+            }
+            Op::Remove(w, es) => {
+                idx.remove_engine_blocks(wk(w), &es);
+                if let Some(m) = model.get_mut(&w) {
+                    for e in es {
+                        m.engine.remove(&e);
+                    }
+                }
+            }
+            Op::Clear(w) => {
+                idx.clear_worker(wk(w));
+                model.remove(&w);
+            }
+            Op::Capacity(w, c) => {
+                idx.set_capacity(wk(w), c);
+                let m = model.entry(w).or_default();
+                m.capacity = Some(c);
+                // set_capacity evicts by size; expired entries are invisible anyway.
+                while m.lru.len() > c {
+                    m.lru.remove(0);
+                }
+            }
+            Op::Precise(w, p) => {
+                idx.set_precise(wk(w), p);
+                let m = model.entry(w).or_default();
+                if p && !m.precise {
+                    m.lru.clear();
+                }
+                m.precise = p;
+            }
+            Op::Advance(s) => *now += s,
+            Op::Lookup(hs) => {
+                let cands: Vec<WorkerKey> = (0..4).map(wk).collect();
+                let got = idx.lookup(&hs, &cands, at);
+                let want: Vec<usize> = (0..4u64)
+                    .map(|w| {
+                        let m = model.get(&w).cloned().unwrap_or_default();
+                        hs.iter().take_while(|h| m.holds(**h, *now)).count()
+                    })
+                    .collect();
+                return Some((got, want));
+            }
+        }
+        None
+    }
+
+    fn model_pairs(model: &HashMap<u64, Model>, now: u64) -> usize {
+        let mut pairs = HashSet::new();
+        for (w, m) in model {
+            for (h, t) in &m.lru {
+                if now - t < TTL {
+                    pairs.insert((*w, *h));
+                }
+            }
+            for h in m.engine.values() {
+                pairs.insert((*w, *h));
+            }
+        }
+        pairs.len()
+    }
+
     proptest! {
         #[test]
-        fn index_agrees_with_naive_model(ops in prop::collection::vec(op(), 1..60), precise_w in 0u64..5) {
+        fn index_agrees_with_naive_model(ops in prop::collection::vec(op(), 1..80), precise_w in 0u64..5) {
             let (idx, base) = index(CAP, Some(TTL));
             let mut model: HashMap<u64, Model> = HashMap::new();
             let mut now = 0u64;
@@ -662,77 +1262,119 @@ mod tests {
                 idx.set_precise(wk(precise_w), true);
                 model.entry(precise_w).or_default().precise = true;
             }
-            for op in ops {
-                let at = base + Duration::from_secs(now);
-                match op {
-                    Op::Insert(w, hs) => {
-                        idx.insert(wk(w), &hs, at);
-                        let m = model.entry(w).or_default();
-                        if !m.precise {
-                            for h in hs {
-                                m.lru.retain(|(x, _)| *x != h);
-                                m.lru.push((h, now));
-                            }
-                            m.evict(now);
-                        }
-                    }
-                    Op::Store(w, bs) => {
-                        idx.store_engine_blocks(wk(w), &bs, at);
-                        let m = model.entry(w).or_default();
-                        for (e, h) in bs {
-                            m.engine.insert(e, h);
-                        }
-                    }
-                    Op::Remove(w, es) => {
-                        idx.remove_engine_blocks(wk(w), &es);
-                        if let Some(m) = model.get_mut(&w) {
-                            for e in es {
-                                m.engine.remove(&e);
-                            }
-                        }
-                    }
-                    Op::Clear(w) => {
-                        idx.clear_worker(wk(w));
-                        model.remove(&w);
-                    }
-                    Op::Capacity(w, c) => {
-                        idx.set_capacity(wk(w), c);
-                        let m = model.entry(w).or_default();
-                        m.capacity = Some(c);
-                        // set_capacity evicts by size; expired entries are invisible anyway.
-                        let cap = c;
-                        while m.lru.len() > cap {
-                            m.lru.remove(0);
-                        }
-                    }
-                    Op::Advance(s) => now += s,
-                    Op::Lookup(hs) => {
-                        let cands: Vec<WorkerKey> = (0..4).map(wk).collect();
-                        let got = idx.lookup(&hs, &cands, at);
-                        let want: Vec<usize> = (0..4u64)
-                            .map(|w| {
-                                let m = model.get(&w).cloned().unwrap_or_default();
-                                hs.iter().take_while(|h| m.holds(**h, now)).count()
-                            })
-                            .collect();
-                        prop_assert_eq!(got, want);
-                    }
+            for op in &ops {
+                if let Some((got, want)) = apply(&idx, &mut model, op, base, &mut now) {
+                    prop_assert_eq!(got, want, "after {:?}", op);
                 }
             }
             // The entry count matches the distinct (block, worker) pairs still tracked.
             idx.purge_expired(base + Duration::from_secs(now));
-            let mut pairs = HashSet::new();
-            for (w, m) in &model {
-                for (h, t) in &m.lru {
-                    if now - t < TTL {
-                        pairs.insert((*w, *h));
-                    }
-                }
-                for h in m.engine.values() {
-                    pairs.insert((*w, *h));
+            prop_assert_eq!(idx.len(), model_pairs(&model, now));
+        }
+
+        /// Chains of distinct blocks (as real chained hashes are), long enough to
+        /// make runs split, append and move their shorter side.
+        #[test]
+        fn runs_agree_with_naive_model_on_chains(
+            ops in prop::collection::vec((0u64..3, 0u64..4, 0usize..40, 1usize..40, any::<bool>()), 1..40),
+        ) {
+            let (idx, base) = index(10_000, None);
+            let mut model: HashMap<u64, Model> = HashMap::new();
+            let mut now = 0;
+            for w in 0..3 {
+                idx.set_precise(wk(w), true);
+                model.entry(w).or_default().precise = true;
+            }
+            for (w, chain, from, len, store) in ops {
+                // Chain c is blocks c*1000 + 0..80; engine hash = block hash + 1.
+                let blocks: Vec<u64> = (from..(from + len).min(80)).map(|i| chain * 1000 + i as u64).collect();
+                let op = if store {
+                    Op::Store(w, blocks.iter().map(|h| (h + 1, *h)).collect())
+                } else {
+                    Op::Remove(w, blocks.iter().map(|h| h + 1).collect())
+                };
+                apply(&idx, &mut model, &op, base, &mut now);
+                for c in 0..4u64 {
+                    let q: Vec<u64> = (0..80).map(|i| c * 1000 + i).collect();
+                    let (got, want) = apply(&idx, &mut model, &Op::Lookup(q), base, &mut now).expect("lookup");
+                    prop_assert_eq!(got, want);
                 }
             }
-            prop_assert_eq!(idx.len(), pairs.len());
+            prop_assert_eq!(idx.len(), model_pairs(&model, now));
         }
+    }
+
+    /// Writers and readers at once: every worker keeps its first 25 blocks from
+    /// the start, so every lookup must count at least 25 for each; the final state
+    /// matches a sequential replay of each writer's steps.
+    #[test]
+    fn concurrent_writers_and_readers_agree_with_the_model() {
+        let idx = Arc::new(PrefixIndex::new(IndexConfig::default()));
+        let chain: Vec<u64> = (1..=300).collect();
+        let steps = |w: u64| -> Vec<(usize, usize)> {
+            (0..50u64)
+                .map(|round| {
+                    let n = 50 + ((round * 37 + w * 11) % 250) as usize;
+                    (n, n / 2)
+                })
+                .collect()
+        };
+        for w in 0..3u64 {
+            idx.set_precise(wk(w), true);
+            let blocks: Vec<(u64, u64)> = chain[..25].iter().map(|h| (*h, *h)).collect();
+            idx.store_engine_blocks(wk(w), &blocks, Instant::now());
+        }
+        let writers: Vec<_> = (0..3u64)
+            .map(|w| {
+                let idx = Arc::clone(&idx);
+                let chain = chain.clone();
+                let steps = steps(w);
+                std::thread::spawn(move || {
+                    for (n, keep) in steps {
+                        let blocks: Vec<(u64, u64)> = chain[..n].iter().map(|h| (*h, *h)).collect();
+                        idx.store_engine_blocks(wk(w), &blocks, Instant::now());
+                        let evict: Vec<u64> = chain[keep..n].iter().rev().copied().collect();
+                        idx.remove_engine_blocks(wk(w), &evict);
+                    }
+                })
+            })
+            .collect();
+        let reader = {
+            let idx = Arc::clone(&idx);
+            let chain = chain.clone();
+            std::thread::spawn(move || {
+                let cands: Vec<WorkerKey> = (0..3).map(wk).collect();
+                for _ in 0..2_000 {
+                    for c in idx.lookup(&chain, &cands, Instant::now()) {
+                        assert!((25..=300).contains(&c), "count {c}");
+                    }
+                }
+            })
+        };
+        for w in writers {
+            w.join().expect("writer");
+        }
+        reader.join().expect("reader");
+        let cands: Vec<WorkerKey> = (0..3).map(wk).collect();
+        let mut want = Vec::new();
+        let mut entries = 0;
+        for w in 0..3u64 {
+            let mut held: HashSet<u64> = chain[..25].iter().copied().collect();
+            for (n, keep) in steps(w) {
+                held.extend(&chain[..n]);
+                for h in &chain[keep..n] {
+                    held.remove(h);
+                }
+            }
+            want.push(chain.iter().take_while(|h| held.contains(h)).count());
+            entries += held.len();
+        }
+        assert_eq!(idx.lookup(&chain, &cands, Instant::now()), want);
+        assert_eq!(idx.len(), entries);
+        for w in 0..3 {
+            idx.clear_worker(wk(w));
+        }
+        assert!(idx.is_empty());
+        assert_eq!(idx.runs(), 0);
     }
 }

@@ -6,3 +6,4 @@
 
 pub mod hash;
 pub mod index;
+mod slots;

@@ -199,6 +199,7 @@ impl Scheduler {
                     let per_block = (self.config.byte_block / 4).max(1) as u64;
                     self.index
                         .set_capacity(c.key, (tokens / per_block) as usize);
+                    self.index.set_engine_blocks(c.key, n);
                 }
             }
             self.index.insert(c.key, hashes, now);

@@ -1,0 +1,29 @@
+//! `kvpick-anchors`: kvpick next to public anchors on identical workloads, every
+//! figure printed as a ratio to the anchor measured in the same run.
+//!
+//! One module per subcommand; this file only dispatches.
+
+mod index;
+mod measure;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// kvpick's prefix index next to Dynamo's `RadixTree` and
+    /// `ConcurrentRadixTreeCompressed` (through `ThreadPoolIndexer`).
+    Index(index::IndexArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Index(args) => index::run(args),
+    }
+}
