@@ -27,7 +27,7 @@ use kvpick::endpoints::{EndpointTable, Engine, WorkerKey};
 use kvpick::kv::index::{IndexConfig, PrefixIndex};
 use kvpick::kvevents::decode::{decode_batch, decode_seq, parse_topic};
 use kvpick::kvevents::Ingest;
-use kvpick::request::{self, ApiKind};
+use kvpick::request::{self, ApiKind, NvExtEdit};
 use kvpick::scheduler::Scheduler;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -92,10 +92,13 @@ fn run_body(input: &[u8]) -> String {
             format!("{}seg{}", r.segments.len().min(3), r.prompt_len().min(1))
         });
         if let Ok(r) = &parsed {
-            // What routing does with a parsed body: hash its blocks.
+            // What routing does with a parsed body: hash its blocks, strip the
+            // client's worker fields, and chain another edit on the result.
             let _ = Scheduler::default().block_hashes(r);
-            if r.names_worker {
-                let _ = request::strip_client_worker_fields(input);
+            let mut r = r.clone();
+            if let Ok(Some(body)) = r.rewrite_body(input, &NvExtEdit::strip_client_routing()) {
+                let edit = NvExtEdit::default().set("backend_instance_id", &7u64);
+                let _ = r.rewrite_body(&body, &edit);
             }
         }
     }

@@ -724,8 +724,7 @@ enum RouteVia {
 
 /// `nvext.agent_hints.priority`, when it is an i32.
 fn hint_priority(parsed: &InferenceRequest) -> Option<i32> {
-    let hints = parsed.nvext.agent_hints.as_ref()?;
-    i32::try_from(hints.get("priority")?.as_i64()?).ok()
+    parsed.nvext.agent_hints.as_ref()?.priority
 }
 
 fn spoofed_headers(map: Option<&HeaderMap>) -> Vec<String> {
