@@ -120,6 +120,17 @@ pub struct Args {
     #[arg(long, env = "KVPICK_BODY_WAIT_MS", default_value_t = 200)]
     pub body_wait_ms: u64,
 
+    /// Bytes of request bodies all streams together may buffer; a body that does
+    /// not fit gets a 429. Default: a quarter of the container memory limit
+    /// (cgroup `memory.max`), 1 GiB without one.
+    #[arg(long, env = "KVPICK_BODY_BUDGET_BYTES")]
+    pub body_budget_bytes: Option<usize>,
+
+    /// How long (ms) after the request headers the body must be complete; a body
+    /// still arriving then gets a 408.
+    #[arg(long, env = "KVPICK_BODY_DEADLINE_MS", default_value_t = 60_000)]
+    pub body_deadline_ms: u64,
+
     /// Request header carrying a session id (for clients that cannot edit the body).
     #[arg(long, env = "KVPICK_SESSION_HEADER", default_value = "x-session-id")]
     pub session_header: String,
@@ -141,6 +152,30 @@ pub struct Args {
     /// either, a random per-process key is used.
     #[arg(long, env = "KVPICK_SESSION_KEY", hide_env_values = true)]
     pub session_key: Option<String>,
+
+    /// Most sessions held in the session table; past it the least recently used
+    /// session is evicted (`kvpick_session_evictions_total`).
+    #[arg(long, env = "KVPICK_SESSION_MAX_ENTRIES", default_value_t = 100_000)]
+    pub session_max_entries: usize,
+
+    /// Longest a signed session token stays valid after the turn that issued it,
+    /// in seconds, whatever timeout the session asked for.
+    #[arg(
+        long,
+        env = "KVPICK_SESSION_TOKEN_MAX_LIFETIME_SECS",
+        default_value_t = 3600
+    )]
+    pub session_token_max_lifetime_secs: u64,
+
+    /// Expected output tokens of a request without `nvext.agent_hints.osl`; the
+    /// expected decode blocks count in the decode rank's booked load.
+    #[arg(long, env = "KVPICK_DEFAULT_OSL_TOKENS", default_value_t = 0)]
+    pub default_osl_tokens: u32,
+
+    /// Bootstrap port of `sglang` prefill pods without a `kvpick.io/bootstrap-port`
+    /// annotation (SGLang's default); 0 sends no bootstrap headers for them.
+    #[arg(long, env = "KVPICK_SGLANG_BOOTSTRAP_PORT", default_value_t = 8998)]
+    pub sglang_bootstrap_port: u16,
 
     /// Text prefix block size in bytes (about 4 bytes a token: 64 ≈ 16 tokens).
     #[arg(long, env = "KVPICK_PREFIX_BYTE_BLOCK", default_value_t = 64)]
@@ -561,6 +596,13 @@ impl Args {
             },
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
+            session_max_entries: self.session_max_entries.max(1),
+            session_token_max_lifetime: Duration::from_secs(
+                self.session_token_max_lifetime_secs.max(1),
+            ),
+            default_osl_tokens: self.default_osl_tokens,
+            sglang_bootstrap_port: (self.sglang_bootstrap_port != 0)
+                .then_some(self.sglang_bootstrap_port),
             health: crate::health::HealthConfig {
                 failures: self.eject_after_failures.max(1),
                 base_ejection: Duration::from_millis(self.eject_base_ms),
@@ -647,6 +689,10 @@ impl Args {
         ExtProcConfig {
             max_body_bytes: self.max_body_bytes,
             body_wait: Duration::from_millis(self.body_wait_ms),
+            body_budget_bytes: self
+                .body_budget_bytes
+                .unwrap_or_else(crate::extproc::budget::default_budget_bytes),
+            body_deadline: Duration::from_millis(self.body_deadline_ms.max(1)),
             session_header: self.session_header.to_ascii_lowercase(),
             session_token_header: self.session_token_header.to_ascii_lowercase(),
         }

@@ -168,10 +168,11 @@ impl App {
             endpoints: Arc::clone(&self.endpoints),
             scheduler: Arc::clone(&self.scheduler),
             metrics: Arc::clone(&self.metrics),
-            config,
             tokenizer: self.tokenizer.clone(),
             admission: self.admission.clone(),
             admission_metrics: Some(Arc::clone(&self.admission_metrics)),
+            body_budget: crate::extproc::budget::BodyBudget::new(config.body_budget_bytes),
+            config,
         })
     }
 }

@@ -62,6 +62,16 @@ impl Collector for SchedulerCollector {
                 s.session_repicks.load(Ordering::Relaxed),
             ),
             (
+                "kvpick_session_rehomes",
+                "Session turns whose worker was gone, forwarded to a new worker as an `open`",
+                s.session_rehomes.load(Ordering::Relaxed),
+            ),
+            (
+                "kvpick_session_evictions",
+                "Sessions evicted (least recently used) because the session table was full",
+                self.scheduler.sessions().evictions(),
+            ),
+            (
                 "kvpick_prefix_precise_dropped_blocks",
                 "KV-event stored blocks dropped because the worker rank was at its precise-entry cap",
                 self.scheduler.index().precise_dropped(),
@@ -176,6 +186,8 @@ pub struct Metrics {
     scrape_staleness: parking_lot::Mutex<Duration>,
     /// Requests whose client sent routing headers (removed).
     pub spoofed_headers: Counter,
+    /// Request bodies refused (429) because the buffered-body budget was full.
+    pub body_budget_rejections: Counter,
     /// Open ext_proc streams.
     pub streams: Gauge,
     /// Streams that ended in a panic (contained).
@@ -239,6 +251,12 @@ impl Metrics {
             "Requests that arrived with routing headers set by the client (removed)",
             spoofed_headers.clone(),
         );
+        let body_budget_rejections = Counter::default();
+        registry.register(
+            "kvpick_body_budget_rejections",
+            "Request bodies answered 429 because the process-wide buffered-body budget was full",
+            body_budget_rejections.clone(),
+        );
         let streams = Gauge::default();
         registry.register(
             "kvpick_ext_proc_streams",
@@ -269,6 +287,7 @@ impl Metrics {
             per_pod_queue,
             scrape_staleness: parking_lot::Mutex::new(Duration::from_secs(2)),
             spoofed_headers,
+            body_budget_rejections,
             streams,
             stream_panics,
             endpoint_ejections,
@@ -485,6 +504,8 @@ mod tests {
             "kvpick_prefix_blocks_queried_total 6",
             "kvpick_prefix_blocks_matched_total 3",
             "kvpick_session_repicks_total 0",
+            "kvpick_session_rehomes_total 0",
+            "kvpick_session_evictions_total 0",
             "kvpick_prefix_precise_dropped_blocks_total 0",
             "kvpick_prefix_index_entries 3",
             "kvpick_session_bindings 0",

@@ -296,7 +296,7 @@ async fn a_cancelled_stream_leaves_its_queue_at_once() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(app.admission.queued(), 0, "still queued after 500 ms");
-    // The freed place is not given to anyone: the next request still waits its turn.
+    // The cancelled request holds no place: once the first finishes, a new one goes.
     first.finish().await;
     let mut next = EnvoyStream::request(&ch, &[], chat("next")).await;
     routed(&next.recv().await);

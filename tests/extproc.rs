@@ -838,3 +838,325 @@ async fn tls_is_served_with_a_self_signed_certificate() {
             .is_err());
     }
 }
+
+/// A chat body carrying `nvext`.
+fn chat_with_nvext(text: &str, nvext: serde_json::Value) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "model": "llama",
+        "messages": [{"role": "user", "content": text}],
+        "nvext": nvext,
+    }))
+    .unwrap()
+}
+
+/// Answers a routed stream's response with `status` and ends it.
+async fn complete(mut s: EnvoyStream, status: &str) {
+    s.send(resp_headers(status, true)).await;
+    let _ = s.recv().await;
+}
+
+#[tokio::test]
+async fn rehomed_session_turn_is_forwarded_as_an_open_with_its_timeout() {
+    let srv = start(pool(3)).await;
+    let ch = channel(srv.port).await;
+    let sc = |action: Option<&str>| {
+        let mut v = serde_json::json!({"session_id": "agent-1"});
+        if let Some(a) = action {
+            v["action"] = a.into();
+            v["timeout"] = 1200.into();
+        }
+        serde_json::json!({ "session_control": v })
+    };
+    let open = chat_with_nvext("plan", sc(Some("open")));
+    let (s, r, echo) = full_duplex(&ch, &open, &[], None).await;
+    assert_eq!(echo, open);
+    let home = r.get("x-gateway-destination-endpoint").unwrap().to_string();
+    complete(s, "200").await;
+    wait_in_flight(&srv.app, 0).await;
+
+    // The session's worker goes away.
+    let rest: Vec<Endpoint> = srv
+        .app
+        .endpoints
+        .snapshot()
+        .endpoints
+        .iter()
+        .filter(|e| e.endpoint.address_string() != home)
+        .map(|e| e.endpoint.clone())
+        .collect();
+    srv.app.endpoints.replace(rest);
+
+    let mid = chat_with_nvext("tool result", sc(None));
+    let (s, r, echo) = full_duplex(&ch, &mid, &[], None).await;
+    let new_home = r.get("x-gateway-destination-endpoint").unwrap().to_string();
+    assert_ne!(new_home, home);
+    let v: serde_json::Value = serde_json::from_slice(&echo).unwrap();
+    assert_eq!(v["nvext"]["session_control"]["action"], "open");
+    assert_eq!(v["nvext"]["session_control"]["timeout"], 1200);
+    assert_eq!(v["nvext"]["session_control"]["session_id"], "agent-1");
+    assert_eq!(v["messages"][0]["content"], "tool result");
+    assert_eq!(r.get("content-length").unwrap(), echo.len().to_string());
+    complete(s, "200").await;
+    wait_in_flight(&srv.app, 0).await;
+
+    // The following turns stick to the new worker, unchanged.
+    for i in 0..3 {
+        let next = chat_with_nvext(&format!("turn {i}"), sc(None));
+        let (s, r, echo) = full_duplex(&ch, &next, &[], None).await;
+        assert_eq!(
+            r.get("x-gateway-destination-endpoint"),
+            Some(new_home.as_str())
+        );
+        assert_eq!(echo, next);
+        complete(s, "200").await;
+    }
+    let metrics = srv.app.metrics.render(&srv.app.endpoints);
+    assert!(
+        metrics.contains("kvpick_session_rehomes_total 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn agent_hints_and_cache_control_bodies_pass_unchanged() {
+    let srv = start(pool(2)).await;
+    let ch = channel(srv.port).await;
+    let body = serde_json::to_vec(&serde_json::json!({
+        "model": "llama",
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "long context", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+        ]}],
+        "nvext": {
+            "agent_hints": {"priority": 5, "osl": 512, "speculative_prefill": true, "future_hint": [1, 2]},
+            "session_control": {"session_id": "s-hints", "action": "open", "timeout": 600}
+        }
+    }))
+    .unwrap();
+    let (_, r, echo) = full_duplex(&ch, &body, &[], None).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+    assert_eq!(echo, body, "forwarded byte for byte");
+    assert!(r.get("content-length").is_none());
+}
+
+#[tokio::test]
+async fn dp_rank_fields_in_body_are_stripped() {
+    let srv = start(pool(2)).await;
+    let ch = channel(srv.port).await;
+    let body = chat_with_nvext(
+        "hi",
+        serde_json::json!({"dp_rank": 3, "prefill_dp_rank": 1, "session_control": {"session_id": "s"}}),
+    );
+    let (_, r, echo) = full_duplex(&ch, &body, &[], None).await;
+    let v: serde_json::Value = serde_json::from_slice(&echo).unwrap();
+    assert!(v["nvext"].get("dp_rank").is_none(), "{v}");
+    assert!(v["nvext"].get("prefill_dp_rank").is_none(), "{v}");
+    assert_eq!(v["nvext"]["session_control"]["session_id"], "s");
+    assert_eq!(r.get("x-dp-rank"), Some("0"));
+}
+
+#[tokio::test]
+async fn sglang_prefill_without_bootstrap_annotation_gets_port_8998() {
+    use kvpick::endpoints::Engine;
+    let mut decode = endpoint("10.0.0.1:8000");
+    decode.role = Role::Decode;
+    let mut prefill = endpoint("10.0.0.2:8000");
+    prefill.role = Role::Prefill;
+    prefill.engine = Engine::Sglang;
+    let srv = start(vec![decode.clone(), prefill.clone()]).await;
+    let ch = channel(srv.port).await;
+    let (_, r, _) = full_duplex(&ch, &chat_body("x"), &[], None).await;
+    assert_eq!(r.get("x-prefill-bootstrap-host"), Some("10.0.0.2"));
+    assert_eq!(r.get("x-prefill-bootstrap-port"), Some("8998"));
+    assert!(r.get("x-prefill-bootstrap-room").is_some());
+    // A vLLM prefill worker without the annotation gets no bootstrap headers.
+    prefill.engine = Engine::Vllm;
+    srv.app.endpoints.replace(vec![decode, prefill]);
+    let (_, r, _) = full_duplex(&ch, &chat_body("y"), &[], None).await;
+    assert!(r.get("x-prefill-instance-id").is_some());
+    assert_eq!(r.get("x-prefill-bootstrap-port"), None);
+}
+
+#[tokio::test]
+async fn session_turn_with_a_u64_max_timeout_is_a_400_not_a_crash() {
+    let srv = start(pool(2)).await;
+    let ch = channel(srv.port).await;
+    let open = chat_with_nvext(
+        "x",
+        serde_json::json!({"session_control": {"session_id": "big", "action": "open"}}),
+    );
+    let (s, _, _) = full_duplex(&ch, &open, &[], None).await;
+    complete(s, "200").await;
+    let turn = chat_with_nvext(
+        "y",
+        serde_json::json!({"session_control": {"session_id": "big", "timeout": 18446744073709551615u64}}),
+    );
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/chat/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    s.send(body_msg(&turn, true, false)).await;
+    let (code, err) = immediate_status(&s.recv().await);
+    assert_eq!(code, 400, "{err}");
+    assert!(err.to_string().contains("timeout"), "{err}");
+    // The stream and the server keep working.
+    let (_, r, _) = full_duplex(&ch, &chat_body("z"), &[], None).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+}
+
+/// A completions body of about `bytes` bytes.
+fn big_body(bytes: usize) -> Vec<u8> {
+    format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(bytes)).into_bytes()
+}
+
+#[tokio::test]
+async fn oversized_bodies_get_413_in_every_body_mode() {
+    let cap = 5 << 20;
+    let config = ExtProcConfig {
+        max_body_bytes: cap,
+        ..Default::default()
+    };
+    let srv = start_with(pool(2), config).await;
+    let ch = channel(srv.port).await;
+    let over = big_body(cap + 1024);
+
+    // Full duplex: chunks without waiting; the one crossing the cap gets 413.
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    let chunks: Vec<&[u8]> = over.chunks(1 << 20).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        s.send(body_msg(c, i + 1 == chunks.len(), false)).await;
+    }
+    let (status, json) = immediate_status(&s.recv().await);
+    assert_eq!(status, 413);
+    assert!(json["error"]["message"].as_str().unwrap().contains("limit"));
+
+    // Buffered: one message above tonic's 4 MiB default still reaches kvpick.
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::Buffered),
+        None,
+    )
+    .await;
+    expect_request_headers(&s.recv().await);
+    s.send(body_msg(&over, true, false)).await;
+    assert_eq!(immediate_status(&s.recv().await).0, 413);
+
+    // Streamed: one answer per chunk until the cap is crossed.
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::Streamed),
+        None,
+    )
+    .await;
+    expect_request_headers(&s.recv().await);
+    let mut status = None;
+    for (i, c) in chunks.iter().enumerate() {
+        s.send(body_msg(c, i + 1 == chunks.len(), false)).await;
+        let msg = s.recv().await;
+        if let Some(processing_response::Response::ImmediateResponse(_)) = &msg.response {
+            status = Some(immediate_status(&msg).0);
+            break;
+        }
+    }
+    assert_eq!(status, Some(413));
+
+    // A buffered body above 4 MiB but within the cap is routed, not a gRPC error.
+    let fits = big_body(cap - 4096);
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::Buffered),
+        None,
+    )
+    .await;
+    expect_request_headers(&s.recv().await);
+    s.send(body_msg(&fits, true, false)).await;
+    let (r, _) = expect_request_body(&s.recv().await);
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+}
+
+#[tokio::test]
+async fn a_body_over_the_budget_gets_429_and_the_server_keeps_serving() {
+    let config = ExtProcConfig {
+        body_budget_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let srv = start_with(pool(2), config).await;
+    let ch = channel(srv.port).await;
+    // A holds 768 KiB of an unfinished 900 KiB body.
+    let held = big_body(900 << 10);
+    let mut a = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    a.send(body_msg(&held[..768 << 10], false, false)).await;
+    assert!(a.silent_for(100).await);
+    // B does not fit next to it.
+    let mut b = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    b.send(body_msg(&big_body(512 << 10), true, false)).await;
+    let (status, json) = immediate_status(&b.recv().await);
+    assert_eq!(status, 429);
+    assert!(json["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("budget"));
+    // Small requests still route, and A finishes normally.
+    let (_, r, _) = full_duplex(&ch, &chat_body("small"), &[], None).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+    a.send(body_msg(&held[768 << 10..], true, false)).await;
+    let r = expect_request_headers(&a.recv().await);
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+    assert_eq!(srv.app.metrics.body_budget_rejections.get(), 1);
+}
+
+#[tokio::test]
+async fn a_body_that_stops_arriving_gets_408() {
+    let config = ExtProcConfig {
+        body_deadline: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let srv = start_with(pool(2), config).await;
+    let ch = channel(srv.port).await;
+    let mut s = EnvoyStream::post(
+        &ch,
+        "/v1/completions",
+        &[],
+        Some(BodySendMode::FullDuplexStreamed),
+        None,
+    )
+    .await;
+    s.send(body_msg(br#"{"model":"m","pro"#, false, false))
+        .await;
+    let (status, json) = immediate_status(&s.recv().await);
+    assert_eq!(status, 408);
+    assert_eq!(json["error"]["code"], 408);
+    // The server still serves.
+    let (_, r, _) = full_duplex(&ch, &chat_body("next"), &[], None).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+}

@@ -835,6 +835,35 @@ mod routing {
     use kvpick::scheduler::{PickRequest, SchedulerConfig};
     use kvpick::server::App;
 
+    /// A publisher flooding `BlockStored` with new blocks: the worker's precise
+    /// entries stay at the cap and the rest are counted as dropped.
+    #[test]
+    fn a_flood_of_stored_blocks_stays_within_the_precise_cap() {
+        let index = Arc::new(PrefixIndex::new(IndexConfig {
+            default_precise_limit: 100,
+            ..IndexConfig::default()
+        }));
+        let mut ingest = Ingest::new(Arc::clone(&index), MODEL);
+        let b = w(2, 0);
+        let now = Instant::now();
+        for e in 0..30u32 {
+            // 10 full blocks of fresh tokens per event, each its own chain.
+            let tokens: Vec<u32> = (0..10 * BS as u32).map(|t| e * 10_000 + t).collect();
+            let hashes = (0..10)
+                .map(|i| sha_like(u64::from(e) * 100 + i + 1))
+                .collect();
+            let batch = decode_batch(&batch_map(
+                vec![stored_map(Value::Array(hashes), Value::Nil, &tokens)],
+                Value::from(u64::from(e) + 1),
+            ))
+            .unwrap();
+            ingest.apply(b, None, &batch, now);
+        }
+        assert_eq!(index.precise_len(b), 100);
+        assert_eq!(index.len(), 100);
+        assert_eq!(index.precise_dropped(), 200);
+    }
+
     #[test]
     fn index_stored_lookup_removed_lookup() {
         let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
@@ -930,6 +959,29 @@ mod routing {
             assert_eq!(d.overlap_blocks, 4);
             app.scheduler.finish(&d, Some(200));
         }
+        // Dynamo's pre-tokenized prompt (`nvext.token_data`) is hashed instead of
+        // the text, so a chat request carrying those ids matches the events.
+        let body = serde_json::json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "text that tokenizes to something else"}],
+            "nvext": {"token_data": prompt},
+        })
+        .to_string();
+        let req = parse(body.as_bytes(), Some(ApiKind::Chat)).unwrap();
+        let pick = PickRequest {
+            body: Some(&req),
+            subset: None,
+            session_id: None,
+            session_token: None,
+        };
+        let d = app
+            .scheduler
+            .pick(&pick, &app.endpoints.snapshot())
+            .unwrap();
+        assert_eq!(d.decode.key(), key_b, "token_data ids match B's events");
+        assert_eq!(d.overlap_blocks, 4);
+        app.scheduler.finish(&d, Some(200));
+
         // A prompt nobody holds has no overlap anywhere.
         let other = parse(
             format!(r#"{{"model":"{MODEL}","prompt":[9,9,9,9,9,9,9,9]}}"#).as_bytes(),

@@ -10,7 +10,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -39,6 +39,16 @@ pub const DP_RANK_HEADER: &str = "x-dp-rank";
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// Header naming the prefill worker (disaggregated pools).
 pub const PREFILL_ID_HEADER: &str = "x-prefill-instance-id";
+/// Header naming the prefill worker's data-parallel rank.
+pub const PREFILL_DP_RANK_HEADER: &str = "x-prefill-dp-rank";
+/// SGLang disaggregation bootstrap host, port and room headers.
+pub const BOOTSTRAP_HEADERS: [&str; 3] = [
+    "x-prefill-bootstrap-host",
+    "x-prefill-bootstrap-port",
+    "x-prefill-bootstrap-room",
+];
+/// Session inactivity timeout when an `open` turn gives none (Dynamo's default).
+pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// How a mock worker behaves.
 #[derive(Debug, Clone)]
@@ -105,12 +115,21 @@ pub struct SeenRequest {
     pub destination: Option<String>,
     /// `x-prefill-instance-id` as received.
     pub prefill_instance_id: Option<String>,
+    /// `x-prefill-dp-rank` as received.
+    pub prefill_dp_rank: Option<String>,
+    /// `x-prefill-bootstrap-host`, `-port`, `-room` as received.
+    pub bootstrap: [Option<String>; 3],
     /// `x-request-id` as received.
     pub request_id: Option<String>,
     /// `nvext.session_control.session_id`.
     pub session_id: Option<String>,
     /// `nvext.session_control.action`.
     pub session_action: Option<String>,
+    /// `nvext.session_control.timeout`.
+    pub session_timeout: Option<u64>,
+    /// The turn named a session this worker did not hold: served without
+    /// isolation (Dynamo's graceful degradation), with a warning.
+    pub session_unknown: bool,
     /// Prompt tokens served from the cache.
     pub hit_tokens: usize,
     /// Prompt tokens.
@@ -140,6 +159,10 @@ pub struct Counters {
     pub sessions_opened: u64,
     /// Sessions closed.
     pub sessions_closed: u64,
+    /// Sessions closed because their inactivity timeout passed.
+    pub sessions_expired: u64,
+    /// Turns for sessions this worker did not hold, served without isolation.
+    pub sessions_unknown: u64,
     /// Blocks freed by session closes.
     pub session_blocks_freed: u64,
     /// Blocks in use over all ranks.
@@ -176,6 +199,10 @@ pub struct Seen {
 
 struct Session {
     rank: u32,
+    /// Inactivity timeout from the `open` turn.
+    timeout: Duration,
+    /// When the last turn arrived.
+    last_used: Instant,
     /// Blocks the session pins (each once).
     pinned: HashSet<u64>,
     /// Blocks first stored by one of the session's turns: freed on close.
@@ -429,6 +456,7 @@ struct Prompt {
     stream: bool,
     session_id: Option<String>,
     session_action: Option<String>,
+    session_timeout: Option<u64>,
 }
 
 fn header_str(h: &HeaderMap, name: &str) -> Option<String> {
@@ -507,6 +535,7 @@ fn parse_prompt(api: Api, body: &[u8], default_max: usize) -> Result<Prompt, Rej
             .and_then(|s| s.get("action"))
             .and_then(Value::as_str)
             .map(str::to_string),
+        session_timeout: sc.and_then(|s| s.get("timeout")).and_then(Value::as_u64),
     })
 }
 
@@ -613,14 +642,20 @@ impl Worker {
         let Some(id) = &prompt.session_id else {
             return Ok(rank);
         };
+        self.expire_sessions(Instant::now());
         let mut inner = self.inner.lock();
         match prompt.session_action.as_deref() {
             Some("open") => {
                 if !inner.sessions.contains_key(id) {
+                    let timeout = prompt
+                        .session_timeout
+                        .map_or(DEFAULT_SESSION_TIMEOUT, Duration::from_secs);
                     inner.sessions.insert(
                         id.clone(),
                         Session {
                             rank,
+                            timeout,
+                            last_used: Instant::now(),
                             pinned: HashSet::new(),
                             created: HashSet::new(),
                         },
@@ -629,18 +664,27 @@ impl Worker {
                 }
                 Ok(rank)
             }
-            None | Some("close") => match inner.sessions.get(id) {
-                Some(s) if s.rank == rank => Ok(rank),
+            None | Some("close") => match inner.sessions.get_mut(id) {
+                Some(s) if s.rank == rank => {
+                    s.last_used = Instant::now();
+                    Ok(rank)
+                }
                 Some(s) => Err(Reject(
                     StatusCode::MISDIRECTED_REQUEST,
                     "misdirected_request",
                     format!("session {id} lives on dp rank {}, not {rank}", s.rank),
                 )),
-                None => Err(Reject(
-                    StatusCode::NOT_FOUND,
-                    "session_not_found",
-                    format!("session {id} is not open on worker {}", self.instance_id),
-                )),
+                None => {
+                    // Dynamo degrades gracefully: the turn is served without
+                    // isolation and the router is warned.
+                    tracing::warn!(
+                        session = %id,
+                        worker = self.instance_id,
+                        "turn for a session that is not open here: served without isolation"
+                    );
+                    inner.counters.sessions_unknown += 1;
+                    Ok(rank)
+                }
             },
             Some(other) => Err(Reject(
                 StatusCode::BAD_REQUEST,
@@ -648,6 +692,29 @@ impl Worker {
                 format!("unknown session action {other:?} (open, close, or none)"),
             )),
         }
+    }
+
+    /// Closes every session idle past its timeout at `now`.
+    fn expire_sessions(&self, now: Instant) {
+        let expired: Vec<String> = {
+            let inner = self.inner.lock();
+            inner
+                .sessions
+                .iter()
+                .filter(|(_, s)| now.saturating_duration_since(s.last_used) > s.timeout)
+                .map(|(id, _)| id.clone())
+                .collect()
+        };
+        for id in expired {
+            if self.close_session(&id) {
+                self.inner.lock().counters.sessions_expired += 1;
+            }
+        }
+    }
+
+    /// Whether `id` names a session open here.
+    fn holds_session(&self, id: &str) -> bool {
+        self.inner.lock().sessions.contains_key(id)
     }
 
     /// Runs the prompt through the rank's cache (and pins it for a session).
@@ -693,12 +760,13 @@ impl Worker {
         access
     }
 
-    /// Ends a session: unpins its blocks and frees those it created.
-    fn close_session(&self, id: &str) {
+    /// Ends a session: unpins its blocks and frees those it created; false if
+    /// it was not open.
+    fn close_session(&self, id: &str) -> bool {
         let mut inner = self.inner.lock();
         let inner = &mut *inner;
         let Some(s) = inner.sessions.remove(id) else {
-            return;
+            return false;
         };
         let pinned: Vec<u64> = s.pinned.iter().copied().collect();
         let freed = inner.caches[s.rank as usize].release(&pinned, &s.created);
@@ -707,6 +775,7 @@ impl Worker {
         if !freed.is_empty() {
             self.publish(s.rank, &[CacheEvent::Removed(freed)]);
         }
+        true
     }
 }
 
@@ -742,7 +811,7 @@ impl Drop for Finish {
     fn drop(&mut self) {
         self.worker.running.fetch_sub(1, Ordering::Relaxed);
         if let Some(id) = self.close_session.take() {
-            self.worker.close_session(&id);
+            let _ = self.worker.close_session(&id);
         }
     }
 }
@@ -754,9 +823,13 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
         dp_rank: header_str(&headers, DP_RANK_HEADER),
         destination: header_str(&headers, DESTINATION_HEADER),
         prefill_instance_id: header_str(&headers, PREFILL_ID_HEADER),
+        prefill_dp_rank: header_str(&headers, PREFILL_DP_RANK_HEADER),
+        bootstrap: BOOTSTRAP_HEADERS.map(|h| header_str(&headers, h)),
         request_id: header_str(&headers, "x-request-id"),
         session_id: None,
         session_action: None,
+        session_timeout: None,
+        session_unknown: false,
         hit_tokens: 0,
         queried_tokens: 0,
         status: 200,
@@ -765,7 +838,14 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
     let admitted = parse_prompt(api, &body, w.config.default_max_tokens).and_then(|p| {
         seen.session_id = p.session_id.clone();
         seen.session_action = p.session_action.clone();
-        w.admit(&headers, &p).map(|rank| (p, rank))
+        seen.session_timeout = p.session_timeout;
+        w.expire_sessions(Instant::now());
+        let known = p.session_id.as_deref().map(|id| w.holds_session(id));
+        let admitted = w.admit(&headers, &p).map(|rank| (p, rank));
+        if let (Ok((p, _)), Some(known)) = (&admitted, known) {
+            seen.session_unknown = !known && p.session_action.as_deref() != Some("open");
+        }
+        admitted
     });
     let (prompt, rank) = match admitted {
         Ok(ok) => ok,

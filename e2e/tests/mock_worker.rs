@@ -173,12 +173,15 @@ async fn sessions_open_continue_close_and_free_blocks() {
         b["nvext"] = json!({"session_control": sc});
         b
     };
+    let mut early = chat(&"unrelated ".repeat(64), "early");
+    early["nvext"] = json!({"session_control": {"session_id": "s1"}});
     let r = c
-        .post_json("/v1/chat/completions", &turn(None, "early"), &[])
+        .post_json("/v1/chat/completions", &early, &[])
         .await
         .unwrap();
-    assert_eq!(r.status, 404, "a turn of an unknown session is an error");
-    assert_eq!(r.json()["error"]["type"], "session_not_found");
+    assert_eq!(r.status, 200, "an unknown session's turn is served");
+    assert!(w.seen().requests[0].session_unknown, "without isolation");
+    assert_eq!(w.counters().sessions_unknown, 1);
     assert_eq!(
         c.post_json("/v1/chat/completions", &turn(Some("open"), "a"), &[])
             .await
@@ -220,7 +223,47 @@ async fn sessions_open_continue_close_and_free_blocks() {
         .post_json("/v1/chat/completions", &turn(None, "d"), &[])
         .await
         .unwrap();
-    assert_eq!(r.status, 404, "closed sessions are gone");
+    assert_eq!(r.status, 200);
+    assert!(
+        w.seen().requests.last().unwrap().session_unknown,
+        "closed sessions are gone"
+    );
+}
+
+#[tokio::test]
+async fn sessions_expire_after_their_timeout() {
+    let (w, c) = worker(fast()).await;
+    let turn = |action: Option<&str>, timeout: Option<u64>, text: &str| {
+        let mut b = chat(&"context ".repeat(64), text);
+        let mut sc = json!({"session_id": "short"});
+        if let Some(a) = action {
+            sc["action"] = json!(a);
+        }
+        if let Some(t) = timeout {
+            sc["timeout"] = json!(t);
+        }
+        b["nvext"] = json!({"session_control": sc});
+        b
+    };
+    let post = |b: Value| {
+        let c = &c;
+        async move {
+            c.post_json("/v1/chat/completions", &b, &[])
+                .await
+                .unwrap()
+                .status
+        }
+    };
+    assert_eq!(post(turn(Some("open"), Some(1), "a")).await, 200);
+    // A middle turn's timeout does not change the session's.
+    assert_eq!(post(turn(None, Some(3600), "b")).await, 200);
+    assert!(!w.seen().requests[1].session_unknown);
+    tokio::time::sleep(std::time::Duration::from_millis(1300)).await;
+    assert_eq!(post(turn(None, None, "c")).await, 200);
+    let seen = w.seen();
+    assert!(seen.requests[2].session_unknown, "expired after 1 s idle");
+    assert_eq!(seen.counters.sessions_expired, 1);
+    assert!(seen.sessions.is_empty());
 }
 
 #[tokio::test]

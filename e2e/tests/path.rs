@@ -359,6 +359,63 @@ async fn a_session_stays_on_one_worker_and_the_worker_frees_it() {
     assert_eq!(assert_routed_to_self(&s), 5);
 }
 
+#[tokio::test]
+async fn a_session_whose_worker_dies_is_reopened_on_another_and_sticks_there() {
+    let s = stack(StackOptions {
+        workers: 3,
+        ..StackOptions::default()
+    })
+    .await;
+    let c = s.client();
+    let turn = |action: Option<&str>, text: &str| {
+        let mut b = chat(text, false);
+        let mut sc = json!({"session_id": "agent-7"});
+        if let Some(a) = action {
+            sc["action"] = json!(a);
+            sc["timeout"] = json!(1200);
+        }
+        b["nvext"] = json!({"session_control": sc});
+        b
+    };
+    let r = c
+        .post_json("/v1/chat/completions", &turn(Some("open"), "plan"), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let home = (0..3)
+        .find(|&i| s.workers[i].counters().requests == 1)
+        .unwrap();
+    s.workers[home].kill();
+    let rest: Vec<usize> = (0..3).filter(|&i| i != home).collect();
+    s.set_endpoints(&rest).await.unwrap();
+
+    let r = c
+        .post_json("/v1/chat/completions", &turn(None, "tool result"), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let new_home = *rest
+        .iter()
+        .find(|&&i| s.workers[i].counters().requests == 1)
+        .expect("the turn landed on a live worker");
+    let first = s.workers[new_home].seen().requests[0].clone();
+    assert_eq!(first.session_action.as_deref(), Some("open"), "{first:?}");
+    assert_eq!(first.session_timeout, Some(1200));
+    assert!(!first.session_unknown);
+    for i in 0..3 {
+        let r = c
+            .post_json("/v1/chat/completions", &turn(None, &format!("t{i}")), &[])
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let seen = s.workers[new_home].seen();
+    assert_eq!(seen.requests.len(), 4, "the following turns stick there");
+    assert!(seen.requests.iter().all(|r| !r.session_unknown), "{seen:?}");
+    assert_eq!(seen.counters.sessions_opened, 1);
+    assert_eq!(seen.sessions, vec!["agent-7"]);
+}
+
 /// The hit rate the same requests would get if spread round-robin over
 /// `workers` workers: each prompt is looked up (counted), then the prompt and the
 /// reply are stored, as the mock worker does.

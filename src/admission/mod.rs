@@ -378,9 +378,12 @@ impl Gate {
     }
 
     fn go(&self, class: RequestClass) -> Verdict {
-        self.inner
-            .observer
-            .left(&class, Outcome::Dispatched, Duration::ZERO);
+        // Switched off, requests never pass through flow control (as in llm-d).
+        if self.inner.config.enabled {
+            self.inner
+                .observer
+                .left(&class, Outcome::Dispatched, Duration::ZERO);
+        }
         Verdict::Go(self.permit())
     }
 

@@ -4,7 +4,7 @@
 //! own booked load as a third, synchronous term (the llm-d concurrency detector):
 //!
 //! ```text
-//! rank score = max(queue / queue_depth_threshold,
+//! rank score = max((queue + pending / ranks) / queue_depth_threshold,
 //!                  kv_usage / kv_cache_util_threshold,
 //!                  (in_flight + pending / ranks) / max_in_flight_per_rank)
 //! pool saturation = mean of the rank scores over decode-serving ranks
@@ -12,7 +12,8 @@
 //!
 //! `queue` and `kv_usage` are the worker's scraped figures, used only while younger
 //! than the scrape staleness; `in_flight` is what kvpick has routed to the rank and
-//! not seen finish; `pending` counts requests admitted but not yet routed. A pool
+//! not seen finish; `pending` counts requests admitted but not yet routed, spread
+//! evenly (so one dispatch pass cannot release a whole queue at once). A pool
 //! is saturated at 1.0 and above. Unlike llm-d, a worker with stale metrics is not
 //! counted as fully saturated: its booked load still bounds it, and a lost scrape
 //! path then degrades to concurrency-only admission instead of halting dispatch.
@@ -86,7 +87,7 @@ pub fn measure(
     let (mut sum, mut stale) = (0.0, 0);
     for e in serving() {
         let scraped = match e.scraped(now, config.metrics_staleness) {
-            Some(load) => ratio(load.queue, config.queue_depth_threshold)
+            Some(load) => ratio(load.queue + pending_per_rank, config.queue_depth_threshold)
                 .max(ratio(load.kv_usage, config.kv_cache_util_threshold)),
             None => {
                 stale += 1;

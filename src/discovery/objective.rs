@@ -266,6 +266,106 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use http::{Request, Response, StatusCode};
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+    use kube::client::Body;
+    use std::convert::Infallible;
+    use std::time::Duration;
+    use tokio::sync::mpsc;
+    use tokio_stream::wrappers::UnboundedReceiverStream;
+
+    type Chunk = Result<Frame<Bytes>, Infallible>;
+    type MockBody = StreamBody<UnboundedReceiverStream<Chunk>>;
+
+    /// A fake API server: the llm-d group lists two objectives (one for another
+    /// pool) and keeps its watch open; the older group's CRD is not installed (404).
+    async fn fake_api(mut handle: tower_test::mock::Handle<Request<Body>, Response<MockBody>>) {
+        let mut open_watches = Vec::new();
+        while let Some((req, send)) = handle.next_request().await {
+            let path = req.uri().path().to_string();
+            let watch = req.uri().query().unwrap_or_default().contains("watch=true");
+            let (tx, rx) = mpsc::unbounded_channel::<Chunk>();
+            let body = StreamBody::new(UnboundedReceiverStream::new(rx));
+            if path == "/apis/llm-d.ai/v1alpha2/namespaces/ns/inferenceobjectives" {
+                if watch {
+                    open_watches.push(tx);
+                } else {
+                    let item = |name: &str, pool: &str, prio: i32| {
+                        serde_json::json!({
+                            "apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective",
+                            "metadata": {"name": name, "namespace": "ns", "resourceVersion": "1"},
+                            "spec": {"priority": prio, "poolRef": {"name": pool}}
+                        })
+                    };
+                    let list = serde_json::json!({
+                        "apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjectiveList",
+                        "metadata": {"resourceVersion": "1"},
+                        "items": [item("chat", "p", 10), item("elsewhere", "q", 3)],
+                    });
+                    let _ = tx.send(Ok(Frame::data(Bytes::from(list.to_string()))));
+                }
+                send.send_response(Response::builder().body(body).unwrap());
+            } else {
+                assert_eq!(
+                    path,
+                    "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/ns/inferenceobjectives"
+                );
+                let status = serde_json::json!({"kind": "Status", "apiVersion": "v1",
+                    "status": "Failure", "reason": "NotFound", "code": 404,
+                    "message": "the server could not find the requested resource"});
+                let _ = tx.send(Ok(Frame::data(Bytes::from(status.to_string()))));
+                send.send_response(
+                    Response::builder()
+                        .status(StatusCode::NOT_FOUND)
+                        .body(body)
+                        .unwrap(),
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn the_watch_fills_the_table_even_when_one_group_is_not_installed() {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<MockBody>>();
+        let server = tokio::spawn(fake_api(handle));
+        let client = Client::new(service, "ns");
+        let table = Arc::new(Objectives::default());
+        let base = HashMap::from([("batch".to_string(), -1)]);
+        let watch = tokio::spawn(run(client, "ns".into(), pool(), base, Arc::clone(&table)));
+        for _ in 0..200 {
+            if table.priority("chat").is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(table.priority("chat"), Some(10));
+        assert_eq!(table.priority("batch"), Some(-1));
+        assert_eq!(table.priority("elsewhere"), None);
+        watch.abort();
+        server.abort();
+    }
+
+    #[test]
+    fn rbac_grants_read_only_access_to_both_groups() {
+        for text in [
+            include_str!("../../manifests/rbac.yaml"),
+            include_str!("../../charts/kvpick/templates/rbac.yaml"),
+        ] {
+            let rule = text
+                .split("  - apiGroups:")
+                .find(|r| r.contains("inferenceobjectives"))
+                .expect("a rule for inferenceobjectives");
+            assert!(
+                rule.contains("\"llm-d.ai\"") && rule.contains("\"inference.networking.x-k8s.io\"")
+            );
+            assert!(
+                rule.contains(r#"verbs: ["get", "list", "watch"]"#),
+                "{rule}"
+            );
+        }
+    }
 
     fn pool() -> PoolRef {
         PoolRef {

@@ -12,7 +12,7 @@
 //! | label `kvpick.io/role` | `prefill`, `decode`, `both` | `both` |
 //! | label `inference.networking.k8s.io/engine-type` | `vllm`, `sglang`, `trtllm` | `vllm` |
 //! | annotation `kvpick.io/kv-events-port` | KV-event publisher port | none |
-//! | annotation `kvpick.io/bootstrap-port` | disaggregation bootstrap port | none |
+//! | annotation `kvpick.io/bootstrap-port` | disaggregation bootstrap port | none (the scheduler uses `--sglang-bootstrap-port`, 8998, for `sglang` pods) |
 //!
 //! With several target ports, the first port's endpoint has the pod's instance id
 //! and each further port `p` has the hash of `namespace/name:p`, so every endpoint

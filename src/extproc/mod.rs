@@ -3,6 +3,7 @@
 //! Thin glue: each stream runs [`stream::StreamState`] in its own task, so a panic
 //! in one stream ends that stream with an INTERNAL status and never touches others.
 
+pub mod budget;
 pub mod messages;
 pub mod stream;
 
@@ -36,6 +37,10 @@ pub struct ExtProcConfig {
     /// Without `protocol_config`, how long to hold request headers waiting for a
     /// body chunk before concluding Envoy runs in a buffered mode.
     pub body_wait: Duration,
+    /// Bytes of request bodies all streams together may buffer (429 beyond).
+    pub body_budget_bytes: usize,
+    /// How long after the request headers the body must be complete (408 beyond).
+    pub body_deadline: Duration,
     /// Request header carrying a session id for clients that cannot edit the body.
     pub session_header: String,
     /// Request header carrying a signed session token from an earlier response.
@@ -47,6 +52,8 @@ impl Default for ExtProcConfig {
         ExtProcConfig {
             max_body_bytes: 32 << 20,
             body_wait: Duration::from_millis(200),
+            body_budget_bytes: budget::default_budget_bytes(),
+            body_deadline: Duration::from_secs(60),
             session_header: "x-session-id".into(),
             session_token_header: "x-kvpick-session".into(),
         }
@@ -70,6 +77,8 @@ pub struct Shared {
     pub admission: Gate,
     /// Objective metrics the stream records (request errors and durations).
     pub admission_metrics: Option<Arc<AdmissionMetrics>>,
+    /// The process-wide buffered-body budget.
+    pub body_budget: budget::BodyBudget,
 }
 
 /// The ext_proc service.
@@ -86,10 +95,22 @@ impl ExtProcService {
         }
     }
 
-    /// The tonic server wrapper.
+    /// The tonic server wrapper. Its gRPC message limit sits well above
+    /// `max_body_bytes` (tonic's default is 4 MiB), so a BUFFERED-mode body
+    /// over the cap reaches kvpick and gets kvpick's own 413.
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
-        ExternalProcessorServer::new(self)
+        let limit = grpc_message_limit(self.shared.config.max_body_bytes);
+        ExternalProcessorServer::new(self).max_decoding_message_size(limit)
     }
+}
+
+/// The largest ext_proc message accepted: twice the body cap plus room for
+/// headers and metadata, at least 4 MiB.
+pub fn grpc_message_limit(max_body_bytes: usize) -> usize {
+    max_body_bytes
+        .saturating_mul(2)
+        .saturating_add(1 << 20)
+        .max(4 << 20)
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
@@ -152,18 +173,32 @@ async fn run_stream(
     let body_wait = shared.config.body_wait;
     let mut state = StreamState::new(shared);
     loop {
-        let next = if state.waiting_to_infer_mode() {
-            match tokio::time::timeout(body_wait, inbound.next()).await {
+        // Wait for Envoy, but no longer than the mode-inference wait or the
+        // body deadline, whichever comes first.
+        let infer = state
+            .waiting_to_infer_mode()
+            .then(|| tokio::time::Instant::now() + body_wait);
+        let deadline = state.body_deadline().map(tokio::time::Instant::from_std);
+        let wake = match (infer, deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let next = match wake {
+            None => inbound.next().await,
+            Some(at) => match tokio::time::timeout_at(at, inbound.next()).await {
                 Ok(next) => next,
                 Err(_) => {
-                    if !send_all(&tx, state.body_wait_expired()).await {
+                    let out = if deadline.is_some_and(|d| d <= at) {
+                        state.body_deadline_expired()
+                    } else {
+                        state.body_wait_expired()
+                    };
+                    if !send_all(&tx, out).await || state.is_done() {
                         return;
                     }
                     continue;
                 }
-            }
-        } else {
-            inbound.next().await
+            },
         };
         let msg = match next {
             Some(Ok(msg)) => msg,

@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tracing::{debug, info, warn};
 
+use super::budget::Reservation;
 use super::messages::{self, find_header, set_header, DESTINATION_KEY};
 use super::Shared;
 use crate::admission::priority::{FAIRNESS_ID_HEADER, OBJECTIVE_HEADER};
@@ -111,6 +112,8 @@ struct RequestMeta {
     objective: Option<String>,
     /// `x-gateway-inference-fairness-id`.
     fairness_id: Option<String>,
+    /// `content-length`, when the client sent one.
+    content_length: Option<usize>,
 }
 
 /// State of one ext_proc stream.
@@ -123,6 +126,10 @@ pub struct StreamState {
     meta: Option<RequestMeta>,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
+    /// The buffered body's share of the process-wide budget.
+    reservation: Reservation,
+    /// When the request headers arrived (the body deadline counts from here).
+    headers_at: Option<Instant>,
     body_started: Option<Instant>,
     routed: Option<Routed>,
     response_status: Option<u16>,
@@ -163,6 +170,7 @@ struct Routed {
 impl StreamState {
     /// A fresh stream.
     pub fn new(shared: Arc<Shared>) -> Self {
+        let reservation = shared.body_budget.reservation();
         StreamState {
             shared,
             request_mode: BodyMode::Unknown,
@@ -172,6 +180,8 @@ impl StreamState {
             meta: None,
             subset: None,
             body: Vec::new(),
+            reservation,
+            headers_at: None,
             body_started: None,
             routed: None,
             response_status: None,
@@ -290,6 +300,26 @@ impl StreamState {
         self.admit(parsed, via)
     }
 
+    /// When the request body must be complete, while it is still arriving.
+    pub fn body_deadline(&self) -> Option<Instant> {
+        if self.phase != Phase::RequestBody {
+            return None;
+        }
+        Some(self.headers_at? + self.shared.config.body_deadline)
+    }
+
+    /// The body did not complete by [`StreamState::body_deadline`]: 408.
+    pub fn body_deadline_expired(&mut self) -> Vec<ProcessingResponse> {
+        if self.phase != Phase::RequestBody {
+            return Vec::new();
+        }
+        let msg = format!(
+            "request body not complete {} ms after its headers",
+            self.shared.config.body_deadline.as_millis()
+        );
+        vec![self.reject(408, "timeout", &msg)]
+    }
+
     /// True once nothing more will be answered on this stream.
     pub fn is_done(&self) -> bool {
         self.phase == Phase::Done
@@ -365,7 +395,9 @@ impl StreamState {
             spoofed: spoofed_headers(map),
             objective: find_header(map, OBJECTIVE_HEADER),
             fairness_id: find_header(map, FAIRNESS_ID_HEADER),
+            content_length: find_header(map, "content-length").and_then(|v| v.parse().ok()),
         };
+        self.headers_at = Some(Instant::now());
         if !meta.spoofed.is_empty() {
             info!(headers = ?meta.spoofed, "client sent routing headers; removing them");
             self.shared.metrics.spoofed_headers.inc();
@@ -403,6 +435,23 @@ impl StreamState {
                 self.shared.config.max_body_bytes
             );
             return vec![self.reject(413, "invalid_request_error", &msg)];
+        }
+        if !self.reservation.grow(b.body.len()) {
+            let budget = &self.shared.body_budget;
+            let msg = format!(
+                "kvpick is buffering {} of its {} byte request-body budget; this body does not fit, retry later",
+                budget.used(),
+                budget.limit()
+            );
+            self.shared.metrics.body_budget_rejections.inc();
+            return vec![self.reject(429, "rate_limit_exceeded", &msg)];
+        }
+        if self.body.is_empty() {
+            // One allocation of the announced size instead of doubling growth.
+            let announced = self.meta.as_ref().and_then(|m| m.content_length);
+            if let Some(n) = announced.filter(|n| *n <= self.shared.config.max_body_bytes) {
+                self.body.reserve_exact(n);
+            }
         }
         self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
@@ -471,6 +520,8 @@ impl StreamState {
         parsed: Option<&InferenceRequest>,
         via: RouteVia,
     ) -> Vec<ProcessingResponse> {
+        // The body leaves the stream's buffer with this answer.
+        self.reservation.release();
         let started = Instant::now();
         let snapshot = self.shared.endpoints.snapshot();
         let meta = self.meta.as_ref();
@@ -503,6 +554,13 @@ impl StreamState {
             prefill = ?decision.prefill.as_ref().map(|p| p.endpoint.endpoint.instance_id),
             "routed"
         );
+        let via = match reopen_rehomed_session(parsed, &decision, via) {
+            Ok(via) => via,
+            Err(e) => {
+                self.shared.metrics.record_result(RequestResult::BadRequest);
+                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+            }
+        };
         let mut mutation = self.routing_mutation(&decision);
         let metadata = Some(messages::destination_metadata(&address));
         let guard = decision.begin();
@@ -571,8 +629,7 @@ impl StreamState {
                 &p.endpoint.endpoint.instance_id.to_string(),
             ));
             set.push(set_header(PREFILL_DP_RANK_HEADER, &p.rank.to_string()));
-            if let (Some(port), Some(room)) = (p.endpoint.endpoint.bootstrap_port, d.bootstrap_room)
-            {
+            if let (Some(port), Some(room)) = (d.bootstrap_port, d.bootstrap_room) {
                 set.push(set_header(
                     BOOTSTRAP_HOST_HEADER,
                     &p.endpoint.endpoint.address.ip().to_string(),
@@ -698,6 +755,8 @@ impl StreamState {
 
     fn reject(&mut self, status: u16, kind: &str, message: &str) -> ProcessingResponse {
         self.phase = Phase::Done;
+        self.body = Vec::new();
+        self.reservation.release();
         messages::immediate_error(status, kind, message)
     }
 }
@@ -722,7 +781,47 @@ enum RouteVia {
     },
 }
 
-/// `nvext.agent_hints.priority`, when it is an i32.
+/// A re-homed session turn (its worker was gone) goes to the new worker as an
+/// `open` carrying the session's timeout, so that worker's sidecar opens the
+/// engine session (Dynamo's session contract; see [`crate::sessions`]).
+fn reopen_rehomed_session(
+    parsed: Option<&InferenceRequest>,
+    decision: &Decision,
+    via: RouteVia,
+) -> Result<RouteVia, request::RequestError> {
+    let (Some(parsed), Some(turn)) = (parsed, decision.session.as_ref()) else {
+        return Ok(via);
+    };
+    let RouteVia::Body {
+        body,
+        rewritten,
+        end_of_stream,
+    } = via
+    else {
+        return Ok(via);
+    };
+    if !turn.rehomed || parsed.session().is_none() {
+        return Ok(RouteVia::Body {
+            body,
+            rewritten,
+            end_of_stream,
+        });
+    }
+    let edit = request::NvExtEdit::default()
+        .session_action(request::SessionAction::Open)
+        .session_timeout(turn.timeout.as_secs());
+    let (body, rewritten) = match parsed.clone().rewrite_body(&body, &edit)? {
+        Some(reopened) => (reopened, true),
+        None => (body, rewritten),
+    };
+    Ok(RouteVia::Body {
+        body,
+        rewritten,
+        end_of_stream,
+    })
+}
+
+/// `nvext.agent_hints.priority` (the parser checks it is an i32).
 fn hint_priority(parsed: &InferenceRequest) -> Option<i32> {
     parsed.nvext.agent_hints.as_ref()?.priority
 }

@@ -44,7 +44,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockWriteGuard};
 
 use crate::endpoints::WorkerKey;
 use crate::kv::slots::SlotSet;
@@ -213,6 +213,12 @@ impl PrefixIndex {
         }
     }
 
+    /// The write lock, released fairly: a lookup waiting for it gets it before this
+    /// writer's next chunk does.
+    fn write(&self) -> FairWrite<'_> {
+        FairWrite(Some(self.inner.write()))
+    }
+
     fn stamp(&self, now: Instant) -> u32 {
         let secs = now.saturating_duration_since(self.base).as_secs();
         secs.min(u64::from(u32::MAX - 1)) as u32
@@ -232,7 +238,7 @@ impl PrefixIndex {
         let stamp = self.stamp(now);
         let mut after = None;
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            let mut g = self.inner.write();
+            let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
             if w.precise {
@@ -263,7 +269,7 @@ impl PrefixIndex {
     /// a chunk per lock acquisition.
     fn evict(&self, worker: WorkerKey, now: u32) {
         loop {
-            let mut g = self.inner.write();
+            let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
             };
@@ -328,7 +334,7 @@ impl PrefixIndex {
         let _ = now;
         let mut after = None;
         for chunk in blocks.chunks(WRITE_CHUNK) {
-            let mut g = self.inner.write();
+            let mut g = self.write();
             let slot = g.slot(worker);
             let limit = g.workers[slot as usize]
                 .precise_limit
@@ -385,7 +391,7 @@ impl PrefixIndex {
     /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones are ignored.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
         for chunk in engine_hashes.chunks(WRITE_CHUNK) {
-            let mut g = self.inner.write();
+            let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
             };
@@ -398,30 +404,42 @@ impl PrefixIndex {
     /// Forgets everything `worker` holds (event gap, engine restart, reconnect,
     /// endpoint gone). Its capacity, precise cap and precise flag are forgotten too.
     pub fn clear_worker(&self, worker: WorkerKey) {
-        let (slot, hashes) = {
-            let mut g = self.inner.write();
+        let (slot, w) = {
+            let mut g = self.write();
             let Some(slot) = g.slots.remove(&worker) else {
                 return;
             };
-            let w = std::mem::take(&mut g.workers[slot as usize]);
-            let mut hashes: Vec<u64> = w.recency.into_keys().collect();
-            hashes.extend(w.engine.into_values());
-            (slot, hashes)
+            (slot, std::mem::take(&mut g.workers[slot as usize]))
         };
         // The slot has no key now (lookups skip it) and is reused only once empty.
-        for chunk in hashes.chunks(WRITE_CHUNK) {
-            self.inner
-                .write()
-                .remove_holder_runs(chunk, slot, &self.entries);
+        let mut hashes: Vec<u64> = w.recency.into_keys().collect();
+        hashes.extend(w.engine.into_values());
+        self.remove_in_run_order(slot, hashes, None);
+        self.write().free_slots.push(slot);
+    }
+
+    /// Removes `slot` from `hashes` a chunk at a time, in run order so that each
+    /// run is cut once, not once per block. With `owner`, stops if the slot no
+    /// longer belongs to it (cleared meanwhile).
+    fn remove_in_run_order(&self, slot: u32, mut hashes: Vec<u64>, owner: Option<WorkerKey>) {
+        {
+            let g = self.inner.read();
+            hashes.sort_by_cached_key(|h| g.blocks.get(h).map(|l| (l.run, l.pos)));
         }
-        self.inner.write().free_slots.push(slot);
+        for chunk in hashes.chunks(WRITE_CHUNK) {
+            let mut g = self.write();
+            if owner.is_some_and(|k| g.slots.get(&k) != Some(&slot)) {
+                return;
+            }
+            g.remove_holder_runs(chunk, slot, &self.entries);
+        }
     }
 
     /// Marks `worker` as fed by KV events (precise) or not. Turning precise on drops
     /// its approximate entries.
     pub fn set_precise(&self, worker: WorkerKey, precise: bool) {
         let (slot, dropped) = {
-            let mut g = self.inner.write();
+            let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
             if w.precise == precise {
@@ -444,13 +462,7 @@ impl PrefixIndex {
                 .collect();
             (slot, dropped)
         };
-        for chunk in dropped.chunks(WRITE_CHUNK) {
-            let mut g = self.inner.write();
-            if g.slots.get(&worker) != Some(&slot) {
-                return;
-            }
-            g.remove_holder_runs(chunk, slot, &self.entries);
-        }
+        self.remove_in_run_order(slot, dropped, Some(worker));
     }
 
     /// Whether `worker` is fed by KV events.
@@ -474,7 +486,7 @@ impl PrefixIndex {
             }
         }
         {
-            let mut g = self.inner.write();
+            let mut g = self.write();
             let slot = g.slot(worker);
             g.workers[slot as usize].capacity = Some(blocks);
         }
@@ -493,7 +505,7 @@ impl PrefixIndex {
                 return;
             }
         }
-        let mut g = self.inner.write();
+        let mut g = self.write();
         let slot = g.slot(worker);
         g.workers[slot as usize].precise_limit = Some(blocks);
     }
@@ -526,14 +538,14 @@ impl PrefixIndex {
         let g = self.inner.read();
         let mut out = Vec::new();
         g.walk(hashes, &mut out);
-        out.into_iter()
-            .filter_map(|(slot, depth)| {
-                let w = &g.workers[slot as usize];
-                let key = w.key?;
-                let depth = self.visible_depth(w, hashes, depth as usize, now);
-                (depth > 0).then_some((key, depth))
-            })
-            .collect()
+        let mut found = Vec::with_capacity(out.len());
+        found.extend(out.into_iter().filter_map(|(slot, depth)| {
+            let w = &g.workers[slot as usize];
+            let key = w.key?;
+            let depth = self.visible_depth(w, hashes, depth as usize, now);
+            (depth > 0).then_some((key, depth))
+        }));
+        found
     }
 
     /// `depth` corrected for expired approximate entries the walk counted (only
@@ -558,13 +570,25 @@ impl PrefixIndex {
         if candidates.is_empty() || hashes.is_empty() {
             return counts;
         }
-        let found = self.matches(hashes, now);
+        let now = self.stamp(now);
+        let g = self.inner.read();
+        let mut found = Vec::new();
+        g.walk(hashes, &mut found);
         if found.is_empty() {
             return counts;
         }
-        let by_key: Map<WorkerKey, usize> = found.into_iter().collect();
+        // Depth by slot, then one slot probe per candidate.
+        let mut by_slot = vec![0u32; g.workers.len()];
+        for (slot, depth) in found {
+            by_slot[slot as usize] = depth;
+        }
         for (c, k) in counts.iter_mut().zip(candidates) {
-            *c = by_key.get(k).copied().unwrap_or(0);
+            if let Some(&slot) = g.slots.get(k) {
+                let depth = by_slot[slot as usize] as usize;
+                if depth > 0 {
+                    *c = self.visible_depth(&g.workers[slot as usize], hashes, depth, now);
+                }
+            }
         }
         counts
     }
@@ -633,6 +657,31 @@ impl PrefixIndex {
                 + table::<u64, ()>(w.precise_held.capacity());
         }
         bytes
+    }
+}
+
+/// A write guard that hands the lock to waiting readers when dropped (parking_lot
+/// otherwise lets a writer that releases and re-locks at once barge ahead of them).
+struct FairWrite<'a>(Option<RwLockWriteGuard<'a, Inner>>);
+
+impl std::ops::Deref for FairWrite<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        self.0.as_ref().expect("held until drop")
+    }
+}
+
+impl std::ops::DerefMut for FairWrite<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        self.0.as_mut().expect("held until drop")
+    }
+}
+
+impl Drop for FairWrite<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.0.take() {
+            RwLockWriteGuard::unlock_fair(g);
+        }
     }
 }
 
@@ -906,6 +955,7 @@ impl Inner {
             return;
         };
         let mut active = self.runs[first.run as usize].holders.clone();
+        out.reserve(active.len());
         let mut loc = *first;
         let mut i = 1usize;
         while i < hashes.len() {

@@ -142,10 +142,17 @@ pub(super) fn parse_body(
         }
         _ => NvExt::default(),
     };
+    // Dynamo's `token_data` is the pre-tokenized prompt the engine runs: its ids,
+    // not the text, are what the engine caches, so they are what kvpick hashes
+    // (and no tokenization is needed).
+    let segments = match &nvext.token_data {
+        Some(ids) if !ids.is_empty() => vec![super::Segment::Tokens(ids.clone())],
+        _ => top.segments.0,
+    };
     Ok(InferenceRequest {
         kind: top.kind,
         model: top.model,
-        segments: top.segments.0,
+        segments,
         stream: top.stream,
         names_worker: nvext.names_worker(),
         nvext,

@@ -21,6 +21,7 @@ pub struct NvExtEdit {
     remove: Vec<Cow<'static, str>>,
     set: Vec<(String, String)>,
     session_action: Option<SessionAction>,
+    session_timeout: Option<u64>,
 }
 
 impl NvExtEdit {
@@ -56,6 +57,13 @@ impl NvExtEdit {
     /// `session_control`).
     pub fn session_action(mut self, action: SessionAction) -> Self {
         self.session_action = Some(action);
+        self
+    }
+
+    /// Also sets `nvext.session_control.timeout` (when the body has a
+    /// `session_control`).
+    pub fn session_timeout(mut self, secs: u64) -> Self {
+        self.session_timeout = Some(secs);
         self
     }
 
@@ -155,15 +163,26 @@ fn edit_object(json: &str, edit: &NvExtEdit) -> Result<Option<String>, RequestEr
             changed = true;
             continue;
         }
-        match (key.as_ref(), edit.session_action) {
-            ("session_control", Some(action)) if raw.get() != "null" => {
+        let edits_session = edit.session_action.is_some() || edit.session_timeout.is_some();
+        match key.as_ref() {
+            "session_control" if edits_session && raw.get() != "null" => {
                 let mut sc = String::from("{");
                 for (k, v) in entries(raw.get())? {
-                    if k != "action" {
+                    let replaced = match k.as_ref() {
+                        "action" => edit.session_action.is_some(),
+                        "timeout" => edit.session_timeout.is_some(),
+                        _ => false,
+                    };
+                    if !replaced {
                         push_entry(&mut sc, &k, v.get());
                     }
                 }
-                push_entry(&mut sc, "action", &format!("\"{}\"", action.as_str()));
+                if let Some(action) = edit.session_action {
+                    push_entry(&mut sc, "action", &format!("\"{}\"", action.as_str()));
+                }
+                if let Some(secs) = edit.session_timeout {
+                    push_entry(&mut sc, "timeout", &secs.to_string());
+                }
                 sc.push('}');
                 changed = true;
                 push_entry(&mut out, &key, &sc);

@@ -56,6 +56,9 @@ pub struct Decision {
     pub decode: Target,
     /// The prefill worker in disaggregated pools.
     pub prefill: Option<Target>,
+    /// The prefill worker's bootstrap port: its `kvpick.io/bootstrap-port`, else
+    /// the SGLang default for `sglang` engine pods (`--sglang-bootstrap-port`).
+    pub bootstrap_port: Option<u16>,
     /// Random 63-bit bootstrap room when the prefill worker has a bootstrap port.
     pub bootstrap_room: Option<u64>,
     /// The session turn, when the request belongs to a session.
@@ -66,6 +69,9 @@ pub struct Decision {
     pub overlap_blocks: usize,
     /// Blocks this request adds to its targets' active load until it finishes.
     pub load_blocks: u64,
+    /// Expected output blocks (`agent_hints.osl` or the default) added to the
+    /// decode rank's load on top of `load_blocks`.
+    pub decode_blocks: u64,
 }
 
 impl Decision {

@@ -7,7 +7,9 @@
 //!
 //! Stages of one pick (each timed in [`SchedulerStats`]):
 //! 1. session: a live binding (or a valid signed token) pins the request to its
-//!    (worker, rank) while that rank is ready; a gone worker is re-picked;
+//!    decode (worker, rank), and its prefill (worker, rank) in disaggregated
+//!    pools, while they are ready; a gone decode worker re-homes the session
+//!    (re-picked, forwarded as an `open`; see [`crate::sessions`]);
 //! 2. hash: the prompt becomes chained prefix block hashes ([`crate::kv::hash`]);
 //! 3. lookup: the prefix index says how many leading blocks each candidate holds;
 //! 4. score: a cost per candidate (see [`Weights`] and `docs/scheduling.md`), argmin
@@ -42,7 +44,10 @@ use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
 use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
 use crate::request::InferenceRequest;
-use crate::sessions::SessionStore;
+use crate::sessions::{SessionConfig, SessionStore};
+
+/// SGLang's default disaggregation bootstrap port.
+pub const DEFAULT_SGLANG_BOOTSTRAP_PORT: u16 = 8998;
 
 /// Scheduler settings.
 #[derive(Debug, Clone)]
@@ -63,6 +68,16 @@ pub struct SchedulerConfig {
     pub session_token_header: String,
     /// HMAC key for session tokens (empty: a random per-process key).
     pub session_key: Vec<u8>,
+    /// Most sessions held; past it the least recently used is evicted.
+    pub session_max_entries: usize,
+    /// Longest a session token stays valid after the turn that issued it.
+    pub session_token_max_lifetime: Duration,
+    /// Expected output tokens of a request without `nvext.agent_hints.osl`; the
+    /// expected decode blocks are added to the request's booked load.
+    pub default_osl_tokens: u32,
+    /// Bootstrap port of `sglang` prefill workers without a
+    /// `kvpick.io/bootstrap-port` annotation (SGLang's default is 8998).
+    pub sglang_bootstrap_port: Option<u16>,
     /// Passive health: when failing responses eject an endpoint.
     pub health: HealthConfig,
 }
@@ -78,6 +93,10 @@ impl Default for SchedulerConfig {
             index: IndexConfig::default(),
             session_token_header: "x-kvpick-session".into(),
             session_key: Vec::new(),
+            session_max_entries: SessionConfig::default().max_entries,
+            session_token_max_lifetime: SessionConfig::default().token_max_lifetime,
+            default_osl_tokens: 0,
+            sglang_bootstrap_port: Some(DEFAULT_SGLANG_BOOTSTRAP_PORT),
             health: HealthConfig::default(),
         }
     }
@@ -105,7 +124,11 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
-            sessions: SessionStore::new(config.session_key.clone()),
+            sessions: SessionStore::with_config(SessionConfig {
+                key: config.session_key.clone(),
+                max_entries: config.session_max_entries,
+                token_max_lifetime: config.session_token_max_lifetime,
+            }),
             active: DashMap::default(),
             stats: SchedulerStats::default(),
             config,
@@ -151,7 +174,10 @@ impl Scheduler {
     /// signed session token, for session turns other than `close`.
     pub fn response_headers(&self, decision: &Decision) -> Option<Vec<(String, String)>> {
         let turn = decision.session.as_ref()?;
-        let token = self.sessions.turn_token(turn, decision.decode.key())?;
+        let prefill = decision.prefill.as_ref().map(Target::key);
+        let token = self
+            .sessions
+            .turn_token(turn, decision.decode.key(), prefill)?;
         Some(vec![(self.config.session_token_header.clone(), token)])
     }
 
@@ -173,13 +199,17 @@ impl Scheduler {
 
     /// [`Scheduler::finish`] at a given instant (tests drive the clock).
     pub fn finish_at(&self, decision: &Decision, status: Option<u16>, now: Instant) {
-        self.release(decision.decode.key(), decision.load_blocks);
+        self.release(
+            decision.decode.key(),
+            decision.load_blocks + decision.decode_blocks,
+        );
         if let Some(p) = &decision.prefill {
             self.release(p.key(), decision.load_blocks);
         }
         if let Some(turn) = &decision.session {
+            let prefill = decision.prefill.as_ref().map(Target::key);
             self.sessions
-                .settle(turn, decision.decode.key(), status, now);
+                .settle(turn, decision.decode.key(), prefill, status, now);
         }
     }
 

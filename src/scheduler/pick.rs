@@ -8,8 +8,9 @@ use rand::Rng;
 
 use super::cost::{ranks_of, Cand};
 use super::{Decision, PickError, PickRequest, Scheduler, Stage};
-use crate::endpoints::{EndpointState, Role, Snapshot, WorkerKey};
+use crate::endpoints::{EndpointState, Engine, Role, Snapshot, WorkerKey};
 use crate::kv::hash;
+use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
 
 impl Scheduler {
@@ -67,13 +68,14 @@ impl Scheduler {
             None => Vec::new(),
         };
 
-        let (session, pinned) = {
+        let (session, pinned, pinned_prefill) = {
             let _t = self.stats.time(Stage::Session);
-            let session = SessionTurn::of(req.body, req.session_id);
-            let pinned = session
-                .as_ref()
-                .and_then(|s| self.pinned(s, req.session_token, &decode, now));
-            (session, pinned)
+            let mut session = SessionTurn::of(req.body, req.session_id);
+            let (pinned, pinned_prefill) = match session.as_mut() {
+                Some(turn) => self.pinned(turn, req.session_token, &decode, &prefill, now),
+                None => (None, None),
+            };
+            (session, pinned, pinned_prefill)
         };
 
         let (hashes, load_blocks) = {
@@ -122,14 +124,16 @@ impl Scheduler {
                 }
             };
             let pi = (!prefill.is_empty()).then(|| {
-                self.choose(
-                    &prefill,
-                    &prefill_overlaps,
-                    hashes.len(),
-                    load_blocks,
-                    w.prefill_overlap,
-                    now,
-                )
+                pinned_prefill.unwrap_or_else(|| {
+                    self.choose(
+                        &prefill,
+                        &prefill_overlaps,
+                        hashes.len(),
+                        load_blocks,
+                        w.prefill_overlap,
+                        now,
+                    )
+                })
             });
             (di, overlap, pi)
         };
@@ -140,43 +144,74 @@ impl Scheduler {
         self.stats
             .blocks_matched
             .fetch_add(overlap as u64, Ordering::Relaxed);
-        self.record(&decode[di], &hashes, load_blocks, now);
+        let decode_blocks = req.body.map_or(0, |b| self.expected_decode_blocks(b));
+        self.record(&decode[di], &hashes, load_blocks + decode_blocks, now);
         if let Some(pi) = pi {
             self.record(&prefill[pi], &hashes, load_blocks, now);
         }
         let prefill = pi.map(|i| prefill[i].target());
-        let bootstrap_room = prefill
-            .as_ref()
-            .and_then(|p| p.endpoint.endpoint.bootstrap_port)
-            .map(|_| rand::rng().random::<u64>() >> 1);
+        let bootstrap_port = prefill.as_ref().and_then(|p| {
+            let ep = &p.endpoint.endpoint;
+            ep.bootstrap_port.or_else(|| {
+                (ep.engine == Engine::Sglang)
+                    .then_some(self.config.sglang_bootstrap_port)
+                    .flatten()
+            })
+        });
+        let bootstrap_room = bootstrap_port.map(|_| rand::rng().random::<u64>() >> 1);
         Ok(Decision {
             decode: decode[di].target(),
             prefill,
+            bootstrap_port,
             bootstrap_room,
             session,
             prompt_blocks: hashes.len(),
             overlap_blocks: overlap,
             load_blocks,
+            decode_blocks,
         })
     }
 
-    /// The decode candidate a session turn is pinned to, if any; a binding whose
-    /// worker is gone is counted as a re-pick.
+    /// Blocks the request's expected output will take on its decode rank:
+    /// `nvext.agent_hints.osl` tokens, else the configured default.
+    fn expected_decode_blocks(&self, body: &InferenceRequest) -> u64 {
+        let osl = body
+            .nvext
+            .agent_hints
+            .as_ref()
+            .and_then(|h| h.osl)
+            .unwrap_or(self.config.default_osl_tokens);
+        u64::from(osl).div_ceil(self.config.token_block.max(1) as u64)
+    }
+
+    /// The decode candidate (and prefill candidate) a session turn is pinned to,
+    /// if any. A binding whose decode worker is gone re-homes the turn (counted);
+    /// a prefill rank that is gone is re-scored.
     fn pinned(
         &self,
-        turn: &SessionTurn,
+        turn: &mut SessionTurn,
         token: Option<&str>,
         decode: &[Cand<'_>],
+        prefill: &[Cand<'_>],
         now: Instant,
-    ) -> Option<usize> {
+    ) -> (Option<usize>, Option<usize>) {
         let ready = |k: WorkerKey| decode.iter().any(|c| c.key == k);
         match self.sessions.pin(turn, token, ready, now) {
-            Pin::Ready(k) => decode.iter().position(|c| c.key == k),
-            Pin::Gone => {
+            Pin::Ready {
+                decode: d,
+                prefill: p,
+            } => (
+                decode.iter().position(|c| c.key == d),
+                p.and_then(|p| prefill.iter().position(|c| c.key == p)),
+            ),
+            Pin::Rehome => {
                 self.stats.session_repicks.fetch_add(1, Ordering::Relaxed);
-                None
+                if turn.rehomed {
+                    self.stats.session_rehomes.fetch_add(1, Ordering::Relaxed);
+                }
+                (None, None)
             }
-            Pin::Unbound => None,
+            Pin::Unbound => (None, None),
         }
     }
 

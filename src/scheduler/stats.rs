@@ -98,6 +98,8 @@ pub struct SchedulerStats {
     pub blocks_matched: AtomicU64,
     /// Session requests whose bound worker was gone and were re-picked.
     pub session_repicks: AtomicU64,
+    /// Of those, turns forwarded to the new worker as an `open` (re-homed).
+    pub session_rehomes: AtomicU64,
     stages: [LatencyHistogram; 4],
 }
 

@@ -275,6 +275,227 @@ fn gone_worker_is_repicked_and_counted() {
     assert_eq!(s.sessions().get("s3", t0), Some(d2.decode.key()));
 }
 
+/// A session turn with its own `timeout`, or none.
+fn turn_with(id: &str, action: Option<&str>, timeout: Option<u64>, text: &str) -> InferenceRequest {
+    let mut sc = serde_json::json!({"session_id": id});
+    if let Some(a) = action {
+        sc["action"] = a.into();
+    }
+    if let Some(t) = timeout {
+        sc["timeout"] = t.into();
+    }
+    body(
+        &serde_json::json!({"model": "m", "prompt": text, "nvext": {"session_control": sc}})
+            .to_string(),
+    )
+}
+
+#[test]
+fn middle_turn_without_timeout_keeps_the_open_timeout() {
+    let s = Scheduler::default();
+    let t = both(8);
+    let snap = t.snapshot();
+    let t0 = Instant::now();
+    let open = turn_with("agent", Some("open"), Some(3600), "plan");
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    let home = d.decode.key();
+    s.finish_at(&d, Some(200), t0);
+    // A middle turn without `timeout`, then one with another timeout: neither
+    // changes the session's 3600 s.
+    let mut at = t0 + Duration::from_secs(10);
+    for timeout in [None, Some(5)] {
+        let mid = turn_with("agent", None, timeout, "tool call");
+        let d = s.pick_at(&with_body(&mid), &snap, at).unwrap();
+        assert_eq!(d.decode.key(), home);
+        s.finish_at(&d, Some(200), at);
+        assert_eq!(
+            s.sessions().binding("agent").unwrap().timeout,
+            Duration::from_secs(3600)
+        );
+        at += Duration::from_secs(10);
+    }
+    // A ten-minute pause on a tool call keeps the worker.
+    at += Duration::from_secs(600);
+    assert_eq!(s.maintain(&snap, at), 0);
+    let next = turn_with("agent", None, None, "after the tool");
+    let d = s.pick_at(&with_body(&next), &snap, at).unwrap();
+    assert_eq!(d.decode.key(), home);
+    assert!(!d.session.as_ref().unwrap().rehomed);
+}
+
+#[test]
+fn session_timeout_defaults_to_300_seconds() {
+    let s = Scheduler::default();
+    let t = both(2);
+    let snap = t.snapshot();
+    let t0 = Instant::now();
+    let open = turn_with("d", Some("open"), None, "x");
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    s.finish_at(&d, Some(200), t0);
+    assert_eq!(
+        s.sessions().binding("d").unwrap().timeout,
+        Duration::from_secs(300)
+    );
+    assert_eq!(s.maintain(&snap, t0 + Duration::from_secs(299)), 0);
+    assert_eq!(s.maintain(&snap, t0 + Duration::from_secs(301)), 1);
+}
+
+#[test]
+fn huge_session_timeout_does_not_panic() {
+    let s = Scheduler::default();
+    let t = both(2);
+    let snap = t.snapshot();
+    let t0 = Instant::now();
+    // The parser answers 400 to such a timeout; the scheduler must not panic
+    // on one anyway (a body built by other code, a replica with other limits).
+    let huge = |id: &str, action: Option<&str>| {
+        let mut b = turn_with(id, action, Some(60), "x");
+        if let Some(sc) = b.nvext.session_control.as_mut() {
+            sc.timeout = Some(u64::MAX);
+        }
+        b
+    };
+    for action in [Some("open"), None, None, Some("close")] {
+        let turn = huge("big", action);
+        let d = s.pick_at(&with_body(&turn), &snap, t0).unwrap();
+        assert!(s.response_headers(&d).is_some() || action == Some("close"));
+        s.finish_at(&d, Some(200), t0);
+        s.maintain(&snap, t0);
+    }
+    let open = huge("big2", Some("open"));
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    s.finish_at(&d, Some(200), t0);
+    let held = s.sessions().binding("big2").unwrap();
+    assert_eq!(held.timeout, crate::sessions::MAX_TIMEOUT, "clamped");
+    assert_eq!(
+        s.maintain(
+            &snap,
+            t0 + crate::sessions::MAX_TIMEOUT + Duration::from_secs(1)
+        ),
+        1,
+        "a clamped session is reaped"
+    );
+}
+
+#[test]
+fn close_on_a_dropped_stream_unbinds() {
+    let s = Scheduler::default();
+    let t = both(2);
+    let snap = t.snapshot();
+    let t0 = Instant::now();
+    let open = turn_with("c", Some("open"), None, "x");
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    s.finish_at(&d, Some(200), t0);
+    let close = turn_with("c", Some("close"), None, "y");
+    let d = s.pick_at(&with_body(&close), &snap, t0).unwrap();
+    // The client went away before any response: the close still unbinds (the
+    // sidecar closes the engine session when the request is dropped).
+    s.finish_at(&d, None, t0);
+    assert!(s.sessions().is_empty());
+    assert_eq!(s.active_blocks(d.decode.key()), 0);
+}
+
+#[test]
+fn gone_worker_rehomes_the_session_as_an_open_with_its_timeout() {
+    let s = Scheduler::default();
+    let t = both(3);
+    let t0 = Instant::now();
+    let open = turn_with("r", Some("open"), Some(1200), "x");
+    let d = s.pick_at(&with_body(&open), &t.snapshot(), t0).unwrap();
+    assert!(!d.session.as_ref().unwrap().rehomed);
+    s.finish_at(&d, Some(200), t0);
+    let gone = d.decode.endpoint.endpoint.address;
+    t.replace(
+        t.snapshot()
+            .endpoints
+            .iter()
+            .filter(|e| e.endpoint.address != gone)
+            .map(|e| e.endpoint.clone())
+            .collect(),
+    );
+    let mid = turn_with("r", None, None, "y");
+    let d2 = s.pick_at(&with_body(&mid), &t.snapshot(), t0).unwrap();
+    let turn = d2.session.clone().unwrap();
+    assert!(turn.rehomed, "forwarded as an open");
+    assert_eq!(turn.timeout, Duration::from_secs(1200));
+    assert_eq!(s.stats().session_rehomes.load(Ordering::Relaxed), 1);
+    s.finish_at(&d2, Some(200), t0);
+    // The following turns stick to the new worker, not re-homed again.
+    for i in 0..5 {
+        let next = turn_with("r", None, None, &format!("z{i}"));
+        let d3 = s.pick_at(&with_body(&next), &t.snapshot(), t0).unwrap();
+        assert_eq!(d3.decode.key(), d2.decode.key());
+        assert!(!d3.session.as_ref().unwrap().rehomed);
+        s.finish_at(&d3, Some(200), t0);
+    }
+    assert_eq!(
+        s.sessions().binding("r").unwrap().timeout,
+        Duration::from_secs(1200)
+    );
+    assert_eq!(s.stats().session_rehomes.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn disaggregated_session_pins_the_prefill_rank() {
+    let s = Scheduler::default();
+    let t = table(&[
+        ("10.0.1.1:80", 2, Role::Prefill),
+        ("10.0.1.2:80", 2, Role::Prefill),
+        ("10.0.2.1:80", 1, Role::Decode),
+        ("10.0.2.2:80", 1, Role::Decode),
+    ]);
+    let snap = t.snapshot();
+    let t0 = Instant::now();
+    let open = turn_with("pd", Some("open"), None, "first");
+    let d = s.pick_at(&with_body(&open), &snap, t0).unwrap();
+    let prefill = d.prefill.as_ref().unwrap().key();
+    s.finish_at(&d, Some(200), t0);
+    // Unrelated prompts and load on the pinned prefill rank do not move it.
+    let mut held = Vec::new();
+    for i in 0..20 {
+        let mid = turn_with(
+            "pd",
+            None,
+            None,
+            &format!("turn {i} {}", "q".repeat(i * 64)),
+        );
+        let d2 = s.pick_at(&with_body(&mid), &snap, t0).unwrap();
+        assert_eq!(d2.decode.key(), d.decode.key());
+        assert_eq!(d2.prefill.as_ref().unwrap().key(), prefill);
+        held.push(d2);
+    }
+    for d2 in &held {
+        s.finish_at(d2, Some(200), t0);
+    }
+    assert_eq!(s.sessions().binding("pd").unwrap().prefill, Some(prefill));
+}
+
+#[test]
+fn osl_adds_expected_decode_blocks_to_the_booked_load() {
+    let s = Scheduler::new(SchedulerConfig {
+        default_osl_tokens: 64,
+        ..Default::default()
+    });
+    let t = both(1);
+    let snap = t.snapshot();
+    let hinted = body(
+        r#"{"model":"m","prompt":"x","nvext":{"agent_hints":{"osl":1600,"priority":5,"unknown_hint":true}}}"#,
+    );
+    let d = s.pick(&with_body(&hinted), &snap).unwrap();
+    let per_block = SchedulerConfig::default().token_block as u64;
+    assert_eq!(d.decode_blocks, 1600_u64.div_ceil(per_block));
+    assert_eq!(
+        s.active_blocks(d.decode.key()),
+        d.load_blocks + d.decode_blocks
+    );
+    let plain = prompt("x");
+    let d2 = s.pick(&with_body(&plain), &snap).unwrap();
+    assert_eq!(d2.decode_blocks, 64_u64.div_ceil(per_block), "the default");
+    s.finish(&d, Some(200));
+    s.finish(&d2, Some(200));
+    assert_eq!(s.active_blocks(d.decode.key()), 0);
+}
+
 #[test]
 fn signed_token_moves_sessions_between_replicas() {
     let key = b"shared secret".to_vec();
@@ -455,4 +676,56 @@ fn stage_latencies_are_recorded() {
         assert_eq!(h.buckets.len(), LATENCY_BUCKETS.len() + 1);
         assert_eq!(h.buckets.iter().map(|b| b.1).sum::<u64>(), 1);
     }
+}
+
+#[test]
+fn sglang_prefill_without_bootstrap_annotation_gets_the_default_port() {
+    use crate::endpoints::Engine;
+    let pool = |engine: Engine, annotated: Option<u16>| {
+        let mut p = Endpoint::new("10.0.0.1:80".parse().unwrap());
+        p.role = Role::Prefill;
+        p.engine = engine;
+        p.bootstrap_port = annotated;
+        let mut d = Endpoint::new("10.0.1.1:80".parse().unwrap());
+        d.role = Role::Decode;
+        let t = EndpointTable::new();
+        t.replace(vec![p, d]);
+        t
+    };
+    let body = prompt("x");
+    let s = Scheduler::default();
+    let d = s
+        .pick(&with_body(&body), &pool(Engine::Sglang, None).snapshot())
+        .unwrap();
+    assert_eq!(d.bootstrap_port, Some(DEFAULT_SGLANG_BOOTSTRAP_PORT));
+    assert!(d.bootstrap_room.is_some());
+    // The annotation overrides; other engines get no default.
+    let d = s
+        .pick(
+            &with_body(&body),
+            &pool(Engine::Sglang, Some(9000)).snapshot(),
+        )
+        .unwrap();
+    assert_eq!(d.bootstrap_port, Some(9000));
+    let d = s
+        .pick(&with_body(&body), &pool(Engine::Vllm, None).snapshot())
+        .unwrap();
+    assert_eq!((d.bootstrap_port, d.bootstrap_room), (None, None));
+    // The flag changes (or disables) the default.
+    let s = Scheduler::new(SchedulerConfig {
+        sglang_bootstrap_port: Some(18998),
+        ..Default::default()
+    });
+    let d = s
+        .pick(&with_body(&body), &pool(Engine::Sglang, None).snapshot())
+        .unwrap();
+    assert_eq!(d.bootstrap_port, Some(18998));
+    let s = Scheduler::new(SchedulerConfig {
+        sglang_bootstrap_port: None,
+        ..Default::default()
+    });
+    let d = s
+        .pick(&with_body(&body), &pool(Engine::Sglang, None).snapshot())
+        .unwrap();
+    assert_eq!(d.bootstrap_port, None);
 }

@@ -4,6 +4,7 @@
 
 pub mod noop;
 pub mod overhead;
+pub mod overload;
 pub mod plot;
 pub mod replay;
 pub mod scale;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use e2e::bench::{overhead, plot, replay, scale, sim::TimeModel, trace};
+use e2e::bench::{overhead, overload, plot, replay, scale, sim::TimeModel, trace};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -83,6 +83,19 @@ enum Command {
         /// Seed of the baselines' tie-breaking.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Instead of the policy comparison: replay X times faster (and at 1×) with
+        /// a mix of priorities, with and without flow control.
+        #[arg(long)]
+        overload: Option<f64>,
+        /// With --overload: shares of high, normal and sheddable requests.
+        #[arg(long, value_delimiter = ',', default_value = "0.2,0.5,0.3")]
+        mix: Vec<f64>,
+        /// With --overload: flow control's engine-queue threshold per worker.
+        #[arg(long, default_value_t = 1.0)]
+        queue_depth_threshold: f64,
+        /// With --overload: flow control's queue TTL in seconds.
+        #[arg(long, default_value_t = 60.0)]
+        ttl: f64,
     },
     /// Index and scheduler at fleet scale: memory, lookup, ingest, churn.
     Scale {
@@ -152,20 +165,45 @@ fn main() -> anyhow::Result<()> {
             decode_ms_per_token,
             decode_batch_knee,
             seed,
+            overload: factor,
+            mix,
+            queue_depth_threshold,
+            ttl,
         } => {
             let mut requests_all = trace::load(&path)?;
             if let Some(n) = requests {
                 requests_all.truncate(n);
             }
+            let model = TimeModel {
+                prefill_tokens_per_s,
+                prefill_fixed_ms,
+                decode_ms_per_token,
+                decode_batch_knee,
+            };
+            if let Some(factor) = factor {
+                let mut shares = [0.0; 3];
+                for (s, m) in shares.iter_mut().zip(&mix) {
+                    *s = *m;
+                }
+                let report = overload::run(
+                    &requests_all,
+                    &overload::OverloadConfig {
+                        factor,
+                        workers,
+                        capacity_blocks,
+                        model,
+                        mix: shares,
+                        queue_depth_threshold,
+                        ttl: Duration::from_secs_f64(ttl),
+                        seed,
+                    },
+                );
+                return emit(cli.format, cli.save.as_deref(), &report, report.markdown());
+            }
             let cfg = replay::ReplayConfig {
                 workers,
                 capacity_blocks,
-                model: TimeModel {
-                    prefill_tokens_per_s,
-                    prefill_fixed_ms,
-                    decode_ms_per_token,
-                    decode_batch_knee,
-                },
+                model,
                 seed,
             };
             let name = path
