@@ -468,7 +468,11 @@ pub async fn run_until(
     }
     let deadline = args.drain_timeout();
     let open = app.metrics.streams.get();
-    info!(open_streams = open, ?deadline, "shutting down: readiness NOT_SERVING, draining ext_proc streams");
+    info!(
+        open_streams = open,
+        ?deadline,
+        "shutting down: readiness NOT_SERVING, draining ext_proc streams"
+    );
     drain_tx.send_replace(true);
     tokio::select! {
         r = &mut ext_proc => {

@@ -226,8 +226,21 @@ const BODY_KEYS: &[&str] = &[
 
 fn random_text(rng: &mut StdRng) -> String {
     const PIECES: &[&str] = &[
-        "hello", " ", "\u{0}", "\u{FFFF}", "é", "😀", "\\", "\"", "open", "close", "user",
-        "data:image/png;base64,iVBORw0KGgo=", "<image>", "system", "",
+        "hello",
+        " ",
+        "\u{0}",
+        "\u{FFFF}",
+        "é",
+        "😀",
+        "\\",
+        "\"",
+        "open",
+        "close",
+        "user",
+        "data:image/png;base64,iVBORw0KGgo=",
+        "<image>",
+        "system",
+        "",
     ];
     let n = rng.random_range(0..6);
     let mut s: String = (0..n)
@@ -275,7 +288,12 @@ fn gen_body(rng: &mut StdRng) -> Vec<u8> {
         sc.insert("timeout".into(), hostile_json(rng, 0));
     }
     let mut nvext = serde_json::Map::new();
-    for k in ["token_data", "backend_instance_id", "dp_rank", "agent_hints"] {
+    for k in [
+        "token_data",
+        "backend_instance_id",
+        "dp_rank",
+        "agent_hints",
+    ] {
         if rng.random_ratio(1, 3) {
             nvext.insert(k.into(), hostile_json(rng, 2));
         }
@@ -295,8 +313,15 @@ fn hostile_mp(rng: &mut StdRng, depth: u32) -> Mp {
         1 => Mp::from(rng.random::<u64>() >> rng.random_range(0..64)),
         2 => Mp::from(-(rng.random::<i64>().abs() >> rng.random_range(0..63))),
         3 => Mp::from(rng.random::<f64>() * 1e300),
-        4 => Mp::from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "x"]
-            [rng.random_range(0..5)]),
+        4 => Mp::from(
+            [
+                "BlockStored",
+                "BlockRemoved",
+                "AllBlocksCleared",
+                "GPU",
+                "x",
+            ][rng.random_range(0..5)],
+        ),
         5 => Mp::Binary((0..rng.random_range(0..40)).map(|_| rng.random()).collect()),
         6 => Mp::Boolean(rng.random()),
         7 => Mp::Array(
@@ -307,9 +332,19 @@ fn hostile_mp(rng: &mut StdRng, depth: u32) -> Mp {
         _ => Mp::Map(
             (0..rng.random_range(0..4))
                 .map(|_| {
-                    let k = ["type", "block_hashes", "parent_block_hash", "token_ids",
-                             "block_size", "events", "ts", "data_parallel_rank", "medium",
-                             "lora_name", "extra_keys"][rng.random_range(0..11)];
+                    let k = [
+                        "type",
+                        "block_hashes",
+                        "parent_block_hash",
+                        "token_ids",
+                        "block_size",
+                        "events",
+                        "ts",
+                        "data_parallel_rank",
+                        "medium",
+                        "lora_name",
+                        "extra_keys",
+                    ][rng.random_range(0..11)];
                     (Mp::from(k), hostile_mp(rng, depth - 1))
                 })
                 .collect(),
@@ -319,7 +354,11 @@ fn hostile_mp(rng: &mut StdRng, depth: u32) -> Mp {
 
 fn gen_event(rng: &mut StdRng) -> Mp {
     let ints = |rng: &mut StdRng, n: usize| {
-        Mp::Array((0..n).map(|_| Mp::from(rng.random::<u64>() >> rng.random_range(0..64))).collect())
+        Mp::Array(
+            (0..n)
+                .map(|_| Mp::from(rng.random::<u64>() >> rng.random_range(0..64)))
+                .collect(),
+        )
     };
     match rng.random_range(0..4) {
         0 => {
@@ -329,7 +368,11 @@ fn gen_event(rng: &mut StdRng) -> Mp {
             Mp::Array(vec![
                 Mp::from("BlockStored"),
                 ints(rng, blocks),
-                if rng.random() { Mp::Nil } else { Mp::from(rng.random::<u64>()) },
+                if rng.random() {
+                    Mp::Nil
+                } else {
+                    Mp::from(rng.random::<u64>())
+                },
                 ints(rng, ntok),
                 Mp::from(bs),
                 hostile_mp(rng, 0),
@@ -338,14 +381,22 @@ fn gen_event(rng: &mut StdRng) -> Mp {
                 hostile_mp(rng, 1),
             ])
         }
-        1 => Mp::Array(vec![Mp::from("BlockRemoved"), ints(rng, 3), hostile_mp(rng, 0)]),
+        1 => Mp::Array(vec![
+            Mp::from("BlockRemoved"),
+            ints(rng, 3),
+            hostile_mp(rng, 0),
+        ]),
         2 => Mp::Array(vec![Mp::from("AllBlocksCleared")]),
         _ => hostile_mp(rng, 2),
     }
 }
 
 fn gen_kvevents(rng: &mut StdRng) -> Vec<u8> {
-    let events = Mp::Array((0..rng.random_range(0..5)).map(|_| gen_event(rng)).collect());
+    let events = Mp::Array(
+        (0..rng.random_range(0..5))
+            .map(|_| gen_event(rng))
+            .collect(),
+    );
     let batch = if rng.random() {
         Mp::Array(vec![Mp::from(1.5), events, hostile_mp(rng, 0)])
     } else {
@@ -423,7 +474,8 @@ fn gen_metrics(rng: &mut StdRng) -> Vec<u8> {
 
 /// One mutation of `input` (with `other` to splice from).
 fn mutate(rng: &mut StdRng, input: &mut Vec<u8>, other: &[u8]) {
-    const INTERESTING: &[u8] = b"\x00\xff\x7f\x80{}[]\":,\n-.e9\xc0\xc1\xcc\xcd\xce\xcf\xd0\xdc\xdd\xde\xdf\x90\x80";
+    const INTERESTING: &[u8] =
+        b"\x00\xff\x7f\x80{}[]\":,\n-.e9\xc0\xc1\xcc\xcd\xce\xcf\xd0\xdc\xdd\xde\xdf\x90\x80";
     let len = input.len();
     match rng.random_range(0..9) {
         0 if len > 0 => {
@@ -509,7 +561,11 @@ fn run_checked(t: &Target, input: &[u8]) -> String {
             let _ = std::fs::create_dir_all(&dir);
             let path = dir.join(format!("{}-{:016x}", t.name, fnv(input)));
             let _ = std::fs::write(&path, input);
-            panic!("{} panicked on the input saved as {}", t.name, path.display());
+            panic!(
+                "{} panicked on the input saved as {}",
+                t.name,
+                path.display()
+            );
         }
     }
 }
