@@ -40,9 +40,21 @@ pub enum StackError {
 
 /// Writes a standalone endpoints file (atomically: readers never see half a file).
 pub fn write_endpoints(path: &Path, endpoints: &[(SocketAddr, u64)]) -> std::io::Result<()> {
+    let plain: Vec<_> = endpoints.iter().map(|&(a, id)| (a, id, None)).collect();
+    write_endpoints_with_roles(path, &plain)
+}
+
+/// [`write_endpoints`] with an optional `(role, engine)` per endpoint.
+pub fn write_endpoints_with_roles(
+    path: &Path,
+    endpoints: &[(SocketAddr, u64, Option<(&str, &str)>)],
+) -> std::io::Result<()> {
     let mut yaml = String::from("endpoints:\n");
-    for (addr, id) in endpoints {
+    for (addr, id, role) in endpoints {
         yaml.push_str(&format!("  - address: {addr}\n    instance_id: {id}\n"));
+        if let Some((role, engine)) = role {
+            yaml.push_str(&format!("    role: {role}\n    engine: {engine}\n"));
+        }
     }
     if endpoints.is_empty() {
         yaml = "endpoints: []\n".into();
@@ -237,6 +249,9 @@ pub struct StackOptions {
     pub tls_insecure: bool,
     /// The gateway sends a subset hint naming the workers at these indices.
     pub subset: Option<Vec<usize>>,
+    /// `(role, engine)` of each worker in the endpoints file (disaggregated
+    /// pools); empty lists no roles.
+    pub roles: Vec<(&'static str, &'static str)>,
 }
 
 impl Default for StackOptions {
@@ -255,6 +270,7 @@ impl Default for StackOptions {
             tls: false,
             tls_insecure: false,
             subset: None,
+            roles: Vec::new(),
         }
     }
 }
@@ -289,11 +305,12 @@ impl Stack {
             workers.push(WorkerHandle::start(local, opts.worker.clone()).await?);
         }
         let endpoints_file = dir.join("endpoints.yaml");
-        let listed: Vec<(SocketAddr, u64)> = workers
+        let listed: Vec<_> = workers
             .iter()
-            .map(|w| (w.addr(), w.instance_id()))
+            .enumerate()
+            .map(|(i, w)| (w.addr(), w.instance_id(), opts.roles.get(i).copied()))
             .collect();
-        write_endpoints(&endpoints_file, &listed)?;
+        write_endpoints_with_roles(&endpoints_file, &listed)?;
         let (tls, ca) = match opts.tls {
             true => {
                 let (tls, pem) = kvpick::tls::self_signed(&["localhost"])?;

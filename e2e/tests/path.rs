@@ -416,6 +416,85 @@ async fn a_session_whose_worker_dies_is_reopened_on_another_and_sticks_there() {
     assert_eq!(seen.sessions, vec!["agent-7"]);
 }
 
+#[tokio::test]
+async fn a_disaggregated_pool_sends_prefill_and_bootstrap_headers_and_pins_sessions() {
+    let s = stack(StackOptions {
+        roles: vec![
+            ("prefill", "sglang"),
+            ("prefill", "sglang"),
+            ("decode", "sglang"),
+            ("decode", "sglang"),
+        ],
+        ..StackOptions::default()
+    })
+    .await;
+    let c = s.client();
+    let prefill_ids: Vec<String> = (0..2)
+        .map(|i| s.workers[i].instance_id().to_string())
+        .collect();
+    for i in 0..8 {
+        let r = c
+            .post_json(
+                "/v1/chat/completions",
+                &chat(&format!("q{i}"), i % 2 == 0),
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let session = |action: Option<&str>, text: &str| {
+        let mut b = chat(text, false);
+        let mut sc = json!({"session_id": "pd-1"});
+        if let Some(a) = action {
+            sc["action"] = json!(a);
+        }
+        b["nvext"] = json!({"session_control": sc});
+        b
+    };
+    for (i, action) in [Some("open"), None, None, None].into_iter().enumerate() {
+        let r = c
+            .post_json(
+                "/v1/chat/completions",
+                &session(action, &format!("s{i}")),
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    for w in &s.workers[..2] {
+        assert_eq!(
+            w.counters().requests,
+            0,
+            "prefill workers are not destinations"
+        );
+    }
+    let mut session_sides = HashSet::new();
+    for w in &s.workers[2..] {
+        for r in w.seen().requests {
+            let prefill = r
+                .prefill_instance_id
+                .clone()
+                .expect("x-prefill-instance-id");
+            assert!(prefill_ids.contains(&prefill), "{r:?}");
+            assert_eq!(r.prefill_dp_rank.as_deref(), Some("0"));
+            let [host, port, room] = r.bootstrap.clone();
+            assert_eq!(host.as_deref(), Some("127.0.0.1"), "{r:?}");
+            assert_eq!(port.as_deref(), Some("8998"), "SGLang's default port");
+            assert!(room.unwrap().parse::<u64>().unwrap() < 1 << 63);
+            if r.session_id.is_some() {
+                session_sides.insert((w.instance_id(), prefill));
+            }
+        }
+    }
+    assert_eq!(
+        session_sides.len(),
+        1,
+        "a session keeps its decode and prefill workers: {session_sides:?}"
+    );
+}
+
 /// The hit rate the same requests would get if spread round-robin over
 /// `workers` workers: each prompt is looked up (counted), then the prompt and the
 /// reply are stored, as the mock worker does.
