@@ -38,6 +38,11 @@ pub struct Args {
     #[arg(long, env = "KVPICK_METRICS_PORT", default_value_t = 9090)]
     pub metrics_port: u16,
 
+    /// On SIGTERM/SIGINT: how long open ext_proc streams may take to finish (ms)
+    /// after readiness turns NOT_SERVING and new connections are refused.
+    #[arg(long, env = "KVPICK_DRAIN_TIMEOUT_MS", default_value_t = 120_000)]
+    pub drain_timeout_ms: u64,
+
     /// Serve ext_proc over TLS (`--secure-serving=false` for plaintext).
     #[arg(long, env = "KVPICK_SECURE_SERVING", default_value_t = true,
           action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
@@ -660,6 +665,11 @@ impl Args {
                 max_ejection: Duration::from_millis(self.eject_max_ms.max(self.eject_base_ms)),
             },
         }
+    }
+
+    /// How long open streams may finish on shutdown.
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms)
     }
 
     /// The namespace to watch (see [`resolve_namespace`]).

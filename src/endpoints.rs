@@ -74,6 +74,9 @@ impl Engine {
     }
 }
 
+/// Most data-parallel ranks one endpoint may have (each gets its own counters).
+pub const MAX_DP_SIZE: u32 = 1024;
+
 /// One (worker, data-parallel rank): the unit that owns a KV cache and a load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerKey {
@@ -175,7 +178,7 @@ pub enum LoadView {
 
 impl EndpointState {
     fn new(endpoint: Endpoint) -> Self {
-        let ranks = endpoint.dp_size.max(1) as usize;
+        let ranks = endpoint.dp_size.clamp(1, MAX_DP_SIZE) as usize;
         EndpointState {
             in_flight: (0..ranks).map(|_| AtomicU32::new(0)).collect(),
             scraped: Mutex::new(None),

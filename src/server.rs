@@ -1,11 +1,14 @@
 //! Wiring: builds the shared state from [`Args`] and runs the listeners
 //! (ext_proc, health, metrics) and discovery until one of them fails.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Server, ServerTlsConfig};
 use tracing::{info, warn};
@@ -181,6 +184,18 @@ pub async fn serve_ext_proc(
     service: ExtProcService,
     tls: Option<ServerTlsConfig>,
 ) -> Result<(), ServeError> {
+    serve_ext_proc_until(listener, service, tls, std::future::pending()).await
+}
+
+/// [`serve_ext_proc`] until `shutdown` completes: then the listener closes (new
+/// connections are refused), open connections get a GOAWAY (no new streams),
+/// and this returns once every open stream has finished.
+pub async fn serve_ext_proc_until(
+    listener: TcpListener,
+    service: ExtProcService,
+    tls: Option<ServerTlsConfig>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
     let mut builder = Server::builder()
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .http2_keepalive_interval(Some(Duration::from_secs(30)));
@@ -189,7 +204,7 @@ pub async fn serve_ext_proc(
     }
     builder
         .add_service(service.into_server())
-        .serve_with_incoming(incoming(listener))
+        .serve_with_incoming_shutdown(incoming(listener), shutdown)
         .await?;
     Ok(())
 }
@@ -199,13 +214,50 @@ pub async fn serve_health(
     listener: TcpListener,
     table: Arc<EndpointTable>,
 ) -> Result<(), ServeError> {
+    serve_health_until(listener, table, watch::channel(false).1).await
+}
+
+/// [`serve_health`], turning every service but `liveness` NOT_SERVING once
+/// `draining` turns true (and serving that answer until dropped).
+pub async fn serve_health_until(
+    listener: TcpListener,
+    table: Arc<EndpointTable>,
+    draining: watch::Receiver<bool>,
+) -> Result<(), ServeError> {
     let (reporter, service) = tonic_health::server::health_reporter();
-    tokio::spawn(telemetry::drive_health(reporter, table));
-    Server::builder()
+    let server = Server::builder()
         .add_service(service)
-        .serve_with_incoming(incoming(listener))
-        .await?;
+        .serve_with_incoming(incoming(listener));
+    tokio::select! {
+        r = server => r?,
+        () = telemetry::drive_health(reporter, table, draining) => {}
+    }
     Ok(())
+}
+
+/// Completes on SIGTERM (what Kubernetes sends) or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    tokio::select! {
+        () = term => info!("SIGTERM received"),
+        r = tokio::signal::ctrl_c() => match r {
+            Ok(()) => info!("SIGINT received"),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGINT");
+                std::future::pending::<()>().await
+            }
+        },
+    }
 }
 
 /// Accepted connections with TCP_NODELAY: Nagle's algorithm plus delayed ACKs would
@@ -344,8 +396,21 @@ fn log_mm_routing(args: &Args, image_token: Option<u32>) {
     }
 }
 
-/// Runs kvpick as configured by `args` until a component fails.
+/// Runs kvpick as configured by `args` until a component fails or SIGTERM/SIGINT
+/// arrives (then drains: see [`run_until`]).
 pub async fn run(args: Args) -> Result<(), ServeError> {
+    run_until(args, shutdown_signal()).await
+}
+
+/// Runs kvpick until a component fails or `shutdown` completes. On shutdown,
+/// readiness turns NOT_SERVING, the ext_proc listener closes and open
+/// connections take no new streams; open streams may finish until
+/// `--drain-timeout-ms`, then whatever is left is dropped and this returns Ok.
+/// Every task kvpick starts is owned here and stops when this returns.
+pub async fn run_until(
+    args: Args,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
     let source = EndpointSource::from_args(&args)?;
     let mut app = App::with_scheduler(&pool_label(&args), args.scheduler(session_key(&args)?));
     let vision = args.vision_prompt();
@@ -378,8 +443,8 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
     app.metrics.set_scrape_staleness(args.scrape_staleness());
     let table = Arc::clone(&app.endpoints);
     let mut _objective_watch: Option<AbortOnDrop> = None;
-    let discovery = match source {
-        EndpointSource::File(path) => tokio::spawn(async move {
+    let discovery: Pin<Box<dyn Future<Output = Result<(), ServeError>> + Send>> = match source {
+        EndpointSource::File(path) => Box::pin(async move {
             discovery::file::watch(path, table, Duration::from_secs(1))
                 .await
                 .map_err(|e| ServeError::Discovery(e.to_string()))
@@ -405,17 +470,14 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
                     objectives,
                 ))));
             }
-            tokio::spawn(async move {
+            Box::pin(async move {
                 discovery::kube::run(client, &namespace, source, table)
                     .await
                     .map_err(|e| ServeError::Discovery(e.to_string()))
             })
         }
     };
-    tokio::spawn(crate::scrape::run(
-        args.scrape(),
-        Arc::clone(&app.endpoints),
-    ));
+    let scrape = crate::scrape::run(args.scrape(), Arc::clone(&app.endpoints));
     let tls = if args.secure_serving {
         Some(match &args.cert_path {
             Some(dir) => crate::tls::from_dir(dir)?,
@@ -435,12 +497,49 @@ pub async fn run(args: Args) -> Result<(), ServeError> {
         "kvpick listening"
     );
     let service = app.ext_proc(args.ext_proc());
+    let (drain_tx, draining) = watch::channel(false);
+    let mut stop = draining.clone();
+    let ext_proc = serve_ext_proc_until(grpc, service, tls, async move {
+        let _ = stop.wait_for(|d| *d).await;
+    });
+    tokio::pin!(ext_proc);
+    // Everything but ext_proc: runs until it fails (never, normally).
+    let others = async {
+        tokio::select! {
+            r = serve_health_until(health, Arc::clone(&app.endpoints), draining) => r,
+            r = telemetry::serve_metrics(metrics, Arc::clone(&app.metrics), Arc::clone(&app.endpoints)) => r.map_err(ServeError::Metrics),
+            r = discovery => r,
+            () = scrape => Ok(()),
+        }
+    };
+    tokio::pin!(others);
     tokio::select! {
-        r = serve_ext_proc(grpc, service, tls) => r,
-        r = serve_health(health, Arc::clone(&app.endpoints)) => r,
-        r = telemetry::serve_metrics(metrics, Arc::clone(&app.metrics), Arc::clone(&app.endpoints)) => r.map_err(ServeError::Metrics),
-        r = discovery => r.map_err(|e| ServeError::Discovery(e.to_string()))?,
+        r = &mut ext_proc => return r,
+        r = &mut others => return r,
+        () = shutdown => {}
     }
+    let deadline = args.drain_timeout();
+    let open = app.metrics.streams.get();
+    info!(
+        open_streams = open,
+        ?deadline,
+        "shutting down: readiness NOT_SERVING, draining ext_proc streams"
+    );
+    drain_tx.send_replace(true);
+    tokio::select! {
+        r = &mut ext_proc => {
+            r?;
+            info!("every ext_proc stream finished; exiting");
+        }
+        r = &mut others => r?,
+        () = tokio::time::sleep(deadline) => {
+            tracing::warn!(
+                open_streams = app.metrics.streams.get(),
+                "drain deadline passed; closing the remaining streams"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Aborts a background task when dropped.

@@ -483,8 +483,13 @@ pub const HEALTH_SERVICES: &[&str] = &[
 
 /// Drives gRPC health: `liveness` is SERVING from the start (the process works);
 /// `""`, `readiness` and the ext_proc service turn SERVING once the endpoint set
-/// is known and stay so (a lost API server keeps serving from the last state).
-pub async fn drive_health(reporter: HealthReporter, table: Arc<EndpointTable>) {
+/// is known and stay so (a lost API server keeps serving from the last state),
+/// and NOT_SERVING for good once `draining` turns true (shutdown). Returns never.
+pub async fn drive_health(
+    reporter: HealthReporter,
+    table: Arc<EndpointTable>,
+    mut draining: tokio::sync::watch::Receiver<bool>,
+) {
     reporter
         .set_service_status("liveness", ServingStatus::Serving)
         .await;
@@ -494,13 +499,28 @@ pub async fn drive_health(reporter: HealthReporter, table: Arc<EndpointTable>) {
             .await;
     }
     let mut synced = table.subscribe_synced();
-    if synced.wait_for(|s| *s).await.is_ok() {
+    tokio::select! {
+        synced_ok = async { synced.wait_for(|s| *s).await.is_ok() } => {
+            if synced_ok {
+                for svc in HEALTH_SERVICES {
+                    reporter
+                        .set_service_status(*svc, ServingStatus::Serving)
+                        .await;
+                }
+            }
+        }
+        _ = async { draining.wait_for(|d| *d).await.is_ok() } => {}
+    }
+    // Err: the sender is gone, so no shutdown will ever be announced.
+    let drained = draining.wait_for(|d| *d).await.is_ok();
+    if drained {
         for svc in HEALTH_SERVICES {
             reporter
-                .set_service_status(*svc, ServingStatus::Serving)
+                .set_service_status(*svc, ServingStatus::NotServing)
                 .await;
         }
     }
+    std::future::pending().await
 }
 
 /// Log output format.

@@ -47,10 +47,13 @@ pub fn write_endpoints(path: &Path, endpoints: &[(SocketAddr, u64)]) -> std::io:
     write_endpoints_with_roles(path, &plain)
 }
 
+/// One endpoints-file entry: address, instance id, optional `(role, engine)`.
+pub type EndpointEntry<'a> = (SocketAddr, u64, Option<(&'a str, &'a str)>);
+
 /// [`write_endpoints`] with an optional `(role, engine)` per endpoint.
 pub fn write_endpoints_with_roles(
     path: &Path,
-    endpoints: &[(SocketAddr, u64, Option<(&str, &str)>)],
+    endpoints: &[EndpointEntry<'_>],
 ) -> std::io::Result<()> {
     let mut yaml = String::from("endpoints:\n");
     for (addr, id, role) in endpoints {

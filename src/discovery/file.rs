@@ -4,7 +4,7 @@
 //! endpoints:
 //!   - address: 127.0.0.1:8001   # ip:port, required
 //!     instance_id: 7001         # optional; default: stable hash of the address
-//!     dp_size: 2                # optional, default 1
+//!     dp_size: 2                # optional, 1-1024, default 1
 //!     role: both                # prefill | decode | both (default)
 //!     engine: vllm              # vllm (default) | sglang | trtllm
 //!     kv_events_port: 5557      # optional
@@ -19,7 +19,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use tracing::{info, warn};
 
-use crate::endpoints::{Endpoint, EndpointTable, Engine, Role};
+use crate::endpoints::{Endpoint, EndpointTable, Engine, Role, MAX_DP_SIZE};
 
 /// Why an endpoints file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -73,8 +73,10 @@ pub fn parse(text: &str) -> Result<Vec<Endpoint>, String> {
     let mut out = Vec::with_capacity(spec.endpoints.len());
     for (i, e) in spec.endpoints.into_iter().enumerate() {
         let dp_size = e.dp_size.unwrap_or(1);
-        if dp_size == 0 {
-            return Err(format!("endpoints[{i}].dp_size must be at least 1"));
+        if !(1..=MAX_DP_SIZE).contains(&dp_size) {
+            return Err(format!(
+                "endpoints[{i}].dp_size must be between 1 and {MAX_DP_SIZE}, got {dp_size}"
+            ));
         }
         let mut ep = Endpoint::new(e.address);
         if let Some(id) = e.instance_id {
@@ -159,6 +161,13 @@ mod tests {
     fn rejects_bad_values() {
         assert!(parse("endpoints:\n  - address: nope\n").is_err());
         assert!(parse("endpoints:\n  - address: 1.2.3.4:1\n    dp_size: 0\n").is_err());
+        // A huge dp_size would allocate per rank: refused, like the pod annotation.
+        let huge = parse("endpoints:\n  - address: 1.2.3.4:1\n    dp_size: 4294967295\n");
+        assert!(huge.unwrap_err().contains("between 1 and 1024"));
+        assert_eq!(
+            parse("endpoints:\n  - address: 1.2.3.4:1\n    dp_size: 1024\n").unwrap()[0].dp_size,
+            1024
+        );
         assert!(parse("endpoints:\n  - address: 1.2.3.4:1\n    colour: red\n").is_err());
     }
 

@@ -40,7 +40,7 @@ pub const KV_EVENTS_PORT_ANNOTATION: &str = "kvpick.io/kv-events-port";
 /// Annotation with the disaggregation bootstrap port.
 pub const BOOTSTRAP_PORT_ANNOTATION: &str = "kvpick.io/bootstrap-port";
 /// Largest accepted `kvpick.io/dp-size`.
-pub const MAX_DP_SIZE: u32 = 1024;
+pub const MAX_DP_SIZE: u32 = crate::endpoints::MAX_DP_SIZE;
 
 /// The endpoints of a set of pods, with warnings about values that were ignored.
 #[derive(Debug, Default, Clone, PartialEq)]

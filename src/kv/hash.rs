@@ -64,7 +64,8 @@ pub fn token_block_hashes(
     let block_size = block_size.max(1);
     let mut prev = parent.unwrap_or(seed);
     let mut out = Vec::with_capacity(tokens.len() / block_size);
-    let mut buf = Vec::with_capacity(8 + block_size * 4);
+    // A publisher's block size can be anything: size the buffer by what exists.
+    let mut buf = Vec::with_capacity(8 + block_size.min(tokens.len()) * 4);
     for block in tokens.chunks_exact(block_size) {
         prev = hash_token_block(&mut buf, prev, block);
         out.push(prev);
