@@ -240,10 +240,29 @@ impl PoolShape for InferencePoolV1Alpha2 {
     }
 }
 
-/// The InferencePool CRD (v1) as YAML, as `kvpick crd` prints it.
-pub fn crd_yaml() -> String {
+/// The approval annotation the API server requires of a CRD in a protected
+/// `*.k8s.io` group; the value is the one GIE's own InferencePool CRD carries
+/// (its v1 API review).
+pub const API_APPROVED: (&str, &str) = (
+    "api-approved.kubernetes.io",
+    "https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173",
+);
+
+/// The InferencePool CRD (v1), with [`API_APPROVED`], as `kvpick crd` prints it.
+pub fn crd(
+) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
     use kube::CustomResourceExt;
-    serde_yaml::to_string(&InferencePool::crd()).expect("a CRD always serialises")
+    let mut crd = InferencePool::crd();
+    crd.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(API_APPROVED.0.to_string(), API_APPROVED.1.to_string());
+    crd
+}
+
+/// [`crd`] as YAML.
+pub fn crd_yaml() -> String {
+    serde_yaml::to_string(&crd()).expect("a CRD always serialises")
 }
 
 #[cfg(test)]
@@ -261,9 +280,19 @@ mod tests {
     }
 
     #[test]
+    fn crd_carries_the_api_approval_of_its_protected_group() {
+        let crd = crd();
+        assert!(crd.spec.group.ends_with(".k8s.io"));
+        let annotations = crd.metadata.annotations.expect("annotations");
+        assert_eq!(
+            annotations.get(API_APPROVED.0).map(String::as_str),
+            Some(API_APPROVED.1)
+        );
+    }
+
+    #[test]
     fn crd_has_group_shortname_and_port_bounds() {
-        use kube::CustomResourceExt;
-        let crd = InferencePool::crd();
+        let crd = crd();
         assert_eq!(crd.spec.group, GROUP_V1);
         assert_eq!(crd.spec.scope, "Namespaced");
         assert_eq!(
