@@ -9,6 +9,8 @@
 //! Decision latency is the time from sending the last body chunk to receiving the
 //! headers answer. Many streams run at once over a few HTTP/2 connections.
 
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,7 +27,9 @@ use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
 use serde::Serialize;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::TcpListener;
+use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -51,6 +55,9 @@ pub struct OverheadConfig {
     pub concurrency: usize,
     /// HTTP/2 connections the streams share.
     pub connections: usize,
+    /// The `kvpick-bench` executable that serves each (cell, server) in a child
+    /// process (`overhead-server`), so peak RSS is per cell.
+    pub server_exe: PathBuf,
 }
 
 /// Latency and throughput of one server in one cell.
@@ -62,6 +69,8 @@ pub struct ServerFigures {
     pub p99_us: f64,
     /// Completed requests per second.
     pub rps: f64,
+    /// The server process's peak resident set (VmHWM) in MiB.
+    pub peak_rss_mib: f64,
 }
 
 /// One (body size, endpoint count) cell.
@@ -77,6 +86,8 @@ pub struct OverheadRun {
     pub noop: ServerFigures,
     /// kvpick p99 / no-op p99.
     pub p99_ratio: f64,
+    /// kvpick req/s / no-op req/s.
+    pub throughput_ratio: f64,
 }
 
 /// The whole overhead report.
@@ -103,6 +114,9 @@ impl OverheadReport {
                     format!("{:.2}", r.p99_ratio),
                     format!("{:.0}", r.kvpick.rps),
                     format!("{:.0}", r.noop.rps),
+                    format!("{:.2}", r.throughput_ratio),
+                    format!("{:.0}", r.kvpick.peak_rss_mib),
+                    format!("{:.0}", r.noop.peak_rss_mib),
                 ]
             })
             .collect();
@@ -117,6 +131,9 @@ impl OverheadReport {
                 "p99 ratio",
                 "kvpick req/s",
                 "noop req/s",
+                "throughput ratio",
+                "kvpick peak RSS MiB",
+                "noop peak RSS MiB",
             ],
             &rows,
         )
@@ -270,31 +287,109 @@ fn endpoints(n: usize) -> Vec<Endpoint> {
         .collect()
 }
 
-/// Starts kvpick's ext_proc server on loopback over `n` standalone endpoints.
-async fn start_kvpick(n: usize) -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
-    let app = App::new("bench");
-    app.endpoints.replace(endpoints(n));
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let service = app.ext_proc(ExtProcConfig::default());
-    let task = tokio::spawn(async move {
-        let _app = app;
-        if let Err(e) = serve_ext_proc(listener, service, None).await {
-            eprintln!("kvpick ext_proc server failed: {e}");
-        }
-    });
-    Ok((port, task))
+/// Which ext_proc server a cell drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerKind {
+    /// kvpick over this many standalone endpoints.
+    Kvpick {
+        /// Endpoints in the pool.
+        endpoints: usize,
+    },
+    /// The no-op baseline.
+    Noop,
 }
 
-async fn start_noop() -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let task = tokio::spawn(async move {
-        if let Err(e) = super::noop::serve(listener).await {
-            eprintln!("no-op ext_proc server failed: {e}");
+impl ServerKind {
+    /// The arguments of `kvpick-bench overhead-server` that serve this kind.
+    pub fn args(self) -> Vec<String> {
+        match self {
+            ServerKind::Kvpick { endpoints } => {
+                vec!["--endpoints".into(), endpoints.to_string()]
+            }
+            ServerKind::Noop => vec!["--noop".into()],
         }
-    });
-    Ok((port, task))
+    }
+}
+
+/// Serves `kind` on `listener` until the future is dropped.
+pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()> {
+    match kind {
+        ServerKind::Kvpick { endpoints: n } => {
+            let app = App::new("bench");
+            app.endpoints.replace(endpoints(n));
+            let service = app.ext_proc(ExtProcConfig::default());
+            serve_ext_proc(listener, service, None).await?;
+        }
+        ServerKind::Noop => super::noop::serve(listener).await?,
+    }
+    Ok(())
+}
+
+/// The server side of a cell, run in its own process (`kvpick-bench
+/// overhead-server`) so its peak RSS is its own: prints the port on stdout and
+/// serves until stdin closes.
+pub async fn serve_until_stdin_closes(kind: ServerKind) -> anyhow::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    println!("{}", listener.local_addr()?.port());
+    let mut stdin = tokio::io::stdin();
+    let mut sink = Vec::new();
+    tokio::select! {
+        served = serve(kind, listener) => served,
+        _ = stdin.read_to_end(&mut sink) => Ok(()),
+    }
+}
+
+/// A server child process of one (cell, server) run; killed when dropped.
+pub struct ServerProcess {
+    child: Child,
+    /// Its ext_proc port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl ServerProcess {
+    /// Starts `exe overhead-server <kind args>` and reads its port.
+    pub async fn start(exe: &Path, kind: ServerKind) -> anyhow::Result<Self> {
+        let mut child = Command::new(exe)
+            .arg("overhead-server")
+            .args(kind.args())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", exe.display()))?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).await?;
+        let port = line
+            .trim()
+            .parse()
+            .with_context(|| format!("server printed {line:?}, not a port"))?;
+        Ok(ServerProcess { child, port })
+    }
+
+    /// The process's peak resident set (VmHWM) in bytes.
+    pub fn peak_rss_bytes(&self) -> anyhow::Result<u64> {
+        let pid = self.child.id().context("server already exited")?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        vm_hwm_bytes(&status).context("no VmHWM line in /proc/<pid>/status")
+    }
+
+    /// Closes its stdin (it then exits) and waits for it.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        drop(self.child.stdin.take());
+        let status = self.child.wait().await?;
+        if !status.success() {
+            bail!("server exited with {status}");
+        }
+        Ok(())
+    }
+}
+
+/// `VmHWM` of a `/proc/<pid>/status` text, in bytes.
+pub fn vm_hwm_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Drives the server on `port` with `cfg.concurrency` streams for warm-up plus
@@ -346,33 +441,51 @@ async fn drive(
         p50_us: quantile(&lat, 0.5),
         p99_us: quantile(&lat, 0.99),
         rps: lat.len() as f64 / cfg.duration.as_secs_f64(),
+        peak_rss_mib: 0.0,
     })
+}
+
+/// Starts `kind` in a child process, drives it, and adds its peak RSS.
+async fn measure(
+    kind: ServerKind,
+    bodies: &Arc<Vec<Vec<u8>>>,
+    cfg: &OverheadConfig,
+) -> anyhow::Result<ServerFigures> {
+    let server = ServerProcess::start(&cfg.server_exe, kind).await?;
+    let mut figures = drive(server.port, Arc::clone(bodies), cfg).await?;
+    figures.peak_rss_mib = server.peak_rss_bytes()? as f64 / f64::from(1 << 20);
+    server.stop().await?;
+    Ok(figures)
+}
+
+/// Distinct bodies per cell: 64, fewer for large bodies so the client holds at
+/// most about 256 MiB of them.
+fn variants(bytes: usize) -> u64 {
+    ((256 << 20) / bytes.max(1)).clamp(4, 64) as u64
 }
 
 /// Runs every (body size, endpoint count) cell against both servers.
 pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
     let mut runs = Vec::new();
     for &bytes in &cfg.body_bytes {
-        let bodies = Arc::new((0..64).map(|v| chat_body(bytes, v)).collect::<Vec<_>>());
+        let bodies = Arc::new(
+            (0..variants(bytes))
+                .map(|v| chat_body(bytes, v))
+                .collect::<Vec<_>>(),
+        );
         for &n in &cfg.endpoints {
-            let (noop_port, noop_task) = start_noop().await?;
-            let noop = drive(noop_port, Arc::clone(&bodies), cfg).await?;
-            noop_task.abort();
-            let (kv_port, kv_task) = start_kvpick(n).await?;
-            let kvpick = drive(kv_port, Arc::clone(&bodies), cfg).await?;
-            kv_task.abort();
+            let noop = measure(ServerKind::Noop, &bodies, cfg).await?;
+            let kvpick = measure(ServerKind::Kvpick { endpoints: n }, &bodies, cfg).await?;
             eprintln!(
                 "overhead: {bytes} B, {n} endpoints: kvpick p99 {:.0} µs, noop p99 {:.0} µs",
                 kvpick.p99_us, noop.p99_us
             );
+            let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
             runs.push(OverheadRun {
                 body_bytes: bodies[0].len(),
                 endpoints: n,
-                p99_ratio: if noop.p99_us > 0.0 {
-                    kvpick.p99_us / noop.p99_us
-                } else {
-                    0.0
-                },
+                p99_ratio: ratio(kvpick.p99_us, noop.p99_us),
+                throughput_ratio: ratio(kvpick.rps, noop.rps),
                 kvpick,
                 noop,
             });
@@ -403,15 +516,33 @@ mod tests {
     #[tokio::test]
     async fn one_request_completes_against_both_servers() {
         let body = chat_body(100_000, 0);
-        for start in [start_noop().await, start_kvpick(8).await] {
-            let (port, task) = start.unwrap();
+        for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints: 8 }] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let server = tokio::spawn(serve(kind, listener));
             let ch = Channel::from_shared(format!("http://127.0.0.1:{port}"))
                 .unwrap()
                 .connect()
                 .await
                 .unwrap();
             one_request(&ch, &body).await.unwrap();
-            task.abort();
+            server.abort();
         }
+    }
+
+    #[test]
+    fn peak_rss_comes_from_vm_hwm() {
+        let status = "Name:\tkvpick\nVmPeak:\t  900 kB\nVmHWM:\t   12345 kB\nVmRSS:\t 100 kB\n";
+        assert_eq!(vm_hwm_bytes(status), Some(12345 * 1024));
+        assert_eq!(vm_hwm_bytes("VmRSS: 1 kB\n"), None);
+        let own = std::fs::read_to_string("/proc/self/status").unwrap();
+        assert!(vm_hwm_bytes(&own).unwrap() > 0);
+    }
+
+    #[test]
+    fn large_bodies_get_fewer_variants() {
+        assert_eq!(variants(1024), 64);
+        assert_eq!(variants(8 << 20), 32);
+        assert_eq!(variants(64 << 20), 4);
     }
 }

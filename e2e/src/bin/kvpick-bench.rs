@@ -36,7 +36,11 @@ enum Command {
     /// Decision latency and throughput of kvpick's ext_proc server next to a no-op server.
     Overhead {
         /// Chat body sizes in bytes.
-        #[arg(long, value_delimiter = ',', default_value = "1024,32768,225280")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1024,32768,225280,1048576,8388608"
+        )]
         body_bytes: Vec<usize>,
         /// Endpoint counts.
         #[arg(long, value_delimiter = ',', default_value = "8,64,1024")]
@@ -53,6 +57,17 @@ enum Command {
         /// HTTP/2 connections shared by the streams.
         #[arg(long, default_value_t = 2)]
         connections: usize,
+    },
+    /// One server of an overhead cell, in its own process: prints its port, serves
+    /// until stdin closes.
+    #[command(hide = true)]
+    OverheadServer {
+        /// kvpick over this many endpoints.
+        #[arg(long, default_value_t = 8)]
+        endpoints: usize,
+        /// The no-op server instead of kvpick.
+        #[arg(long)]
+        noop: bool,
     },
     /// Replays a Mooncake-format trace through routing policies against simulated workers.
     Replay {
@@ -148,12 +163,20 @@ fn main() -> anyhow::Result<()> {
                 warmup: Duration::from_secs_f64(warmup),
                 concurrency,
                 connections,
+                server_exe: std::env::current_exe()?,
             };
             let report = tokio::runtime::Runtime::new()?.block_on(overhead::run(&cfg))?;
             if let Some(dir) = &cli.plots {
                 plot::overhead(&report, &dir.join("overhead.svg"))?;
             }
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::OverheadServer { endpoints, noop } => {
+            let kind = match noop {
+                true => overhead::ServerKind::Noop,
+                false => overhead::ServerKind::Kvpick { endpoints },
+            };
+            tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))
         }
         Command::Replay {
             trace: path,
