@@ -12,12 +12,16 @@
 //! with the run in place (no probe per block) until the run ends or differs, then
 //! probes again. At each run boundary it intersects the set of workers still
 //! matching with the new run's holders; a worker dropped there scores the blocks
-//! before it, and the walk stops when no worker is left. Its cost grows with the
-//! runs it crosses and the workers it reports, not with the holders per block.
+//! before it, and the walk stops when no worker is left. The answer
+//! ([`Overlaps`]) keeps those shrinking sets with their depths instead of a
+//! (worker, depth) pair per holder, so building it costs the runs crossed, not the
+//! workers holding the prompt; it is read per worker afterwards, without the lock
+//! ([`PrefixIndex::lookup`] reads it for the scheduler's candidates).
 //!
 //! Writes split a run where holder sets start to differ (a worker storing part of
 //! a run, or losing one block of it): the shorter side moves, so splitting costs
-//! the smaller part. Runs are never merged again.
+//! the smaller part; a run whose holders become those of the run it continues is
+//! appended to it.
 //!
 //! Two ways in:
 //! - approximate mode ([`PrefixIndex::insert`]): each routing decision records the
