@@ -40,7 +40,9 @@
 //! Concurrency: one reader-writer lock. Lookups share it; writers hold it for at
 //! most [`WRITE_CHUNK`] blocks at a time (large batches, worker clears and
 //! purges are cut into chunks), so a lookup waits behind ingest for at most one
-//! chunk, a few microseconds.
+//! chunk, a few microseconds. Waiting lookups spin rather than sleep (waking a
+//! sleeper costs more than a chunk) and say so: a writer lets them in before
+//! taking the lock for its next chunk.
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
@@ -49,7 +51,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{RwLock, RwLockWriteGuard};
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::endpoints::WorkerKey;
 use crate::kv::slots::SlotSet;
@@ -192,6 +194,8 @@ pub struct PrefixIndex {
     base: Instant,
     entries: AtomicUsize,
     precise_dropped: AtomicU64,
+    /// Lookups spinning for the lock; writers let them in before their next chunk.
+    lookups_waiting: AtomicUsize,
 }
 
 impl Default for PrefixIndex {
@@ -209,6 +213,7 @@ impl PrefixIndex {
             base: Instant::now(),
             entries: AtomicUsize::new(0),
             precise_dropped: AtomicU64::new(0),
+            lookups_waiting: AtomicUsize::new(0),
         }
     }
 
@@ -221,10 +226,30 @@ impl PrefixIndex {
         }
     }
 
-    /// The write lock, released fairly: a lookup waiting for it gets it before this
-    /// writer's next chunk does.
+    /// The write lock, taken once no lookup is spinning for the lock and released
+    /// fairly (a lookup asleep on it goes before this writer's next chunk).
     fn write(&self) -> FairWrite<'_> {
-        FairWrite(Some(self.inner.write()))
+        let spun = spin_for(|| {
+            if self.lookups_waiting.load(Ordering::SeqCst) == 0 {
+                self.inner.try_write()
+            } else {
+                None
+            }
+        });
+        FairWrite(Some(spun.unwrap_or_else(|| self.inner.write())))
+    }
+
+    /// The read lock for a lookup: while a writer holds it (one chunk, a few
+    /// microseconds), spin and announce the wait, so the writer's next chunk waits
+    /// for this lookup; sleep on it only after [`SPIN`].
+    fn read_for_lookup(&self) -> RwLockReadGuard<'_, Inner> {
+        if let Some(g) = self.inner.try_read() {
+            return g;
+        }
+        self.lookups_waiting.fetch_add(1, Ordering::SeqCst);
+        let g = spin_for(|| self.inner.try_read()).unwrap_or_else(|| self.inner.read());
+        self.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
+        g
     }
 
     fn stamp(&self, now: Instant) -> u32 {
@@ -555,7 +580,7 @@ impl PrefixIndex {
     /// number of workers holding the prompt.
     pub fn overlaps(&self, hashes: &[u64], now: Instant) -> Overlaps {
         let now = self.stamp(now);
-        let g = self.inner.read();
+        let g = self.read_for_lookup();
         let levels = g.walk(hashes);
         let mut ov = Overlaps {
             slots: Arc::clone(&g.slots),
@@ -661,6 +686,30 @@ impl PrefixIndex {
                 + table::<u64, ()>(w.precise_held.capacity());
         }
         bytes
+    }
+}
+
+/// How long a lookup or a writer spins for the lock before sleeping on it: a
+/// writer holds it for one chunk and a lookup for one walk, microseconds both,
+/// while waking a sleeping thread costs tens of microseconds on a busy machine.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// Polls `f` until it yields or [`SPIN`] has passed.
+fn spin_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    if let Some(t) = f() {
+        return Some(t);
+    }
+    let start = Instant::now();
+    loop {
+        for _ in 0..64 {
+            if let Some(t) = f() {
+                return Some(t);
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= SPIN {
+            return None;
+        }
     }
 }
 
