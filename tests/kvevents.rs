@@ -98,6 +98,14 @@ impl KvEventSink for MemorySink {
         s.precise.remove(&worker);
         *s.clears.entry(worker).or_default() += 1;
     }
+    fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
+        self.0
+            .lock()
+            .blocks
+            .get(&worker)?
+            .get(&engine_hash)
+            .copied()
+    }
     fn set_precise(&self, worker: WorkerKey, precise: bool) {
         self.0.lock().precise.insert(worker, precise);
     }
@@ -415,7 +423,7 @@ fn ingest_chains_blocks_across_events_like_the_request_side() {
     .unwrap();
     assert_eq!(ingest.apply(worker, None, &clear, Instant::now()).clears, 1);
     assert_eq!(sink.depth(worker, &request), 0);
-    assert_eq!(ingest.tracked_blocks(worker), 0);
+    assert!(!sink.0.lock().blocks.contains_key(&worker));
 }
 
 #[test]
@@ -835,33 +843,81 @@ mod routing {
     use kvpick::scheduler::{PickRequest, SchedulerConfig};
     use kvpick::server::App;
 
-    /// A publisher flooding `BlockStored` with new blocks: the worker's precise
-    /// entries stay at the cap and the rest are counted as dropped.
-    #[test]
-    fn a_flood_of_stored_blocks_stays_within_the_precise_cap() {
+    /// Worker 2's ingest into an index capping precise entries at 100, after 30
+    /// `BlockStored` events of 10 fresh blocks each (each its own chain, or each
+    /// continuing the previous event's last block); returns the orphan blocks.
+    fn flood(chained: bool) -> (Arc<PrefixIndex>, Ingest<PrefixIndex>, u64) {
         let index = Arc::new(PrefixIndex::new(IndexConfig {
             default_precise_limit: 100,
             ..IndexConfig::default()
         }));
         let mut ingest = Ingest::new(Arc::clone(&index), MODEL);
-        let b = w(2, 0);
-        let now = Instant::now();
-        for e in 0..30u32 {
-            // 10 full blocks of fresh tokens per event, each its own chain.
-            let tokens: Vec<u32> = (0..10 * BS as u32).map(|t| e * 10_000 + t).collect();
-            let hashes = (0..10)
-                .map(|i| sha_like(u64::from(e) * 100 + i + 1))
-                .collect();
+        let mut orphans = 0;
+        for e in 0..30u64 {
+            let tokens: Vec<u32> = (0..10 * BS as u32).map(|t| e as u32 * 10_000 + t).collect();
+            let hashes = (0..10).map(|i| sha_like(e * 100 + i + 1)).collect();
+            let parent = match e {
+                0 => Value::Nil,
+                _ if !chained => Value::Nil,
+                _ => sha_like((e - 1) * 100 + 10),
+            };
             let batch = decode_batch(&batch_map(
-                vec![stored_map(Value::Array(hashes), Value::Nil, &tokens)],
-                Value::from(u64::from(e) + 1),
+                vec![stored_map(Value::Array(hashes), parent, &tokens)],
+                Value::from(0),
             ))
             .unwrap();
-            ingest.apply(b, None, &batch, now);
+            orphans += ingest
+                .apply(w(2, 0), None, &batch, Instant::now())
+                .orphan_blocks;
         }
-        assert_eq!(index.precise_len(b), 100);
+        (index, ingest, orphans)
+    }
+
+    /// A publisher flooding `BlockStored` with new blocks: the worker's precise
+    /// entries stay at the cap and the rest are counted as dropped.
+    #[test]
+    fn a_flood_of_stored_blocks_stays_within_the_precise_cap() {
+        let (index, _, orphans) = flood(false);
+        assert_eq!(index.precise_len(w(2, 0)), 100);
         assert_eq!(index.len(), 100);
         assert_eq!(index.precise_dropped(), 200);
+        assert_eq!(orphans, 0);
+    }
+
+    /// One chain continued event after event past the cap: the first event beyond
+    /// it is dropped, and its children are orphans (their parent is nowhere: no
+    /// engine → kvpick map outside the index keeps growing).
+    #[test]
+    fn a_flood_of_chained_blocks_keeps_no_parent_map_beyond_the_cap() {
+        let (index, mut ingest, orphans) = flood(true);
+        let (b, now) = (w(2, 0), Instant::now());
+        assert_eq!(index.precise_len(b), 100);
+        assert_eq!(
+            index.precise_dropped(),
+            10,
+            "only the first event past the cap"
+        );
+        assert_eq!(orphans, 190);
+        // Evictions make room, and a chain from a kept block continues again.
+        let evicted: Vec<Value> = (1..=10).map(sha_like).collect();
+        let removed = decode_batch(&batch_map(
+            vec![removed_map(Value::Array(evicted))],
+            Value::from(0),
+        ))
+        .unwrap();
+        ingest.apply(b, None, &removed, now);
+        let tokens: Vec<u32> = (0..BS as u32).map(|t| 900_000 + t).collect();
+        let more = decode_batch(&batch_map(
+            vec![stored_map(
+                Value::Array(vec![sha_like(7_777)]),
+                sha_like(910),
+                &tokens,
+            )],
+            Value::from(0),
+        ))
+        .unwrap();
+        assert_eq!(ingest.apply(b, None, &more, now).stored_blocks, 1);
+        assert_eq!(index.precise_len(b), 91);
     }
 
     #[test]

@@ -4,7 +4,11 @@
 //! in a child process of its own so that RSS growth is the index's alone:
 //! - `kvpick`: [`PrefixIndex`], every worker precise (fed by `store_engine_blocks`
 //!   / `remove_engine_blocks`, engine hash = kvpick hash), looked up with
-//!   `PrefixIndex::matches` (every worker's overlap, like Dynamo's `find_matches`);
+//!   `PrefixIndex::overlaps` (every worker's overlap, like Dynamo's `find_matches`;
+//!   the answer is read per worker in O(log runs crossed), as the scheduler does);
+//! - `kvpick-read-all`: the same, but each timed lookup also reads every worker's
+//!   overlap from the answer (what the scheduler pays with every worker a
+//!   candidate; Dynamo's timing does not include reading its map);
 //! - `dynamo-crtc`: Dynamo's `ConcurrentRadixTreeCompressed` behind a
 //!   `ThreadPoolIndexer` with 2 threads (events enqueued, then flushed);
 //! - `dynamo-radix`: Dynamo's single-threaded `RadixTree`.
@@ -81,7 +85,7 @@ pub struct IndexArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kvpick,dynamo-crtc,dynamo-radix"
+        default_value = "kvpick,kvpick-read-all,dynamo-crtc,dynamo-radix"
     )]
     indexes: Vec<Impl>,
     /// Upper bound on the (block, worker) entries of one cell.
@@ -121,6 +125,7 @@ enum Kind {
 #[serde(rename_all = "kebab-case")]
 enum Impl {
     Kvpick,
+    KvpickReadAll,
     DynamoCrtc,
     DynamoRadix,
 }
@@ -129,6 +134,7 @@ impl Impl {
     fn name(self) -> &'static str {
         match self {
             Impl::Kvpick => "kvpick",
+            Impl::KvpickReadAll => "kvpick-read-all",
             Impl::DynamoCrtc => "dynamo-crtc",
             Impl::DynamoRadix => "dynamo-radix",
         }
@@ -382,6 +388,8 @@ trait Subject {
 
 struct Kvpick {
     index: PrefixIndex,
+    /// Read every one of these workers' overlap in each timed lookup.
+    read: Vec<WorkerKey>,
 }
 
 fn key(worker: u64) -> WorkerKey {
@@ -392,12 +400,17 @@ fn key(worker: u64) -> WorkerKey {
 }
 
 impl Kvpick {
-    fn new(workers: usize) -> Self {
+    fn new(workers: usize, read_all: bool) -> Self {
         let index = PrefixIndex::new(IndexConfig::default());
         for w in 0..workers as u64 {
             index.set_precise(key(w), true);
         }
-        Kvpick { index }
+        let read = if read_all {
+            (0..workers as u64).map(key).collect()
+        } else {
+            Vec::new()
+        };
+        Kvpick { index, read }
     }
 }
 
@@ -413,14 +426,16 @@ impl Subject for Kvpick {
     fn settle(&self) {}
     fn overlaps(&self, query: &[u64]) -> Overlaps {
         self.index
-            .matches(query, Instant::now())
-            .into_iter()
+            .overlaps(query, Instant::now())
+            .iter()
             .map(|(w, n)| (w.instance_id, w.dp_rank, n as u32))
             .collect()
     }
     fn time_lookup(&self, query: &[u64]) -> Duration {
         let t = Instant::now();
-        std::hint::black_box(self.index.matches(std::hint::black_box(query), t));
+        let answer = self.index.overlaps(std::hint::black_box(query), t);
+        let read: usize = self.read.iter().map(|k| answer.get(*k)).sum();
+        std::hint::black_box((answer, read));
         t.elapsed()
     }
     fn entries(&self) -> usize {
@@ -619,7 +634,8 @@ fn run_cell(
     };
     let rss0 = rss_bytes();
     let subject: Box<dyn Subject> = match which {
-        Impl::Kvpick => Box::new(Kvpick::new(workers)),
+        Impl::Kvpick => Box::new(Kvpick::new(workers, false)),
+        Impl::KvpickReadAll => Box::new(Kvpick::new(workers, true)),
         Impl::DynamoCrtc => Box::new(Crtc::new()),
         Impl::DynamoRadix => Box::new(Radix(std::cell::RefCell::new(RadixTree::new()))),
     };

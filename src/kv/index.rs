@@ -12,12 +12,16 @@
 //! with the run in place (no probe per block) until the run ends or differs, then
 //! probes again. At each run boundary it intersects the set of workers still
 //! matching with the new run's holders; a worker dropped there scores the blocks
-//! before it, and the walk stops when no worker is left. Its cost grows with the
-//! runs it crosses and the workers it reports, not with the holders per block.
+//! before it, and the walk stops when no worker is left. The answer
+//! ([`Overlaps`]) keeps those shrinking sets with their depths instead of a
+//! (worker, depth) pair per holder, so building it costs the runs crossed, not the
+//! workers holding the prompt; it is read per worker afterwards, without the lock
+//! ([`PrefixIndex::lookup`] reads it for the scheduler's candidates).
 //!
 //! Writes split a run where holder sets start to differ (a worker storing part of
 //! a run, or losing one block of it): the shorter side moves, so splitting costs
-//! the smaller part. Runs are never merged again.
+//! the smaller part; a run whose holders become those of the run it continues is
+//! appended to it.
 //!
 //! Two ways in:
 //! - approximate mode ([`PrefixIndex::insert`]): each routing decision records the
@@ -36,15 +40,18 @@
 //! Concurrency: one reader-writer lock. Lookups share it; writers hold it for at
 //! most [`WRITE_CHUNK`] blocks at a time (large batches, worker clears and
 //! purges are cut into chunks), so a lookup waits behind ingest for at most one
-//! chunk, a few microseconds.
+//! chunk, a few microseconds. Waiting lookups spin rather than sleep (waking a
+//! sleeper costs more than a chunk) and say so: a writer lets them in before
+//! taking the lock for its next chunk.
 
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{RwLock, RwLockWriteGuard};
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::endpoints::WorkerKey;
 use crate::kv::slots::SlotSet;
@@ -171,9 +178,12 @@ struct Inner {
     blocks: Map<u64, Loc>,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
-    slots: Map<WorkerKey, u32>,
+    /// Shared with the [`Overlaps`] answers still alive (copied on write then).
+    slots: Arc<Map<WorkerKey, u32>>,
     workers: Vec<Worker>,
     free_slots: Vec<u32>,
+    /// (oldest approximate stamp, slot) of every worker with approximate entries.
+    expiring: BTreeSet<(u32, u32)>,
 }
 
 /// Which (worker, rank) holds which prefix blocks. Send + Sync; share it in an `Arc`.
@@ -184,6 +194,8 @@ pub struct PrefixIndex {
     base: Instant,
     entries: AtomicUsize,
     precise_dropped: AtomicU64,
+    /// Lookups spinning for the lock; writers let them in before their next chunk.
+    lookups_waiting: AtomicUsize,
 }
 
 impl Default for PrefixIndex {
@@ -201,6 +213,7 @@ impl PrefixIndex {
             base: Instant::now(),
             entries: AtomicUsize::new(0),
             precise_dropped: AtomicU64::new(0),
+            lookups_waiting: AtomicUsize::new(0),
         }
     }
 
@@ -213,10 +226,30 @@ impl PrefixIndex {
         }
     }
 
-    /// The write lock, released fairly: a lookup waiting for it gets it before this
-    /// writer's next chunk does.
+    /// The write lock, taken once no lookup is spinning for the lock and released
+    /// fairly (a lookup asleep on it goes before this writer's next chunk).
     fn write(&self) -> FairWrite<'_> {
-        FairWrite(Some(self.inner.write()))
+        let spun = spin_for(|| {
+            if self.lookups_waiting.load(Ordering::SeqCst) == 0 {
+                self.inner.try_write()
+            } else {
+                None
+            }
+        });
+        FairWrite(Some(spun.unwrap_or_else(|| self.inner.write())))
+    }
+
+    /// The read lock for a lookup: while a writer holds it (one chunk, a few
+    /// microseconds), spin and announce the wait, so the writer's next chunk waits
+    /// for this lookup; sleep on it only after [`SPIN`].
+    fn read_for_lookup(&self) -> RwLockReadGuard<'_, Inner> {
+        if let Some(g) = self.inner.try_read() {
+            return g;
+        }
+        self.lookups_waiting.fetch_add(1, Ordering::SeqCst);
+        let g = spin_for(|| self.inner.try_read()).unwrap_or_else(|| self.inner.read());
+        self.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
+        g
     }
 
     fn stamp(&self, now: Instant) -> u32 {
@@ -252,12 +285,12 @@ impl PrefixIndex {
                 w.next_seq += 1;
                 let previous = w.recency.insert(h, (seq, stamp));
                 w.order.push_back((h, seq));
-                if w.oldest == u32::MAX {
-                    w.oldest = stamp;
-                }
                 if previous.is_none() && !w.precise_held.contains(&h) {
                     new.push(h);
                 }
+            }
+            if w.oldest == u32::MAX {
+                g.set_oldest(slot, stamp);
             }
             g.add_holder_runs(&new, after, slot, &mut Vec::new(), &self.entries);
             after = chunk.last().copied();
@@ -305,12 +338,14 @@ impl PrefixIndex {
                 }
             };
             {
-                let w = &mut g.workers[slot as usize];
-                w.oldest = w
+                let w = &g.workers[slot as usize];
+                let oldest = w
                     .order
                     .front()
                     .and_then(|(h, _)| w.recency.get(h))
                     .map_or(u32::MAX, |(_, s)| *s);
+                g.set_oldest(slot, oldest);
+                let w = &mut g.workers[slot as usize];
                 // Keep the stale tail of the order queue bounded.
                 if w.order.len() > 2 * w.recency.len() + 64 {
                     let mut live: Vec<(u64, u64)> =
@@ -406,9 +441,10 @@ impl PrefixIndex {
     pub fn clear_worker(&self, worker: WorkerKey) {
         let (slot, w) = {
             let mut g = self.write();
-            let Some(slot) = g.slots.remove(&worker) else {
+            let Some(slot) = Arc::make_mut(&mut g.slots).remove(&worker) else {
                 return;
             };
+            g.set_oldest(slot, u32::MAX);
             (slot, std::mem::take(&mut g.workers[slot as usize]))
         };
         // The slot has no key now (lookups skip it) and is reused only once empty.
@@ -453,7 +489,8 @@ impl PrefixIndex {
             }
             let precise_held = std::mem::take(&mut w.precise_held);
             w.order.clear();
-            w.oldest = u32::MAX;
+            g.set_oldest(slot, u32::MAX);
+            let w = &mut g.workers[slot as usize];
             let dropped: Vec<u64> = w
                 .recency
                 .drain()
@@ -522,6 +559,13 @@ impl PrefixIndex {
         self.precise_dropped.load(Ordering::Relaxed)
     }
 
+    /// The kvpick hash `worker` holds precisely under `engine_hash`.
+    pub fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
+        let g = self.inner.read();
+        let slot = *g.slots.get(&worker)?;
+        g.workers[slot as usize].engine.get(&engine_hash).copied()
+    }
+
     /// Precise entries (engine blocks) `worker` holds.
     pub fn precise_len(&self, worker: WorkerKey) -> usize {
         let g = self.inner.read();
@@ -530,67 +574,52 @@ impl PrefixIndex {
             .map_or(0, |s| g.workers[*s as usize].engine.len())
     }
 
-    /// Every worker holding the first block of `hashes`, with how many leading
-    /// blocks it holds (counting stops at its first miss); workers holding none are
-    /// left out. Order is unspecified.
-    pub fn matches(&self, hashes: &[u64], now: Instant) -> Vec<(WorkerKey, usize)> {
+    /// How many leading blocks of `hashes` each worker holds (counting stops at
+    /// its first miss), as an answer read per worker in O(log runs crossed)
+    /// ([`Overlaps::get`]): building it costs the runs the walk crosses, not the
+    /// number of workers holding the prompt.
+    pub fn overlaps(&self, hashes: &[u64], now: Instant) -> Overlaps {
         let now = self.stamp(now);
-        let g = self.inner.read();
-        let mut out = Vec::new();
-        g.walk(hashes, &mut out);
-        let mut found = Vec::with_capacity(out.len());
-        found.extend(out.into_iter().filter_map(|(slot, depth)| {
-            let w = &g.workers[slot as usize];
-            let key = w.key?;
-            let depth = self.visible_depth(w, hashes, depth as usize, now);
-            (depth > 0).then_some((key, depth))
-        }));
-        found
-    }
-
-    /// `depth` corrected for expired approximate entries the walk counted (only
-    /// when `w` has some, i.e. before the next purge).
-    fn visible_depth(&self, w: &Worker, hashes: &[u64], depth: usize, now: u32) -> usize {
-        if w.oldest == u32::MAX || self.alive(w.oldest, now) {
-            return depth;
+        let g = self.read_for_lookup();
+        let levels = g.walk(hashes);
+        let mut ov = Overlaps {
+            slots: Arc::clone(&g.slots),
+            levels,
+            corrected: Vec::new(),
+        };
+        if ov.levels.is_empty() {
+            return ov;
         }
-        hashes[..depth]
-            .iter()
-            .take_while(|h| {
-                w.precise_held.contains(h)
-                    || w.recency.get(h).is_some_and(|(_, s)| self.alive(*s, now))
-            })
-            .count()
+        // Workers whose oldest approximate entry expired (none until some do, and
+        // only until the next purge): the walk counted those entries, recount.
+        for &(oldest, slot) in &g.expiring {
+            if self.alive(oldest, now) {
+                break;
+            }
+            let depth = ov.depth(slot);
+            if depth > 0 {
+                let w = &g.workers[slot as usize];
+                let visible = hashes[..depth]
+                    .iter()
+                    .take_while(|h| {
+                        w.precise_held.contains(h)
+                            || w.recency.get(h).is_some_and(|(_, s)| self.alive(*s, now))
+                    })
+                    .count();
+                ov.corrected.push((slot, visible));
+            }
+        }
+        ov
     }
 
     /// For each candidate, how many leading blocks of `hashes` it holds (counting
-    /// stops at its first miss). Candidates should be distinct.
+    /// stops at its first miss): [`PrefixIndex::overlaps`] read per candidate.
     pub fn lookup(&self, hashes: &[u64], candidates: &[WorkerKey], now: Instant) -> Vec<usize> {
-        let mut counts = vec![0usize; candidates.len()];
         if candidates.is_empty() || hashes.is_empty() {
-            return counts;
+            return vec![0; candidates.len()];
         }
-        let now = self.stamp(now);
-        let g = self.inner.read();
-        let mut found = Vec::new();
-        g.walk(hashes, &mut found);
-        if found.is_empty() {
-            return counts;
-        }
-        // Depth by slot, then one slot probe per candidate.
-        let mut by_slot = vec![0u32; g.workers.len()];
-        for (slot, depth) in found {
-            by_slot[slot as usize] = depth;
-        }
-        for (c, k) in counts.iter_mut().zip(candidates) {
-            if let Some(&slot) = g.slots.get(k) {
-                let depth = by_slot[slot as usize] as usize;
-                if depth > 0 {
-                    *c = self.visible_depth(&g.workers[slot as usize], hashes, depth, now);
-                }
-            }
-        }
-        counts
+        let ov = self.overlaps(hashes, now);
+        candidates.iter().map(|k| ov.get(*k)).collect()
     }
 
     /// Drops expired approximate entries of every worker (lookups already ignore them).
@@ -598,10 +627,10 @@ impl PrefixIndex {
         let now = self.stamp(now);
         let expired: Vec<WorkerKey> = {
             let g = self.inner.read();
-            g.workers
+            g.expiring
                 .iter()
-                .filter(|w| w.oldest != u32::MAX && !self.alive(w.oldest, now))
-                .filter_map(|w| w.key)
+                .take_while(|(oldest, _)| !self.alive(*oldest, now))
+                .filter_map(|(_, slot)| g.workers[*slot as usize].key)
                 .collect()
         };
         for key in expired {
@@ -660,6 +689,30 @@ impl PrefixIndex {
     }
 }
 
+/// How long a lookup or a writer spins for the lock before sleeping on it: a
+/// writer holds it for one chunk and a lookup for one walk, microseconds both,
+/// while waking a sleeping thread costs tens of microseconds on a busy machine.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// Polls `f` until it yields or [`SPIN`] has passed.
+fn spin_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    if let Some(t) = f() {
+        return Some(t);
+    }
+    let start = Instant::now();
+    loop {
+        for _ in 0..64 {
+            if let Some(t) = f() {
+                return Some(t);
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= SPIN {
+            return None;
+        }
+    }
+}
+
 /// A write guard that hands the lock to waiting readers when dropped (parking_lot
 /// otherwise lets a writer that releases and re-locks at once barge ahead of them).
 struct FairWrite<'a>(Option<RwLockWriteGuard<'a, Inner>>);
@@ -703,8 +756,23 @@ impl Inner {
             oldest: u32::MAX,
             ..Default::default()
         };
-        self.slots.insert(key, slot);
+        Arc::make_mut(&mut self.slots).insert(key, slot);
         slot
+    }
+
+    /// Sets `slot`'s oldest approximate stamp, keeping `expiring` in step.
+    fn set_oldest(&mut self, slot: u32, oldest: u32) {
+        let w = &mut self.workers[slot as usize];
+        if w.oldest == oldest {
+            return;
+        }
+        if w.oldest != u32::MAX {
+            self.expiring.remove(&(w.oldest, slot));
+        }
+        if oldest != u32::MAX {
+            self.expiring.insert((oldest, slot));
+        }
+        w.oldest = oldest;
     }
 
     /// Whether `slot` holds block `hash` (through any entry).
@@ -948,14 +1016,15 @@ impl Inner {
         }
     }
 
-    /// Walks `hashes` run by run, pushing (slot, leading blocks held) for every
-    /// slot holding the first block.
-    fn walk(&self, hashes: &[u64], out: &mut Vec<(u32, u32)>) {
+    /// Walks `hashes` run by run: returns the holder sets of the first block
+    /// shrinking at run boundaries, each (set, leading blocks its members hold),
+    /// every set a subset of the one before.
+    fn walk(&self, hashes: &[u64]) -> Vec<(SlotSet, u32)> {
+        let mut levels = Vec::new();
         let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
-            return;
+            return levels;
         };
         let mut active = self.runs[first.run as usize].holders.clone();
-        out.reserve(active.len());
         let mut loc = *first;
         let mut i = 1usize;
         while i < hashes.len() {
@@ -975,15 +1044,60 @@ impl Inner {
                 break;
             };
             if next.run != loc.run {
-                active.retain_in(&self.runs[next.run as usize].holders, i as u32, out);
-                if active.is_empty() {
-                    return;
+                let kept = active.intersection(&self.runs[next.run as usize].holders);
+                if kept.len() < active.len() {
+                    levels.push((std::mem::replace(&mut active, kept), i as u32));
+                    if active.is_empty() {
+                        return levels;
+                    }
                 }
             }
             loc = *next;
             i += 1;
         }
-        out.extend(active.iter().map(|s| (s, i as u32)));
+        levels.push((active, i as u32));
+        levels
+    }
+}
+
+/// Every worker's overlap with one prompt ([`PrefixIndex::overlaps`]): nested
+/// holder sets with their depths, read per worker without the index's lock.
+#[derive(Debug, Clone)]
+pub struct Overlaps {
+    /// The index's worker → slot map when the answer was made.
+    slots: Arc<Map<WorkerKey, u32>>,
+    /// (holders, leading blocks held), each set a subset of the one before.
+    levels: Vec<(SlotSet, u32)>,
+    /// (slot, depth) for workers whose expired approximate entries the walk counted.
+    corrected: Vec<(u32, usize)>,
+}
+
+impl Overlaps {
+    /// How many leading blocks of the prompt `worker` holds.
+    pub fn get(&self, worker: WorkerKey) -> usize {
+        self.slots.get(&worker).map_or(0, |s| self.visible(*s))
+    }
+
+    /// Every worker holding at least the first block, with its overlap (order
+    /// unspecified; walks every known worker).
+    pub fn iter(&self) -> impl Iterator<Item = (WorkerKey, usize)> + '_ {
+        self.slots
+            .iter()
+            .map(|(k, s)| (*k, self.visible(*s)))
+            .filter(|(_, d)| *d > 0)
+    }
+
+    fn visible(&self, slot: u32) -> usize {
+        match self.corrected.iter().find(|(s, _)| *s == slot) {
+            Some((_, d)) => *d,
+            None => self.depth(slot),
+        }
+    }
+
+    /// Depth the walk found for `slot`: that of the last (smallest) set holding it.
+    fn depth(&self, slot: u32) -> usize {
+        let k = self.levels.partition_point(|(set, _)| set.contains(slot));
+        k.checked_sub(1).map_or(0, |k| self.levels[k].1 as usize)
     }
 }
 
@@ -1115,9 +1229,10 @@ mod tests {
         let counts = idx.lookup(&prefix, &all, t);
         assert_eq!(counts[3], 50);
         assert!(counts.iter().enumerate().all(|(i, c)| i == 3 || *c == 128));
-        let mut m = idx.matches(&prefix, t);
-        m.sort_unstable();
-        assert_eq!(m.len(), 100);
+        let ov = idx.overlaps(&prefix, t);
+        assert_eq!(ov.iter().count(), 100);
+        assert_eq!(ov.get(wk(3)), 50);
+        assert_eq!(ov.get(wk(100)), 0);
     }
 
     #[test]
@@ -1280,6 +1395,16 @@ mod tests {
                         hs.iter().take_while(|h| m.holds(**h, *now)).count()
                     })
                     .collect();
+                // The whole answer lists exactly the workers with a nonzero overlap.
+                let mut every: Vec<(WorkerKey, usize)> = idx.overlaps(&hs, at).iter().collect();
+                every.sort_unstable_by_key(|(k, _)| k.instance_id);
+                let nonzero: Vec<(WorkerKey, usize)> = cands
+                    .iter()
+                    .copied()
+                    .zip(want.iter().copied())
+                    .filter(|(_, d)| *d > 0)
+                    .collect();
+                assert_eq!(every, nonzero, "overlaps() after {op:?}");
                 return Some((got, want));
             }
         }

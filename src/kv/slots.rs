@@ -133,6 +133,7 @@ impl SlotSet {
     }
 
     /// The slots, ascending.
+    #[cfg(test)]
     pub(crate) fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
         match self {
             SlotSet::Few(v) => Box::new(v.iter().copied()),
@@ -140,61 +141,23 @@ impl SlotSet {
         }
     }
 
-    /// Keeps only the slots also in `other`; each slot dropped is pushed to `out`
-    /// with `depth`.
-    pub(crate) fn retain_in(&mut self, other: &SlotSet, depth: u32, out: &mut Vec<(u32, u32)>) {
-        match (&mut *self, other) {
+    /// The slots in both sets.
+    pub(crate) fn intersection(&self, other: &SlotSet) -> SlotSet {
+        match (self, other) {
             (SlotSet::Few(a), _) => {
-                a.retain(|s| {
-                    let keep = other.contains(*s);
-                    if !keep {
-                        out.push((*s, depth));
-                    }
-                    keep
-                });
+                SlotSet::Few(a.iter().copied().filter(|s| other.contains(*s)).collect())
             }
-            (SlotSet::Many { words, len }, SlotSet::Many { words: b, .. }) => {
-                let mut kept = 0u32;
-                for (i, w) in words.iter_mut().enumerate() {
-                    if *w == 0 {
-                        continue;
-                    }
-                    let keep = *w & b.get(i).copied().unwrap_or(0);
-                    push_bits(i, *w & !keep, depth, out);
-                    *w = keep;
-                    kept += keep.count_ones();
-                }
-                *len = kept;
+            (SlotSet::Many { .. }, SlotSet::Few(b)) => {
+                SlotSet::Few(b.iter().copied().filter(|s| self.contains(*s)).collect())
             }
-            (SlotSet::Many { words, .. }, SlotSet::Few(b)) => {
-                let kept: Vec<u32> = b
-                    .iter()
-                    .copied()
-                    .filter(|s| {
-                        words
-                            .get(*s as usize / 64)
-                            .is_some_and(|w| w & (1 << (s % 64)) != 0)
-                    })
-                    .collect();
-                for s in &kept {
-                    words[*s as usize / 64] &= !(1 << (s % 64));
-                }
-                for (i, w) in words.iter().enumerate() {
-                    push_bits(i, *w, depth, out);
-                }
-                *self = SlotSet::Few(kept);
-                return;
+            (SlotSet::Many { words: a, .. }, SlotSet::Many { words: b, .. }) => {
+                let words: Vec<u64> = a.iter().zip(b).map(|(x, y)| x & y).collect();
+                let len = words.iter().map(|w| w.count_ones()).sum();
+                let mut set = SlotSet::Many { words, len };
+                set.reshape();
+                set
             }
         }
-        self.reshape();
-    }
-}
-
-fn push_bits(word_index: usize, mut bits: u64, depth: u32, out: &mut Vec<(u32, u32)>) {
-    while bits != 0 {
-        let b = bits.trailing_zeros();
-        out.push(((word_index * 64) as u32 + b, depth));
-        bits &= bits - 1;
     }
 }
 
@@ -238,13 +201,11 @@ mod tests {
             for s in &other {
                 o.insert(*s);
             }
-            let mut out = Vec::new();
-            set.retain_in(&o, 7, &mut out);
             let kept: BTreeSet<u32> = model.intersection(&other).copied().collect();
-            let dropped: BTreeSet<u32> = model.difference(&other).copied().collect();
-            prop_assert_eq!(set.iter().collect::<BTreeSet<_>>(), kept);
-            prop_assert_eq!(out.iter().map(|(s, _)| *s).collect::<BTreeSet<_>>(), dropped);
-            prop_assert!(out.iter().all(|(_, d)| *d == 7));
+            for both in [set.intersection(&o), o.intersection(&set)] {
+                prop_assert_eq!(both.len(), kept.len());
+                prop_assert_eq!(both.iter().collect::<BTreeSet<_>>(), kept.clone());
+            }
         }
     }
 }

@@ -9,15 +9,17 @@
 //! the same chained function the request side uses, so a request's token blocks
 //! find the blocks the engine reported. The engine's block hash is kept only to
 //! find the block again when it is removed, and to continue a chain: the parent of
-//! a `BlockStored` is looked up in a per-worker engine → kvpick hash map. A
+//! a `BlockStored` is looked up in the sink's own engine → kvpick hash map
+//! ([`KvEventSink::engine_block`]), which the index's precise cap bounds. A
 //! `BlockStored` whose parent is unknown (its parent was stored before kvpick
-//! subscribed, or was lost in a gap) cannot be chained and is skipped (counted as
-//! orphan blocks); the engine re-stores the chain on the next prompt that reaches it.
+//! subscribed, was lost in a gap, or was dropped by the cap) cannot be chained and
+//! is skipped (counted as orphan blocks); the engine re-stores the chain on the
+//! next prompt that reaches it.
 
 pub mod decode;
 pub mod subscriber;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Instant;
 
 use crate::endpoints::WorkerKey;
@@ -50,6 +52,9 @@ pub trait KvEventSink: Send + Sync {
     fn mm_block_hash(&self, parent: u64, tokens: &[u32], mm_hashes: &[u64]) -> u64 {
         mm_block_hash(parent, tokens, mm_hashes)
     }
+    /// The kvpick hash of the block `worker` holds under `engine_hash`, if it
+    /// holds one (the parent of a stored chain).
+    fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64>;
     /// Records that `worker` holds these (engine hash, kvpick hash) blocks.
     fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant);
     /// Forgets the blocks the engine removed, by engine hash.
@@ -72,6 +77,9 @@ impl KvEventSink for PrefixIndex {
         block_size: usize,
     ) -> Vec<u64> {
         token_block_hashes(seed, parent, tokens, block_size)
+    }
+    fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
+        PrefixIndex::engine_block(self, worker, engine_hash)
     }
     fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant) {
         PrefixIndex::store_engine_blocks(self, worker, blocks, now)
@@ -124,12 +132,11 @@ impl ApplyStats {
     }
 }
 
-/// Applies decoded batches to a [`KvEventSink`], keeping each worker's engine →
-/// kvpick hash map so chains can be continued across events.
+/// Applies decoded batches to a [`KvEventSink`]; chains continue across events
+/// through the sink's engine → kvpick hash map.
 pub struct Ingest<S: ?Sized> {
     sink: std::sync::Arc<S>,
     default_model: String,
-    chains: HashMap<WorkerKey, HashMap<u64, u64>>,
     live: HashSet<WorkerKey>,
     image_token: Option<u32>,
 }
@@ -141,7 +148,6 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
         Ingest {
             sink,
             default_model: default_model.into(),
-            chains: HashMap::new(),
             live: HashSet::new(),
             image_token: None,
         }
@@ -189,7 +195,6 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
     /// Forgets everything known about `worker` (gap, restart, reconnect, clear);
     /// a worker with a live stream stays precise.
     pub fn reset(&mut self, worker: WorkerKey) {
-        self.chains.remove(&worker);
         self.sink.clear_worker(worker);
         if self.live.contains(&worker) {
             self.sink.set_precise(worker, true);
@@ -208,11 +213,6 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
         self.sink.set_precise(worker, live);
     }
 
-    /// Number of engine blocks tracked for `worker`.
-    pub fn tracked_blocks(&self, worker: WorkerKey) -> usize {
-        self.chains.get(&worker).map_or(0, HashMap::len)
-    }
-
     fn stored(
         &mut self,
         worker: WorkerKey,
@@ -226,11 +226,10 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
                 ..Default::default()
             };
         }
-        let chain = self.chains.entry(worker).or_default();
         let parent = match e.parent_block_hash {
             None => None,
-            Some(p) => match chain.get(&p) {
-                Some(&k) => Some(k),
+            Some(p) => match self.sink.engine_block(worker, p) {
+                Some(k) => Some(k),
                 None => {
                     return ApplyStats {
                         orphan_blocks: e.block_hashes.len() as u64,
@@ -261,7 +260,6 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             mm_stored_hashes(&*self.sink, self.image_token, seed, parent, e, &mut mm)
         };
         let pairs: Vec<(u64, u64)> = e.block_hashes.iter().copied().zip(ours).collect();
-        chain.extend(pairs.iter().copied());
         self.sink.store_engine_blocks(worker, &pairs, now);
         ApplyStats {
             stored_blocks: pairs.len() as u64,
@@ -277,11 +275,6 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
                 ignored_events: 1,
                 ..Default::default()
             };
-        }
-        if let Some(chain) = self.chains.get_mut(&worker) {
-            for h in &e.block_hashes {
-                chain.remove(h);
-            }
         }
         self.sink.remove_engine_blocks(worker, &e.block_hashes);
         ApplyStats {
