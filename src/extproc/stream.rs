@@ -347,6 +347,22 @@ impl StreamState {
         vec![self.continue_headers()]
     }
 
+    /// Whether handling `msg` ends a request body of at least `threshold` bytes
+    /// (so it parses, hashes and picks for that body): the caller then runs
+    /// [`StreamState::handle`] off the async threads.
+    pub fn completes_body_of_at_least(&self, msg: &ProcessingRequest, threshold: usize) -> bool {
+        if self.phase != Phase::RequestBody {
+            return false;
+        }
+        match &msg.request {
+            Some(Request::RequestBody(b)) => {
+                b.end_of_stream && self.body.len() + b.body.len() >= threshold
+            }
+            Some(Request::RequestTrailers(_)) => self.body.len() >= threshold,
+            _ => false,
+        }
+    }
+
     /// Handles one message from Envoy and returns the answers, in order.
     pub fn handle(&mut self, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
         if let Some(pc) = &msg.protocol_config {

@@ -399,19 +399,37 @@ async fn drive(
     port: u16,
     bodies: Arc<Vec<Vec<u8>>>,
     cfg: &OverheadConfig,
+    large: Option<&LargeLoad>,
 ) -> anyhow::Result<ServerFigures> {
-    let mut channels = Vec::new();
-    for _ in 0..cfg.connections.max(1) {
-        channels.push(
+    let connect = || async {
+        anyhow::Ok(
             Channel::from_shared(format!("http://127.0.0.1:{port}"))?
                 .tcp_nodelay(true)
                 .connect()
                 .await?,
-        );
+        )
+    };
+    let mut channels = Vec::new();
+    for _ in 0..cfg.connections.max(1) {
+        channels.push(connect().await?);
     }
     let start = Instant::now();
     let measure_from = start + cfg.warmup;
     let end = measure_from + cfg.duration;
+    // Large requests on their own connection, unmeasured, for the whole run.
+    let mut background = Vec::new();
+    if let Some(large) = large {
+        let ch = connect().await?;
+        for _ in 0..large.streams {
+            let (ch, body) = (ch.clone(), Arc::clone(&large.body));
+            background.push(tokio::spawn(async move {
+                while Instant::now() < end {
+                    one_request(&ch, &body).await?;
+                }
+                anyhow::Ok(())
+            }));
+        }
+    }
     let mut tasks = Vec::new();
     for i in 0..cfg.concurrency.max(1) {
         let ch = channels[i % channels.len()].clone();
@@ -436,6 +454,9 @@ async fn drive(
     for t in tasks {
         all.extend(t.await??);
     }
+    for t in background {
+        t.await??;
+    }
     let lat = sorted(all);
     Ok(ServerFigures {
         p50_us: quantile(&lat, 0.5),
@@ -450,9 +471,10 @@ async fn measure(
     kind: ServerKind,
     bodies: &Arc<Vec<Vec<u8>>>,
     cfg: &OverheadConfig,
+    large: Option<&LargeLoad>,
 ) -> anyhow::Result<ServerFigures> {
     let server = ServerProcess::start(&cfg.server_exe, kind).await?;
-    let mut figures = drive(server.port, Arc::clone(bodies), cfg).await?;
+    let mut figures = drive(server.port, Arc::clone(bodies), cfg, large).await?;
     figures.peak_rss_mib = server.peak_rss_bytes()? as f64 / f64::from(1 << 20);
     server.stop().await?;
     Ok(figures)
@@ -474,8 +496,8 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
                 .collect::<Vec<_>>(),
         );
         for &n in &cfg.endpoints {
-            let noop = measure(ServerKind::Noop, &bodies, cfg).await?;
-            let kvpick = measure(ServerKind::Kvpick { endpoints: n }, &bodies, cfg).await?;
+            let noop = measure(ServerKind::Noop, &bodies, cfg, None).await?;
+            let kvpick = measure(ServerKind::Kvpick { endpoints: n }, &bodies, cfg, None).await?;
             eprintln!(
                 "overhead: {bytes} B, {n} endpoints: kvpick p99 {:.0} µs, noop p99 {:.0} µs",
                 kvpick.p99_us, noop.p99_us
@@ -492,6 +514,122 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
         }
     }
     Ok(OverheadReport { runs })
+}
+
+/// Large requests running next to the measured ones (the stall measurement).
+#[derive(Debug, Clone)]
+pub struct LargeLoad {
+    /// The large body every background stream sends.
+    pub body: Arc<Vec<u8>>,
+    /// Background streams, each sending one large request after another.
+    pub streams: usize,
+}
+
+/// Small-request figures of one server, alone and next to large requests.
+#[derive(Debug, Clone, Serialize)]
+pub struct StallRun {
+    /// `kvpick` or `noop`.
+    pub server: String,
+    /// Small requests alone.
+    pub alone: ServerFigures,
+    /// Small requests while the large ones run.
+    pub with_large: ServerFigures,
+    /// p99 with large requests / p99 alone.
+    pub p99_ratio: f64,
+}
+
+/// The stall report: does work on large bodies delay small requests?
+#[derive(Debug, Clone, Serialize)]
+pub struct StallReport {
+    /// Small body size in bytes.
+    pub small_bytes: usize,
+    /// Large body size in bytes.
+    pub large_bytes: usize,
+    /// Background streams sending large bodies.
+    pub large_streams: usize,
+    /// Endpoints in kvpick's pool.
+    pub endpoints: usize,
+    /// One entry per server.
+    pub runs: Vec<StallRun>,
+}
+
+impl StallReport {
+    /// The report as a Markdown table.
+    pub fn markdown(&self) -> String {
+        let rows: Vec<Vec<String>> = self
+            .runs
+            .iter()
+            .map(|r| {
+                vec![
+                    r.server.clone(),
+                    format!("{:.0}", r.alone.p50_us),
+                    format!("{:.0}", r.alone.p99_us),
+                    format!("{:.0}", r.with_large.p50_us),
+                    format!("{:.0}", r.with_large.p99_us),
+                    format!("{:.2}", r.p99_ratio),
+                ]
+            })
+            .collect();
+        format!(
+            "small {} B requests, alone and next to {} streams of {} B requests ({} endpoints)\n\n{}",
+            self.small_bytes,
+            self.large_streams,
+            self.large_bytes,
+            self.endpoints,
+            markdown_table(
+                &[
+                    "server",
+                    "alone p50 µs",
+                    "alone p99 µs",
+                    "with large p50 µs",
+                    "with large p99 µs",
+                    "p99 ratio",
+                ],
+                &rows,
+            )
+        )
+    }
+}
+
+/// Decision latency of `small_bytes` requests on each server, alone and while
+/// `large_streams` streams send `large_bytes` bodies, in one run.
+pub async fn stall(
+    cfg: &OverheadConfig,
+    small_bytes: usize,
+    large_bytes: usize,
+    large_streams: usize,
+    endpoints: usize,
+) -> anyhow::Result<StallReport> {
+    let bodies = Arc::new((0..64).map(|v| chat_body(small_bytes, v)).collect());
+    let large = LargeLoad {
+        body: Arc::new(chat_body(large_bytes, 1_000_000)),
+        streams: large_streams,
+    };
+    let mut runs = Vec::new();
+    for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints }] {
+        let alone = measure(kind, &bodies, cfg, None).await?;
+        let with_large = measure(kind, &bodies, cfg, Some(&large)).await?;
+        runs.push(StallRun {
+            server: match kind {
+                ServerKind::Noop => "noop".into(),
+                ServerKind::Kvpick { .. } => "kvpick".into(),
+            },
+            p99_ratio: if alone.p99_us > 0.0 {
+                with_large.p99_us / alone.p99_us
+            } else {
+                0.0
+            },
+            alone,
+            with_large,
+        });
+    }
+    Ok(StallReport {
+        small_bytes,
+        large_bytes,
+        large_streams,
+        endpoints,
+        runs,
+    })
 }
 
 #[cfg(test)]
