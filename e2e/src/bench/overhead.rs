@@ -171,10 +171,10 @@ fn header(key: &str, value: &str) -> HeaderValue {
     }
 }
 
-fn request_headers() -> ProcessingRequest {
+fn request_headers(path: &str) -> ProcessingRequest {
     let headers = [
         (":method", "POST"),
-        (":path", "/v1/chat/completions"),
+        (":path", path),
         (":authority", "gateway"),
         ("content-type", "application/json"),
     ]
@@ -234,8 +234,13 @@ async fn next(responses: &mut Streaming<ProcessingResponse>) -> anyhow::Result<P
         .context("server answered with an error status")
 }
 
-/// Runs one Envoy-style request to completion; returns the decision latency.
+/// Runs one Envoy-style chat request to completion; returns the decision latency.
 pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> {
+    one_request_to(ch, "/v1/chat/completions", body).await
+}
+
+/// [`one_request`] to `path`.
+pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Result<Duration> {
     let (tx, rx) = mpsc::channel(64);
     let send = |m| {
         let tx = tx.clone();
@@ -245,7 +250,7 @@ pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> 
                 .map_err(|_| anyhow!("request stream closed"))
         }
     };
-    send(request_headers()).await?;
+    send(request_headers(path)).await?;
     let mut responses = ExternalProcessorClient::new(ch.clone())
         .process(ReceiverStream::new(rx))
         .await?
@@ -632,6 +637,124 @@ pub async fn stall(
     })
 }
 
+/// A `/v1/completions` body whose prompt is `tokens` token ids of one digit
+/// each (about 2 bytes a token: 12 M ids ≈ 23 MiB).
+pub fn numeric_prompt_body(tokens: usize) -> Vec<u8> {
+    let mut body = Vec::with_capacity(tokens * 2 + 64);
+    body.extend_from_slice(br#"{"model":"llama","max_tokens":1,"prompt":["#);
+    for i in 0..tokens {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.push(b'0' + (i % 10) as u8);
+    }
+    body.extend_from_slice(b"]}");
+    body
+}
+
+/// Peak memory of one server while `concurrent` large requests run at once.
+#[derive(Debug, Clone, Serialize)]
+pub struct RssRun {
+    /// `kvpick` or `noop`.
+    pub server: String,
+    /// Body size of each request in MiB.
+    pub body_mib: f64,
+    /// Requests in flight together.
+    pub concurrent: usize,
+    /// Peak RSS (VmHWM) after one small warm-up request, MiB.
+    pub idle_mib: f64,
+    /// Peak RSS after the large requests, MiB.
+    pub peak_mib: f64,
+    /// (peak − idle) / (concurrent × body size).
+    pub growth_per_body_byte: f64,
+}
+
+/// The peak-RSS report.
+#[derive(Debug, Clone, Serialize)]
+pub struct RssReport {
+    /// One entry per server.
+    pub runs: Vec<RssRun>,
+}
+
+impl RssReport {
+    /// The report as a Markdown table.
+    pub fn markdown(&self) -> String {
+        let rows: Vec<Vec<String>> = self
+            .runs
+            .iter()
+            .map(|r| {
+                vec![
+                    r.server.clone(),
+                    format!("{:.1}", r.body_mib),
+                    r.concurrent.to_string(),
+                    format!("{:.0}", r.idle_mib),
+                    format!("{:.0}", r.peak_mib),
+                    format!("{:.2}", r.growth_per_body_byte),
+                ]
+            })
+            .collect();
+        markdown_table(
+            &[
+                "server",
+                "body MiB",
+                "concurrent",
+                "idle peak RSS MiB",
+                "peak RSS MiB",
+                "growth / body bytes",
+            ],
+            &rows,
+        )
+    }
+}
+
+/// Sends `concurrent` copies of `body` to `path` at once, to the no-op server
+/// and to kvpick (each in its own process), and reads each one's peak RSS.
+pub async fn peak_rss(
+    exe: &Path,
+    path: &str,
+    body: Vec<u8>,
+    concurrent: usize,
+    endpoints: usize,
+) -> anyhow::Result<RssReport> {
+    let body = Arc::new(body);
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    let mut runs = Vec::new();
+    for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints }] {
+        let server = ServerProcess::start(exe, kind).await?;
+        let ch = Channel::from_shared(format!("http://127.0.0.1:{}", server.port))?
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        one_request(&ch, &chat_body(1024, 0)).await?;
+        let idle = server.peak_rss_bytes()?;
+        let mut tasks = Vec::new();
+        for _ in 0..concurrent {
+            let (ch, body, path) = (ch.clone(), Arc::clone(&body), path.to_string());
+            tasks.push(tokio::spawn(async move {
+                one_request_to(&ch, &path, &body).await
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let peak = server.peak_rss_bytes()?;
+        server.stop().await?;
+        runs.push(RssRun {
+            server: match kind {
+                ServerKind::Noop => "noop".into(),
+                ServerKind::Kvpick { .. } => "kvpick".into(),
+            },
+            body_mib: mib(body.len() as u64),
+            concurrent,
+            idle_mib: mib(idle),
+            peak_mib: mib(peak),
+            growth_per_body_byte: peak.saturating_sub(idle) as f64
+                / (concurrent * body.len()).max(1) as f64,
+        });
+    }
+    Ok(RssReport { runs })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -675,6 +798,15 @@ mod tests {
         assert_eq!(vm_hwm_bytes("VmRSS: 1 kB\n"), None);
         let own = std::fs::read_to_string("/proc/self/status").unwrap();
         assert!(vm_hwm_bytes(&own).unwrap() > 0);
+    }
+
+    #[test]
+    fn numeric_prompts_are_two_bytes_a_token_and_parse() {
+        let b = numeric_prompt_body(1000);
+        assert!(b.len() > 2000 && b.len() < 2100, "{}", b.len());
+        let parsed =
+            kvpick::request::parse(&b, Some(kvpick::request::ApiKind::Completions)).unwrap();
+        assert_eq!(parsed.model, "llama");
     }
 
     #[test]

@@ -83,6 +83,19 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
     },
+    /// Peak RSS of kvpick and the no-op server while large numeric prompts run
+    /// at once (`/v1/completions`, one-digit token ids).
+    PeakRss {
+        /// Token ids per prompt (12 M ≈ 23 MiB).
+        #[arg(long, default_value_t = 12_000_000)]
+        tokens: usize,
+        /// Requests sent together.
+        #[arg(long, default_value_t = 2)]
+        concurrent: usize,
+        /// Endpoints in kvpick's pool.
+        #[arg(long, default_value_t = 8)]
+        endpoints: usize,
+    },
     /// One server of an overhead cell, in its own process: prints its port, serves
     /// until stdin closes.
     #[command(hide = true)]
@@ -219,6 +232,20 @@ fn main() -> anyhow::Result<()> {
                 small_bytes,
                 large_bytes,
                 large_streams,
+                endpoints,
+            ))?;
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::PeakRss {
+            tokens,
+            concurrent,
+            endpoints,
+        } => {
+            let report = tokio::runtime::Runtime::new()?.block_on(overhead::peak_rss(
+                &std::env::current_exe()?,
+                "/v1/completions",
+                overhead::numeric_prompt_body(tokens),
+                concurrent,
                 endpoints,
             ))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
