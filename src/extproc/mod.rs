@@ -193,7 +193,7 @@ async fn run_stream(
                     } else {
                         state.body_wait_expired()
                     };
-                    if !send_all(&tx, out).await || state.is_done() {
+                    if !send_answers(&tx, &mut state, out).await || state.is_done() {
                         return;
                     }
                     continue;
@@ -219,13 +219,14 @@ async fn run_stream(
         } else {
             state.handle(msg)
         };
-        if !send_all(&tx, out).await {
+        if !send_answers(&tx, &mut state, out).await {
             return;
         }
         // A complete text body waits for its token ids (off the async threads).
         if let Some(job) = state.take_tokenize_job() {
             let tokens = job.run().await;
-            if !send_all(&tx, state.tokenized(tokens)).await {
+            let out = state.tokenized(tokens);
+            if !send_answers(&tx, &mut state, out).await {
                 return;
             }
         }
@@ -286,11 +287,31 @@ async fn wait_admission(
         }
     };
     drop(ticket);
-    if !send_all(tx, state.admitted(verdict)).await {
+    let out = state.admitted(verdict);
+    if !send_answers(tx, state, out).await {
         return false;
     }
     for msg in held {
-        if !send_all(tx, state.handle(msg)).await {
+        let out = state.handle(msg);
+        if !send_answers(tx, state, out).await {
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends `out`, then the body the stream streams back, chunk by chunk (so the
+/// body is never copied whole into the channel).
+async fn send_answers(
+    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    state: &mut StreamState,
+    out: Vec<ProcessingResponse>,
+) -> bool {
+    if !send_all(tx, out).await {
+        return false;
+    }
+    while let Some(msg) = state.next_echo() {
+        if tx.send(Ok(msg)).await.is_err() {
             return false;
         }
     }

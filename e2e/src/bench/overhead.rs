@@ -171,12 +171,15 @@ fn header(key: &str, value: &str) -> HeaderValue {
     }
 }
 
-fn request_headers(path: &str) -> ProcessingRequest {
+/// Request headers as Envoy forwards them (with the client's `content-length`).
+fn request_headers(path: &str, content_length: usize) -> ProcessingRequest {
+    let content_length = content_length.to_string();
     let headers = [
         (":method", "POST"),
         (":path", path),
         (":authority", "gateway"),
         ("content-type", "application/json"),
+        ("content-length", &content_length),
     ]
     .iter()
     .map(|(k, v)| header(k, v))
@@ -250,7 +253,7 @@ pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Re
                 .map_err(|_| anyhow!("request stream closed"))
         }
     };
-    send(request_headers(path)).await?;
+    send(request_headers(path, body.len())).await?;
     let mut responses = ExternalProcessorClient::new(ch.clone())
         .process(ReceiverStream::new(rx))
         .await?
