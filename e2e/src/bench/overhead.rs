@@ -35,7 +35,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::Streaming;
 
-use super::{markdown_table, micros, quantile, sorted, SplitMix64};
+use super::{micros, quantile, sorted, table_of, SplitMix64};
 
 /// Body chunk size the load generator sends (Envoy forwards reads of about this size).
 pub const CHUNK: usize = 16 * 1024;
@@ -100,27 +100,7 @@ pub struct OverheadReport {
 impl OverheadReport {
     /// The report as a Markdown table.
     pub fn markdown(&self) -> String {
-        let rows: Vec<Vec<String>> = self
-            .runs
-            .iter()
-            .map(|r| {
-                vec![
-                    r.body_bytes.to_string(),
-                    r.endpoints.to_string(),
-                    format!("{:.0}", r.kvpick.p50_us),
-                    format!("{:.0}", r.noop.p50_us),
-                    format!("{:.0}", r.kvpick.p99_us),
-                    format!("{:.0}", r.noop.p99_us),
-                    format!("{:.2}", r.p99_ratio),
-                    format!("{:.0}", r.kvpick.rps),
-                    format!("{:.0}", r.noop.rps),
-                    format!("{:.2}", r.throughput_ratio),
-                    format!("{:.0}", r.kvpick.peak_rss_mib),
-                    format!("{:.0}", r.noop.peak_rss_mib),
-                ]
-            })
-            .collect();
-        markdown_table(
+        table_of(
             &[
                 "body bytes",
                 "endpoints",
@@ -135,7 +115,23 @@ impl OverheadReport {
                 "kvpick peak RSS MiB",
                 "noop peak RSS MiB",
             ],
-            &rows,
+            &self.runs,
+            |r| {
+                vec![
+                    r.body_bytes.to_string(),
+                    r.endpoints.to_string(),
+                    format!("{:.0}", r.kvpick.p50_us),
+                    format!("{:.0}", r.noop.p50_us),
+                    format!("{:.0}", r.kvpick.p99_us),
+                    format!("{:.0}", r.noop.p99_us),
+                    format!("{:.2}", r.p99_ratio),
+                    format!("{:.0}", r.kvpick.rps),
+                    format!("{:.0}", r.noop.rps),
+                    format!("{:.2}", r.throughput_ratio),
+                    format!("{:.0}", r.kvpick.peak_rss_mib),
+                    format!("{:.0}", r.noop.peak_rss_mib),
+                ]
+            },
         )
     }
 }
@@ -564,37 +560,27 @@ pub struct StallReport {
 impl StallReport {
     /// The report as a Markdown table.
     pub fn markdown(&self) -> String {
-        let rows: Vec<Vec<String>> = self
-            .runs
-            .iter()
-            .map(|r| {
-                vec![
-                    r.server.clone(),
-                    format!("{:.0}", r.alone.p50_us),
-                    format!("{:.0}", r.alone.p99_us),
-                    format!("{:.0}", r.with_large.p50_us),
-                    format!("{:.0}", r.with_large.p99_us),
-                    format!("{:.2}", r.p99_ratio),
-                ]
-            })
-            .collect();
         format!(
             "small {} B requests, alone and next to {} streams of {} B requests ({} endpoints)\n\n{}",
             self.small_bytes,
             self.large_streams,
             self.large_bytes,
             self.endpoints,
-            markdown_table(
-                &[
+            table_of(&[
                     "server",
                     "alone p50 µs",
                     "alone p99 µs",
                     "with large p50 µs",
                     "with large p99 µs",
                     "p99 ratio",
-                ],
-                &rows,
-            )
+                ], &self.runs, |r| vec![
+                    r.server.clone(),
+                    format!("{:.0}", r.alone.p50_us),
+                    format!("{:.0}", r.alone.p99_us),
+                    format!("{:.0}", r.with_large.p50_us),
+                    format!("{:.0}", r.with_large.p99_us),
+                    format!("{:.2}", r.p99_ratio),
+                ])
         )
     }
 }
@@ -682,21 +668,7 @@ pub struct RssReport {
 impl RssReport {
     /// The report as a Markdown table.
     pub fn markdown(&self) -> String {
-        let rows: Vec<Vec<String>> = self
-            .runs
-            .iter()
-            .map(|r| {
-                vec![
-                    r.server.clone(),
-                    format!("{:.1}", r.body_mib),
-                    r.concurrent.to_string(),
-                    format!("{:.0}", r.idle_mib),
-                    format!("{:.0}", r.peak_mib),
-                    format!("{:.2}", r.growth_per_body_byte),
-                ]
-            })
-            .collect();
-        markdown_table(
+        table_of(
             &[
                 "server",
                 "body MiB",
@@ -705,7 +677,17 @@ impl RssReport {
                 "peak RSS MiB",
                 "growth / body bytes",
             ],
-            &rows,
+            &self.runs,
+            |r| {
+                vec![
+                    r.server.clone(),
+                    format!("{:.1}", r.body_mib),
+                    r.concurrent.to_string(),
+                    format!("{:.0}", r.idle_mib),
+                    format!("{:.0}", r.peak_mib),
+                    format!("{:.2}", r.growth_per_body_byte),
+                ]
+            },
         )
     }
 }
