@@ -193,7 +193,7 @@ async fn run_stream(
                     } else {
                         state.body_wait_expired()
                     };
-                    if !send_all(&tx, out).await || state.is_done() {
+                    if !send_answers(&tx, &mut state, out).await || state.is_done() {
                         return;
                     }
                     continue;
@@ -208,13 +208,25 @@ async fn run_stream(
             }
             None => return,
         };
-        if !send_all(&tx, state.handle(msg)).await {
+        let out = if state.completes_body_of_at_least(&msg, BLOCKING_BODY_BYTES) {
+            match handle_blocking(state, msg).await {
+                Some((back, out)) => {
+                    state = back;
+                    out
+                }
+                None => return,
+            }
+        } else {
+            state.handle(msg)
+        };
+        if !send_answers(&tx, &mut state, out).await {
             return;
         }
         // A complete text body waits for its token ids (off the async threads).
         if let Some(job) = state.take_tokenize_job() {
             let tokens = job.run().await;
-            if !send_all(&tx, state.tokenized(tokens)).await {
+            let out = state.tokenized(tokens);
+            if !send_answers(&tx, &mut state, out).await {
                 return;
             }
         }
@@ -224,6 +236,30 @@ async fn run_stream(
         if state.is_done() {
             return;
         }
+    }
+}
+
+/// Request bodies from this size on are parsed, hashed and routed on the
+/// blocking pool, so they never hold an async worker (other streams, health
+/// checks) for the milliseconds that takes.
+pub const BLOCKING_BODY_BYTES: usize = 128 << 10;
+
+/// [`StreamState::handle`] on the blocking pool; the state comes back with the
+/// answers. A panic there resumes here (the stream's containment catches it);
+/// `None` when the runtime is shutting down.
+async fn handle_blocking(
+    mut state: StreamState,
+    msg: ProcessingRequest,
+) -> Option<(StreamState, Vec<ProcessingResponse>)> {
+    let handled = tokio::task::spawn_blocking(move || {
+        let out = state.handle(msg);
+        (state, out)
+    })
+    .await;
+    match handled {
+        Ok(done) => Some(done),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => None,
     }
 }
 
@@ -251,11 +287,31 @@ async fn wait_admission(
         }
     };
     drop(ticket);
-    if !send_all(tx, state.admitted(verdict)).await {
+    let out = state.admitted(verdict);
+    if !send_answers(tx, state, out).await {
         return false;
     }
     for msg in held {
-        if !send_all(tx, state.handle(msg)).await {
+        let out = state.handle(msg);
+        if !send_answers(tx, state, out).await {
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends `out`, then the body the stream streams back, chunk by chunk (so the
+/// body is never copied whole into the channel).
+async fn send_answers(
+    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    state: &mut StreamState,
+    out: Vec<ProcessingResponse>,
+) -> bool {
+    if !send_all(tx, out).await {
+        return false;
+    }
+    while let Some(msg) = state.next_echo() {
+        if tx.send(Ok(msg)).await.is_err() {
             return false;
         }
     }
@@ -277,6 +333,79 @@ async fn send_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        processing_request, processing_response, HttpBody, HttpHeaders, ProtocolConfiguration,
+    };
+
+    fn full_duplex_headers() -> ProcessingRequest {
+        let headers = [(":method", "POST"), (":path", "/v1/completions")]
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: k.to_string(),
+                raw_value: v.as_bytes().to_vec(),
+                ..Default::default()
+            })
+            .collect();
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap { headers }),
+                ..Default::default()
+            })),
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+                response_body_mode: BodySendMode::FullDuplexStreamed as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn chunk(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestBody(HttpBody {
+                body: bytes.to_vec(),
+                end_of_stream,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn only_the_chunk_ending_a_large_body_goes_to_the_blocking_pool() {
+        let app = crate::server::App::new("t");
+        app.endpoints.replace(vec![crate::endpoints::Endpoint::new(
+            "10.0.0.1:8000".parse().unwrap(),
+        )]);
+        let service = app.ext_proc(ExtProcConfig::default());
+        let prompt = "x".repeat(BLOCKING_BODY_BYTES);
+        let body = format!(r#"{{"model":"m","prompt":"{prompt}"}}"#).into_bytes();
+        let (head, tail) = body.split_at(body.len() / 2);
+
+        let mut state = StreamState::new(Arc::clone(&service.shared));
+        let headers = full_duplex_headers();
+        assert!(!state.completes_body_of_at_least(&headers, BLOCKING_BODY_BYTES));
+        assert!(state.handle(headers).is_empty());
+        let first = chunk(head, false);
+        assert!(!state.completes_body_of_at_least(&first, BLOCKING_BODY_BYTES));
+        assert!(state.handle(first).is_empty());
+        let last = chunk(tail, true);
+        assert!(state.completes_body_of_at_least(&last, BLOCKING_BODY_BYTES));
+        let (state, out) = handle_blocking(state, last).await.unwrap();
+        assert!(matches!(
+            out[0].response,
+            Some(processing_response::Response::RequestHeaders(_))
+        ));
+        assert!(!state.is_done());
+
+        // A small body ends on the async thread.
+        let mut small = StreamState::new(Arc::clone(&service.shared));
+        small.handle(full_duplex_headers());
+        let whole = chunk(br#"{"model":"m","prompt":"hi"}"#, true);
+        assert!(!small.completes_body_of_at_least(&whole, BLOCKING_BODY_BYTES));
+    }
 
     #[tokio::test]
     async fn a_panicking_stream_ends_with_internal_and_others_go_on() {

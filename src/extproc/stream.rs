@@ -140,6 +140,8 @@ pub struct StreamState {
     /// The request's admission class, once its body is parsed.
     class: Option<RequestClass>,
     started: Instant,
+    /// The routed body being streamed back (full duplex).
+    echo: Option<messages::Echo>,
 }
 
 /// A request held by flow control: routed once its ticket is answered.
@@ -190,6 +192,7 @@ impl StreamState {
             admitting: None,
             class: None,
             started: Instant::now(),
+            echo: None,
         }
     }
 
@@ -347,7 +350,35 @@ impl StreamState {
         vec![self.continue_headers()]
     }
 
-    /// Handles one message from Envoy and returns the answers, in order.
+    /// Whether handling `msg` ends a request body of at least `threshold` bytes
+    /// (so it parses, hashes and picks for that body): the caller then runs
+    /// [`StreamState::handle`] off the async threads.
+    pub fn completes_body_of_at_least(&self, msg: &ProcessingRequest, threshold: usize) -> bool {
+        if self.phase != Phase::RequestBody {
+            return false;
+        }
+        match &msg.request {
+            Some(Request::RequestBody(b)) => {
+                b.end_of_stream && self.body.len() + b.body.len() >= threshold
+            }
+            Some(Request::RequestTrailers(_)) => self.body.len() >= threshold,
+            _ => false,
+        }
+    }
+
+    /// The next answer streaming the routed body back (full duplex), to send
+    /// right after the answers of the call that routed it; `None` when done.
+    pub fn next_echo(&mut self) -> Option<ProcessingResponse> {
+        let next = self.echo.as_mut()?.next();
+        if next.is_none() {
+            self.echo = None;
+        }
+        next
+    }
+
+    /// Handles one message from Envoy and returns the answers, in order. A
+    /// full-duplex body streamed back follows them through
+    /// [`StreamState::next_echo`].
     pub fn handle(&mut self, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
         if let Some(pc) = &msg.protocol_config {
             self.request_mode = BodyMode::from_config(pc.request_body_mode);
@@ -472,7 +503,11 @@ impl StreamState {
             // Trailers end the body: route now, then answer the trailers.
             let mut out = self.finish_request_body(false);
             if !self.is_done() {
-                out.push(messages::trailers(false));
+                // After the streamed-back body, when there is one.
+                match self.echo.as_mut() {
+                    Some(echo) => echo.after.push_back(messages::trailers(false)),
+                    None => out.push(messages::trailers(false)),
+                }
             }
             return out;
         }
@@ -627,12 +662,11 @@ impl StreamState {
                 } else {
                     // Full duplex: headers answer first, then the body streamed back.
                     self.headers_answered = true;
-                    let mut out = vec![messages::request_headers(
+                    self.echo = Some(messages::Echo::new(body, end_of_stream));
+                    vec![messages::request_headers(
                         messages::common(Some(mutation), true),
                         metadata,
-                    )];
-                    out.extend(messages::streamed_body(&body, end_of_stream, false));
-                    out
+                    )]
                 }
             }
         }

@@ -35,7 +35,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::Streaming;
 
-use super::{markdown_table, micros, quantile, sorted, SplitMix64};
+use super::{micros, quantile, sorted, table_of, SplitMix64};
 
 /// Body chunk size the load generator sends (Envoy forwards reads of about this size).
 pub const CHUNK: usize = 16 * 1024;
@@ -100,27 +100,7 @@ pub struct OverheadReport {
 impl OverheadReport {
     /// The report as a Markdown table.
     pub fn markdown(&self) -> String {
-        let rows: Vec<Vec<String>> = self
-            .runs
-            .iter()
-            .map(|r| {
-                vec![
-                    r.body_bytes.to_string(),
-                    r.endpoints.to_string(),
-                    format!("{:.0}", r.kvpick.p50_us),
-                    format!("{:.0}", r.noop.p50_us),
-                    format!("{:.0}", r.kvpick.p99_us),
-                    format!("{:.0}", r.noop.p99_us),
-                    format!("{:.2}", r.p99_ratio),
-                    format!("{:.0}", r.kvpick.rps),
-                    format!("{:.0}", r.noop.rps),
-                    format!("{:.2}", r.throughput_ratio),
-                    format!("{:.0}", r.kvpick.peak_rss_mib),
-                    format!("{:.0}", r.noop.peak_rss_mib),
-                ]
-            })
-            .collect();
-        markdown_table(
+        table_of(
             &[
                 "body bytes",
                 "endpoints",
@@ -135,7 +115,23 @@ impl OverheadReport {
                 "kvpick peak RSS MiB",
                 "noop peak RSS MiB",
             ],
-            &rows,
+            &self.runs,
+            |r| {
+                vec![
+                    r.body_bytes.to_string(),
+                    r.endpoints.to_string(),
+                    format!("{:.0}", r.kvpick.p50_us),
+                    format!("{:.0}", r.noop.p50_us),
+                    format!("{:.0}", r.kvpick.p99_us),
+                    format!("{:.0}", r.noop.p99_us),
+                    format!("{:.2}", r.p99_ratio),
+                    format!("{:.0}", r.kvpick.rps),
+                    format!("{:.0}", r.noop.rps),
+                    format!("{:.2}", r.throughput_ratio),
+                    format!("{:.0}", r.kvpick.peak_rss_mib),
+                    format!("{:.0}", r.noop.peak_rss_mib),
+                ]
+            },
         )
     }
 }
@@ -171,12 +167,15 @@ fn header(key: &str, value: &str) -> HeaderValue {
     }
 }
 
-fn request_headers() -> ProcessingRequest {
+/// Request headers as Envoy forwards them (with the client's `content-length`).
+fn request_headers(path: &str, content_length: usize) -> ProcessingRequest {
+    let content_length = content_length.to_string();
     let headers = [
         (":method", "POST"),
-        (":path", "/v1/chat/completions"),
+        (":path", path),
         (":authority", "gateway"),
         ("content-type", "application/json"),
+        ("content-length", &content_length),
     ]
     .iter()
     .map(|(k, v)| header(k, v))
@@ -234,8 +233,13 @@ async fn next(responses: &mut Streaming<ProcessingResponse>) -> anyhow::Result<P
         .context("server answered with an error status")
 }
 
-/// Runs one Envoy-style request to completion; returns the decision latency.
+/// Runs one Envoy-style chat request to completion; returns the decision latency.
 pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> {
+    one_request_to(ch, "/v1/chat/completions", body).await
+}
+
+/// [`one_request`] to `path`.
+pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Result<Duration> {
     let (tx, rx) = mpsc::channel(64);
     let send = |m| {
         let tx = tx.clone();
@@ -245,7 +249,7 @@ pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> 
                 .map_err(|_| anyhow!("request stream closed"))
         }
     };
-    send(request_headers()).await?;
+    send(request_headers(path, body.len())).await?;
     let mut responses = ExternalProcessorClient::new(ch.clone())
         .process(ReceiverStream::new(rx))
         .await?
@@ -399,19 +403,37 @@ async fn drive(
     port: u16,
     bodies: Arc<Vec<Vec<u8>>>,
     cfg: &OverheadConfig,
+    large: Option<&LargeLoad>,
 ) -> anyhow::Result<ServerFigures> {
-    let mut channels = Vec::new();
-    for _ in 0..cfg.connections.max(1) {
-        channels.push(
+    let connect = || async {
+        anyhow::Ok(
             Channel::from_shared(format!("http://127.0.0.1:{port}"))?
                 .tcp_nodelay(true)
                 .connect()
                 .await?,
-        );
+        )
+    };
+    let mut channels = Vec::new();
+    for _ in 0..cfg.connections.max(1) {
+        channels.push(connect().await?);
     }
     let start = Instant::now();
     let measure_from = start + cfg.warmup;
     let end = measure_from + cfg.duration;
+    // Large requests on their own connection, unmeasured, for the whole run.
+    let mut background = Vec::new();
+    if let Some(large) = large {
+        let ch = connect().await?;
+        for _ in 0..large.streams {
+            let (ch, body) = (ch.clone(), Arc::clone(&large.body));
+            background.push(tokio::spawn(async move {
+                while Instant::now() < end {
+                    one_request(&ch, &body).await?;
+                }
+                anyhow::Ok(())
+            }));
+        }
+    }
     let mut tasks = Vec::new();
     for i in 0..cfg.concurrency.max(1) {
         let ch = channels[i % channels.len()].clone();
@@ -436,6 +458,9 @@ async fn drive(
     for t in tasks {
         all.extend(t.await??);
     }
+    for t in background {
+        t.await??;
+    }
     let lat = sorted(all);
     Ok(ServerFigures {
         p50_us: quantile(&lat, 0.5),
@@ -450,9 +475,10 @@ async fn measure(
     kind: ServerKind,
     bodies: &Arc<Vec<Vec<u8>>>,
     cfg: &OverheadConfig,
+    large: Option<&LargeLoad>,
 ) -> anyhow::Result<ServerFigures> {
     let server = ServerProcess::start(&cfg.server_exe, kind).await?;
-    let mut figures = drive(server.port, Arc::clone(bodies), cfg).await?;
+    let mut figures = drive(server.port, Arc::clone(bodies), cfg, large).await?;
     figures.peak_rss_mib = server.peak_rss_bytes()? as f64 / f64::from(1 << 20);
     server.stop().await?;
     Ok(figures)
@@ -474,8 +500,8 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
                 .collect::<Vec<_>>(),
         );
         for &n in &cfg.endpoints {
-            let noop = measure(ServerKind::Noop, &bodies, cfg).await?;
-            let kvpick = measure(ServerKind::Kvpick { endpoints: n }, &bodies, cfg).await?;
+            let noop = measure(ServerKind::Noop, &bodies, cfg, None).await?;
+            let kvpick = measure(ServerKind::Kvpick { endpoints: n }, &bodies, cfg, None).await?;
             eprintln!(
                 "overhead: {bytes} B, {n} endpoints: kvpick p99 {:.0} µs, noop p99 {:.0} µs",
                 kvpick.p99_us, noop.p99_us
@@ -492,6 +518,226 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
         }
     }
     Ok(OverheadReport { runs })
+}
+
+/// Large requests running next to the measured ones (the stall measurement).
+#[derive(Debug, Clone)]
+pub struct LargeLoad {
+    /// The large body every background stream sends.
+    pub body: Arc<Vec<u8>>,
+    /// Background streams, each sending one large request after another.
+    pub streams: usize,
+}
+
+/// Small-request figures of one server, alone and next to large requests.
+#[derive(Debug, Clone, Serialize)]
+pub struct StallRun {
+    /// `kvpick` or `noop`.
+    pub server: String,
+    /// Small requests alone.
+    pub alone: ServerFigures,
+    /// Small requests while the large ones run.
+    pub with_large: ServerFigures,
+    /// p99 with large requests / p99 alone.
+    pub p99_ratio: f64,
+}
+
+/// The stall report: does work on large bodies delay small requests?
+#[derive(Debug, Clone, Serialize)]
+pub struct StallReport {
+    /// Small body size in bytes.
+    pub small_bytes: usize,
+    /// Large body size in bytes.
+    pub large_bytes: usize,
+    /// Background streams sending large bodies.
+    pub large_streams: usize,
+    /// Endpoints in kvpick's pool.
+    pub endpoints: usize,
+    /// One entry per server.
+    pub runs: Vec<StallRun>,
+}
+
+impl StallReport {
+    /// The report as a Markdown table.
+    pub fn markdown(&self) -> String {
+        format!(
+            "small {} B requests, alone and next to {} streams of {} B requests ({} endpoints)\n\n{}",
+            self.small_bytes,
+            self.large_streams,
+            self.large_bytes,
+            self.endpoints,
+            table_of(&[
+                    "server",
+                    "alone p50 µs",
+                    "alone p99 µs",
+                    "with large p50 µs",
+                    "with large p99 µs",
+                    "p99 ratio",
+                ], &self.runs, |r| vec![
+                    r.server.clone(),
+                    format!("{:.0}", r.alone.p50_us),
+                    format!("{:.0}", r.alone.p99_us),
+                    format!("{:.0}", r.with_large.p50_us),
+                    format!("{:.0}", r.with_large.p99_us),
+                    format!("{:.2}", r.p99_ratio),
+                ])
+        )
+    }
+}
+
+/// Decision latency of `small_bytes` requests on each server, alone and while
+/// `large_streams` streams send `large_bytes` bodies, in one run.
+pub async fn stall(
+    cfg: &OverheadConfig,
+    small_bytes: usize,
+    large_bytes: usize,
+    large_streams: usize,
+    endpoints: usize,
+) -> anyhow::Result<StallReport> {
+    let bodies = Arc::new((0..64).map(|v| chat_body(small_bytes, v)).collect());
+    let large = LargeLoad {
+        body: Arc::new(chat_body(large_bytes, 1_000_000)),
+        streams: large_streams,
+    };
+    let mut runs = Vec::new();
+    for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints }] {
+        let alone = measure(kind, &bodies, cfg, None).await?;
+        let with_large = measure(kind, &bodies, cfg, Some(&large)).await?;
+        runs.push(StallRun {
+            server: match kind {
+                ServerKind::Noop => "noop".into(),
+                ServerKind::Kvpick { .. } => "kvpick".into(),
+            },
+            p99_ratio: if alone.p99_us > 0.0 {
+                with_large.p99_us / alone.p99_us
+            } else {
+                0.0
+            },
+            alone,
+            with_large,
+        });
+    }
+    Ok(StallReport {
+        small_bytes,
+        large_bytes,
+        large_streams,
+        endpoints,
+        runs,
+    })
+}
+
+/// A `/v1/completions` body whose prompt is `tokens` token ids of one digit
+/// each (about 2 bytes a token: 12 M ids ≈ 23 MiB).
+pub fn numeric_prompt_body(tokens: usize) -> Vec<u8> {
+    let mut body = Vec::with_capacity(tokens * 2 + 64);
+    body.extend_from_slice(br#"{"model":"llama","max_tokens":1,"prompt":["#);
+    for i in 0..tokens {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.push(b'0' + (i % 10) as u8);
+    }
+    body.extend_from_slice(b"]}");
+    body
+}
+
+/// Peak memory of one server while `concurrent` large requests run at once.
+#[derive(Debug, Clone, Serialize)]
+pub struct RssRun {
+    /// `kvpick` or `noop`.
+    pub server: String,
+    /// Body size of each request in MiB.
+    pub body_mib: f64,
+    /// Requests in flight together.
+    pub concurrent: usize,
+    /// Peak RSS (VmHWM) after one small warm-up request, MiB.
+    pub idle_mib: f64,
+    /// Peak RSS after the large requests, MiB.
+    pub peak_mib: f64,
+    /// (peak − idle) / (concurrent × body size).
+    pub growth_per_body_byte: f64,
+}
+
+/// The peak-RSS report.
+#[derive(Debug, Clone, Serialize)]
+pub struct RssReport {
+    /// One entry per server.
+    pub runs: Vec<RssRun>,
+}
+
+impl RssReport {
+    /// The report as a Markdown table.
+    pub fn markdown(&self) -> String {
+        table_of(
+            &[
+                "server",
+                "body MiB",
+                "concurrent",
+                "idle peak RSS MiB",
+                "peak RSS MiB",
+                "growth / body bytes",
+            ],
+            &self.runs,
+            |r| {
+                vec![
+                    r.server.clone(),
+                    format!("{:.1}", r.body_mib),
+                    r.concurrent.to_string(),
+                    format!("{:.0}", r.idle_mib),
+                    format!("{:.0}", r.peak_mib),
+                    format!("{:.2}", r.growth_per_body_byte),
+                ]
+            },
+        )
+    }
+}
+
+/// Sends `concurrent` copies of `body` to `path` at once, to the no-op server
+/// and to kvpick (each in its own process), and reads each one's peak RSS.
+pub async fn peak_rss(
+    exe: &Path,
+    path: &str,
+    body: Vec<u8>,
+    concurrent: usize,
+    endpoints: usize,
+) -> anyhow::Result<RssReport> {
+    let body = Arc::new(body);
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    let mut runs = Vec::new();
+    for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints }] {
+        let server = ServerProcess::start(exe, kind).await?;
+        let ch = Channel::from_shared(format!("http://127.0.0.1:{}", server.port))?
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        one_request(&ch, &chat_body(1024, 0)).await?;
+        let idle = server.peak_rss_bytes()?;
+        let mut tasks = Vec::new();
+        for _ in 0..concurrent {
+            let (ch, body, path) = (ch.clone(), Arc::clone(&body), path.to_string());
+            tasks.push(tokio::spawn(async move {
+                one_request_to(&ch, &path, &body).await
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let peak = server.peak_rss_bytes()?;
+        server.stop().await?;
+        runs.push(RssRun {
+            server: match kind {
+                ServerKind::Noop => "noop".into(),
+                ServerKind::Kvpick { .. } => "kvpick".into(),
+            },
+            body_mib: mib(body.len() as u64),
+            concurrent,
+            idle_mib: mib(idle),
+            peak_mib: mib(peak),
+            growth_per_body_byte: peak.saturating_sub(idle) as f64
+                / (concurrent * body.len()).max(1) as f64,
+        });
+    }
+    Ok(RssReport { runs })
 }
 
 #[cfg(test)]
@@ -537,6 +783,15 @@ mod tests {
         assert_eq!(vm_hwm_bytes("VmRSS: 1 kB\n"), None);
         let own = std::fs::read_to_string("/proc/self/status").unwrap();
         assert!(vm_hwm_bytes(&own).unwrap() > 0);
+    }
+
+    #[test]
+    fn numeric_prompts_are_two_bytes_a_token_and_parse() {
+        let b = numeric_prompt_body(1000);
+        assert!(b.len() > 2000 && b.len() < 2100, "{}", b.len());
+        let parsed =
+            kvpick::request::parse(&b, Some(kvpick::request::ApiKind::Completions)).unwrap();
+        assert_eq!(parsed.model, "llama");
     }
 
     #[test]
