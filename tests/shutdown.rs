@@ -42,6 +42,36 @@ fn headers(pairs: &[(&str, &str)]) -> ProcessingRequest {
     }
 }
 
+type Answers = tonic::Streaming<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse>;
+
+/// Opens an ext_proc stream and has its request headers routed.
+async fn open_routed_stream(
+    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+) -> (mpsc::Sender<ProcessingRequest>, Answers) {
+    let (tx, rx) = mpsc::channel(4);
+    let mut answers = client
+        .process(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tx.send(headers(&[(":method", "GET"), (":path", "/v1/models")]))
+        .await
+        .unwrap();
+    assert!(answers.next().await.unwrap().is_ok(), "routed");
+    (tx, answers)
+}
+
+/// Sends the response headers, expects their answer, and closes the stream.
+async fn finish_stream(tx: mpsc::Sender<ProcessingRequest>, mut answers: Answers) {
+    tx.send(headers(&[(":status", "200")])).await.unwrap();
+    assert!(
+        answers.next().await.unwrap().is_ok(),
+        "response headers answered"
+    );
+    drop(tx);
+    assert!(answers.next().await.is_none());
+}
+
 #[tokio::test]
 async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
     let app = App::new("t");
@@ -61,16 +91,7 @@ async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
     let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
         .await
         .unwrap();
-    let (tx, rx) = mpsc::channel(4);
-    let mut answers = client
-        .process(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(headers(&[(":method", "GET"), (":path", "/v1/models")]))
-        .await
-        .unwrap();
-    assert!(answers.next().await.unwrap().is_ok(), "routed");
+    let (tx, answers) = open_routed_stream(&mut client).await;
     // Mid-stream (the response path is still to come): shut down.
     stop.send(()).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -82,13 +103,7 @@ async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
         !server.is_finished(),
         "the server stopped before the stream ended"
     );
-    tx.send(headers(&[(":status", "200")])).await.unwrap();
-    assert!(
-        answers.next().await.unwrap().is_ok(),
-        "response headers answered"
-    );
-    drop(tx);
-    assert!(answers.next().await.is_none());
+    finish_stream(tx, answers).await;
     let done = tokio::time::timeout(Duration::from_secs(5), server).await;
     assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
 }
@@ -152,16 +167,7 @@ async fn the_binary_drains_on_sigterm_and_exits_zero_before_the_deadline() {
             }
         }
     };
-    let (tx, rx) = mpsc::channel(4);
-    let mut answers = client
-        .process(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(headers(&[(":method", "GET"), (":path", "/v1/models")]))
-        .await
-        .unwrap();
-    assert!(answers.next().await.unwrap().is_ok(), "routed");
+    let (tx, answers) = open_routed_stream(&mut client).await;
 
     // Mid-stream: SIGTERM.
     let status = std::process::Command::new("kill")
@@ -179,13 +185,7 @@ async fn the_binary_drains_on_sigterm_and_exits_zero_before_the_deadline() {
         child.0.try_wait().unwrap().is_none(),
         "kvpick exited with a stream still open"
     );
-    tx.send(headers(&[(":status", "200")])).await.unwrap();
-    assert!(
-        answers.next().await.unwrap().is_ok(),
-        "response headers answered after SIGTERM"
-    );
-    drop(tx);
-    assert!(answers.next().await.is_none());
+    finish_stream(tx, answers).await;
     let exit = loop {
         if let Some(s) = child.0.try_wait().unwrap() {
             break s;
