@@ -255,6 +255,12 @@ pub struct Args {
     #[arg(long, env = "KVPICK_KV_EVENTS_MODEL", default_value = "")]
     pub kv_events_model: String,
 
+    /// Largest KV-event message accepted from an engine, all frames together; a
+    /// publisher that declares a larger one is disconnected (and its worker reset).
+    #[arg(long, env = "KVPICK_KV_EVENTS_MAX_MESSAGE_BYTES",
+          default_value_t = crate::kvevents::subscriber::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub kv_events_max_message_bytes: usize,
+
     /// Model directory with `tokenizer.json` (and `tokenizer_config.json` with the
     /// chat template): tokenize requests in-process so their blocks match KV events.
     #[arg(long, env = "KVPICK_TOKENIZER_DIR")]
@@ -625,6 +631,7 @@ impl Args {
             port: self.kv_events_port,
             replay_port: self.kv_events_replay_port,
             model: self.kv_events_model.clone(),
+            max_message_bytes: self.kv_events_max_message_bytes,
             ..SubscriberConfig::default()
         })
     }
