@@ -498,6 +498,39 @@ pub struct GieFlags {
     /// Ignored with a warning.
     #[arg(long, hide = true)]
     pub zap_time_encoding: Option<String>,
+    /// Ignored with a warning (GIE v1.5 / llm-d Router v0.10).
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub disable_endpoint_subset_filter: Option<bool>,
+    /// Ignored with a warning (GIE v1.5 / llm-d Router v0.10).
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub allow_experimental_plugins: Option<bool>,
+    /// Ignored with a warning (GIE v1.5 / llm-d Router v0.10).
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub emit_endpoint_scores: Option<bool>,
+    /// Ignored with a warning (GIE v1.5 / llm-d Router v0.10).
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_grpc_stream_metrics: Option<bool>,
+    /// Ignored with a warning (llm-d Router v0.10).
+    #[arg(long, hide = true)]
+    pub drain_timeout: Option<String>,
+    /// Ignored with a warning (llm-d Router v0.10).
+    #[arg(long, hide = true)]
+    pub grpc_max_recv_msg_size: Option<String>,
+    /// Ignored with a warning (llm-d Router v0.10).
+    #[arg(long, hide = true)]
+    pub grpc_max_send_msg_size: Option<String>,
+    /// Ignored with a warning (llm-d Router v0.10).
+    #[arg(long, hide = true)]
+    pub metrics_cert_dir: Option<String>,
+    /// Ignored with a warning (llm-d Router v0.10).
+    #[arg(long, hide = true)]
+    pub metrics_client_ca_file: Option<String>,
+    /// Ignored with a warning (llm-d Router v0.10).
+    #[arg(long, hide = true)]
+    pub tls_min_version: Option<String>,
+    /// Ignored with a warning (llm-d Router v0.10; repeatable, comma-separated).
+    #[arg(long, hide = true)]
+    pub tls_cipher_suites: Vec<String>,
 }
 
 impl GieFlags {
@@ -545,6 +578,35 @@ impl GieFlags {
             ("zap-log-level", self.zap_log_level.is_some()),
             ("zap-stacktrace-level", self.zap_stacktrace_level.is_some()),
             ("zap-time-encoding", self.zap_time_encoding.is_some()),
+            (
+                "disable-endpoint-subset-filter",
+                self.disable_endpoint_subset_filter.is_some(),
+            ),
+            (
+                "allow-experimental-plugins",
+                self.allow_experimental_plugins.is_some(),
+            ),
+            ("emit-endpoint-scores", self.emit_endpoint_scores.is_some()),
+            (
+                "enable-grpc-stream-metrics",
+                self.enable_grpc_stream_metrics.is_some(),
+            ),
+            ("drain-timeout", self.drain_timeout.is_some()),
+            (
+                "grpc-max-recv-msg-size",
+                self.grpc_max_recv_msg_size.is_some(),
+            ),
+            (
+                "grpc-max-send-msg-size",
+                self.grpc_max_send_msg_size.is_some(),
+            ),
+            ("metrics-cert-dir", self.metrics_cert_dir.is_some()),
+            (
+                "metrics-client-ca-file",
+                self.metrics_client_ca_file.is_some(),
+            ),
+            ("tls-min-version", self.tls_min_version.is_some()),
+            ("tls-cipher-suites", !self.tls_cipher_suites.is_empty()),
         ];
         let mut out: Vec<String> = set
             .iter()
@@ -844,6 +906,46 @@ mod tests {
         assert_eq!(c.index.ttl, None);
         assert_eq!(c.weights.decode, 0.5);
         assert_eq!(c.temperature, 0.2);
+    }
+
+    #[test]
+    fn gie_v1_5_and_llm_d_v0_10_flags_are_accepted_with_warnings() {
+        // Flags defined in GIE v1.5.0 and llm-d Router v0.10.0
+        // `pkg/epp/server/options.go` that kvpick has no equivalent for.
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--disable-endpoint-subset-filter",
+            "--allow-experimental-plugins=true",
+            "--emit-endpoint-scores",
+            "false",
+            "--enable-grpc-stream-metrics=false",
+            "--drain-timeout=30s",
+            "--grpc-max-recv-msg-size",
+            "104857600",
+            "--grpc-max-send-msg-size=104857600",
+            "--metrics-cert-dir",
+            "/certs",
+            "--metrics-client-ca-file=/ca/ca.crt",
+            "--tls-min-version",
+            "VersionTLS13",
+            "--tls-cipher-suites=TLS_AES_128_GCM_SHA256",
+        ])
+        .unwrap();
+        assert_eq!(a.gie.disable_endpoint_subset_filter, Some(true));
+        assert_eq!(a.gie.emit_endpoint_scores, Some(false));
+        let warnings = a.gie.warnings();
+        assert_eq!(warnings.len(), 11, "{warnings:?}");
+        for flag in [
+            "--disable-endpoint-subset-filter",
+            "--drain-timeout",
+            "--tls-cipher-suites",
+        ] {
+            assert!(
+                warnings.iter().any(|w| w.contains(flag)),
+                "{flag}: {warnings:?}"
+            );
+        }
+        assert!(Args::try_parse_from(["kvpick", "--no-such-epp-flag"]).is_err());
     }
 
     #[test]
