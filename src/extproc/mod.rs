@@ -200,8 +200,11 @@ async fn run_stream(
                     } else {
                         state.body_wait_expired()
                     };
-                    if !send_answers(&tx, &mut state, out).await || state.is_done() {
+                    if !send_answers(&tx, &mut state, out).await {
                         return;
+                    }
+                    if state.is_done() {
+                        return linger(&mut inbound).await;
                     }
                     continue;
                 }
@@ -241,9 +244,22 @@ async fn run_stream(
             return;
         }
         if state.is_done() {
-            return;
+            return linger(&mut inbound).await;
         }
     }
+}
+
+/// How long a finished stream waits for Envoy to close its side.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// After the last answer, waits (at most [`LINGER`]) for Envoy to close its
+/// side before the response stream ends. Ending first makes HTTP/2 reset the
+/// request stream, and Envoy's closing frame then lands on a reset stream: the
+/// server counts that as a client error and closes the whole connection
+/// (GOAWAY `too_many_internal_resets`) after enough of them.
+pub async fn linger(inbound: &mut Streaming<ProcessingRequest>) {
+    let closed = async { while let Some(Ok(_)) = inbound.next().await {} };
+    let _ = tokio::time::timeout(LINGER, closed).await;
 }
 
 /// Request bodies from this size on are parsed, hashed and routed on the
