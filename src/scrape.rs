@@ -320,7 +320,8 @@ struct Track {
     failing: bool,
 }
 
-/// Scrapes every endpoint of `table` forever, as `config` says.
+/// Scrapes every endpoint of `table` forever, as `config` says. The scrapes in
+/// flight belong to this future: dropping it cancels them.
 pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
     let client = http_client();
     let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
@@ -329,8 +330,14 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     info!(interval = ?config.interval, timeout = ?config.timeout, "scraping endpoint metrics");
+    let mut scrapes = tokio::task::JoinSet::new();
     loop {
         tick.tick().await;
+        while let Some(done) = scrapes.try_join_next() {
+            if let Err(e) = done {
+                warn!(error = %e, "a metrics scrape task failed");
+            }
+        }
         let snapshot = table.snapshot();
         {
             // Forget endpoints that left the table (and are not being scraped).
@@ -358,7 +365,7 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
                 Arc::clone(&tracks),
                 Arc::clone(state),
             );
-            tokio::spawn(async move {
+            scrapes.spawn(async move {
                 let result = scrape_one(&client, &state, &config).await;
                 let mut t = tracks.lock();
                 let track = t.entry(addr).or_default();
@@ -527,6 +534,41 @@ mod tests {
         }
         assert!(advanced, "scraping stalled behind the hung worker");
         task.abort();
+    }
+
+    #[tokio::test]
+    async fn dropping_the_scrape_loop_cancels_its_scrapes_in_flight() {
+        use tokio::io::AsyncReadExt;
+        // A worker that accepts the scrape, never answers, and reports when the
+        // scraper hangs up.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let hung = listener.local_addr().unwrap();
+        let (accepted_tx, accepted) = tokio::sync::oneshot::channel();
+        let (closed_tx, closed) = tokio::sync::oneshot::channel();
+        let worker = tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let _ = accepted_tx.send(());
+            let mut buf = [0u8; 1024];
+            while matches!(sock.read(&mut buf).await, Ok(n) if n > 0) {}
+            let _ = closed_tx.send(());
+        });
+        let table = Arc::new(EndpointTable::new());
+        table.replace(vec![Endpoint::new(hung)]);
+        let config = ScrapeConfig {
+            interval: Duration::from_millis(10),
+            timeout: Duration::from_secs(60),
+            ..Default::default()
+        };
+        let scraping = tokio::spawn(run(config, table));
+        accepted.await.unwrap();
+        scraping.abort();
+        let _ = scraping.await;
+        // Detached, the scrape would hold its connection until its 60 s timeout.
+        tokio::time::timeout(Duration::from_secs(5), closed)
+            .await
+            .expect("the scrape outlived its loop")
+            .unwrap();
+        worker.await.unwrap();
     }
 
     #[tokio::test]
