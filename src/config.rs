@@ -48,6 +48,11 @@ pub struct Args {
           action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub secure_serving: bool,
 
+    /// PEM file of CA certificates: when set, ext_proc clients must present a
+    /// certificate signed by one of them (mutual TLS), others are refused.
+    #[arg(long, env = "KVPICK_CLIENT_CA_PATH")]
+    pub client_ca_path: Option<PathBuf>,
+
     /// Directory with `tls.crt` and `tls.key`; without it a self-signed
     /// certificate is made at start-up.
     #[arg(long, env = "KVPICK_CERT_PATH")]

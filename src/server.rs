@@ -487,14 +487,11 @@ pub async fn run_until(
         Arc::clone(&app.endpoints),
         Arc::clone(&app.scrape_errors),
     );
-    let tls = if args.secure_serving {
-        Some(match &args.cert_path {
-            Some(dir) => crate::tls::from_dir(dir)?,
-            None => crate::tls::self_signed(&["localhost"])?.0,
-        })
-    } else {
-        None
-    };
+    let tls = crate::tls::ext_proc(
+        args.secure_serving,
+        args.cert_path.as_deref(),
+        args.client_ca_path.as_deref(),
+    )?;
     let grpc = bind(SocketAddr::new(args.bind_address, args.grpc_port)).await?;
     let health = bind(SocketAddr::new(args.bind_address, args.grpc_health_port)).await?;
     let metrics = bind(SocketAddr::new(args.bind_address, args.metrics_port)).await?;
@@ -503,6 +500,7 @@ pub async fn run_until(
         health = args.grpc_health_port,
         metrics = args.metrics_port,
         tls = args.secure_serving,
+        mtls = args.client_ca_path.is_some(),
         "kvpick listening"
     );
     let service = app.ext_proc(args.ext_proc());
