@@ -1065,6 +1065,78 @@ mod routing {
         .await;
     }
 
+    /// `nvext.use_raw_prompt` as Dynamo's preprocessor applies it: a completions
+    /// prompt goes to the tokenizer as is (kvpick never templates completions),
+    /// and a chat body has no raw prompt, so its chat template is still rendered
+    /// (Dynamo warns "Raw prompt requested but not available"; an engine behind
+    /// kvpick ignores `nvext` and renders it too). The engine's event token ids
+    /// must match either way.
+    #[test]
+    fn use_raw_prompt_bodies_match_the_engines_events() {
+        let app = App::with_scheduler(
+            "pool",
+            SchedulerConfig {
+                token_block: BS,
+                ..SchedulerConfig::default()
+            },
+        );
+        let ep_a = Endpoint::new("127.0.0.1:18011".parse().unwrap());
+        let ep_b = Endpoint::new("127.0.0.2:18012".parse().unwrap());
+        let key_b = w(ep_b.instance_id, 0);
+        app.endpoints.replace(vec![ep_a, ep_b]);
+        let tok = Tokenizer::load(fixture()).unwrap();
+        let mut ingest = Ingest::new(Arc::clone(app.scheduler.index()), MODEL);
+        let chat = serde_json::json!({"model": MODEL, "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather in the city?"}]});
+        let comp =
+            serde_json::json!({"model": MODEL, "prompt": "good morning the cat sat. the cat sat."});
+        for (n, (kind, body)) in [(ApiKind::Chat, &chat), (ApiKind::Completions, &comp)]
+            .into_iter()
+            .enumerate()
+        {
+            // Engine B cached the body's tokens as the engine tokenizes them.
+            let tokens = token_ids(&tok.tokenize_body(kind, body).unwrap());
+            let full = tokens.len() / BS * BS;
+            assert!(full >= 2 * BS, "prompt spans blocks");
+            let engine = (0..full / BS)
+                .map(|i| sha_like(n as u64 * 1000 + i as u64 + 1))
+                .collect();
+            let stored = decode_batch(&batch_map(
+                vec![stored_map(
+                    Value::Array(engine),
+                    Value::Nil,
+                    &tokens[..full],
+                )],
+                Value::from(0),
+            ))
+            .unwrap();
+            ingest.apply(key_b, None, &stored, Instant::now());
+
+            let mut raw = body.clone();
+            raw["nvext"] = serde_json::json!({"use_raw_prompt": true});
+            let mut req = parse(raw.to_string().as_bytes(), Some(kind)).unwrap();
+            req.segments = tok.tokenize_body(kind, &raw).unwrap();
+            let pick = PickRequest {
+                body: Some(&req),
+                subset: None,
+                session_id: None,
+                session_token: None,
+            };
+            let d = app
+                .scheduler
+                .pick(&pick, &app.endpoints.snapshot())
+                .unwrap();
+            assert_eq!(
+                d.decode.key(),
+                key_b,
+                "{kind:?}: routed away from its events"
+            );
+            assert_eq!(d.overlap_blocks, full / BS, "{kind:?}: every block matches");
+            app.scheduler.finish(&d, Some(200));
+        }
+    }
+
     /// A chat request with text goes through the real ext_proc server, is
     /// tokenized with the fixture's chat template, and lands on the worker whose
     /// KV events hold those tokens.

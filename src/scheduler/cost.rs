@@ -11,6 +11,7 @@ use rand::Rng;
 
 use super::{Scheduler, Target};
 use crate::endpoints::{EndpointState, LoadView, WorkerKey};
+use crate::kv::hash::PromptBlocks;
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -112,13 +113,13 @@ impl Scheduler {
         &self,
         cands: &[Cand<'_>],
         overlap: &dyn Fn(&Cand<'_>) -> usize,
-        prompt_blocks: usize,
+        prompt: &PromptBlocks,
         size: u64,
         w_prefill: f64,
         now: Instant,
     ) -> usize {
         let costs = cands.iter().map(|c| {
-            let new_blocks = prompt_blocks.saturating_sub(overlap(c));
+            let new_blocks = prompt.uncached(overlap(c));
             self.cost(c, new_blocks, size, w_prefill, now)
         });
         let temperature = self.config.temperature;

@@ -48,11 +48,11 @@ impl Scheduler {
             (session, pinned, pinned_prefill)
         };
 
-        let (hashes, load_blocks) = {
+        let (prompt, load_blocks) = {
             let _t = self.stats.time(Stage::Hash);
             match req.body {
                 Some(b) => (
-                    self.block_hashes(b),
+                    self.prompt_blocks(b),
                     hash::request_size_blocks_for(
                         &b.segments,
                         self.config.byte_block,
@@ -60,13 +60,14 @@ impl Scheduler {
                         self.config.vision.as_ref(),
                     ),
                 ),
-                None => (Vec::new(), 1),
+                None => (hash::PromptBlocks::default(), 1),
             }
         };
+        let hashes = &prompt.hashes;
 
         let overlaps = {
             let _t = self.stats.time(Stage::Lookup);
-            (!hashes.is_empty()).then(|| self.index.overlaps(&hashes, now))
+            (!hashes.is_empty()).then(|| self.index.overlaps(hashes, now))
         };
         let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c.key));
 
@@ -75,21 +76,14 @@ impl Scheduler {
             let w = self.config.weights;
             let di = match pinned {
                 Some(i) => i,
-                None => self.choose(
-                    decode,
-                    &overlap_of,
-                    hashes.len(),
-                    load_blocks,
-                    w.prefill,
-                    now,
-                ),
+                None => self.choose(decode, &overlap_of, &prompt, load_blocks, w.prefill, now),
             };
             let pi = (!prefill.is_empty()).then(|| {
                 pinned_prefill.unwrap_or_else(|| {
                     self.choose(
                         prefill,
                         &overlap_of,
-                        hashes.len(),
+                        &prompt,
                         load_blocks,
                         w.prefill_overlap,
                         now,
@@ -106,9 +100,9 @@ impl Scheduler {
             .blocks_matched
             .fetch_add(overlap as u64, Ordering::Relaxed);
         let decode_blocks = req.body.map_or(0, |b| self.expected_decode_blocks(b));
-        self.record(&decode[di], &hashes, load_blocks + decode_blocks, now);
+        self.record(&decode[di], hashes, load_blocks + decode_blocks, now);
         if let Some(pi) = pi {
-            self.record(&prefill[pi], &hashes, load_blocks, now);
+            self.record(&prefill[pi], hashes, load_blocks, now);
         }
         let prefill = pi.map(|i| prefill[i].target());
         let bootstrap_port = prefill.as_ref().and_then(|p| {
