@@ -48,6 +48,11 @@ pub struct Args {
           action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub secure_serving: bool,
 
+    /// PEM file of CA certificates: when set, ext_proc clients must present a
+    /// certificate signed by one of them (mutual TLS), others are refused.
+    #[arg(long, env = "KVPICK_CLIENT_CA_PATH")]
+    pub client_ca_path: Option<PathBuf>,
+
     /// Directory with `tls.crt` and `tls.key`; without it a self-signed
     /// certificate is made at start-up.
     #[arg(long, env = "KVPICK_CERT_PATH")]
@@ -254,6 +259,12 @@ pub struct Args {
     /// (`kv@<pod>@<model>`) does not name one: the `model` clients send.
     #[arg(long, env = "KVPICK_KV_EVENTS_MODEL", default_value = "")]
     pub kv_events_model: String,
+
+    /// Largest KV-event message accepted from an engine, all frames together; a
+    /// publisher that declares a larger one is disconnected (and its worker reset).
+    #[arg(long, env = "KVPICK_KV_EVENTS_MAX_MESSAGE_BYTES",
+          default_value_t = crate::kvevents::subscriber::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub kv_events_max_message_bytes: usize,
 
     /// Model directory with `tokenizer.json` (and `tokenizer_config.json` with the
     /// chat template): tokenize requests in-process so their blocks match KV events.
@@ -625,6 +636,7 @@ impl Args {
             port: self.kv_events_port,
             replay_port: self.kv_events_replay_port,
             model: self.kv_events_model.clone(),
+            max_message_bytes: self.kv_events_max_message_bytes,
             ..SubscriberConfig::default()
         })
     }

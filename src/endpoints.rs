@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::sync::watch;
 
@@ -158,10 +157,18 @@ pub struct EndpointState {
     /// Identity and configuration.
     pub endpoint: Endpoint,
     in_flight: Box<[AtomicU32]>,
-    scraped: Mutex<Option<ScrapedLoad>>,
-    /// When the latest scrape failed, if it did (cleared by a successful one).
-    scrape_failed: Mutex<Option<Instant>>,
+    /// The latest scrape, read lock-free by every pick.
+    scrape: ArcSwap<Scrape>,
     health: PassiveHealth,
+}
+
+/// The latest scrape outcome of one endpoint.
+#[derive(Debug, Clone, Copy, Default)]
+struct Scrape {
+    /// The last successful scrape's load.
+    load: Option<ScrapedLoad>,
+    /// When the latest scrape failed, if it did (cleared by a successful one).
+    failed_at: Option<Instant>,
 }
 
 /// What the scheduler knows of a worker's scraped load.
@@ -181,8 +188,7 @@ impl EndpointState {
         let ranks = endpoint.dp_size.clamp(1, MAX_DP_SIZE) as usize;
         EndpointState {
             in_flight: (0..ranks).map(|_| AtomicU32::new(0)).collect(),
-            scraped: Mutex::new(None),
-            scrape_failed: Mutex::new(None),
+            scrape: ArcSwap::default(),
             health: PassiveHealth::default(),
             endpoint,
         }
@@ -229,20 +235,25 @@ impl EndpointState {
 
     /// Records freshly scraped load.
     pub fn set_scraped(&self, load: ScrapedLoad) {
-        *self.scraped.lock() = Some(load);
-        *self.scrape_failed.lock() = None;
+        self.scrape.store(Arc::new(Scrape {
+            load: Some(load),
+            failed_at: None,
+        }));
     }
 
     /// Records a failed scrape at `at`: the load turns suspect at once.
     pub fn set_scrape_failed(&self, at: Instant) {
-        *self.scrape_failed.lock() = Some(at);
+        self.scrape.rcu(|s| Scrape {
+            failed_at: Some(at),
+            ..**s
+        });
     }
 
     /// The scraped load as the scheduler should see it at `now`.
     pub fn load_view(&self, now: Instant, max_age: std::time::Duration) -> LoadView {
-        let load = *self.scraped.lock();
-        let failing = self.scrape_failed.lock().is_some();
-        match load {
+        let scrape = **self.scrape.load();
+        let failing = scrape.failed_at.is_some();
+        match scrape.load {
             Some(l) if !failing && now.saturating_duration_since(l.at) <= max_age => {
                 LoadView::Fresh(l)
             }
@@ -258,7 +269,7 @@ impl EndpointState {
 
     /// Scraped load if it is younger than `max_age` at `now`.
     pub fn scraped(&self, now: Instant, max_age: std::time::Duration) -> Option<ScrapedLoad> {
-        let load = (*self.scraped.lock())?;
+        let load = self.scrape.load().load?;
         (now.saturating_duration_since(load.at) <= max_age).then_some(load)
     }
 }

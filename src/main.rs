@@ -5,7 +5,7 @@ use kvpick::config::{Args, Command};
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(Command::Crd) = args.command {
-        print!("{}", kvpick::discovery::pool::crd_yaml());
+        print!("{}", kvpick::discovery::pool::CRD_YAML);
         return Ok(());
     }
     kvpick::telemetry::init_logging(args.log_format(), args.log_level());

@@ -89,6 +89,8 @@ pub struct App {
     pub admission: Gate,
     /// Flow-control and objective metrics.
     pub admission_metrics: Arc<AdmissionMetrics>,
+    /// Failed metrics scrapes by reason.
+    pub scrape_errors: Arc<crate::scrape::ScrapeErrors>,
 }
 
 impl App {
@@ -109,6 +111,8 @@ impl App {
         };
         let admission = Gate::new(off, Arc::default(), admission_metrics.clone());
         admission_metrics.watch(&admission);
+        let scrape_errors = Arc::<crate::scrape::ScrapeErrors>::default();
+        metrics.register_scrape_errors(Arc::clone(&scrape_errors));
         App {
             endpoints: Arc::new(EndpointTable::new()),
             scheduler,
@@ -116,6 +120,7 @@ impl App {
             tokenizer: None,
             admission,
             admission_metrics,
+            scrape_errors,
         }
     }
 
@@ -477,15 +482,16 @@ pub async fn run_until(
             })
         }
     };
-    let scrape = crate::scrape::run(args.scrape(), Arc::clone(&app.endpoints));
-    let tls = if args.secure_serving {
-        Some(match &args.cert_path {
-            Some(dir) => crate::tls::from_dir(dir)?,
-            None => crate::tls::self_signed(&["localhost"])?.0,
-        })
-    } else {
-        None
-    };
+    let scrape = crate::scrape::run(
+        args.scrape(),
+        Arc::clone(&app.endpoints),
+        Arc::clone(&app.scrape_errors),
+    );
+    let tls = crate::tls::ext_proc(
+        args.secure_serving,
+        args.cert_path.as_deref(),
+        args.client_ca_path.as_deref(),
+    )?;
     let grpc = bind(SocketAddr::new(args.bind_address, args.grpc_port)).await?;
     let health = bind(SocketAddr::new(args.bind_address, args.grpc_health_port)).await?;
     let metrics = bind(SocketAddr::new(args.bind_address, args.metrics_port)).await?;
@@ -494,6 +500,7 @@ pub async fn run_until(
         health = args.grpc_health_port,
         metrics = args.metrics_port,
         tls = args.secure_serving,
+        mtls = args.client_ca_path.is_some(),
         "kvpick listening"
     );
     let service = app.ext_proc(args.ext_proc());

@@ -10,6 +10,8 @@
 //! `add_generation_prompt: true`, the special tokens (`bos_token`, `eos_token`, …)
 //! and the request's `chat_template_kwargs`; the result is tokenized without
 //! special tokens. Completion prompts are tokenized with special tokens (BOS).
+//! `nvext.use_raw_prompt` needs nothing: as in Dynamo, a completions prompt is
+//! tokenized as is and a chat body (no raw prompt) still gets its template.
 //!
 //! Images: each image part is replaced by a marker while rendering; the rendered
 //! text is split at the markers and the result is `Tokens, Image, Tokens, …`, so

@@ -1065,6 +1065,78 @@ mod routing {
         .await;
     }
 
+    /// `nvext.use_raw_prompt` as Dynamo's preprocessor applies it: a completions
+    /// prompt goes to the tokenizer as is (kvpick never templates completions),
+    /// and a chat body has no raw prompt, so its chat template is still rendered
+    /// (Dynamo warns "Raw prompt requested but not available"; an engine behind
+    /// kvpick ignores `nvext` and renders it too). The engine's event token ids
+    /// must match either way.
+    #[test]
+    fn use_raw_prompt_bodies_match_the_engines_events() {
+        let app = App::with_scheduler(
+            "pool",
+            SchedulerConfig {
+                token_block: BS,
+                ..SchedulerConfig::default()
+            },
+        );
+        let ep_a = Endpoint::new("127.0.0.1:18011".parse().unwrap());
+        let ep_b = Endpoint::new("127.0.0.2:18012".parse().unwrap());
+        let key_b = w(ep_b.instance_id, 0);
+        app.endpoints.replace(vec![ep_a, ep_b]);
+        let tok = Tokenizer::load(fixture()).unwrap();
+        let mut ingest = Ingest::new(Arc::clone(app.scheduler.index()), MODEL);
+        let chat = serde_json::json!({"model": MODEL, "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather in the city?"}]});
+        let comp =
+            serde_json::json!({"model": MODEL, "prompt": "good morning the cat sat. the cat sat."});
+        for (n, (kind, body)) in [(ApiKind::Chat, &chat), (ApiKind::Completions, &comp)]
+            .into_iter()
+            .enumerate()
+        {
+            // Engine B cached the body's tokens as the engine tokenizes them.
+            let tokens = token_ids(&tok.tokenize_body(kind, body).unwrap());
+            let full = tokens.len() / BS * BS;
+            assert!(full >= 2 * BS, "prompt spans blocks");
+            let engine = (0..full / BS)
+                .map(|i| sha_like(n as u64 * 1000 + i as u64 + 1))
+                .collect();
+            let stored = decode_batch(&batch_map(
+                vec![stored_map(
+                    Value::Array(engine),
+                    Value::Nil,
+                    &tokens[..full],
+                )],
+                Value::from(0),
+            ))
+            .unwrap();
+            ingest.apply(key_b, None, &stored, Instant::now());
+
+            let mut raw = body.clone();
+            raw["nvext"] = serde_json::json!({"use_raw_prompt": true});
+            let mut req = parse(raw.to_string().as_bytes(), Some(kind)).unwrap();
+            req.segments = tok.tokenize_body(kind, &raw).unwrap();
+            let pick = PickRequest {
+                body: Some(&req),
+                subset: None,
+                session_id: None,
+                session_token: None,
+            };
+            let d = app
+                .scheduler
+                .pick(&pick, &app.endpoints.snapshot())
+                .unwrap();
+            assert_eq!(
+                d.decode.key(),
+                key_b,
+                "{kind:?}: routed away from its events"
+            );
+            assert_eq!(d.overlap_blocks, full / BS, "{kind:?}: every block matches");
+            app.scheduler.finish(&d, Some(200));
+        }
+    }
+
     /// A chat request with text goes through the real ext_proc server, is
     /// tokenized with the fixture's chat template, and lands on the worker whose
     /// KV events hold those tokens.
@@ -1216,4 +1288,126 @@ mod routing {
             assert_eq!(worker, target.instance_id);
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Hostile publishers: the transport's maximum message size.
+
+/// A TCP listener that answers every connection with `wire` (then holds it
+/// open); returns its port and how many connections it has accepted.
+async fn hostile_publisher(wire: Vec<u8>) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let wire = wire.clone();
+            tokio::spawn(async move {
+                let _ = s.write_all(&wire).await;
+                let mut sink = [0u8; 256];
+                while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    (port, accepted)
+}
+
+/// A ZMTP 3.0 PUB's greeting and READY, as libzmq sends them.
+fn zmtp_pub_handshake() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    let body = [&b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB"[..]].concat();
+    g.extend_from_slice(&[0x04, body.len() as u8]);
+    g.extend_from_slice(&body);
+    g
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_frames_and_garbage_drop_their_publisher_while_a_good_one_keeps_flowing() {
+    // One publisher declares a 2^62-byte frame after a valid handshake (before:
+    // the ZMQ codec reserved it at once and the process aborted); another sends
+    // bytes that are not ZMTP at all.
+    let mut huge = zmtp_pub_handshake();
+    huge.push(0x02);
+    huge.extend_from_slice(&(1u64 << 62).to_be_bytes());
+    let (huge_port, huge_conns) = hostile_publisher(huge).await;
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let garbage: Vec<u8> = (0..65_536)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let (garbage_port, garbage_conns) = hostile_publisher(garbage).await;
+    // A third declares one frame just past the default maximum message size.
+    let mut big = zmtp_pub_handshake();
+    big.push(0x02);
+    big.extend_from_slice(&(64u64 << 20).to_be_bytes());
+    let (big_port, big_conns) = hostile_publisher(big).await;
+
+    let (mut pub_socket, port) = publisher().await;
+    let sink = Arc::new(MemorySink::default());
+    let events = start(&sink, None);
+    let good = w(1, 0);
+    let localhost: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let _subs: Vec<_> = [
+        (good, port),
+        (w(2, 0), huge_port),
+        (w(3, 0), garbage_port),
+        (w(4, 0), big_port),
+    ]
+    .into_iter()
+    .map(|(worker, port)| {
+        events.subscribe(Target {
+            worker,
+            host: localhost,
+            port,
+            replay_port: None,
+        })
+    })
+    .collect();
+
+    let a: Vec<u32> = (0..8).collect();
+    let ha = chain(seed_of(MODEL, None), None, &a, BS);
+    let first = batch_array(vec![stored_array(ints(&[1, 2]), Value::Nil, &a)], None);
+    prime(&mut pub_socket, &sink, good, &first, &ha).await;
+
+    // Each hostile publisher is dropped (it holds its end open) and reconnected
+    // to, over and over.
+    for (what, conns) in [
+        ("huge frame", &huge_conns),
+        ("garbage", &garbage_conns),
+        ("frame past the maximum", &big_conns),
+    ] {
+        eventually(what, || {
+            conns.load(std::sync::atomic::Ordering::SeqCst) >= 3
+        })
+        .await;
+    }
+
+    // The well-behaved publisher is still being ingested.
+    let b: Vec<u32> = (100..108).collect();
+    let hb = chain(seed_of(MODEL, None), None, &b, BS);
+    pub_socket
+        .send(frames(
+            "",
+            1,
+            batch_array(vec![stored_array(ints(&[3, 4]), Value::Nil, &b)], None),
+        ))
+        .await
+        .unwrap();
+    eventually("batch after the hostile publishers", || {
+        sink.depth(good, &hb) == 2
+    })
+    .await;
+    assert!(sink.precise(good));
+    assert_eq!(sink.depth(good, &ha), 2);
 }

@@ -11,10 +11,7 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use e2e::bench::{noop, overhead};
-use kvpick::endpoints::Endpoint;
-use kvpick::extproc::ExtProcConfig;
-use kvpick::server::{serve_ext_proc, App};
+use e2e::bench::overhead::{self, ServerKind};
 use tokio::net::TcpListener;
 use tokio::runtime::Runtime;
 use tonic::transport::Channel;
@@ -29,30 +26,21 @@ async fn connect(port: u16) -> Channel {
 
 fn ext_proc_overhead(c: &mut Criterion) {
     let rt = Runtime::new().unwrap();
-    let (kv_port, noop_port) = rt.block_on(async {
-        let app = App::new("bench");
-        app.endpoints.replace(
-            (0..64)
-                .map(|i| Endpoint::new(format!("10.0.0.{}:8000", i + 1).parse().unwrap()))
-                .collect(),
-        );
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let kv_port = l.local_addr().unwrap().port();
-        tokio::spawn(serve_ext_proc(
-            l,
-            app.ext_proc(ExtProcConfig::default()),
-            None,
-        ));
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let noop_port = l.local_addr().unwrap().port();
-        tokio::spawn(noop::serve(l));
-        (kv_port, noop_port)
-    });
+    let mut servers = Vec::new();
+    let mut ports = Vec::new();
+    for (name, kind) in [
+        ("noop", ServerKind::Noop),
+        ("kvpick", ServerKind::Kvpick { endpoints: 64 }),
+    ] {
+        let l = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
+        ports.push((name, l.local_addr().unwrap().port()));
+        servers.push(rt.spawn(overhead::serve(kind, l)));
+    }
     let body = overhead::chat_body(32 * 1024, 0);
     let mut group = c.benchmark_group("ext_proc_32k_chat");
     group.throughput(Throughput::Elements(1));
     group.measurement_time(Duration::from_secs(5));
-    for (name, port) in [("noop", noop_port), ("kvpick", kv_port)] {
+    for (name, port) in ports {
         let ch = rt.block_on(connect(port));
         group.bench_function(name, |b| {
             b.to_async(&rt)
@@ -60,6 +48,9 @@ fn ext_proc_overhead(c: &mut Criterion) {
         });
     }
     group.finish();
+    for s in servers {
+        s.abort();
+    }
 }
 
 criterion_group!(benches, ext_proc_overhead);

@@ -1,7 +1,8 @@
 //! The InferencePool custom resource (Gateway API Inference Extension) as Rust types.
 //!
-//! [`InferencePool`] is the `inference.networking.k8s.io/v1` shape; its CRD is what
-//! `kvpick crd` prints and `manifests/crds/inferencepool.yaml` holds.
+//! [`InferencePool`] is the `inference.networking.k8s.io/v1` shape kvpick's client reads.
+//! The CRD kvpick installs is GIE's own ([`CRD_YAML`], shipped verbatim from a pinned
+//! release, [`CRD_SOURCE`]); tests keep the Rust types within its schema.
 //! [`InferencePoolV1Alpha2`] reads the older `inference.networking.x-k8s.io/v1alpha2`
 //! shape (`targetPortNumber`, plain selector map) when `--pool-group` names it.
 //! Both deserialise leniently: unknown fields are ignored and malformed optional
@@ -240,71 +241,111 @@ impl PoolShape for InferencePoolV1Alpha2 {
     }
 }
 
-/// The approval annotation the API server requires of a CRD in a protected
-/// `*.k8s.io` group; the value is the one GIE's own InferencePool CRD carries
-/// (its v1 API review).
-pub const API_APPROVED: (&str, &str) = (
-    "api-approved.kubernetes.io",
-    "https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173",
-);
+/// Where [`CRD_YAML`] comes from: GIE's own InferencePool CRD at a pinned release.
+pub const CRD_SOURCE: &str = "kubernetes-sigs/gateway-api-inference-extension v1.5.0 \
+config/crd/bases/inference.networking.k8s.io_inferencepools.yaml";
 
-/// The InferencePool CRD (v1), with [`API_APPROVED`], as `kvpick crd` prints it.
-pub fn crd(
-) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
-    use kube::CustomResourceExt;
-    let mut crd = InferencePool::crd();
-    crd.metadata
-        .annotations
-        .get_or_insert_with(Default::default)
-        .insert(API_APPROVED.0.to_string(), API_APPROVED.1.to_string());
-    crd
-}
+/// SHA-256 of the upstream file at [`CRD_SOURCE`]; a test holds the shipped copy to it.
+pub const CRD_SHA256: &str = "0bc3ddd94db6f588a5cecc627c39e3d12b4343d51c48d47ffa68c50fa73c290c";
 
-/// [`crd`] as YAML.
-pub fn crd_yaml() -> String {
-    serde_yaml::to_string(&crd()).expect("a CRD always serialises")
-}
+/// GIE's InferencePool CRD, verbatim (`manifests/crds/inferencepool.yaml`); `kvpick crd`
+/// prints it.
+pub const CRD_YAML: &str = include_str!("../../manifests/crds/inferencepool.yaml");
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn shipped_crd() -> serde_json::Value {
+        serde_yaml::from_str(CRD_YAML).expect("the shipped CRD is YAML")
+    }
+
     #[test]
-    fn committed_crd_matches_generated() {
-        let committed = include_str!("../../manifests/crds/inferencepool.yaml");
+    fn shipped_crd_is_the_pinned_upstream_file() {
+        use sha2::{Digest, Sha256};
+        let digest: String = Sha256::digest(CRD_YAML.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         assert_eq!(
-            committed,
-            crd_yaml(),
-            "manifests/crds/inferencepool.yaml is stale: run `kvpick crd > manifests/crds/inferencepool.yaml`"
+            digest, CRD_SHA256,
+            "manifests/crds/inferencepool.yaml differs from {CRD_SOURCE}"
         );
     }
 
     #[test]
-    fn crd_carries_the_api_approval_of_its_protected_group() {
-        let crd = crd();
-        assert!(crd.spec.group.ends_with(".k8s.io"));
-        let annotations = crd.metadata.annotations.expect("annotations");
-        assert_eq!(
-            annotations.get(API_APPROVED.0).map(String::as_str),
-            Some(API_APPROVED.1)
-        );
+    fn shipped_crd_carries_the_api_approval_of_its_protected_group() {
+        let crd = shipped_crd();
+        assert_eq!(crd["spec"]["group"], GROUP_V1);
+        assert!(crd["metadata"]["annotations"]["api-approved.kubernetes.io"]
+            .as_str()
+            .is_some_and(|url| url.contains("gateway-api-inference-extension")));
+        assert_eq!(crd["spec"]["names"]["listKind"], "InferencePoolList");
+        assert_eq!(crd["spec"]["names"]["shortNames"][0], "infpool");
     }
 
+    /// Every property the kube-rs type declares exists, at the same path, in GIE's schema,
+    /// so what kvpick's client reads or writes is what the API server stores.
     #[test]
-    fn crd_has_group_shortname_and_port_bounds() {
-        let crd = crd();
-        assert_eq!(crd.spec.group, GROUP_V1);
-        assert_eq!(crd.spec.scope, "Namespaced");
-        assert_eq!(
-            crd.spec.names.short_names,
-            Some(vec!["infpool".to_string()])
-        );
-        let schema = serde_json::to_value(&crd.spec.versions[0].schema).unwrap();
-        let spec = &schema["openAPIV3Schema"]["properties"]["spec"];
-        assert_eq!(spec["properties"]["targetPorts"]["maxItems"], 8);
-        assert_eq!(spec["properties"]["targetPorts"]["minItems"], 1);
-        let required = spec["required"].as_array().unwrap();
-        assert!(required.contains(&"selector".into()) && required.contains(&"targetPorts".into()));
+    fn rust_types_stay_within_the_shipped_schema() {
+        use kube::CustomResourceExt;
+        fn walk(ours: &serde_json::Value, theirs: &serde_json::Value, path: &str) {
+            let Some(props) = ours.get("properties").and_then(|p| p.as_object()) else {
+                if let Some(items) = ours.get("items") {
+                    walk(items, &theirs["items"], &format!("{path}[]"));
+                }
+                return;
+            };
+            for (name, schema) in props {
+                let upstream = &theirs["properties"][name];
+                assert!(
+                    !upstream.is_null(),
+                    "{path}.{name} is not in GIE's InferencePool schema"
+                );
+                walk(schema, upstream, &format!("{path}.{name}"));
+            }
+        }
+        let ours = serde_json::to_value(InferencePool::crd()).unwrap();
+        let ours = &ours["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        let theirs = shipped_crd();
+        let theirs = &theirs["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        assert!(!ours["properties"]["spec"]["properties"]
+            .as_object()
+            .unwrap()
+            .is_empty());
+        walk(ours, theirs, "");
+    }
+
+    /// The InferencePools of GIE's own v1.5.0 conformance suite (valid under its CRD by
+    /// construction) read into the Rust type with nothing lost that discovery needs.
+    #[test]
+    fn gie_conformance_pools_read_into_the_rust_type() {
+        let text = include_str!("../../tests/fixtures/gie-v1.5.0/inferencepools.yaml");
+        let mut read = 0;
+        for doc in serde_yaml::Deserializer::from_str(text) {
+            let value = serde_json::Value::deserialize(doc).unwrap();
+            if value.is_null() {
+                continue;
+            }
+            let pool: InferencePool = serde_json::from_value(value.clone()).unwrap();
+            let target = pool.target();
+            let ports = value["spec"]["targetPorts"].as_array().unwrap();
+            assert_eq!(target.target_ports.len(), ports.len());
+            let labels = value["spec"]["selector"]["matchLabels"]
+                .as_object()
+                .unwrap();
+            assert_eq!(target.selector.len(), labels.len());
+            let epp = pool
+                .spec
+                .endpoint_picker_ref
+                .expect("every pool names its EPP");
+            assert_eq!(
+                epp.name,
+                value["spec"]["endpointPickerRef"]["name"].as_str().unwrap()
+            );
+            read += 1;
+        }
+        assert!(read >= 5, "only {read} pools in the fixture");
     }
 
     #[test]

@@ -163,29 +163,78 @@ pub fn streamed_body(
     end_of_stream: bool,
     response_path: bool,
 ) -> Vec<ProcessingResponse> {
-    let chunks: Vec<&[u8]> = if bytes.is_empty() {
-        vec![&[][..]]
-    } else {
-        bytes.chunks(MAX_CHUNK).collect()
-    };
-    let last = chunks.len() - 1;
-    chunks
-        .into_iter()
+    if bytes.is_empty() {
+        return vec![streamed_chunk(&[], end_of_stream, response_path)];
+    }
+    let last = (bytes.len() - 1) / MAX_CHUNK;
+    bytes
+        .chunks(MAX_CHUNK)
         .enumerate()
-        .map(|(i, chunk)| {
-            let common = CommonResponse {
-                body_mutation: Some(BodyMutation {
-                    mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
-                        body: chunk.to_vec(),
-                        end_of_stream: end_of_stream && i == last,
-                        ..Default::default()
-                    })),
-                }),
-                ..Default::default()
-            };
-            body(common, None, response_path)
-        })
+        .map(|(i, chunk)| streamed_chunk(chunk, end_of_stream && i == last, response_path))
         .collect()
+}
+
+/// One full-duplex body answer carrying `chunk`.
+fn streamed_chunk(chunk: &[u8], end_of_stream: bool, response_path: bool) -> ProcessingResponse {
+    let common = CommonResponse {
+        body_mutation: Some(BodyMutation {
+            mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                body: chunk.to_vec(),
+                end_of_stream,
+                ..Default::default()
+            })),
+        }),
+        ..Default::default()
+    };
+    body(common, None, response_path)
+}
+
+/// A whole request body streamed back lazily, one [`MAX_CHUNK`] answer at a
+/// time, then the answers queued behind it: the body is never copied whole.
+#[derive(Debug)]
+pub struct Echo {
+    body: Vec<u8>,
+    sent: usize,
+    started: bool,
+    end_of_stream: bool,
+    /// Answers that go after the body (e.g. the request trailers' answer).
+    pub after: std::collections::VecDeque<ProcessingResponse>,
+}
+
+impl Echo {
+    /// The request-path echo of `body`; the last chunk carries `end_of_stream`.
+    pub fn new(body: Vec<u8>, end_of_stream: bool) -> Self {
+        Echo {
+            body,
+            sent: 0,
+            started: false,
+            end_of_stream,
+            after: Default::default(),
+        }
+    }
+}
+
+impl Iterator for Echo {
+    type Item = ProcessingResponse;
+
+    fn next(&mut self) -> Option<ProcessingResponse> {
+        if !self.started || self.sent < self.body.len() {
+            self.started = true;
+            let end = (self.sent + MAX_CHUNK).min(self.body.len());
+            let chunk = &self.body[self.sent..end];
+            self.sent = end;
+            let last = end == self.body.len();
+            if last {
+                // Nothing more to copy from: free the body before the last send.
+                let msg = streamed_chunk(chunk, self.end_of_stream, false);
+                self.body = Vec::new();
+                self.sent = 0;
+                return Some(msg);
+            }
+            return Some(streamed_chunk(chunk, false, false));
+        }
+        self.after.pop_front()
+    }
 }
 
 /// Answer to trailers (request or response path), passing them through.
@@ -250,6 +299,20 @@ mod tests {
             joined.extend_from_slice(&s.body);
         }
         assert_eq!(joined, body);
+    }
+
+    #[test]
+    fn the_lazy_echo_matches_the_eager_one_then_sends_what_is_queued() {
+        for len in [0, 1, MAX_CHUNK, MAX_CHUNK + 1, 200_000] {
+            let body: Vec<u8> = (0..len as u32).map(|i| (i % 251) as u8).collect();
+            for end_of_stream in [true, false] {
+                let mut echo = Echo::new(body.clone(), end_of_stream);
+                echo.after.push_back(trailers(false));
+                let mut want = streamed_body(&body, end_of_stream, false);
+                want.push(trailers(false));
+                assert_eq!(echo.collect::<Vec<_>>(), want, "{len} {end_of_stream}");
+            }
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::{FutureExt, Stream, StreamExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
@@ -85,13 +85,18 @@ pub struct Shared {
 #[derive(Clone)]
 pub struct ExtProcService {
     shared: Arc<Shared>,
+    /// Bounds the large bodies handled at once on the blocking pool to the
+    /// cores there are (more threads would only contend for the index).
+    heavy: Arc<Semaphore>,
 }
 
 impl ExtProcService {
     /// A service over shared state.
     pub fn new(shared: Shared) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         ExtProcService {
             shared: Arc::new(shared),
+            heavy: Arc::new(Semaphore::new(cores)),
         }
     }
 
@@ -127,7 +132,8 @@ impl ExternalProcessor for ExtProcService {
         let (tx, rx) = mpsc::channel(16);
         let shared = Arc::clone(&self.shared);
         let metrics = Arc::clone(&shared.metrics);
-        spawn_contained(metrics, tx.clone(), run_stream(shared, inbound, tx));
+        let heavy = Arc::clone(&self.heavy);
+        spawn_contained(metrics, tx.clone(), run_stream(shared, heavy, inbound, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -167,6 +173,7 @@ fn spawn_contained<F>(
 
 async fn run_stream(
     shared: Arc<Shared>,
+    heavy: Arc<Semaphore>,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) {
@@ -193,8 +200,11 @@ async fn run_stream(
                     } else {
                         state.body_wait_expired()
                     };
-                    if !send_all(&tx, out).await || state.is_done() {
+                    if !send_answers(&tx, &mut state, out).await {
                         return;
+                    }
+                    if state.is_done() {
+                        return linger(&mut inbound).await;
                     }
                     continue;
                 }
@@ -208,13 +218,25 @@ async fn run_stream(
             }
             None => return,
         };
-        if !send_all(&tx, state.handle(msg)).await {
+        let out = if state.completes_body_of_at_least(&msg, BLOCKING_BODY_BYTES) {
+            match handle_blocking(&heavy, state, msg).await {
+                Some((back, out)) => {
+                    state = back;
+                    out
+                }
+                None => return,
+            }
+        } else {
+            state.handle(msg)
+        };
+        if !send_answers(&tx, &mut state, out).await {
             return;
         }
         // A complete text body waits for its token ids (off the async threads).
         if let Some(job) = state.take_tokenize_job() {
             let tokens = job.run().await;
-            if !send_all(&tx, state.tokenized(tokens)).await {
+            let out = state.tokenized(tokens);
+            if !send_answers(&tx, &mut state, out).await {
                 return;
             }
         }
@@ -222,8 +244,48 @@ async fn run_stream(
             return;
         }
         if state.is_done() {
-            return;
+            return linger(&mut inbound).await;
         }
+    }
+}
+
+/// How long a finished stream waits for Envoy to close its side.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// After the last answer, waits (at most [`LINGER`]) for Envoy to close its
+/// side before the response stream ends. Ending first makes HTTP/2 reset the
+/// request stream, and Envoy's closing frame then lands on a reset stream: the
+/// server counts that as a client error and closes the whole connection
+/// (GOAWAY `too_many_internal_resets`) after enough of them.
+pub async fn linger(inbound: &mut Streaming<ProcessingRequest>) {
+    let closed = async { while let Some(Ok(_)) = inbound.next().await {} };
+    let _ = tokio::time::timeout(LINGER, closed).await;
+}
+
+/// Request bodies from this size on are parsed, hashed and routed on the
+/// blocking pool, so they never hold an async worker (other streams, health
+/// checks) for the milliseconds that takes.
+pub const BLOCKING_BODY_BYTES: usize = 128 << 10;
+
+/// [`StreamState::handle`] on the blocking pool, once one of `heavy`'s permits
+/// is free; the state comes back with the answers. A panic there resumes here
+/// (the stream's containment catches it); `None` when the runtime is shutting
+/// down.
+async fn handle_blocking(
+    heavy: &Semaphore,
+    mut state: StreamState,
+    msg: ProcessingRequest,
+) -> Option<(StreamState, Vec<ProcessingResponse>)> {
+    let _permit = heavy.acquire().await.ok()?;
+    let handled = tokio::task::spawn_blocking(move || {
+        let out = state.handle(msg);
+        (state, out)
+    })
+    .await;
+    match handled {
+        Ok(done) => Some(done),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => None,
     }
 }
 
@@ -251,11 +313,31 @@ async fn wait_admission(
         }
     };
     drop(ticket);
-    if !send_all(tx, state.admitted(verdict)).await {
+    let out = state.admitted(verdict);
+    if !send_answers(tx, state, out).await {
         return false;
     }
     for msg in held {
-        if !send_all(tx, state.handle(msg)).await {
+        let out = state.handle(msg);
+        if !send_answers(tx, state, out).await {
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends `out`, then the body the stream streams back, chunk by chunk (so the
+/// body is never copied whole into the channel).
+async fn send_answers(
+    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    state: &mut StreamState,
+    out: Vec<ProcessingResponse>,
+) -> bool {
+    if !send_all(tx, out).await {
+        return false;
+    }
+    while let Some(msg) = state.next_echo() {
+        if tx.send(Ok(msg)).await.is_err() {
             return false;
         }
     }
@@ -277,6 +359,81 @@ async fn send_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        processing_request, processing_response, HttpBody, HttpHeaders, ProtocolConfiguration,
+    };
+
+    fn full_duplex_headers() -> ProcessingRequest {
+        let headers = [(":method", "POST"), (":path", "/v1/completions")]
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: k.to_string(),
+                raw_value: v.as_bytes().to_vec(),
+                ..Default::default()
+            })
+            .collect();
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap { headers }),
+                ..Default::default()
+            })),
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+                response_body_mode: BodySendMode::FullDuplexStreamed as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn chunk(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(processing_request::Request::RequestBody(HttpBody {
+                body: bytes.to_vec(),
+                end_of_stream,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn only_the_chunk_ending_a_large_body_goes_to_the_blocking_pool() {
+        let app = crate::server::App::new("t");
+        app.endpoints.replace(vec![crate::endpoints::Endpoint::new(
+            "10.0.0.1:8000".parse().unwrap(),
+        )]);
+        let service = app.ext_proc(ExtProcConfig::default());
+        let prompt = "x".repeat(BLOCKING_BODY_BYTES);
+        let body = format!(r#"{{"model":"m","prompt":"{prompt}"}}"#).into_bytes();
+        let (head, tail) = body.split_at(body.len() / 2);
+
+        let mut state = StreamState::new(Arc::clone(&service.shared));
+        let headers = full_duplex_headers();
+        assert!(!state.completes_body_of_at_least(&headers, BLOCKING_BODY_BYTES));
+        assert!(state.handle(headers).is_empty());
+        let first = chunk(head, false);
+        assert!(!state.completes_body_of_at_least(&first, BLOCKING_BODY_BYTES));
+        assert!(state.handle(first).is_empty());
+        let last = chunk(tail, true);
+        assert!(state.completes_body_of_at_least(&last, BLOCKING_BODY_BYTES));
+        let (state, out) = handle_blocking(&Semaphore::new(1), state, last)
+            .await
+            .unwrap();
+        assert!(matches!(
+            out[0].response,
+            Some(processing_response::Response::RequestHeaders(_))
+        ));
+        assert!(!state.is_done());
+
+        // A small body ends on the async thread.
+        let mut small = StreamState::new(Arc::clone(&service.shared));
+        small.handle(full_duplex_headers());
+        let whole = chunk(br#"{"model":"m","prompt":"hi"}"#, true);
+        assert!(!small.completes_body_of_at_least(&whole, BLOCKING_BODY_BYTES));
+    }
 
     #[tokio::test]
     async fn a_panicking_stream_ends_with_internal_and_others_go_on() {

@@ -25,6 +25,7 @@ use crate::admission::{
 };
 use crate::endpoints::{Engine, InFlightGuard};
 use crate::multimodal::hints;
+use crate::request::usage::ResponseTail;
 use crate::request::{self, ApiKind, InferenceRequest, Segment};
 use crate::scheduler::{Decision, PickError, PickRequest};
 use crate::telemetry::RequestResult;
@@ -140,6 +141,10 @@ pub struct StreamState {
     /// The request's admission class, once its body is parsed.
     class: Option<RequestClass>,
     started: Instant,
+    /// The routed body being streamed back (full duplex).
+    echo: Option<messages::Echo>,
+    /// The response body's length and tail (for the engine's token usage).
+    response_tail: ResponseTail,
 }
 
 /// A request held by flow control: routed once its ticket is answered.
@@ -190,6 +195,8 @@ impl StreamState {
             admitting: None,
             class: None,
             started: Instant::now(),
+            echo: None,
+            response_tail: ResponseTail::default(),
         }
     }
 
@@ -229,6 +236,9 @@ impl StreamState {
             model: &parsed.model,
             bytes,
         });
+        if let (Some(m), true) = (&self.shared.admission_metrics, bytes > 0) {
+            m.request_size(&class, bytes);
+        }
         self.class = Some(class.clone());
         let snapshot = self.shared.endpoints.snapshot();
         match self.shared.admission.admit(class, &snapshot) {
@@ -347,7 +357,35 @@ impl StreamState {
         vec![self.continue_headers()]
     }
 
-    /// Handles one message from Envoy and returns the answers, in order.
+    /// Whether handling `msg` ends a request body of at least `threshold` bytes
+    /// (so it parses, hashes and picks for that body): the caller then runs
+    /// [`StreamState::handle`] off the async threads.
+    pub fn completes_body_of_at_least(&self, msg: &ProcessingRequest, threshold: usize) -> bool {
+        if self.phase != Phase::RequestBody {
+            return false;
+        }
+        match &msg.request {
+            Some(Request::RequestBody(b)) => {
+                b.end_of_stream && self.body.len() + b.body.len() >= threshold
+            }
+            Some(Request::RequestTrailers(_)) => self.body.len() >= threshold,
+            _ => false,
+        }
+    }
+
+    /// The next answer streaming the routed body back (full duplex), to send
+    /// right after the answers of the call that routed it; `None` when done.
+    pub fn next_echo(&mut self) -> Option<ProcessingResponse> {
+        let next = self.echo.as_mut()?.next();
+        if next.is_none() {
+            self.echo = None;
+        }
+        next
+    }
+
+    /// Handles one message from Envoy and returns the answers, in order. A
+    /// full-duplex body streamed back follows them through
+    /// [`StreamState::next_echo`].
     pub fn handle(&mut self, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
         if let Some(pc) = &msg.protocol_config {
             self.request_mode = BodyMode::from_config(pc.request_body_mode);
@@ -472,7 +510,11 @@ impl StreamState {
             // Trailers end the body: route now, then answer the trailers.
             let mut out = self.finish_request_body(false);
             if !self.is_done() {
-                out.push(messages::trailers(false));
+                // After the streamed-back body, when there is one.
+                match self.echo.as_mut() {
+                    Some(echo) => echo.after.push_back(messages::trailers(false)),
+                    None => out.push(messages::trailers(false)),
+                }
             }
             return out;
         }
@@ -627,12 +669,11 @@ impl StreamState {
                 } else {
                     // Full duplex: headers answer first, then the body streamed back.
                     self.headers_answered = true;
-                    let mut out = vec![messages::request_headers(
+                    self.echo = Some(messages::Echo::new(body, end_of_stream));
+                    vec![messages::request_headers(
                         messages::common(Some(mutation), true),
                         metadata,
-                    )];
-                    out.extend(messages::streamed_body(&body, end_of_stream, false));
-                    out
+                    )]
                 }
             }
         }
@@ -736,9 +777,15 @@ impl StreamState {
             };
         }
         let out = match self.response_mode {
-            BodyMode::FullDuplex => messages::streamed_body(&b.body, b.end_of_stream, true),
+            BodyMode::FullDuplex => {
+                self.response_tail.push(&b.body);
+                messages::streamed_body(&b.body, b.end_of_stream, true)
+            }
             BodyMode::None => Vec::new(),
-            _ => vec![messages::body(messages::common(None, false), None, true)],
+            _ => {
+                self.response_tail.push(&b.body);
+                vec![messages::body(messages::common(None, false), None, true)]
+            }
         };
         if b.end_of_stream {
             self.finish();
@@ -771,7 +818,8 @@ impl StreamState {
                 .scheduler
                 .finish(&r.decision, self.response_status);
             if let (Some(class), Some(m)) = (&self.class, &self.shared.admission_metrics) {
-                m.finished(class, self.started.elapsed());
+                let tail = &self.response_tail;
+                m.finished(class, self.started.elapsed(), tail.total(), tail.usage());
             }
         }
         self.phase = Phase::Done;

@@ -124,6 +124,76 @@ pub fn request_block_hashes(
     byte_block: usize,
     token_block: usize,
 ) -> Vec<u64> {
+    hash_prompt(seed, segments, byte_block, token_block, None)
+}
+
+/// A prompt's chained block hashes and what prefilling them costs: an image
+/// still in the prompt (no tokenizer) is one hash block but costs the blocks of
+/// the tokens it becomes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PromptBlocks {
+    /// The chained block hashes ([`request_block_hashes`]).
+    pub hashes: Vec<u64>,
+    /// `(hash index, blocks beyond the one hash block)` of each image block.
+    image_extra: Vec<(usize, u64)>,
+}
+
+impl PromptBlocks {
+    /// Hashes `segments`; images are sized with `vision` ([`estimate_image_tokens`]).
+    pub fn of(
+        seed: u64,
+        segments: &[Segment],
+        byte_block: usize,
+        token_block: usize,
+        vision: Option<&VisionModel>,
+    ) -> Self {
+        let mut images = Vec::new();
+        let hashes = hash_prompt(seed, segments, byte_block, token_block, Some(&mut images));
+        let urls = segments.iter().filter_map(|s| match s {
+            Segment::Image(url) => Some(url),
+            _ => None,
+        });
+        let image_extra = images
+            .into_iter()
+            .zip(urls)
+            .map(|(at, url)| {
+                let blocks = u64::from(estimate_image_tokens(url, vision))
+                    .div_ceil(token_block.max(1) as u64);
+                (at, blocks.saturating_sub(1))
+            })
+            .filter(|&(_, extra)| extra > 0)
+            .collect();
+        PromptBlocks {
+            hashes,
+            image_extra,
+        }
+    }
+
+    /// Blocks left to prefill on a worker holding the first `overlap` hash
+    /// blocks: each uncached image counts its token blocks.
+    pub fn uncached(&self, overlap: usize) -> usize {
+        let images: u64 = self
+            .image_extra
+            .iter()
+            .filter(|&&(at, _)| at >= overlap)
+            .map(|&(_, extra)| extra)
+            .sum();
+        self.hashes
+            .len()
+            .saturating_sub(overlap)
+            .saturating_add(usize::try_from(images).unwrap_or(usize::MAX))
+    }
+}
+
+/// [`request_block_hashes`], recording the hash index of each image block in
+/// `images` when given.
+fn hash_prompt(
+    seed: u64,
+    segments: &[Segment],
+    byte_block: usize,
+    token_block: usize,
+    mut images: Option<&mut Vec<usize>>,
+) -> Vec<u64> {
     let byte_block = byte_block.max(1);
     let token_block = token_block.max(1);
     let mut out = Vec::new();
@@ -190,6 +260,9 @@ pub fn request_block_hashes(
                     toks.clear();
                 }
                 prev = image_block(prev, url);
+                if let Some(at) = images.as_deref_mut() {
+                    at.push(out.len());
+                }
                 out.push(prev);
             }
         }
@@ -349,6 +422,24 @@ mod tests {
             request_size_blocks_for(&[Segment::Image(url)], 64, 16, Some(&qwen)),
             25
         );
+    }
+
+    #[test]
+    fn uncached_images_count_their_token_blocks_in_prefill() {
+        // 2 text blocks, the image (576 tokens = 36 blocks of 16), 2 text blocks.
+        let segs = [
+            text(&"p".repeat(128)),
+            Segment::Image("https://x/cat.png".into()),
+            text(&"q".repeat(128)),
+        ];
+        let p = PromptBlocks::of(1, &segs, 64, 16, None);
+        assert_eq!(p.hashes, request_block_hashes(1, &segs, 64, 16));
+        assert_eq!(p.uncached(0), 4 + 36);
+        assert_eq!(p.uncached(2), 2 + 36, "the image is still to prefill");
+        assert_eq!(p.uncached(3), 2, "a cached image costs nothing");
+        assert_eq!(p.uncached(5), 0);
+        let plain = PromptBlocks::of(1, &[text(&"p".repeat(128))], 64, 16, None);
+        assert_eq!(plain.uncached(1), 1);
     }
 
     #[test]

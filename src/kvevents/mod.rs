@@ -18,6 +18,7 @@
 
 pub mod decode;
 pub mod subscriber;
+pub mod zmtp;
 
 use std::collections::HashSet;
 use std::time::Instant;

@@ -15,9 +15,13 @@
 //!   is cleared.
 //! - A worker is precise while its SUB socket is connected, approximate otherwise.
 //!
-//! Transport: the pure-Rust `zeromq` crate (ZMTP 3 over TCP, SUB and DEALER), so
-//! kvpick needs no C toolchain or libzmq at build time and stays a static binary;
-//! we only need PUB/SUB and ROUTER/DEALER over TCP, which it implements.
+//! Transport: [`super::zmtp`], our own ZMTP 3.0 client over TCP (SUB and DEALER),
+//! so kvpick needs no C toolchain or libzmq at build time and stays a static
+//! binary, and every message is held to [`SubscriberConfig::max_message_bytes`]
+//! before it is read (the `zeromq` crate has no such limit: see that module).
+//! A message past the limit, or a stream that is not ZMTP, ends the connection;
+//! the subscriber reconnects with backoff and the worker's part of the index is
+//! reset, as on any lost connection.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -25,7 +29,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures::StreamExt;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -34,9 +37,9 @@ use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket};
 
 use super::decode::{decode_batch, decode_seq, parse_topic};
+use super::zmtp::{Connection, Limits, ZmtpError};
 use super::{ApplyStats, Ingest, KvEventSink, SeqCheck, SeqTracker};
 use crate::endpoints::{EndpointTable, Engine, WorkerKey};
 use crate::telemetry::Metrics;
@@ -60,6 +63,22 @@ pub struct SubscriberConfig {
     pub retry_delay: Duration,
     /// The model's image token id, for rewriting vLLM image blocks into pad values.
     pub image_token: Option<u32>,
+    /// Largest KV-event message accepted (all frames together); a larger one
+    /// ends the connection.
+    pub max_message_bytes: usize,
+}
+
+/// Frames in one KV-event message: (topic, seq, payload), or the replay socket's
+/// (delimiter, seq, payload); a little room for peers that add one.
+const MAX_FRAMES: usize = 8;
+
+impl SubscriberConfig {
+    fn limits(&self) -> Limits {
+        Limits {
+            max_message_bytes: self.max_message_bytes,
+            max_frames: MAX_FRAMES,
+        }
+    }
 }
 
 impl Default for SubscriberConfig {
@@ -72,9 +91,14 @@ impl Default for SubscriberConfig {
             connect_timeout: Duration::from_secs(5),
             retry_delay: Duration::from_millis(200),
             image_token: None,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 }
+
+/// Default [`SubscriberConfig::max_message_bytes`]: 8 MiB, far above a vLLM batch
+/// (one engine step's events; a 128k-token prefill stores under 1 MB of them).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 8 << 20;
 
 /// Why a worker's part of the index was reset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
@@ -486,16 +510,16 @@ async fn follow_stream(
     config: &SubscriberConfig,
     tx: &mpsc::Sender<IngestMsg>,
     metrics: &KvEventMetrics,
-) -> Result<(), zeromq::ZmqError> {
+) -> Result<(), ZmtpError> {
     let worker = target.worker;
-    let mut options = SocketOptions::default();
-    options.connect_timeout(config.connect_timeout);
-    let mut socket = SubSocket::with_options(options);
-    let mut monitor = socket.monitor();
-    socket
-        .connect(&format!("tcp://{}", sock_addr(target.host, target.port)))
-        .await?;
-    socket.subscribe("").await?;
+    let mut socket = Connection::connect(
+        std::net::SocketAddr::new(target.host, target.port),
+        "SUB",
+        config.limits(),
+        config.connect_timeout,
+    )
+    .await?;
+    socket.subscribe_all().await?;
     if tx
         .send(IngestMsg::Live { worker, live: true })
         .await
@@ -506,21 +530,19 @@ async fn follow_stream(
     let mut seq = SeqTracker::new();
     let mut pending_reset: Option<ResetReason> = None;
     loop {
-        let msg = tokio::select! {
-            m = socket.recv() => match m {
-                Ok(m) => m,
-                Err(e) => {
+        let mut frames = match socket.recv().await {
+            Ok(m) => m,
+            Err(e) => {
+                if !matches!(e, ZmtpError::Io(_)) {
+                    metrics.decode_errors.inc();
+                    warn!(%worker, error = %e, "KV event stream dropped");
+                } else {
                     debug!(%worker, error = %e, "KV event stream ended");
-                    break;
                 }
-            },
-            ev = monitor.next() => match ev {
-                Some(SocketEvent::Disconnected(_)) | None => break,
-                Some(_) => continue,
-            },
+                break;
+            }
         };
         let received = Instant::now();
-        let mut frames = msg.into_vec();
         if frames.len() != 3 {
             metrics.decode_errors.inc();
             continue;
@@ -536,7 +558,7 @@ async fn follow_stream(
             SeqCheck::Restart => pending_reset = Some(ResetReason::Restart),
             SeqCheck::Gap { from, to } => {
                 let replayed = match target.replay_port {
-                    Some(port) => replay(target.host, port, from, to, config.connect_timeout)
+                    Some(port) => replay(target.host, port, from, to, config)
                         .await
                         .unwrap_or_else(|e| {
                             debug!(%worker, error = %e, "KV event replay failed");
@@ -605,10 +627,6 @@ fn forward(
     }
 }
 
-fn sock_addr(host: IpAddr, port: u16) -> String {
-    std::net::SocketAddr::new(host, port).to_string()
-}
-
 /// vLLM's end-of-replay marker: sequence number -1.
 const END_SEQ: u64 = u64::MAX;
 
@@ -619,25 +637,22 @@ async fn replay(
     port: u16,
     from: u64,
     to: u64,
-    timeout: Duration,
-) -> Result<Vec<Bytes>, zeromq::ZmqError> {
-    let mut options = SocketOptions::default();
-    options.connect_timeout(timeout);
-    let mut dealer = DealerSocket::with_options(options);
-    dealer
-        .connect(&format!("tcp://{}", sock_addr(host, port)))
-        .await?;
-    let request = zeromq::ZmqMessage::try_from(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&from.to_be_bytes()),
-    ])
-    .map_err(|_| zeromq::ZmqError::Other("empty replay request"))?;
-    dealer.send(request).await?;
+    config: &SubscriberConfig,
+) -> Result<Vec<Bytes>, ZmtpError> {
+    let timeout = config.connect_timeout;
+    let mut dealer = Connection::connect(
+        std::net::SocketAddr::new(host, port),
+        "DEALER",
+        config.limits(),
+        timeout,
+    )
+    .await?;
+    dealer.send(&[&[], &from.to_be_bytes()[..]]).await?;
     let mut out = Vec::new();
     let mut expect = from;
     let collect = async {
         loop {
-            let frames = dealer.recv().await?.into_vec();
+            let frames = dealer.recv().await?;
             // ("", seq, payload); tolerate a missing empty delimiter.
             let (seq, payload) = match frames.as_slice() {
                 [empty, seq, payload] if empty.is_empty() => (seq, payload),
@@ -646,7 +661,7 @@ async fn replay(
             };
             let Ok(seq) = decode_seq(seq) else { continue };
             if seq == END_SEQ {
-                return Ok::<(), zeromq::ZmqError>(());
+                return Ok::<(), ZmtpError>(());
             }
             if seq == expect && seq < to {
                 out.push(payload.clone());

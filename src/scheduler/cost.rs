@@ -11,6 +11,7 @@ use rand::Rng;
 
 use super::{Scheduler, Target};
 use crate::endpoints::{EndpointState, LoadView, WorkerKey};
+use crate::kv::hash::PromptBlocks;
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -45,6 +46,8 @@ pub(super) struct Cand<'a> {
     pub(super) ep: &'a Arc<EndpointState>,
     pub(super) rank: u32,
     pub(super) key: WorkerKey,
+    /// Not passively ejected (read once per endpoint per pick).
+    pub(super) available: bool,
 }
 
 impl Cand<'_> {
@@ -54,17 +57,6 @@ impl Cand<'_> {
             rank: self.rank,
         }
     }
-}
-
-pub(super) fn ranks_of<'a>(eps: impl Iterator<Item = &'a Arc<EndpointState>>) -> Vec<Cand<'a>> {
-    eps.flat_map(|ep| {
-        (0..ep.ranks()).map(move |rank| Cand {
-            ep,
-            rank,
-            key: ep.key(rank),
-        })
-    })
-    .collect()
 }
 
 impl Scheduler {
@@ -115,22 +107,27 @@ impl Scheduler {
     }
 
     /// Index of the chosen candidate: argmin of the cost with a uniform random
-    /// tie-break, or softmax sampling when a temperature is set.
+    /// tie-break (one pass, no allocation), or softmax sampling when a
+    /// temperature is set.
     pub(super) fn choose(
         &self,
         cands: &[Cand<'_>],
-        overlaps: &[usize],
-        prompt_blocks: usize,
+        overlap: &dyn Fn(&Cand<'_>) -> usize,
+        prompt: &PromptBlocks,
         size: u64,
         w_prefill: f64,
         now: Instant,
     ) -> usize {
-        let costs: Vec<f64> = cands
-            .iter()
-            .zip(overlaps)
-            .map(|(c, o)| self.cost(c, prompt_blocks.saturating_sub(*o), size, w_prefill, now))
-            .collect();
-        pick_index(&costs, self.config.temperature, &mut rand::rng())
+        let costs = cands.iter().map(|c| {
+            let new_blocks = prompt.uncached(overlap(c));
+            self.cost(c, new_blocks, size, w_prefill, now)
+        });
+        let temperature = self.config.temperature;
+        if temperature > 0.0 {
+            pick_index(&costs.collect::<Vec<_>>(), temperature, &mut rand::rng())
+        } else {
+            argmin(costs, &mut rand::rng())
+        }
     }
 }
 
@@ -165,12 +162,24 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
         // Rounding left x ≥ 0 after the last weight: the last candidate with any.
         return weights.iter().rposition(|w| *w > 0.0).unwrap_or(0);
     }
+    argmin(costs.iter().copied(), rng)
+}
+
+/// Index of the least cost in one pass; costs within 1e-9 of the least tie and
+/// one of them is drawn uniformly (reservoir sampling). NaN never wins; 0 when
+/// every cost is NaN or there is none.
+fn argmin(costs: impl Iterator<Item = f64>, rng: &mut impl Rng) -> usize {
     let mut best = 0;
+    let mut least = f64::INFINITY;
     let mut ties = 0u32;
-    for (i, c) in costs.iter().enumerate() {
-        if *c <= min + 1e-9 {
+    for (i, c) in costs.enumerate() {
+        if c < least - 1e-9 {
+            least = c;
+            best = i;
+            ties = 1;
+        } else if c <= least + 1e-9 {
+            least = least.min(c);
             ties += 1;
-            // Reservoir sampling over the cheapest candidates.
             if rng.random_range(0..ties) == 0 {
                 best = i;
             }

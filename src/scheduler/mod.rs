@@ -174,6 +174,18 @@ impl Scheduler {
         )
     }
 
+    /// [`Self::block_hashes`] with the prefill cost of each block (images count
+    /// their tokens).
+    pub fn prompt_blocks(&self, body: &InferenceRequest) -> hash::PromptBlocks {
+        hash::PromptBlocks::of(
+            hash::model_seed(&body.model, None),
+            &body.segments,
+            self.config.byte_block,
+            self.config.token_block,
+            self.config.vision.as_ref(),
+        )
+    }
+
     /// Headers to add to a successful (2xx) response of a routed request: the
     /// signed session token, for session turns other than `close`.
     pub fn response_headers(&self, decision: &Decision) -> Option<Vec<(String, String)>> {

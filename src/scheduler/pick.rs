@@ -1,14 +1,13 @@
 //! The pick: candidates → session pin → hash → lookup → score → book.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Instant;
 
 use rand::Rng;
 
-use super::cost::{ranks_of, Cand};
+use super::cost::Cand;
 use super::{Decision, PickError, PickRequest, Scheduler, Stage};
-use crate::endpoints::{EndpointState, Engine, Role, Snapshot, WorkerKey};
+use crate::endpoints::{Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -29,60 +28,31 @@ impl Scheduler {
         if snapshot.endpoints.is_empty() {
             return Err(PickError::NoEndpoints);
         }
-        let eligible: Vec<&Arc<EndpointState>> = match req.subset {
-            Some(subset) => {
-                let c: Vec<_> = snapshot
-                    .endpoints
-                    .iter()
-                    .filter(|e| subset.iter().any(|s| *s == e.endpoint.address_string()))
-                    .collect();
-                if c.is_empty() {
-                    return Err(PickError::SubsetEmpty);
-                }
-                c
-            }
-            None => snapshot.endpoints.iter().collect(),
-        };
-        // Passive health: endpoints ejected for failing responses sit out, unless
-        // every one is ejected (then all are tried rather than none).
-        let mut eligible = eligible;
-        if eligible.iter().any(|e| e.health().available(now)) {
-            eligible.retain(|e| e.health().available(now));
-        }
-        let decode = ranks_of(
-            eligible
-                .iter()
-                .copied()
-                .filter(|e| e.endpoint.role.serves_decode()),
-        );
+        let mut cands = self.candidates(req, snapshot, now)?;
+        // Decode candidates first, then prefill ones (the roles are disjoint);
+        // prefill workers only matter for a body.
+        cands.retain(|c| c.ep.endpoint.role.serves_decode() || req.body.is_some());
+        let split = partition(&mut cands, |c| c.ep.endpoint.role.serves_decode());
+        let (decode, prefill) = cands.split_at(split);
         if decode.is_empty() {
             return Err(PickError::NoDecodeEndpoint);
         }
-        let prefill = match req.body {
-            Some(_) => ranks_of(
-                eligible
-                    .iter()
-                    .copied()
-                    .filter(|e| e.endpoint.role == Role::Prefill),
-            ),
-            None => Vec::new(),
-        };
 
         let (session, pinned, pinned_prefill) = {
             let _t = self.stats.time(Stage::Session);
             let mut session = SessionTurn::of(req.body, req.session_id);
             let (pinned, pinned_prefill) = match session.as_mut() {
-                Some(turn) => self.pinned(turn, req.session_token, &decode, &prefill, now),
+                Some(turn) => self.pinned(turn, req.session_token, decode, prefill, now),
                 None => (None, None),
             };
             (session, pinned, pinned_prefill)
         };
 
-        let (hashes, load_blocks) = {
+        let (prompt, load_blocks) = {
             let _t = self.stats.time(Stage::Hash);
             match req.body {
                 Some(b) => (
-                    self.block_hashes(b),
+                    self.prompt_blocks(b),
                     hash::request_size_blocks_for(
                         &b.segments,
                         self.config.byte_block,
@@ -90,53 +60,37 @@ impl Scheduler {
                         self.config.vision.as_ref(),
                     ),
                 ),
-                None => (Vec::new(), 1),
+                None => (hash::PromptBlocks::default(), 1),
             }
         };
+        let hashes = &prompt.hashes;
 
-        let (overlaps, prefill_overlaps) = {
+        let overlaps = {
             let _t = self.stats.time(Stage::Lookup);
-            let decode_keys: Vec<WorkerKey> = match pinned {
-                Some(i) => vec![decode[i].key],
-                None => decode.iter().map(|c| c.key).collect(),
-            };
-            let prefill_keys: Vec<WorkerKey> = prefill.iter().map(|c| c.key).collect();
-            (
-                self.lookup(&hashes, &decode_keys, now),
-                self.lookup(&hashes, &prefill_keys, now),
-            )
+            (!hashes.is_empty()).then(|| self.index.overlaps(hashes, now))
         };
+        let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c.key));
 
         let (di, overlap, pi) = {
             let _t = self.stats.time(Stage::Score);
             let w = self.config.weights;
-            let (di, overlap) = match pinned {
-                Some(i) => (i, overlaps[0]),
-                None => {
-                    let i = self.choose(
-                        &decode,
-                        &overlaps,
-                        hashes.len(),
-                        load_blocks,
-                        w.prefill,
-                        now,
-                    );
-                    (i, overlaps[i])
-                }
+            let di = match pinned {
+                Some(i) => i,
+                None => self.choose(decode, &overlap_of, &prompt, load_blocks, w.prefill, now),
             };
             let pi = (!prefill.is_empty()).then(|| {
                 pinned_prefill.unwrap_or_else(|| {
                     self.choose(
-                        &prefill,
-                        &prefill_overlaps,
-                        hashes.len(),
+                        prefill,
+                        &overlap_of,
+                        &prompt,
                         load_blocks,
                         w.prefill_overlap,
                         now,
                     )
                 })
             });
-            (di, overlap, pi)
+            (di, overlap_of(&decode[di]), pi)
         };
 
         self.stats
@@ -146,9 +100,9 @@ impl Scheduler {
             .blocks_matched
             .fetch_add(overlap as u64, Ordering::Relaxed);
         let decode_blocks = req.body.map_or(0, |b| self.expected_decode_blocks(b));
-        self.record(&decode[di], &hashes, load_blocks + decode_blocks, now);
+        self.record(&decode[di], hashes, load_blocks + decode_blocks, now);
         if let Some(pi) = pi {
-            self.record(&prefill[pi], &hashes, load_blocks, now);
+            self.record(&prefill[pi], hashes, load_blocks, now);
         }
         let prefill = pi.map(|i| prefill[i].target());
         let bootstrap_port = prefill.as_ref().and_then(|p| {
@@ -216,12 +170,41 @@ impl Scheduler {
         }
     }
 
-    fn lookup(&self, hashes: &[u64], keys: &[WorkerKey], now: Instant) -> Vec<usize> {
-        if hashes.is_empty() {
-            vec![0; keys.len()]
-        } else {
-            self.index.lookup(hashes, keys, now)
+    /// One candidate per (endpoint, rank) the request may go to: in the subset
+    /// hint if any; passively ejected endpoints sit out unless every one is
+    /// ejected (then all are tried rather than none). Each endpoint's health is
+    /// read once.
+    fn candidates<'s>(
+        &self,
+        req: &PickRequest<'_>,
+        snapshot: &'s Snapshot,
+        now: Instant,
+    ) -> Result<Vec<Cand<'s>>, PickError> {
+        let mut cands = Vec::with_capacity(snapshot.endpoints.len());
+        let mut any_available = false;
+        for ep in &snapshot.endpoints {
+            if let Some(subset) = req.subset {
+                let address = ep.endpoint.address_string();
+                if !subset.contains(&address) {
+                    continue;
+                }
+            }
+            let available = ep.health().available(now);
+            any_available |= available;
+            cands.extend((0..ep.ranks()).map(|rank| Cand {
+                ep,
+                rank,
+                key: ep.key(rank),
+                available,
+            }));
         }
+        if cands.is_empty() && req.subset.is_some() {
+            return Err(PickError::SubsetEmpty);
+        }
+        if any_available {
+            cands.retain(|c| c.available);
+        }
+        Ok(cands)
     }
 
     /// Approximate mode: the target now holds the prompt's blocks; it carries the
@@ -241,5 +224,35 @@ impl Scheduler {
             self.index.insert(c.key, hashes, now);
         }
         *self.active.entry(c.key).or_insert(0) += size;
+    }
+}
+
+/// Moves the items matching `first` to the front in one pass (order within each
+/// side is not kept) and returns how many match.
+fn partition<T>(items: &mut [T], first: impl Fn(&T) -> bool) -> usize {
+    let mut n = 0;
+    for i in 0..items.len() {
+        if first(&items[i]) {
+            items.swap(n, i);
+            n += 1;
+        }
+    }
+    n
+}
+
+#[cfg(test)]
+mod partition_tests {
+    use super::partition;
+
+    #[test]
+    fn matching_items_come_first() {
+        let mut v = [1, 2, 3, 4, 5, 6, 7];
+        let n = partition(&mut v, |x| x % 3 == 0);
+        assert_eq!(n, 2);
+        let (mut front, mut back) = (v[..n].to_vec(), v[n..].to_vec());
+        front.sort();
+        back.sort();
+        assert_eq!((front, back), (vec![3, 6], vec![1, 2, 4, 5, 7]));
+        assert_eq!(partition(&mut [] as &mut [u8], |_| true), 0);
     }
 }

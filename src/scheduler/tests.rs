@@ -729,3 +729,46 @@ fn sglang_prefill_without_bootstrap_annotation_gets_the_default_port() {
         .unwrap();
     assert_eq!(d.bootstrap_port, None);
 }
+
+#[test]
+fn an_uncached_image_costs_its_tokens_in_prefill_not_one_block() {
+    // No tokenizer: the image stays one hash block, but prefilling it costs its
+    // 576 tokens (36 blocks of 16), as load already counts.
+    let s = Scheduler::default();
+    let t = both(2);
+    let snap = t.snapshot();
+    let image = body(
+        &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "p".repeat(128)},
+            {"type": "image_url", "image_url": {"url": "https://img.example/cat.png"}},
+            {"type": "text", "text": "q".repeat(64)},
+        ]}]})
+        .to_string(),
+    );
+    let first = s.pick(&with_body(&image), &snap).unwrap();
+    s.finish(&first, Some(200));
+    let holder = first.decode.key();
+    // The holder gets 20 blocks of other load in flight.
+    let only_holder = vec![first.decode.endpoint.endpoint.address.to_string()];
+    let other = prompt(&"o".repeat(64 * 20));
+    let busy = s
+        .pick(
+            &PickRequest {
+                body: Some(&other),
+                subset: Some(&only_holder),
+                ..Default::default()
+            },
+            &snap,
+        )
+        .unwrap();
+    assert_eq!(busy.decode.key(), holder);
+    // Elsewhere the image must be prefilled again (36 blocks + text) — more than
+    // the holder's 20 blocks of load, so the image goes back to its holder.
+    let again = s.pick(&with_body(&image), &snap).unwrap();
+    assert_eq!(
+        again.decode.key(),
+        holder,
+        "the cached image is worth its tokens"
+    );
+    assert_eq!(again.overlap_blocks, again.prompt_blocks);
+}

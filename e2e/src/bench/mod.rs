@@ -46,6 +46,11 @@ pub fn markdown_table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// A Markdown table with one row per item.
+pub fn table_of<T>(header: &[&str], items: &[T], row: impl Fn(&T) -> Vec<String>) -> String {
+    markdown_table(header, &items.iter().map(row).collect::<Vec<_>>())
+}
+
 /// A deterministic 64-bit generator (SplitMix64): the same seed gives the same
 /// sequence on every machine.
 #[derive(Debug, Clone)]

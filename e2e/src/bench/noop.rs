@@ -3,7 +3,7 @@
 //! It speaks the same FULL_DUPLEX_STREAMED protocol on the same tonic stack as
 //! kvpick (same message builders, same HTTP/2 stream limit, TCP_NODELAY) but does no parsing
 //! and no scheduling: it collects the body, answers the held headers with a fixed
-//! endpoint, streams the body back, and passes the response path through.
+//! endpoint, streams the body back chunk by chunk, and passes the response path through.
 
 use std::pin::Pin;
 
@@ -57,12 +57,20 @@ impl ExternalProcessor for Noop {
                             )],
                             ..Default::default()
                         };
-                        let mut out = vec![messages::request_headers(
+                        let headers = messages::request_headers(
                             messages::common(Some(mutation), true),
                             Some(messages::destination_metadata(NOOP_ENDPOINT)),
-                        )];
-                        out.extend(messages::streamed_body(&body, true, false));
-                        out
+                        );
+                        // The body goes back chunk by chunk, as kvpick sends it.
+                        let echo = messages::Echo::new(std::mem::take(&mut body), true);
+                        let mut sent = true;
+                        for m in std::iter::once(headers).chain(echo) {
+                            sent = sent && tx.send(Ok(m)).await.is_ok();
+                        }
+                        if !sent {
+                            return;
+                        }
+                        Vec::new()
                     }
                     Some(processing_request::Request::ResponseHeaders(_)) => {
                         vec![messages::response_headers(None)]
@@ -74,7 +82,8 @@ impl ExternalProcessor for Noop {
                             for m in out {
                                 let _ = tx.send(Ok(m)).await;
                             }
-                            return;
+                            // As kvpick: let Envoy close its side first.
+                            return kvpick::extproc::linger(&mut inbound).await;
                         }
                         out
                     }

@@ -9,6 +9,8 @@
 //! Decision latency is the time from sending the last body chunk to receiving the
 //! headers answer. Many streams run at once over a few HTTP/2 connections.
 
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,13 +27,15 @@ use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
 use serde::Serialize;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::TcpListener;
+use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::Streaming;
 
-use super::{markdown_table, micros, quantile, sorted, SplitMix64};
+use super::{micros, quantile, sorted, table_of, SplitMix64};
 
 /// Body chunk size the load generator sends (Envoy forwards reads of about this size).
 pub const CHUNK: usize = 16 * 1024;
@@ -51,6 +55,9 @@ pub struct OverheadConfig {
     pub concurrency: usize,
     /// HTTP/2 connections the streams share.
     pub connections: usize,
+    /// The `kvpick-bench` executable that serves each (cell, server) in a child
+    /// process (`overhead-server`), so peak RSS is per cell.
+    pub server_exe: PathBuf,
 }
 
 /// Latency and throughput of one server in one cell.
@@ -62,6 +69,8 @@ pub struct ServerFigures {
     pub p99_us: f64,
     /// Completed requests per second.
     pub rps: f64,
+    /// The server process's peak resident set (VmHWM) in MiB.
+    pub peak_rss_mib: f64,
 }
 
 /// One (body size, endpoint count) cell.
@@ -77,6 +86,8 @@ pub struct OverheadRun {
     pub noop: ServerFigures,
     /// kvpick p99 / no-op p99.
     pub p99_ratio: f64,
+    /// kvpick req/s / no-op req/s.
+    pub throughput_ratio: f64,
 }
 
 /// The whole overhead report.
@@ -89,24 +100,7 @@ pub struct OverheadReport {
 impl OverheadReport {
     /// The report as a Markdown table.
     pub fn markdown(&self) -> String {
-        let rows: Vec<Vec<String>> = self
-            .runs
-            .iter()
-            .map(|r| {
-                vec![
-                    r.body_bytes.to_string(),
-                    r.endpoints.to_string(),
-                    format!("{:.0}", r.kvpick.p50_us),
-                    format!("{:.0}", r.noop.p50_us),
-                    format!("{:.0}", r.kvpick.p99_us),
-                    format!("{:.0}", r.noop.p99_us),
-                    format!("{:.2}", r.p99_ratio),
-                    format!("{:.0}", r.kvpick.rps),
-                    format!("{:.0}", r.noop.rps),
-                ]
-            })
-            .collect();
-        markdown_table(
+        table_of(
             &[
                 "body bytes",
                 "endpoints",
@@ -117,8 +111,27 @@ impl OverheadReport {
                 "p99 ratio",
                 "kvpick req/s",
                 "noop req/s",
+                "throughput ratio",
+                "kvpick peak RSS MiB",
+                "noop peak RSS MiB",
             ],
-            &rows,
+            &self.runs,
+            |r| {
+                vec![
+                    r.body_bytes.to_string(),
+                    r.endpoints.to_string(),
+                    format!("{:.0}", r.kvpick.p50_us),
+                    format!("{:.0}", r.noop.p50_us),
+                    format!("{:.0}", r.kvpick.p99_us),
+                    format!("{:.0}", r.noop.p99_us),
+                    format!("{:.2}", r.p99_ratio),
+                    format!("{:.0}", r.kvpick.rps),
+                    format!("{:.0}", r.noop.rps),
+                    format!("{:.2}", r.throughput_ratio),
+                    format!("{:.0}", r.kvpick.peak_rss_mib),
+                    format!("{:.0}", r.noop.peak_rss_mib),
+                ]
+            },
         )
     }
 }
@@ -154,12 +167,15 @@ fn header(key: &str, value: &str) -> HeaderValue {
     }
 }
 
-fn request_headers() -> ProcessingRequest {
+/// Request headers as Envoy forwards them (with the client's `content-length`).
+fn request_headers(path: &str, content_length: usize) -> ProcessingRequest {
+    let content_length = content_length.to_string();
     let headers = [
         (":method", "POST"),
-        (":path", "/v1/chat/completions"),
+        (":path", path),
         (":authority", "gateway"),
         ("content-type", "application/json"),
+        ("content-length", &content_length),
     ]
     .iter()
     .map(|(k, v)| header(k, v))
@@ -217,8 +233,13 @@ async fn next(responses: &mut Streaming<ProcessingResponse>) -> anyhow::Result<P
         .context("server answered with an error status")
 }
 
-/// Runs one Envoy-style request to completion; returns the decision latency.
+/// Runs one Envoy-style chat request to completion; returns the decision latency.
 pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> {
+    one_request_to(ch, "/v1/chat/completions", body).await
+}
+
+/// [`one_request`] to `path`.
+pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Result<Duration> {
     let (tx, rx) = mpsc::channel(64);
     let send = |m| {
         let tx = tx.clone();
@@ -228,7 +249,7 @@ pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> 
                 .map_err(|_| anyhow!("request stream closed"))
         }
     };
-    send(request_headers()).await?;
+    send(request_headers(path, body.len())).await?;
     let mut responses = ExternalProcessorClient::new(ch.clone())
         .process(ReceiverStream::new(rx))
         .await?
@@ -270,52 +291,149 @@ fn endpoints(n: usize) -> Vec<Endpoint> {
         .collect()
 }
 
-/// Starts kvpick's ext_proc server on loopback over `n` standalone endpoints.
-async fn start_kvpick(n: usize) -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
-    let app = App::new("bench");
-    app.endpoints.replace(endpoints(n));
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let service = app.ext_proc(ExtProcConfig::default());
-    let task = tokio::spawn(async move {
-        let _app = app;
-        if let Err(e) = serve_ext_proc(listener, service, None).await {
-            eprintln!("kvpick ext_proc server failed: {e}");
-        }
-    });
-    Ok((port, task))
+/// Which ext_proc server a cell drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerKind {
+    /// kvpick over this many standalone endpoints.
+    Kvpick {
+        /// Endpoints in the pool.
+        endpoints: usize,
+    },
+    /// The no-op baseline.
+    Noop,
 }
 
-async fn start_noop() -> anyhow::Result<(u16, tokio::task::JoinHandle<()>)> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let task = tokio::spawn(async move {
-        if let Err(e) = super::noop::serve(listener).await {
-            eprintln!("no-op ext_proc server failed: {e}");
+impl ServerKind {
+    /// The arguments of `kvpick-bench overhead-server` that serve this kind.
+    pub fn args(self) -> Vec<String> {
+        match self {
+            ServerKind::Kvpick { endpoints } => {
+                vec!["--endpoints".into(), endpoints.to_string()]
+            }
+            ServerKind::Noop => vec!["--noop".into()],
         }
-    });
-    Ok((port, task))
+    }
+}
+
+/// Serves `kind` on `listener` until the future is dropped.
+pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()> {
+    match kind {
+        ServerKind::Kvpick { endpoints: n } => {
+            let app = App::new("bench");
+            app.endpoints.replace(endpoints(n));
+            let service = app.ext_proc(ExtProcConfig::default());
+            serve_ext_proc(listener, service, None).await?;
+        }
+        ServerKind::Noop => super::noop::serve(listener).await?,
+    }
+    Ok(())
+}
+
+/// The server side of a cell, run in its own process (`kvpick-bench
+/// overhead-server`) so its peak RSS is its own: prints the port on stdout and
+/// serves until stdin closes.
+pub async fn serve_until_stdin_closes(kind: ServerKind) -> anyhow::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    println!("{}", listener.local_addr()?.port());
+    let mut stdin = tokio::io::stdin();
+    let mut sink = Vec::new();
+    tokio::select! {
+        served = serve(kind, listener) => served,
+        _ = stdin.read_to_end(&mut sink) => Ok(()),
+    }
+}
+
+/// A server child process of one (cell, server) run; killed when dropped.
+pub struct ServerProcess {
+    child: Child,
+    /// Its ext_proc port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl ServerProcess {
+    /// Starts `exe overhead-server <kind args>` and reads its port.
+    pub async fn start(exe: &Path, kind: ServerKind) -> anyhow::Result<Self> {
+        let mut child = Command::new(exe)
+            .arg("overhead-server")
+            .args(kind.args())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", exe.display()))?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).await?;
+        let port = line
+            .trim()
+            .parse()
+            .with_context(|| format!("server printed {line:?}, not a port"))?;
+        Ok(ServerProcess { child, port })
+    }
+
+    /// The process's peak resident set (VmHWM) in bytes.
+    pub fn peak_rss_bytes(&self) -> anyhow::Result<u64> {
+        let pid = self.child.id().context("server already exited")?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        vm_hwm_bytes(&status).context("no VmHWM line in /proc/<pid>/status")
+    }
+
+    /// Closes its stdin (it then exits) and waits for it.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        drop(self.child.stdin.take());
+        let status = self.child.wait().await?;
+        if !status.success() {
+            bail!("server exited with {status}");
+        }
+        Ok(())
+    }
+}
+
+/// `VmHWM` of a `/proc/<pid>/status` text, in bytes.
+pub fn vm_hwm_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Drives the server on `port` with `cfg.concurrency` streams for warm-up plus
-/// `cfg.duration`; latencies are kept only from the measured window.
+/// `cfg.duration`; latencies are kept of the requests that finish in the
+/// measured window, and throughput is their count over it.
 async fn drive(
     port: u16,
     bodies: Arc<Vec<Vec<u8>>>,
     cfg: &OverheadConfig,
+    large: Option<&LargeLoad>,
 ) -> anyhow::Result<ServerFigures> {
-    let mut channels = Vec::new();
-    for _ in 0..cfg.connections.max(1) {
-        channels.push(
+    let connect = || async {
+        anyhow::Ok(
             Channel::from_shared(format!("http://127.0.0.1:{port}"))?
                 .tcp_nodelay(true)
                 .connect()
                 .await?,
-        );
+        )
+    };
+    let mut channels = Vec::new();
+    for _ in 0..cfg.connections.max(1) {
+        channels.push(connect().await?);
     }
     let start = Instant::now();
     let measure_from = start + cfg.warmup;
     let end = measure_from + cfg.duration;
+    // Large requests on their own connection, unmeasured, for the whole run.
+    let mut background = Vec::new();
+    if let Some(large) = large {
+        let ch = connect().await?;
+        for _ in 0..large.streams {
+            let (ch, body) = (ch.clone(), Arc::clone(&large.body));
+            background.push(tokio::spawn(async move {
+                while Instant::now() < end {
+                    one_request(&ch, &body).await?;
+                }
+                anyhow::Ok(())
+            }));
+        }
+    }
     let mut tasks = Vec::new();
     for i in 0..cfg.concurrency.max(1) {
         let ch = channels[i % channels.len()].clone();
@@ -323,14 +441,13 @@ async fn drive(
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
             let mut k = i;
-            loop {
-                let began = Instant::now();
-                if began >= end {
-                    break;
-                }
+            while Instant::now() < end {
                 let l = one_request(&ch, &bodies[k % bodies.len()]).await?;
                 k += 1;
-                if began >= measure_from && Instant::now() <= end {
+                // Requests that finish inside the window count (large bodies take
+                // longer than a short window).
+                let done = Instant::now();
+                if done >= measure_from && done <= end {
                     lat.push(micros(l));
                 }
             }
@@ -341,44 +458,286 @@ async fn drive(
     for t in tasks {
         all.extend(t.await??);
     }
+    for t in background {
+        t.await??;
+    }
     let lat = sorted(all);
     Ok(ServerFigures {
         p50_us: quantile(&lat, 0.5),
         p99_us: quantile(&lat, 0.99),
         rps: lat.len() as f64 / cfg.duration.as_secs_f64(),
+        peak_rss_mib: 0.0,
     })
+}
+
+/// Starts `kind` in a child process, drives it, and adds its peak RSS.
+async fn measure(
+    kind: ServerKind,
+    bodies: &Arc<Vec<Vec<u8>>>,
+    cfg: &OverheadConfig,
+    large: Option<&LargeLoad>,
+) -> anyhow::Result<ServerFigures> {
+    let server = ServerProcess::start(&cfg.server_exe, kind).await?;
+    let mut figures = drive(server.port, Arc::clone(bodies), cfg, large).await?;
+    figures.peak_rss_mib = server.peak_rss_bytes()? as f64 / f64::from(1 << 20);
+    server.stop().await?;
+    Ok(figures)
+}
+
+/// Distinct bodies per cell: 64, fewer for large bodies so the client holds at
+/// most about 256 MiB of them.
+fn variants(bytes: usize) -> u64 {
+    ((256 << 20) / bytes.max(1)).clamp(4, 64) as u64
 }
 
 /// Runs every (body size, endpoint count) cell against both servers.
 pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
     let mut runs = Vec::new();
     for &bytes in &cfg.body_bytes {
-        let bodies = Arc::new((0..64).map(|v| chat_body(bytes, v)).collect::<Vec<_>>());
+        let bodies = Arc::new(
+            (0..variants(bytes))
+                .map(|v| chat_body(bytes, v))
+                .collect::<Vec<_>>(),
+        );
         for &n in &cfg.endpoints {
-            let (noop_port, noop_task) = start_noop().await?;
-            let noop = drive(noop_port, Arc::clone(&bodies), cfg).await?;
-            noop_task.abort();
-            let (kv_port, kv_task) = start_kvpick(n).await?;
-            let kvpick = drive(kv_port, Arc::clone(&bodies), cfg).await?;
-            kv_task.abort();
+            let noop = measure(ServerKind::Noop, &bodies, cfg, None).await?;
+            let kvpick = measure(ServerKind::Kvpick { endpoints: n }, &bodies, cfg, None).await?;
             eprintln!(
                 "overhead: {bytes} B, {n} endpoints: kvpick p99 {:.0} µs, noop p99 {:.0} µs",
                 kvpick.p99_us, noop.p99_us
             );
+            let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
             runs.push(OverheadRun {
                 body_bytes: bodies[0].len(),
                 endpoints: n,
-                p99_ratio: if noop.p99_us > 0.0 {
-                    kvpick.p99_us / noop.p99_us
-                } else {
-                    0.0
-                },
+                p99_ratio: ratio(kvpick.p99_us, noop.p99_us),
+                throughput_ratio: ratio(kvpick.rps, noop.rps),
                 kvpick,
                 noop,
             });
         }
     }
     Ok(OverheadReport { runs })
+}
+
+/// Large requests running next to the measured ones (the stall measurement).
+#[derive(Debug, Clone)]
+pub struct LargeLoad {
+    /// The large body every background stream sends.
+    pub body: Arc<Vec<u8>>,
+    /// Background streams, each sending one large request after another.
+    pub streams: usize,
+}
+
+/// Small-request figures of one server, alone and next to large requests.
+#[derive(Debug, Clone, Serialize)]
+pub struct StallRun {
+    /// `kvpick` or `noop`.
+    pub server: String,
+    /// Small requests alone.
+    pub alone: ServerFigures,
+    /// Small requests while the large ones run.
+    pub with_large: ServerFigures,
+    /// p99 with large requests / p99 alone.
+    pub p99_ratio: f64,
+}
+
+/// The stall report: does work on large bodies delay small requests?
+#[derive(Debug, Clone, Serialize)]
+pub struct StallReport {
+    /// Small body size in bytes.
+    pub small_bytes: usize,
+    /// Large body size in bytes.
+    pub large_bytes: usize,
+    /// Background streams sending large bodies.
+    pub large_streams: usize,
+    /// Endpoints in kvpick's pool.
+    pub endpoints: usize,
+    /// One entry per server.
+    pub runs: Vec<StallRun>,
+}
+
+impl StallReport {
+    /// The report as a Markdown table.
+    pub fn markdown(&self) -> String {
+        format!(
+            "small {} B requests, alone and next to {} streams of {} B requests ({} endpoints)\n\n{}",
+            self.small_bytes,
+            self.large_streams,
+            self.large_bytes,
+            self.endpoints,
+            table_of(&[
+                    "server",
+                    "alone p50 µs",
+                    "alone p99 µs",
+                    "with large p50 µs",
+                    "with large p99 µs",
+                    "p99 ratio",
+                ], &self.runs, |r| vec![
+                    r.server.clone(),
+                    format!("{:.0}", r.alone.p50_us),
+                    format!("{:.0}", r.alone.p99_us),
+                    format!("{:.0}", r.with_large.p50_us),
+                    format!("{:.0}", r.with_large.p99_us),
+                    format!("{:.2}", r.p99_ratio),
+                ])
+        )
+    }
+}
+
+/// Decision latency of `small_bytes` requests on each server, alone and while
+/// `large_streams` streams send `large_bytes` bodies, in one run.
+pub async fn stall(
+    cfg: &OverheadConfig,
+    small_bytes: usize,
+    large_bytes: usize,
+    large_streams: usize,
+    endpoints: usize,
+) -> anyhow::Result<StallReport> {
+    let bodies = Arc::new((0..64).map(|v| chat_body(small_bytes, v)).collect());
+    let large = LargeLoad {
+        body: Arc::new(chat_body(large_bytes, 1_000_000)),
+        streams: large_streams,
+    };
+    let mut runs = Vec::new();
+    for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints }] {
+        let alone = measure(kind, &bodies, cfg, None).await?;
+        let with_large = measure(kind, &bodies, cfg, Some(&large)).await?;
+        runs.push(StallRun {
+            server: match kind {
+                ServerKind::Noop => "noop".into(),
+                ServerKind::Kvpick { .. } => "kvpick".into(),
+            },
+            p99_ratio: if alone.p99_us > 0.0 {
+                with_large.p99_us / alone.p99_us
+            } else {
+                0.0
+            },
+            alone,
+            with_large,
+        });
+    }
+    Ok(StallReport {
+        small_bytes,
+        large_bytes,
+        large_streams,
+        endpoints,
+        runs,
+    })
+}
+
+/// A `/v1/completions` body whose prompt is `tokens` token ids of one digit
+/// each (about 2 bytes a token: 12 M ids ≈ 23 MiB).
+pub fn numeric_prompt_body(tokens: usize) -> Vec<u8> {
+    let mut body = Vec::with_capacity(tokens * 2 + 64);
+    body.extend_from_slice(br#"{"model":"llama","max_tokens":1,"prompt":["#);
+    for i in 0..tokens {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.push(b'0' + (i % 10) as u8);
+    }
+    body.extend_from_slice(b"]}");
+    body
+}
+
+/// Peak memory of one server while `concurrent` large requests run at once.
+#[derive(Debug, Clone, Serialize)]
+pub struct RssRun {
+    /// `kvpick` or `noop`.
+    pub server: String,
+    /// Body size of each request in MiB.
+    pub body_mib: f64,
+    /// Requests in flight together.
+    pub concurrent: usize,
+    /// Peak RSS (VmHWM) after one small warm-up request, MiB.
+    pub idle_mib: f64,
+    /// Peak RSS after the large requests, MiB.
+    pub peak_mib: f64,
+    /// (peak − idle) / (concurrent × body size).
+    pub growth_per_body_byte: f64,
+}
+
+/// The peak-RSS report.
+#[derive(Debug, Clone, Serialize)]
+pub struct RssReport {
+    /// One entry per server.
+    pub runs: Vec<RssRun>,
+}
+
+impl RssReport {
+    /// The report as a Markdown table.
+    pub fn markdown(&self) -> String {
+        table_of(
+            &[
+                "server",
+                "body MiB",
+                "concurrent",
+                "idle peak RSS MiB",
+                "peak RSS MiB",
+                "growth / body bytes",
+            ],
+            &self.runs,
+            |r| {
+                vec![
+                    r.server.clone(),
+                    format!("{:.1}", r.body_mib),
+                    r.concurrent.to_string(),
+                    format!("{:.0}", r.idle_mib),
+                    format!("{:.0}", r.peak_mib),
+                    format!("{:.2}", r.growth_per_body_byte),
+                ]
+            },
+        )
+    }
+}
+
+/// Sends `concurrent` copies of `body` to `path` at once, to the no-op server
+/// and to kvpick (each in its own process), and reads each one's peak RSS.
+pub async fn peak_rss(
+    exe: &Path,
+    path: &str,
+    body: Vec<u8>,
+    concurrent: usize,
+    endpoints: usize,
+) -> anyhow::Result<RssReport> {
+    let body = Arc::new(body);
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    let mut runs = Vec::new();
+    for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints }] {
+        let server = ServerProcess::start(exe, kind).await?;
+        let ch = Channel::from_shared(format!("http://127.0.0.1:{}", server.port))?
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        one_request(&ch, &chat_body(1024, 0)).await?;
+        let idle = server.peak_rss_bytes()?;
+        let mut tasks = Vec::new();
+        for _ in 0..concurrent {
+            let (ch, body, path) = (ch.clone(), Arc::clone(&body), path.to_string());
+            tasks.push(tokio::spawn(async move {
+                one_request_to(&ch, &path, &body).await
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let peak = server.peak_rss_bytes()?;
+        server.stop().await?;
+        runs.push(RssRun {
+            server: match kind {
+                ServerKind::Noop => "noop".into(),
+                ServerKind::Kvpick { .. } => "kvpick".into(),
+            },
+            body_mib: mib(body.len() as u64),
+            concurrent,
+            idle_mib: mib(idle),
+            peak_mib: mib(peak),
+            growth_per_body_byte: peak.saturating_sub(idle) as f64
+                / (concurrent * body.len()).max(1) as f64,
+        });
+    }
+    Ok(RssReport { runs })
 }
 
 #[cfg(test)]
@@ -403,15 +762,42 @@ mod tests {
     #[tokio::test]
     async fn one_request_completes_against_both_servers() {
         let body = chat_body(100_000, 0);
-        for start in [start_noop().await, start_kvpick(8).await] {
-            let (port, task) = start.unwrap();
+        for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints: 8 }] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let server = tokio::spawn(serve(kind, listener));
             let ch = Channel::from_shared(format!("http://127.0.0.1:{port}"))
                 .unwrap()
                 .connect()
                 .await
                 .unwrap();
             one_request(&ch, &body).await.unwrap();
-            task.abort();
+            server.abort();
         }
+    }
+
+    #[test]
+    fn peak_rss_comes_from_vm_hwm() {
+        let status = "Name:\tkvpick\nVmPeak:\t  900 kB\nVmHWM:\t   12345 kB\nVmRSS:\t 100 kB\n";
+        assert_eq!(vm_hwm_bytes(status), Some(12345 * 1024));
+        assert_eq!(vm_hwm_bytes("VmRSS: 1 kB\n"), None);
+        let own = std::fs::read_to_string("/proc/self/status").unwrap();
+        assert!(vm_hwm_bytes(&own).unwrap() > 0);
+    }
+
+    #[test]
+    fn numeric_prompts_are_two_bytes_a_token_and_parse() {
+        let b = numeric_prompt_body(1000);
+        assert!(b.len() > 2000 && b.len() < 2100, "{}", b.len());
+        let parsed =
+            kvpick::request::parse(&b, Some(kvpick::request::ApiKind::Completions)).unwrap();
+        assert_eq!(parsed.model, "llama");
+    }
+
+    #[test]
+    fn large_bodies_get_fewer_variants() {
+        assert_eq!(variants(1024), 64);
+        assert_eq!(variants(8 << 20), 32);
+        assert_eq!(variants(64 << 20), 4);
     }
 }

@@ -227,6 +227,7 @@ mod tests {
             p50_us,
             p99_us,
             rps: 1.0,
+            peak_rss_mib: 20.0,
         };
         let overhead_report = OverheadReport {
             runs: vec![OverheadRun {
@@ -235,6 +236,7 @@ mod tests {
                 kvpick: fig(150.0, 400.0),
                 noop: fig(100.0, 300.0),
                 p99_ratio: 4.0 / 3.0,
+                throughput_ratio: 1.0,
             }],
         };
         let policy = |name: &str, hit_rate| PolicyFigures {

@@ -36,7 +36,11 @@ enum Command {
     /// Decision latency and throughput of kvpick's ext_proc server next to a no-op server.
     Overhead {
         /// Chat body sizes in bytes.
-        #[arg(long, value_delimiter = ',', default_value = "1024,32768,225280")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1024,32768,225280,1048576,8388608"
+        )]
         body_bytes: Vec<usize>,
         /// Endpoint counts.
         #[arg(long, value_delimiter = ',', default_value = "8,64,1024")]
@@ -53,6 +57,55 @@ enum Command {
         /// HTTP/2 connections shared by the streams.
         #[arg(long, default_value_t = 2)]
         connections: usize,
+    },
+    /// Decision latency of small requests alone and next to large ones, kvpick
+    /// and the no-op server, in one run.
+    Stall {
+        /// Small (measured) body size in bytes.
+        #[arg(long, default_value_t = 1024)]
+        small_bytes: usize,
+        /// Large (background) body size in bytes.
+        #[arg(long, default_value_t = 8 << 20)]
+        large_bytes: usize,
+        /// Background streams sending large bodies.
+        #[arg(long, default_value_t = 4)]
+        large_streams: usize,
+        /// Endpoints in kvpick's pool.
+        #[arg(long, default_value_t = 64)]
+        endpoints: usize,
+        /// Measured seconds per server and load.
+        #[arg(long, default_value_t = 3.0)]
+        duration: f64,
+        /// Warm-up seconds (not measured).
+        #[arg(long, default_value_t = 0.5)]
+        warmup: f64,
+        /// Concurrent small-request streams.
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+    },
+    /// Peak RSS of kvpick and the no-op server while large numeric prompts run
+    /// at once (`/v1/completions`, one-digit token ids).
+    PeakRss {
+        /// Token ids per prompt (12 M ≈ 23 MiB).
+        #[arg(long, default_value_t = 12_000_000)]
+        tokens: usize,
+        /// Requests sent together.
+        #[arg(long, default_value_t = 2)]
+        concurrent: usize,
+        /// Endpoints in kvpick's pool.
+        #[arg(long, default_value_t = 8)]
+        endpoints: usize,
+    },
+    /// One server of an overhead cell, in its own process: prints its port, serves
+    /// until stdin closes.
+    #[command(hide = true)]
+    OverheadServer {
+        /// kvpick over this many endpoints.
+        #[arg(long, default_value_t = 8)]
+        endpoints: usize,
+        /// The no-op server instead of kvpick.
+        #[arg(long)]
+        noop: bool,
     },
     /// Replays a Mooncake-format trace through routing policies against simulated workers.
     Replay {
@@ -148,12 +201,61 @@ fn main() -> anyhow::Result<()> {
                 warmup: Duration::from_secs_f64(warmup),
                 concurrency,
                 connections,
+                server_exe: std::env::current_exe()?,
             };
             let report = tokio::runtime::Runtime::new()?.block_on(overhead::run(&cfg))?;
             if let Some(dir) = &cli.plots {
                 plot::overhead(&report, &dir.join("overhead.svg"))?;
             }
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::Stall {
+            small_bytes,
+            large_bytes,
+            large_streams,
+            endpoints,
+            duration,
+            warmup,
+            concurrency,
+        } => {
+            let cfg = overhead::OverheadConfig {
+                body_bytes: vec![small_bytes],
+                endpoints: vec![endpoints],
+                duration: Duration::from_secs_f64(duration),
+                warmup: Duration::from_secs_f64(warmup),
+                concurrency,
+                connections: 1,
+                server_exe: std::env::current_exe()?,
+            };
+            let report = tokio::runtime::Runtime::new()?.block_on(overhead::stall(
+                &cfg,
+                small_bytes,
+                large_bytes,
+                large_streams,
+                endpoints,
+            ))?;
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::PeakRss {
+            tokens,
+            concurrent,
+            endpoints,
+        } => {
+            let report = tokio::runtime::Runtime::new()?.block_on(overhead::peak_rss(
+                &std::env::current_exe()?,
+                "/v1/completions",
+                overhead::numeric_prompt_body(tokens),
+                concurrent,
+                endpoints,
+            ))?;
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::OverheadServer { endpoints, noop } => {
+            let kind = match noop {
+                true => overhead::ServerKind::Noop,
+                false => overhead::ServerKind::Kvpick { endpoints },
+            };
+            tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))
         }
         Command::Replay {
             trace: path,
