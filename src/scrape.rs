@@ -84,6 +84,72 @@ pub enum ScrapeError {
     Missing(&'static str),
 }
 
+impl ScrapeError {
+    /// The failure's class, as the `reason` label of the scrape-error counter.
+    pub fn reason(&self) -> ScrapeFailure {
+        match self {
+            ScrapeError::Http(_) => ScrapeFailure::Connect,
+            ScrapeError::Status(_) => ScrapeFailure::Status,
+            ScrapeError::Timeout => ScrapeFailure::Timeout,
+            ScrapeError::Parse(_) => ScrapeFailure::Parse,
+            ScrapeError::Missing(_) => ScrapeFailure::MissingMetric,
+        }
+    }
+}
+
+/// Classes of scrape failure (the `reason` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScrapeFailure {
+    /// Connection or protocol failure.
+    Connect,
+    /// A non-2xx status.
+    Status,
+    /// No complete answer in time.
+    Timeout,
+    /// Not Prometheus text.
+    Parse,
+    /// A metric kvpick needs is absent.
+    MissingMetric,
+}
+
+impl ScrapeFailure {
+    /// Every class, in label order.
+    pub const ALL: [ScrapeFailure; 5] = [
+        ScrapeFailure::Connect,
+        ScrapeFailure::Status,
+        ScrapeFailure::Timeout,
+        ScrapeFailure::Parse,
+        ScrapeFailure::MissingMetric,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScrapeFailure::Connect => "connect",
+            ScrapeFailure::Status => "status",
+            ScrapeFailure::Timeout => "timeout",
+            ScrapeFailure::Parse => "parse",
+            ScrapeFailure::MissingMetric => "missing_metric",
+        }
+    }
+}
+
+/// Failed scrapes so far, by class (telemetry reads them).
+#[derive(Debug, Default)]
+pub struct ScrapeErrors([std::sync::atomic::AtomicU64; 5]);
+
+impl ScrapeErrors {
+    /// Counts one failure.
+    pub fn record(&self, failure: ScrapeFailure) {
+        self.0[failure as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Failures of one class so far.
+    pub fn count(&self, failure: ScrapeFailure) -> u64 {
+        self.0[failure as usize].load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// Metric names of one engine.
 struct Names {
     queue: &'static [&'static str],
@@ -320,9 +386,9 @@ struct Track {
     failing: bool,
 }
 
-/// Scrapes every endpoint of `table` forever, as `config` says. The scrapes in
-/// flight belong to this future: dropping it cancels them.
-pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
+/// Scrapes every endpoint of `table` forever, as `config` says, counting failures in
+/// `errors`. The scrapes in flight belong to this future: dropping it cancels them.
+pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>, errors: Arc<ScrapeErrors>) {
     let client = http_client();
     let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
     let tracks: Arc<Mutex<HashMap<SocketAddr, Track>>> = Arc::default();
@@ -359,11 +425,12 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
                 break;
             };
             tracks.lock().entry(addr).or_default().busy = true;
-            let (client, config, tracks, state) = (
+            let (client, config, tracks, state, errors) = (
                 client.clone(),
                 Arc::clone(&config),
                 Arc::clone(&tracks),
                 Arc::clone(state),
+                Arc::clone(&errors),
             );
             scrapes.spawn(async move {
                 let result = scrape_one(&client, &state, &config).await;
@@ -379,6 +446,7 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>) {
                         track.failing = false;
                     }
                     Err(e) => {
+                        errors.record(e.reason());
                         state.set_scrape_failed(std::time::Instant::now());
                         if !track.failing {
                             warn!(endpoint = %addr, error = %e, "metrics scrape failed");
@@ -501,7 +569,7 @@ mod tests {
             concurrency: 8,
             ..Default::default()
         };
-        let task = tokio::spawn(run(config, Arc::clone(&table)));
+        let task = tokio::spawn(run(config, Arc::clone(&table), Arc::default()));
         let snap = table.snapshot();
         let by_addr = |a: SocketAddr| {
             snap.endpoints
@@ -559,7 +627,7 @@ mod tests {
             timeout: Duration::from_secs(60),
             ..Default::default()
         };
-        let scraping = tokio::spawn(run(config, table));
+        let scraping = tokio::spawn(run(config, table, Arc::default()));
         accepted.await.unwrap();
         scraping.abort();
         let _ = scraping.await;
@@ -569,6 +637,48 @@ mod tests {
             .expect("the scrape outlived its loop")
             .unwrap();
         worker.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn failed_scrapes_are_counted_by_reason() {
+        let live = serve_page(VLLM).await;
+        let not_metrics = serve_page("this is not a metrics page {").await;
+        let closed = TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let table = Arc::new(EndpointTable::new());
+        table.replace(vec![
+            Endpoint::new(live),
+            Endpoint::new(not_metrics),
+            Endpoint::new(closed),
+        ]);
+        let config = ScrapeConfig {
+            interval: Duration::from_millis(10),
+            ..Default::default()
+        };
+        let errors = Arc::<ScrapeErrors>::default();
+        let task = tokio::spawn(run(config, table, Arc::clone(&errors)));
+        let counted = |f| errors.count(f) > 0;
+        for _ in 0..500 {
+            if counted(ScrapeFailure::Connect)
+                && (counted(ScrapeFailure::Parse) || counted(ScrapeFailure::MissingMetric))
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        task.abort();
+        assert!(
+            counted(ScrapeFailure::Connect),
+            "refused connection not counted"
+        );
+        assert!(
+            counted(ScrapeFailure::Parse) || counted(ScrapeFailure::MissingMetric),
+            "unreadable page not counted"
+        );
+        assert!(!counted(ScrapeFailure::Status) && !counted(ScrapeFailure::Timeout));
     }
 
     #[tokio::test]

@@ -89,6 +89,8 @@ pub struct App {
     pub admission: Gate,
     /// Flow-control and objective metrics.
     pub admission_metrics: Arc<AdmissionMetrics>,
+    /// Failed metrics scrapes by reason.
+    pub scrape_errors: Arc<crate::scrape::ScrapeErrors>,
 }
 
 impl App {
@@ -109,6 +111,8 @@ impl App {
         };
         let admission = Gate::new(off, Arc::default(), admission_metrics.clone());
         admission_metrics.watch(&admission);
+        let scrape_errors = Arc::<crate::scrape::ScrapeErrors>::default();
+        metrics.register_scrape_errors(Arc::clone(&scrape_errors));
         App {
             endpoints: Arc::new(EndpointTable::new()),
             scheduler,
@@ -116,6 +120,7 @@ impl App {
             tokenizer: None,
             admission,
             admission_metrics,
+            scrape_errors,
         }
     }
 
@@ -477,7 +482,11 @@ pub async fn run_until(
             })
         }
     };
-    let scrape = crate::scrape::run(args.scrape(), Arc::clone(&app.endpoints));
+    let scrape = crate::scrape::run(
+        args.scrape(),
+        Arc::clone(&app.endpoints),
+        Arc::clone(&app.scrape_errors),
+    );
     let tls = crate::tls::ext_proc(
         args.secure_serving,
         args.cert_path.as_deref(),

@@ -115,6 +115,85 @@ impl Collector for SchedulerCollector {
     }
 }
 
+/// Renders [`crate::scrape::ScrapeErrors`]: kvpick's counter by reason, and llm-d's
+/// data-layer poll/extract counters (a failed fetch is a poll error; a page kvpick cannot
+/// read is an extract error).
+#[derive(Debug)]
+struct ScrapeErrorsCollector {
+    errors: Arc<crate::scrape::ScrapeErrors>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SourceLabels {
+    source_type: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ExtractorLabels {
+    source_type: &'static str,
+    extractor_type: &'static str,
+}
+
+impl Collector for ScrapeErrorsCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use crate::scrape::ScrapeFailure;
+        let count = |f| self.errors.count(f);
+        let mut family = encoder.encode_descriptor(
+            "kvpick_scrape_errors",
+            "Failed endpoint metrics scrapes, by reason (connect, status, timeout, parse, missing_metric)",
+            None,
+            MetricType::Counter,
+        )?;
+        for f in ScrapeFailure::ALL {
+            ConstCounter::new(count(f))
+                .encode(family.encode_family(&ReasonLabels { reason: f.as_str() })?)?;
+        }
+        let polls = count(ScrapeFailure::Connect)
+            + count(ScrapeFailure::Status)
+            + count(ScrapeFailure::Timeout);
+        let mut family = encoder.encode_descriptor(
+            "llm_d_epp_datalayer_poll_errors",
+            "Data-source poll errors per source type.",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(polls).encode(family.encode_family(&SourceLabels {
+            source_type: "metrics",
+        })?)?;
+        let extracts = count(ScrapeFailure::Parse) + count(ScrapeFailure::MissingMetric);
+        let mut family = encoder.encode_descriptor(
+            "llm_d_epp_datalayer_extract_errors",
+            "Extract errors per source/extractor type.",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(extracts).encode(family.encode_family(&ExtractorLabels {
+            source_type: "metrics",
+            extractor_type: "metrics",
+        })?)?;
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BuildLabels {
+    commit: &'static str,
+    build_ref: &'static str,
+}
+
+/// The build's commit (set `KVPICK_GIT_COMMIT` when compiling) and version.
+fn build_labels() -> BuildLabels {
+    BuildLabels {
+        commit: option_env!("KVPICK_GIT_COMMIT").unwrap_or("unknown"),
+        build_ref: env!("CARGO_PKG_VERSION"),
+    }
+}
+
 /// Renders [`crate::multimodal::MmStats`] and the configured multimodal routing mode.
 #[derive(Debug)]
 struct MultimodalCollector {
@@ -338,6 +417,15 @@ impl Metrics {
             "Times an endpoint was taken out of the candidate set for failing responses (5xx, connect failures)",
             endpoint_ejections.clone(),
         );
+        for name in ["inference_extension_info", "llm_d_epp_info"] {
+            let info = Family::<BuildLabels, Gauge>::default();
+            info.get_or_create(&build_labels()).set(1);
+            registry.register(
+                name,
+                "General information of the current build of Inference Extension.",
+                info,
+            );
+        }
         Metrics {
             registry: parking_lot::Mutex::new(registry),
             pool_name: pool_name.to_string(),
@@ -361,6 +449,11 @@ impl Metrics {
     /// re-picks, per-stage latency), read at render time.
     pub fn register_scheduler(&self, scheduler: Arc<Scheduler>) {
         self.register(|r| r.register_collector(Box::new(SchedulerCollector { scheduler })));
+    }
+
+    /// Exposes the metrics scrapers' failure counts.
+    pub fn register_scrape_errors(&self, errors: Arc<crate::scrape::ScrapeErrors>) {
+        self.register(|r| r.register_collector(Box::new(ScrapeErrorsCollector { errors })));
     }
 
     /// Exposes the multimodal counters and the configured multimodal routing mode.
@@ -641,5 +734,112 @@ mod tests {
         )
         .ends_with(" 6.0"));
         assert!(!text.contains("model_server_pod=\"c\""));
+    }
+}
+
+/// Names GIE's own Grafana dashboard reads (v1.5.0, vendored), held against what kvpick
+/// serves.
+#[cfg(test)]
+mod dashboard_tests {
+    /// Metric family names in the dashboard's queries (`_bucket`, `_count`, `_sum` and
+    /// `_total` stripped, the bare `inference_pool` prefix of a regex skipped).
+    fn dashboard_families(dashboard: &str) -> std::collections::BTreeSet<String> {
+        let mut names = std::collections::BTreeSet::new();
+        let mut rest = dashboard;
+        while let Some(at) = rest.find("inference_") {
+            let tail = &rest[at..];
+            let len = tail
+                .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                .unwrap_or(tail.len());
+            let mut name = &tail[..len];
+            for suffix in ["_bucket", "_count", "_sum", "_total"] {
+                name = name.strip_suffix(suffix).unwrap_or(name);
+            }
+            if name != "inference_pool" {
+                names.insert(name.to_string());
+            }
+            rest = &tail[len..];
+        }
+        names
+    }
+
+    /// Flow-control families the dashboard reads that kvpick does not measure yet.
+    const NOT_YET: [&str; 2] = [
+        "inference_extension_flow_control_dispatch_cycle_duration_seconds",
+        "inference_extension_flow_control_request_enqueue_duration_seconds",
+    ];
+
+    #[test]
+    fn serves_every_family_gies_dashboard_reads() {
+        use crate::admission::{AdmissionObserver, Outcome, RequestClass};
+        use crate::endpoints::{Endpoint, ScrapedLoad};
+        let dashboard = include_str!("../tests/fixtures/gie-v1.5.0/inference_gateway.json");
+        let wanted = dashboard_families(dashboard);
+        assert!(wanted.len() >= 16, "{wanted:?}");
+        // One request's worth of every recorder, so each family has a sample.
+        let app = crate::server::App::new("pool");
+        app.endpoints
+            .replace(vec![Endpoint::new("10.0.0.1:8000".parse().unwrap())]);
+        app.endpoints.snapshot().endpoints[0].set_scraped(ScrapedLoad {
+            queue: 1.0,
+            running: 1.0,
+            kv_usage: 0.5,
+            block_size: None,
+            num_blocks: None,
+            at: std::time::Instant::now(),
+        });
+        let class = RequestClass {
+            priority: 0,
+            flow: "m".into(),
+            objective: String::new(),
+            model: "m".into(),
+            bytes: 10,
+        };
+        let m = &app.admission_metrics;
+        m.classified(&class);
+        m.left(&class, Outcome::Dispatched, std::time::Duration::ZERO);
+        m.error(&class, "BadRequest");
+        m.request_size(&class, 10);
+        let usage = crate::request::usage::Usage {
+            prompt_tokens: 3,
+            completion_tokens: 4,
+        };
+        m.finished(&class, std::time::Duration::from_millis(5), 20, Some(usage));
+        let text = app.metrics.render(&app.endpoints);
+        let missing: Vec<&String> = wanted
+            .iter()
+            .filter(|name| !NOT_YET.contains(&name.as_str()))
+            .filter(|name| !text.contains(&format!("# TYPE {name} ")))
+            .collect();
+        assert!(missing.is_empty(), "not served: {missing:?}\n{text}");
+        for name in NOT_YET {
+            assert!(
+                wanted.contains(name),
+                "{name} left the dashboard: drop it here"
+            );
+        }
+    }
+
+    #[test]
+    fn serves_build_info_and_llm_d_core_names() {
+        let app = crate::server::App::new("pool");
+        let text = app.metrics.render(&app.endpoints);
+        for name in [
+            "inference_extension_info",
+            "llm_d_epp_info",
+            "kvpick_scrape_errors",
+            "llm_d_epp_datalayer_poll_errors",
+            "llm_d_epp_datalayer_extract_errors",
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {name} ")),
+                "{name} not served"
+            );
+        }
+        assert!(text.contains(&format!(
+            "inference_extension_info{{commit=\"{}\",build_ref=\"{}\"}} 1",
+            option_env!("KVPICK_GIT_COMMIT").unwrap_or("unknown"),
+            env!("CARGO_PKG_VERSION")
+        )));
     }
 }

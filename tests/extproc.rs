@@ -1160,3 +1160,39 @@ async fn a_body_that_stops_arriving_gets_408() {
     let (_, r, _) = full_duplex(&ch, &chat_body("next"), &[], None).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
 }
+
+/// A routed request whose response ends with the engine's `usage` (streamed SSE) is
+/// counted in GIE's `inference_objective_*` size and token histograms.
+#[tokio::test]
+async fn response_usage_and_sizes_feed_the_objective_metrics() {
+    let srv = start(pool(2)).await;
+    let ch = channel(srv.port).await;
+    let body = chat_body("count my tokens");
+    let (mut s, _, _) = full_duplex(&ch, &body, &[], None).await;
+    s.send(resp_headers("200", false)).await;
+    let _ = s.recv().await;
+    let chunks: [&[u8]; 3] = [
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n",
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":21,\"completion_tokens\":5}}\n\n",
+        b"data: [DONE]\n\n",
+    ];
+    for (i, c) in chunks.iter().enumerate() {
+        s.send(body_msg(c, i + 1 == chunks.len(), true)).await;
+        let _ = s.recv().await;
+    }
+    wait_in_flight(&srv.app, 0).await;
+    let text = srv.app.metrics.render(&srv.app.endpoints);
+    let line = |prefix: &str| {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+            .to_string()
+    };
+    assert!(line("inference_objective_input_tokens_sum").ends_with(" 21.0"));
+    assert!(line("inference_objective_output_tokens_sum").ends_with(" 5.0"));
+    let response_bytes: usize = chunks.iter().map(|c| c.len()).sum();
+    assert!(
+        line("inference_objective_response_sizes_sum").ends_with(&format!(" {response_bytes}.0"))
+    );
+    assert!(line("inference_objective_request_sizes_sum").ends_with(&format!(" {}.0", body.len())));
+}

@@ -2,6 +2,13 @@
 //! simulated paged KV cache, vLLM-named metrics, vLLM-format KV events, routing
 //! header checks and session management, plus a debug view for tests.
 //!
+//! Disaggregated pools: a decode worker acts like llm-d's P/D routing sidecar
+//! with its SGLang connector. On `x-prefill-instance-id` and the bootstrap
+//! headers it sends the request, with SGLang's `bootstrap_host`,
+//! `bootstrap_port` and `bootstrap_room` body fields added, to that prefill
+//! worker (a peer set with [`WorkerHandle::set_prefill_peers`]), then decodes.
+//! The prefill worker records the body fields in `/debug/seen`.
+//!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 //! `GET /health`, `GET /metrics`, `GET /debug/seen`.
 
@@ -142,6 +149,11 @@ pub struct SeenRequest {
     pub hit_tokens: usize,
     /// Prompt tokens.
     pub queried_tokens: usize,
+    /// SGLang's `bootstrap_host`, `bootstrap_port`, `bootstrap_room` body
+    /// fields as received (the request a decode sidecar sent a prefill worker).
+    pub body_bootstrap: [Option<String>; 3],
+    /// Status of the prefill request this decode worker sent first.
+    pub prefill_status: Option<u16>,
     /// HTTP status the worker answered.
     pub status: u16,
     /// The error message, for rejected requests.
@@ -234,6 +246,8 @@ struct Worker {
     running: AtomicU64,
     healthy: AtomicBool,
     events: Option<Publisher>,
+    /// Prefill workers by instance id (the decode sidecar's targets).
+    prefill_peers: Mutex<HashMap<u64, SocketAddr>>,
 }
 
 /// A running mock worker.
@@ -294,6 +308,7 @@ impl WorkerHandle {
             running: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
             events,
+            prefill_peers: Mutex::new(HashMap::new()),
             instance_id,
             address,
             config,
@@ -305,6 +320,12 @@ impl WorkerHandle {
             kv_events_port,
             events_task,
         })
+    }
+
+    /// The prefill workers this (decode) worker's sidecar may send prefill
+    /// requests to, by instance id.
+    pub fn set_prefill_peers(&self, peers: impl IntoIterator<Item = (u64, SocketAddr)>) {
+        *self.worker.prefill_peers.lock() = peers.into_iter().collect();
     }
 
     /// The HTTP address.
@@ -840,6 +861,54 @@ impl Drop for Finish {
     }
 }
 
+/// SGLang's disaggregation request fields, in header order.
+const BODY_BOOTSTRAP_FIELDS: [&str; 3] = ["bootstrap_host", "bootstrap_port", "bootstrap_room"];
+
+/// What the decode sidecar sends its prefill worker: the prefill peer and the
+/// bootstrap host, port and room from kvpick's headers.
+struct PrefillTarget {
+    addr: SocketAddr,
+    host: String,
+    port: u64,
+    room: u64,
+}
+
+impl Worker {
+    /// The prefill request to send first, when the headers name a known prefill
+    /// worker and carry the three bootstrap headers.
+    fn prefill_target(&self, headers: &HeaderMap) -> Option<PrefillTarget> {
+        let id: u64 = header_str(headers, PREFILL_ID_HEADER)?.parse().ok()?;
+        let addr = *self.prefill_peers.lock().get(&id)?;
+        let [host, port, room] = BOOTSTRAP_HEADERS.map(|h| header_str(headers, h));
+        Some(PrefillTarget {
+            addr,
+            host: host?,
+            port: port?.parse().ok()?,
+            room: room?.parse().ok()?,
+        })
+    }
+}
+
+/// Sends the prefill request (the body with SGLang's bootstrap fields, as
+/// llm-d's sidecar does) and returns its status (502 when it failed to send).
+async fn send_prefill(t: PrefillTarget, api: Api, mut body: Value) -> u16 {
+    if let Some(obj) = body.as_object_mut() {
+        obj.insert("bootstrap_host".into(), json!(t.host));
+        obj.insert("bootstrap_port".into(), json!(t.port));
+        obj.insert("bootstrap_room".into(), json!(t.room));
+    }
+    match crate::client::Client::new(t.addr)
+        .post_json(api.path(), &body, &[])
+        .await
+    {
+        Ok(reply) => reply.status.as_u16(),
+        Err(e) => {
+            tracing::warn!(prefill = %t.addr, error = %e, "prefill request failed");
+            StatusCode::BAD_GATEWAY.as_u16()
+        }
+    }
+}
+
 async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: Bytes) -> Response {
     let mut seen = SeenRequest {
         path: api.path().to_string(),
@@ -858,9 +927,19 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
         session_unknown: false,
         hit_tokens: 0,
         queried_tokens: 0,
+        body_bootstrap: [None, None, None],
+        prefill_status: None,
         status: 200,
         error: None,
     };
+    let json_body: Option<Value> = serde_json::from_slice(&body).ok();
+    if let Some(b) = &json_body {
+        seen.body_bootstrap = BODY_BOOTSTRAP_FIELDS.map(|f| match b.get(f) {
+            Some(Value::String(v)) => Some(v.clone()),
+            Some(v) if !v.is_null() => Some(v.to_string()),
+            _ => None,
+        });
+    }
     let admitted = parse_prompt(
         api,
         &body,
@@ -912,6 +991,9 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
             .flatten(),
         _permit: permit,
     };
+    if let (Some(target), Some(b)) = (w.prefill_target(&headers), json_body) {
+        seen.prefill_status = Some(send_prefill(target, api, b).await);
+    }
     let (hit, queried) = w.prefill(rank, &prompt);
     seen.hit_tokens = hit;
     seen.queried_tokens = queried;

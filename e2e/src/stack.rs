@@ -419,6 +419,17 @@ impl Stack {
         for _ in 0..opts.workers {
             workers.push(WorkerHandle::start(local, worker_config.clone()).await?);
         }
+        // Decode workers' sidecars reach the pool's prefill workers.
+        let role = |i: usize| opts.roles.get(i).map(|r| r.0);
+        let prefill_peers: Vec<_> = (0..workers.len())
+            .filter(|&i| role(i) == Some("prefill"))
+            .map(|i| (workers[i].instance_id(), workers[i].addr()))
+            .collect();
+        for (i, w) in workers.iter().enumerate() {
+            if role(i) == Some("decode") {
+                w.set_prefill_peers(prefill_peers.iter().copied());
+            }
+        }
         let endpoints_file = dir.join("endpoints.yaml");
         if opts.precise.is_some() {
             let engine = opts.precise.as_ref().map(|p| p.engine);

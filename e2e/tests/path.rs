@@ -1,6 +1,6 @@
 //! client → test gateway → kvpick → 4 mock workers.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use e2e::client::Reply;
 use e2e::gateway::{BodyMode, FailureMode};
@@ -463,14 +463,30 @@ async fn a_disaggregated_pool_sends_prefill_and_bootstrap_headers_and_pins_sessi
             .unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
     }
-    for w in &s.workers[..2] {
-        assert_eq!(
-            w.counters().requests,
-            0,
-            "prefill workers are not destinations"
-        );
+    // Prefill side: only decode sidecars reached the prefill workers (never the
+    // gateway), each time with SGLang's bootstrap fields in the body.
+    let mut prefill_rooms: HashMap<String, HashSet<String>> = HashMap::new();
+    for (w, id) in s.workers[..2].iter().zip(&prefill_ids) {
+        for r in w.seen().requests {
+            assert_eq!(
+                r.worker_instance_id, None,
+                "not a gateway destination: {r:?}"
+            );
+            assert_eq!(r.destination, None, "{r:?}");
+            assert_eq!(r.status, 200, "{r:?}");
+            let [host, port, room] = r.body_bootstrap.clone();
+            assert_eq!(host.as_deref(), Some("127.0.0.1"), "{r:?}");
+            assert_eq!(port.as_deref(), Some("8998"), "{r:?}");
+            prefill_rooms
+                .entry(id.clone())
+                .or_default()
+                .insert(room.expect("bootstrap_room"));
+        }
     }
+    // Decode side: the prefill id, rank and bootstrap host/port/room headers,
+    // and the prefill request it sent first reached that worker with that room.
     let mut session_sides = HashSet::new();
+    let mut decoded = 0;
     for w in &s.workers[2..] {
         for r in w.seen().requests {
             let prefill = r
@@ -482,12 +498,27 @@ async fn a_disaggregated_pool_sends_prefill_and_bootstrap_headers_and_pins_sessi
             let [host, port, room] = r.bootstrap.clone();
             assert_eq!(host.as_deref(), Some("127.0.0.1"), "{r:?}");
             assert_eq!(port.as_deref(), Some("8998"), "SGLang's default port");
-            assert!(room.unwrap().parse::<u64>().unwrap() < 1 << 63);
+            let room = room.expect("x-prefill-bootstrap-room");
+            assert!(room.parse::<u64>().unwrap() < 1 << 63);
+            assert_eq!(r.prefill_status, Some(200), "{r:?}");
+            assert!(
+                prefill_rooms
+                    .get(&prefill)
+                    .is_some_and(|rooms| rooms.contains(&room)),
+                "prefill worker {prefill} never got room {room}"
+            );
+            decoded += 1;
             if r.session_id.is_some() {
                 session_sides.insert((w.instance_id(), prefill));
             }
         }
     }
+    assert_eq!(decoded, 12);
+    assert_eq!(
+        prefill_rooms.values().map(HashSet::len).sum::<usize>(),
+        12,
+        "one prefill request per decoded request, each its own room"
+    );
     assert_eq!(
         session_sides.len(),
         1,

@@ -18,6 +18,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 
 use super::{AdmissionObserver, Gate, Outcome, RequestClass};
+use crate::request::usage::Usage;
 use crate::telemetry::Metrics;
 
 /// Flow-control queue wait buckets (llm-d's).
@@ -90,6 +91,20 @@ fn duration_histogram() -> Histogram {
     Histogram::new(DURATION_BUCKETS)
 }
 
+/// GIE's size buckets: 64 B to 1 GiB, doubling.
+fn size_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        64.0, 2.0, 25,
+    ))
+}
+
+/// GIE's token buckets: 1 to 1 M tokens, doubling.
+fn token_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1.0, 2.0, 21,
+    ))
+}
+
 /// The admission metrics; also the gate's [`AdmissionObserver`].
 #[derive(Debug)]
 pub struct AdmissionMetrics {
@@ -98,6 +113,10 @@ pub struct AdmissionMetrics {
     requests: Family<ObjectiveLabels, Counter>,
     errors: Family<ObjectiveErrorLabels, Counter>,
     durations: HistogramFamily<ObjectiveDurationLabels>,
+    request_sizes: HistogramFamily<ObjectiveDurationLabels>,
+    response_sizes: HistogramFamily<ObjectiveDurationLabels>,
+    input_tokens: HistogramFamily<ObjectiveDurationLabels>,
+    output_tokens: HistogramFamily<ObjectiveDurationLabels>,
     gate: Arc<Mutex<Option<Gate>>>,
 }
 
@@ -171,6 +190,10 @@ impl AdmissionMetrics {
             requests: Family::default(),
             errors: Family::default(),
             durations: Family::new_with_constructor(duration_histogram),
+            request_sizes: Family::new_with_constructor(size_histogram),
+            response_sizes: Family::new_with_constructor(size_histogram),
+            input_tokens: Family::new_with_constructor(token_histogram),
+            output_tokens: Family::new_with_constructor(token_histogram),
             gate: Arc::default(),
         };
         metrics.register(|r| {
@@ -195,6 +218,26 @@ impl AdmissionMetrics {
                 "inference_objective_request_duration_seconds",
                 "Inference objective response latency distribution in seconds for each model and target model.",
                 m.durations.clone(),
+            );
+            r.register(
+                "inference_objective_request_sizes",
+                "Inference objective requests size distribution in bytes for each model and target model.",
+                m.request_sizes.clone(),
+            );
+            r.register(
+                "inference_objective_response_sizes",
+                "Inference objective responses size distribution in bytes for each model and target model.",
+                m.response_sizes.clone(),
+            );
+            r.register(
+                "inference_objective_input_tokens",
+                "Inference objective input token count distribution for requests in each model.",
+                m.input_tokens.clone(),
+            );
+            r.register(
+                "inference_objective_output_tokens",
+                "Inference objective output token count distribution for requests in each model.",
+                m.output_tokens.clone(),
             );
             r.register_collector(Box::new(GateCollector {
                 pool: pool.to_string(),
@@ -222,15 +265,45 @@ impl AdmissionMetrics {
             .inc();
     }
 
-    /// Records a routed request's duration, request to end of response.
-    pub fn finished(&self, class: &RequestClass, took: Duration) {
+    /// Records the size of a request body kvpick read.
+    pub fn request_size(&self, class: &RequestClass, bytes: usize) {
+        self.request_sizes
+            .get_or_create(&Self::model_labels(class))
+            .observe(bytes as f64);
+    }
+
+    /// Records a routed request's end: its duration (request to end of response),
+    /// the response's size, and the engine's token counts when it reported them.
+    pub fn finished(
+        &self,
+        class: &RequestClass,
+        took: Duration,
+        response_bytes: u64,
+        usage: Option<Usage>,
+    ) {
+        let labels = Self::model_labels(class);
         self.durations
-            .get_or_create(&ObjectiveDurationLabels {
-                objective: class.objective.clone(),
-                model_name: class.model.clone(),
-                target_model_name: class.model.clone(),
-            })
+            .get_or_create(&labels)
             .observe(took.as_secs_f64());
+        self.response_sizes
+            .get_or_create(&labels)
+            .observe(response_bytes as f64);
+        if let Some(usage) = usage {
+            self.input_tokens
+                .get_or_create(&labels)
+                .observe(usage.prompt_tokens as f64);
+            self.output_tokens
+                .get_or_create(&labels)
+                .observe(usage.completion_tokens as f64);
+        }
+    }
+
+    fn model_labels(class: &RequestClass) -> ObjectiveDurationLabels {
+        ObjectiveDurationLabels {
+            objective: class.objective.clone(),
+            model_name: class.model.clone(),
+            target_model_name: class.model.clone(),
+        }
     }
 }
 

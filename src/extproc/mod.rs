@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::{FutureExt, Stream, StreamExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
@@ -85,13 +85,18 @@ pub struct Shared {
 #[derive(Clone)]
 pub struct ExtProcService {
     shared: Arc<Shared>,
+    /// Bounds the large bodies handled at once on the blocking pool to the
+    /// cores there are (more threads would only contend for the index).
+    heavy: Arc<Semaphore>,
 }
 
 impl ExtProcService {
     /// A service over shared state.
     pub fn new(shared: Shared) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         ExtProcService {
             shared: Arc::new(shared),
+            heavy: Arc::new(Semaphore::new(cores)),
         }
     }
 
@@ -127,7 +132,8 @@ impl ExternalProcessor for ExtProcService {
         let (tx, rx) = mpsc::channel(16);
         let shared = Arc::clone(&self.shared);
         let metrics = Arc::clone(&shared.metrics);
-        spawn_contained(metrics, tx.clone(), run_stream(shared, inbound, tx));
+        let heavy = Arc::clone(&self.heavy);
+        spawn_contained(metrics, tx.clone(), run_stream(shared, heavy, inbound, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -167,6 +173,7 @@ fn spawn_contained<F>(
 
 async fn run_stream(
     shared: Arc<Shared>,
+    heavy: Arc<Semaphore>,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) {
@@ -193,8 +200,11 @@ async fn run_stream(
                     } else {
                         state.body_wait_expired()
                     };
-                    if !send_answers(&tx, &mut state, out).await || state.is_done() {
+                    if !send_answers(&tx, &mut state, out).await {
                         return;
+                    }
+                    if state.is_done() {
+                        return linger(&mut inbound).await;
                     }
                     continue;
                 }
@@ -209,7 +219,7 @@ async fn run_stream(
             None => return,
         };
         let out = if state.completes_body_of_at_least(&msg, BLOCKING_BODY_BYTES) {
-            match handle_blocking(state, msg).await {
+            match handle_blocking(&heavy, state, msg).await {
                 Some((back, out)) => {
                     state = back;
                     out
@@ -234,9 +244,22 @@ async fn run_stream(
             return;
         }
         if state.is_done() {
-            return;
+            return linger(&mut inbound).await;
         }
     }
+}
+
+/// How long a finished stream waits for Envoy to close its side.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// After the last answer, waits (at most [`LINGER`]) for Envoy to close its
+/// side before the response stream ends. Ending first makes HTTP/2 reset the
+/// request stream, and Envoy's closing frame then lands on a reset stream: the
+/// server counts that as a client error and closes the whole connection
+/// (GOAWAY `too_many_internal_resets`) after enough of them.
+pub async fn linger(inbound: &mut Streaming<ProcessingRequest>) {
+    let closed = async { while let Some(Ok(_)) = inbound.next().await {} };
+    let _ = tokio::time::timeout(LINGER, closed).await;
 }
 
 /// Request bodies from this size on are parsed, hashed and routed on the
@@ -244,13 +267,16 @@ async fn run_stream(
 /// checks) for the milliseconds that takes.
 pub const BLOCKING_BODY_BYTES: usize = 128 << 10;
 
-/// [`StreamState::handle`] on the blocking pool; the state comes back with the
-/// answers. A panic there resumes here (the stream's containment catches it);
-/// `None` when the runtime is shutting down.
+/// [`StreamState::handle`] on the blocking pool, once one of `heavy`'s permits
+/// is free; the state comes back with the answers. A panic there resumes here
+/// (the stream's containment catches it); `None` when the runtime is shutting
+/// down.
 async fn handle_blocking(
+    heavy: &Semaphore,
     mut state: StreamState,
     msg: ProcessingRequest,
 ) -> Option<(StreamState, Vec<ProcessingResponse>)> {
+    let _permit = heavy.acquire().await.ok()?;
     let handled = tokio::task::spawn_blocking(move || {
         let out = state.handle(msg);
         (state, out)
@@ -393,7 +419,9 @@ mod tests {
         assert!(state.handle(first).is_empty());
         let last = chunk(tail, true);
         assert!(state.completes_body_of_at_least(&last, BLOCKING_BODY_BYTES));
-        let (state, out) = handle_blocking(state, last).await.unwrap();
+        let (state, out) = handle_blocking(&Semaphore::new(1), state, last)
+            .await
+            .unwrap();
         assert!(matches!(
             out[0].response,
             Some(processing_response::Response::RequestHeaders(_))

@@ -25,6 +25,7 @@ use crate::admission::{
 };
 use crate::endpoints::{Engine, InFlightGuard};
 use crate::multimodal::hints;
+use crate::request::usage::ResponseTail;
 use crate::request::{self, ApiKind, InferenceRequest, Segment};
 use crate::scheduler::{Decision, PickError, PickRequest};
 use crate::telemetry::RequestResult;
@@ -142,6 +143,8 @@ pub struct StreamState {
     started: Instant,
     /// The routed body being streamed back (full duplex).
     echo: Option<messages::Echo>,
+    /// The response body's length and tail (for the engine's token usage).
+    response_tail: ResponseTail,
 }
 
 /// A request held by flow control: routed once its ticket is answered.
@@ -193,6 +196,7 @@ impl StreamState {
             class: None,
             started: Instant::now(),
             echo: None,
+            response_tail: ResponseTail::default(),
         }
     }
 
@@ -232,6 +236,9 @@ impl StreamState {
             model: &parsed.model,
             bytes,
         });
+        if let (Some(m), true) = (&self.shared.admission_metrics, bytes > 0) {
+            m.request_size(&class, bytes);
+        }
         self.class = Some(class.clone());
         let snapshot = self.shared.endpoints.snapshot();
         match self.shared.admission.admit(class, &snapshot) {
@@ -770,9 +777,15 @@ impl StreamState {
             };
         }
         let out = match self.response_mode {
-            BodyMode::FullDuplex => messages::streamed_body(&b.body, b.end_of_stream, true),
+            BodyMode::FullDuplex => {
+                self.response_tail.push(&b.body);
+                messages::streamed_body(&b.body, b.end_of_stream, true)
+            }
             BodyMode::None => Vec::new(),
-            _ => vec![messages::body(messages::common(None, false), None, true)],
+            _ => {
+                self.response_tail.push(&b.body);
+                vec![messages::body(messages::common(None, false), None, true)]
+            }
         };
         if b.end_of_stream {
             self.finish();
@@ -805,7 +818,8 @@ impl StreamState {
                 .scheduler
                 .finish(&r.decision, self.response_status);
             if let (Some(class), Some(m)) = (&self.class, &self.shared.admission_metrics) {
-                m.finished(class, self.started.elapsed());
+                let tail = &self.response_tail;
+                m.finished(class, self.started.elapsed(), tail.total(), tail.usage());
             }
         }
         self.phase = Phase::Done;

@@ -21,6 +21,7 @@
 pub mod nvext;
 mod parse;
 mod rewrite;
+pub mod usage;
 
 pub use nvext::{
     AgentHints, NvExt, SessionAction, SessionControl, CLIENT_WORKER_FIELDS,

@@ -112,6 +112,16 @@ impl Segments {
     }
 }
 
+/// A prompt given as one string: its text (an empty prompt is an error).
+fn text_prompt<E: de::Error>(v: &str) -> Result<Segments, E> {
+    if v.is_empty() {
+        return Err(E::custom("must not be empty"));
+    }
+    let mut out = Segments::default();
+    out.text(v);
+    Ok(out)
+}
+
 fn once<E: de::Error, T>(slot: &Option<T>, name: &str) -> Result<(), E> {
     match slot {
         Some(_) => Err(E::custom(format_args!("duplicate field `{name}`"))),
@@ -338,12 +348,7 @@ impl<'de> Visitor<'de> for Messages<'_> {
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Segments, E> {
-        if v.is_empty() {
-            return Err(E::custom("must not be empty"));
-        }
-        let mut out = Segments::default();
-        out.text(v);
-        Ok(out)
+        text_prompt(v)
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Segments, A::Error> {
@@ -675,12 +680,7 @@ impl<'de> Visitor<'de> for Prompt<'_> {
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Segments, E> {
-        if v.is_empty() {
-            return Err(E::custom("must not be empty"));
-        }
-        let mut out = Segments::default();
-        out.text(v);
-        Ok(out)
+        text_prompt(v)
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Segments, A::Error> {

@@ -82,7 +82,8 @@ impl ExternalProcessor for Noop {
                             for m in out {
                                 let _ = tx.send(Ok(m)).await;
                             }
-                            return;
+                            // As kvpick: let Envoy close its side first.
+                            return kvpick::extproc::linger(&mut inbound).await;
                         }
                         out
                     }
