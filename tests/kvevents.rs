@@ -843,6 +843,20 @@ mod routing {
     use kvpick::scheduler::{PickRequest, SchedulerConfig};
     use kvpick::server::App;
 
+    /// Picks a worker for `req` over the app's current endpoints.
+    fn pick_body(
+        app: &App,
+        req: &kvpick::request::InferenceRequest,
+    ) -> kvpick::scheduler::Decision {
+        let pick = PickRequest {
+            body: Some(req),
+            ..PickRequest::default()
+        };
+        app.scheduler
+            .pick(&pick, &app.endpoints.snapshot())
+            .unwrap()
+    }
+
     /// Worker 2's ingest into an index capping precise entries at 100, after 30
     /// `BlockStored` events of 10 fresh blocks each (each its own chain, or each
     /// continuing the previous event's last block); returns the orphan blocks.
@@ -1001,16 +1015,7 @@ mod routing {
         let body = format!(r#"{{"model":"{MODEL}","prompt":[{}]}}"#, ids.join(","));
         let req = parse(body.as_bytes(), Some(ApiKind::Completions)).unwrap();
         for _ in 0..4 {
-            let pick = PickRequest {
-                body: Some(&req),
-                subset: None,
-                session_id: None,
-                session_token: None,
-            };
-            let d = app
-                .scheduler
-                .pick(&pick, &app.endpoints.snapshot())
-                .unwrap();
+            let d = pick_body(&app, &req);
             assert_eq!(d.decode.key(), key_b, "routed away from the cached prefix");
             assert_eq!(d.overlap_blocks, 4);
             app.scheduler.finish(&d, Some(200));
@@ -1024,16 +1029,7 @@ mod routing {
         })
         .to_string();
         let req = parse(body.as_bytes(), Some(ApiKind::Chat)).unwrap();
-        let pick = PickRequest {
-            body: Some(&req),
-            subset: None,
-            session_id: None,
-            session_token: None,
-        };
-        let d = app
-            .scheduler
-            .pick(&pick, &app.endpoints.snapshot())
-            .unwrap();
+        let d = pick_body(&app, &req);
         assert_eq!(d.decode.key(), key_b, "token_data ids match B's events");
         assert_eq!(d.overlap_blocks, 4);
         app.scheduler.finish(&d, Some(200));
@@ -1044,16 +1040,7 @@ mod routing {
             Some(ApiKind::Completions),
         )
         .unwrap();
-        let pick = PickRequest {
-            body: Some(&other),
-            subset: None,
-            session_id: None,
-            session_token: None,
-        };
-        let d = app
-            .scheduler
-            .pick(&pick, &app.endpoints.snapshot())
-            .unwrap();
+        let d = pick_body(&app, &other);
         assert_eq!(d.overlap_blocks, 0);
         app.scheduler.finish(&d, Some(200));
 
@@ -1117,16 +1104,7 @@ mod routing {
             raw["nvext"] = serde_json::json!({"use_raw_prompt": true});
             let mut req = parse(raw.to_string().as_bytes(), Some(kind)).unwrap();
             req.segments = tok.tokenize_body(kind, &raw).unwrap();
-            let pick = PickRequest {
-                body: Some(&req),
-                subset: None,
-                session_id: None,
-                session_token: None,
-            };
-            let d = app
-                .scheduler
-                .pick(&pick, &app.endpoints.snapshot())
-                .unwrap();
+            let d = pick_body(&app, &req);
             assert_eq!(
                 d.decode.key(),
                 key_b,
