@@ -341,7 +341,11 @@ pub struct Args {
 
     /// A host images may be fetched from (repeatable; exact names). None: any
     /// host with only public addresses.
-    #[arg(long = "mm-fetch-allow-host", env = "KVPICK_MM_FETCH_ALLOW_HOSTS", value_delimiter = ',')]
+    #[arg(
+        long = "mm-fetch-allow-host",
+        env = "KVPICK_MM_FETCH_ALLOW_HOSTS",
+        value_delimiter = ','
+    )]
     pub mm_fetch_allow_hosts: Vec<String>,
 
     /// Also fetch plain `http` image URLs (off: `https` only).

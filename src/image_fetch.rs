@@ -194,10 +194,7 @@ impl Target {
             tls,
             port: authority.port_u16().unwrap_or(if tls { 443 } else { 80 }),
             authority: authority.as_str().to_string(),
-            path_and_query: uri
-                .path_and_query()
-                .map_or("/", |p| p.as_str())
-                .to_string(),
+            path_and_query: uri.path_and_query().map_or("/", |p| p.as_str()).to_string(),
             host,
         })
     }
@@ -335,9 +332,18 @@ mod tests {
     fn urls_are_checked_before_any_lookup() {
         let p = FetchPolicy::default();
         assert_eq!(refusal("https://img.example/a.png", &p), None);
-        assert_eq!(refusal("http://img.example/a.png", &p), Some(Refusal::Scheme));
-        assert_eq!(refusal("ftp://img.example/a.png", &p), Some(Refusal::Scheme));
-        assert_eq!(refusal("https://u:p@img.example/a", &p), Some(Refusal::BadUrl));
+        assert_eq!(
+            refusal("http://img.example/a.png", &p),
+            Some(Refusal::Scheme)
+        );
+        assert_eq!(
+            refusal("ftp://img.example/a.png", &p),
+            Some(Refusal::Scheme)
+        );
+        assert_eq!(
+            refusal("https://u:p@img.example/a", &p),
+            Some(Refusal::BadUrl)
+        );
         assert_eq!(refusal("not a url", &p), Some(Refusal::BadUrl));
         let only = FetchPolicy {
             allow_hosts: vec!["img.example".into()],
@@ -345,7 +351,10 @@ mod tests {
             ..FetchPolicy::default()
         };
         assert_eq!(refusal("http://IMG.example:8080/a", &only), None);
-        assert_eq!(refusal("https://evil.example/a", &only), Some(Refusal::Host));
+        assert_eq!(
+            refusal("https://evil.example/a", &only),
+            Some(Refusal::Host)
+        );
         let t = Target::parse("https://[::1]:8443/a?b=c", &p).unwrap();
         assert_eq!((t.host.as_str(), t.port), ("::1", 8443));
         assert_eq!(t.path_and_query, "/a?b=c");

@@ -393,15 +393,18 @@ fn remote_images(
             "image fetching may reach plain-http or non-public addresses"
         );
     }
-    info!(?policy, ?limits, "fetching remote images to identify them by content");
+    info!(
+        ?policy,
+        ?limits,
+        "fetching remote images to identify them by content"
+    );
     let fetcher = crate::image_fetch::HttpImageFetcher::new(
         policy,
         crate::image_fetch::HttpImageFetcher::system_roots(),
     )?;
-    Ok(Some(Arc::new(crate::multimodal::remote::RemoteImages::new(
-        Arc::new(fetcher),
-        limits,
-    ))))
+    Ok(Some(Arc::new(
+        crate::multimodal::remote::RemoteImages::new(Arc::new(fetcher), limits),
+    )))
 }
 
 fn log_mm_routing(args: &Args, image_token: Option<u32>) {
@@ -467,8 +470,7 @@ pub async fn run_until(
         let exact = tokenizer.has_vision();
         let mut pool = TokenizerPool::new(tokenizer, args.tokenizer_threads);
         if let Some(remote) = remote_images(&args, exact)? {
-            app.metrics
-                .register_image_fetch(Arc::clone(remote.stats()));
+            app.metrics.register_image_fetch(Arc::clone(remote.stats()));
             pool = pool.with_remote_images(remote);
         }
         app.tokenizer = Some(pool);

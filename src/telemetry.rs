@@ -215,8 +215,11 @@ impl Collector for ImageFetchCollector {
             MetricType::Counter,
         )?;
         for o in FetchOutcome::ALL {
-            ConstCounter::new(self.stats.count(o))
-                .encode(family.encode_family(&FetchOutcomeLabels { outcome: o.as_str() })?)?;
+            ConstCounter::new(self.stats.count(o)).encode(family.encode_family(
+                &FetchOutcomeLabels {
+                    outcome: o.as_str(),
+                },
+            )?)?;
         }
         Ok(())
     }

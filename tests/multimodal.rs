@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use base64::Engine as _;
 use kvpick::endpoints::{Endpoint, EndpointTable, WorkerKey};
+use kvpick::image_fetch::{FetchPolicy, HttpImageFetcher};
 use kvpick::kvevents::decode::decode_batch;
 use kvpick::kvevents::Ingest;
-use kvpick::image_fetch::{FetchPolicy, HttpImageFetcher};
 use kvpick::multimodal::hints;
 use kvpick::multimodal::identity::{
     identify, is_pad_value, pad_value, url_identity, vllm_mm_uuid, IdentitySource,
@@ -23,9 +23,9 @@ use kvpick::multimodal::{VisionFamily, VisionPrompt};
 use kvpick::request::{parse, ApiKind, InferenceRequest};
 use kvpick::scheduler::{PickRequest, Scheduler, SchedulerConfig};
 use kvpick::tokenize::{token_ids, Tokenizer, TokenizerPool};
-use tokio_rustls::rustls;
 use rmpv::Value;
 use serde_json::json;
+use tokio_rustls::rustls;
 
 const BS: usize = 16;
 const MODEL: &str = "qwen-vl";
@@ -477,7 +477,9 @@ async fn a_fetched_image_routes_like_the_same_bytes_sent_as_a_data_url() {
 
     // Without fetching, the URL's identity and unknown size end the match there.
     let plain = TokenizerPool::new(tokenizer(), 1);
-    let (tokens, fetched) = plain.tokenize_fetching(ApiKind::Chat, raw.clone(), &urls).await;
+    let (tokens, fetched) = plain
+        .tokenize_fetching(ApiKind::Chat, raw.clone(), &urls)
+        .await;
     assert!(fetched.is_empty());
     let before_image = shared_blocks(&stored, &token_ids(&tokens.unwrap()));
     assert!(before_image < stored.len() / BS);
@@ -525,9 +527,15 @@ async fn remote_images_breaking_the_fetch_rules_keep_their_url_identity() {
     let known = remote.resolve([http.as_str()]).await;
     check(&remote, &known, &http, FetchOutcome::Refused);
     let known = remote.resolve([https_loopback.as_str()]).await;
-    assert_eq!(known.identify(&https_loopback), url_identity(&https_loopback));
+    assert_eq!(
+        known.identify(&https_loopback),
+        url_identity(&https_loopback)
+    );
     let known = remote.resolve([https_localhost.as_str()]).await;
-    assert_eq!(known.identify(&https_localhost), url_identity(&https_localhost));
+    assert_eq!(
+        known.identify(&https_localhost),
+        url_identity(&https_localhost)
+    );
     assert_eq!(remote.stats().count(FetchOutcome::Refused), 3);
     let http_only = FetchPolicy {
         allow_http: true,

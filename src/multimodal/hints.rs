@@ -161,7 +161,10 @@ mod tests {
     #[test]
     fn bodies_are_rewritten_as_bytes() {
         let raw = serde_json::to_vec(&body()).unwrap();
-        let hashes = image_hashes(["https://x/1.png", "https://x/2.png"], &KnownImages::default());
+        let hashes = image_hashes(
+            ["https://x/1.png", "https://x/2.png"],
+            &KnownImages::default(),
+        );
         let out = rewrite_body(&raw, HintFormat::Sglang, &hashes).unwrap();
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["nvext"]["mm_hashes"][1], json!(sglang_mm_hash(hashes[1])));

@@ -303,9 +303,11 @@ impl RemoteImages {
             self.stats.record(FetchOutcome::Limit);
         }
         distinct.truncate(limit);
-        let found = futures::future::join_all(distinct.into_iter().map(|url| async move {
-            self.resolve_one(url).await.map(|image| (url, image))
-        }))
+        let found = futures::future::join_all(
+            distinct
+                .into_iter()
+                .map(|url| async move { self.resolve_one(url).await.map(|image| (url, image)) }),
+        )
         .await;
         KnownImages(
             found
@@ -439,7 +441,11 @@ mod tests {
         assert_eq!(canned.calls.load(Ordering::Relaxed), 1, "one fetch");
         assert_eq!(r.stats().count(FetchOutcome::Cached), 1);
         let known = r
-            .resolve(["https://h/1/a.png", "https://h/2/a.png", "https://h/3/a.png"])
+            .resolve([
+                "https://h/1/a.png",
+                "https://h/2/a.png",
+                "https://h/3/a.png",
+            ])
             .await;
         assert!(known.get("https://h/3/a.png").is_none());
         assert_eq!(r.stats().count(FetchOutcome::Limit), 1);
