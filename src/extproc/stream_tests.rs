@@ -17,15 +17,13 @@ fn app() -> crate::server::App {
 }
 
 fn header_map(pairs: &[(&str, &str)]) -> HeaderMap {
+    let value = |&(key, v): &(&str, &str)| HeaderValue {
+        key: key.into(),
+        raw_value: v.into(),
+        ..Default::default()
+    };
     HeaderMap {
-        headers: pairs
-            .iter()
-            .map(|(k, v)| HeaderValue {
-                key: k.to_string(),
-                raw_value: v.as_bytes().to_vec(),
-                ..Default::default()
-            })
-            .collect(),
+        headers: pairs.iter().map(value).collect(),
     }
 }
 
