@@ -17,8 +17,12 @@
 //!   hash = the scheduler's hash of that block) at the simulated time they happen.
 //!
 //! Hit rate is block-level: leading prompt blocks found in the chosen worker's own
-//! pool when its prefill starts, over all prompt blocks. The ceiling counts leading
-//! blocks seen before anywhere (an infinite cache shared by all workers). Load
+//! pool when its prefill starts, over all prompt blocks. Two ceilings: the
+//! infinite one counts leading blocks seen before anywhere (an infinite cache
+//! shared by all workers); the pooled one is the hit rate of one LRU cache holding
+//! all workers' blocks (`workers × capacity`), which perfect placement could
+//! approach with the fleet's finite KV. Each policy's "fraction of achievable" is
+//! its hit rate over the pooled ceiling. Load
 //! spread is max/mean in-flight over workers, sampled at every arrival that finds
 //! any request in flight, averaged over those arrivals.
 
@@ -32,7 +36,7 @@ use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
 
-use super::sim::{TimeModel, Worker};
+use super::sim::{BlockPool, TimeModel, Worker};
 use super::trace::{prompt_tokens, TraceRequest, BLOCK_TOKENS};
 use super::{markdown_table, quantile, sorted, SplitMix64};
 
@@ -92,6 +96,8 @@ pub struct PolicyFigures {
     pub name: String,
     /// Prefix hit rate (blocks), 0..1.
     pub hit_rate: f64,
+    /// `hit_rate` over the pooled finite-capacity ceiling.
+    pub of_achievable: f64,
     /// Mean over arrivals of max/mean in-flight.
     pub spread: f64,
     /// Median modeled TTFT.
@@ -116,6 +122,8 @@ pub struct ReplayReport {
     pub capacity_blocks: usize,
     /// Hit rate of an infinite cache shared by all workers.
     pub ceiling_hit_rate: f64,
+    /// Hit rate of one LRU cache of `workers × capacity_blocks` blocks.
+    pub pooled_ceiling_hit_rate: f64,
     /// One entry per policy.
     pub policies: Vec<PolicyFigures>,
 }
@@ -130,6 +138,7 @@ impl ReplayReport {
                 vec![
                     p.name.clone(),
                     format!("{:.1}%", p.hit_rate * 100.0),
+                    format!("{:.2}", p.of_achievable),
                     format!("{:.2}", p.spread),
                     format!("{:.0}", p.ttft_p50_ms),
                     format!("{:.0}", p.ttft_p99_ms),
@@ -137,8 +146,20 @@ impl ReplayReport {
             })
             .collect();
         rows.push(vec![
+            format!(
+                "ceiling (one pooled LRU cache of {} blocks)",
+                self.workers * self.capacity_blocks
+            ),
+            format!("{:.1}%", self.pooled_ceiling_hit_rate * 100.0),
+            "1.00".into(),
+            "–".into(),
+            "–".into(),
+            "–".into(),
+        ]);
+        rows.push(vec![
             "ceiling (infinite shared cache)".into(),
             format!("{:.1}%", self.ceiling_hit_rate * 100.0),
+            "–".into(),
             "–".into(),
             "–".into(),
             "–".into(),
@@ -153,6 +174,7 @@ impl ReplayReport {
                 &[
                     "policy",
                     "prefix hit rate",
+                    "fraction of achievable",
                     "spread (max/mean in-flight)",
                     "TTFT p50 ms",
                     "TTFT p99 ms",
@@ -179,6 +201,19 @@ pub fn ceiling_hit_rate(trace: &[TraceRequest]) -> f64 {
     ratio(hits, total)
 }
 
+/// Hit rate of one LRU cache of `capacity` blocks that every request uses in
+/// arrival order: what placement could reach if the fleet's KV were one pool.
+pub fn pooled_ceiling_hit_rate(trace: &[TraceRequest], capacity: usize) -> f64 {
+    let mut pool = BlockPool::new(capacity);
+    let (mut hits, mut total) = (0usize, 0usize);
+    for r in trace {
+        hits += pool.prefix_hits(&r.hash_ids);
+        total += r.hash_ids.len();
+        pool.store(&r.hash_ids);
+    }
+    ratio(hits, total)
+}
+
 fn ratio(a: usize, b: usize) -> f64 {
     if b == 0 {
         0.0
@@ -189,11 +224,17 @@ fn ratio(a: usize, b: usize) -> f64 {
 
 /// Runs every policy over `trace` and reports them next to the ceiling.
 pub fn run(trace_name: &str, trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayReport {
+    let pooled = pooled_ceiling_hit_rate(trace, cfg.workers * cfg.capacity_blocks);
     let policies = Policy::ALL
         .iter()
         .map(|&p| {
             let started = Instant::now();
-            let f = simulate(p, trace, cfg);
+            let mut f = simulate(p, trace, cfg);
+            f.of_achievable = if pooled > 0.0 {
+                f.hit_rate / pooled
+            } else {
+                0.0
+            };
             eprintln!(
                 "replay: {} done in {:.1} s (hit rate {:.3})",
                 p.name(),
@@ -209,6 +250,7 @@ pub fn run(trace_name: &str, trace: &[TraceRequest], cfg: &ReplayConfig) -> Repl
         workers: cfg.workers,
         capacity_blocks: cfg.capacity_blocks,
         ceiling_hit_rate: ceiling_hit_rate(trace),
+        pooled_ceiling_hit_rate: pooled,
         policies,
     }
 }
@@ -494,6 +536,7 @@ pub fn simulate(policy: Policy, trace: &[TraceRequest], cfg: &ReplayConfig) -> P
     PolicyFigures {
         name: policy.name().to_string(),
         hit_rate: ratio(sim.hits, sim.blocks),
+        of_achievable: 0.0,
         spread: if sim.spread_samples == 0 {
             0.0
         } else {
@@ -545,6 +588,26 @@ mod tests {
         // Per conversation: first turn misses 5, later turns hit the 4 shared blocks.
         let expected = (4.0 * 9.0 * 4.0) / (40.0 * 5.0);
         assert!((ceiling_hit_rate(&t) - expected).abs() < 1e-9);
+    }
+
+    #[test]
+    fn pooled_ceiling_is_an_lru_of_the_fleet_size() {
+        let t = conversations();
+        // 4 conversations × 4 shared blocks + 1 tail each turn: a pool of 20 holds
+        // every shared prefix (tails churn through LRU), a pool of 4 thrashes.
+        let infinite = ceiling_hit_rate(&t);
+        assert!((pooled_ceiling_hit_rate(&t, 1000) - infinite).abs() < 1e-9);
+        assert!((pooled_ceiling_hit_rate(&t, 20) - infinite).abs() < 1e-9);
+        assert_eq!(pooled_ceiling_hit_rate(&t, 4), 0.0);
+        let report = run("t", &t, &cfg());
+        assert!(report.pooled_ceiling_hit_rate <= report.ceiling_hit_rate);
+        for p in &report.policies {
+            assert!(p.hit_rate <= report.pooled_ceiling_hit_rate + 1e-9, "{p:?}");
+            assert!((p.of_achievable * report.pooled_ceiling_hit_rate - p.hit_rate).abs() < 1e-9);
+        }
+        assert!(report
+            .markdown()
+            .contains("one pooled LRU cache of 36 blocks"));
     }
 
     #[test]
