@@ -758,12 +758,12 @@ impl Args {
     ) -> Result<Option<Mapping>, EndpointPickerConfigError> {
         let text = match (&self.gie.config_file, &self.gie.config_text) {
             (Some(_), Some(_)) => return Err(EndpointPickerConfigError::Both),
-            (Some(path), None) => std::fs::read_to_string(path).map_err(|source| {
-                EndpointPickerConfigError::Read {
+            (Some(path), None) => {
+                std::fs::read_to_string(path).map_err(|source| EndpointPickerConfigError::Read {
                     path: path.clone(),
                     source,
-                }
-            })?,
+                })?
+            }
             (None, Some(text)) => text.clone(),
             (None, None) => return Ok(None),
         };

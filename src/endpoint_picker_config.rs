@@ -44,7 +44,9 @@ pub enum EndpointPickerConfigError {
     #[error("EndpointPickerConfig is not valid")]
     Yaml(#[source] serde_yaml::Error),
     /// Another kind or API version.
-    #[error("expected kind EndpointPickerConfig of {API_VERSIONS:?}, got {kind:?} of {api_version:?}")]
+    #[error(
+        "expected kind EndpointPickerConfig of {API_VERSIONS:?}, got {kind:?} of {api_version:?}"
+    )]
     Kind {
         /// The document's apiVersion.
         api_version: String,
@@ -161,8 +163,12 @@ fn meaning(plugin_type: &str) -> Option<Meaning> {
         | "token-producer"
         | "tokenizer" => Builtin,
         // Request parsing and worker metrics: kvpick's parser and scraper.
-        "openai-parser" | "vllmhttp-parser" | "passthrough-parser" | "metrics-data-source"
-        | "core-metrics-extractor" | "endpoint-notification-source" => Builtin,
+        "openai-parser"
+        | "vllmhttp-parser"
+        | "passthrough-parser"
+        | "metrics-data-source"
+        | "core-metrics-extractor"
+        | "endpoint-notification-source" => Builtin,
         // Disaggregated prefill/decode: kvpick's kvpick.io/role labels.
         "decode-filter"
         | "prefill-filter"
@@ -375,9 +381,16 @@ mod tests {
 
     #[test]
     fn pd_profiles_set_the_prefill_overlap_weight() {
-        let m = map(&upstream("deploy-config/pd-epp-config.yaml"), Weights::default()).unwrap();
+        let m = map(
+            &upstream("deploy-config/pd-epp-config.yaml"),
+            Weights::default(),
+        )
+        .unwrap();
         // decode profile: prefix 2, queue 1.
-        assert!(close(m.weights.prefill, 1.0) && close(m.weights.queue, 0.5), "{m:?}");
+        assert!(
+            close(m.weights.prefill, 1.0) && close(m.weights.queue, 0.5),
+            "{m:?}"
+        );
         // prefill profile has the same prefix weight as decode: the flag value stays.
         assert!(close(m.weights.prefill_overlap, 2.0), "{m:?}");
     }
@@ -404,7 +417,9 @@ mod tests {
             let doc: Document = serde_yaml::from_str(&text).unwrap();
             for p in doc.plugins.iter().filter(|p| meaning(&p.type_).is_none()) {
                 assert!(
-                    m.warnings.iter().any(|w| w.contains(&format!("type {}", p.type_))),
+                    m.warnings
+                        .iter()
+                        .any(|w| w.contains(&format!("type {}", p.type_))),
                     "{}: no warning for {}",
                     path.display(),
                     p.type_
@@ -420,7 +435,10 @@ mod tests {
         let text = upstream("deploy-config/epp-precise-prefix-cache-config.yaml");
         let m = map(&text, Weights::default()).unwrap();
         assert!(close(m.weights.prefill, 1.0));
-        assert!(close(m.weights.kv_usage, 0.5) && close(m.weights.queue, 0.5), "{m:?}");
+        assert!(
+            close(m.weights.kv_usage, 0.5) && close(m.weights.queue, 0.5),
+            "{m:?}"
+        );
         assert_eq!(m.mapped.len(), 3);
     }
 
