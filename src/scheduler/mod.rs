@@ -223,17 +223,23 @@ impl Scheduler {
 
     /// [`Scheduler::finish`] at a given instant (tests drive the clock).
     pub fn finish_at(&self, decision: &Decision, status: Option<u16>, now: Instant) {
+        self.cancel(decision);
+        if let Some(turn) = &decision.session {
+            let prefill = decision.prefill.as_ref().map(Target::key);
+            self.sessions
+                .settle(turn, decision.decode.key(), prefill, status, now);
+        }
+    }
+
+    /// Withdraws a decision that was replaced before its request went out: its
+    /// booked load is released; its session turn is neither settled nor bound.
+    pub fn cancel(&self, decision: &Decision) {
         self.release(
             decision.decode.key(),
             decision.load_blocks + decision.decode_blocks,
         );
         if let Some(p) = &decision.prefill {
             self.release(p.key(), decision.load_blocks);
-        }
-        if let Some(turn) = &decision.session {
-            let prefill = decision.prefill.as_ref().map(Target::key);
-            self.sessions
-                .settle(turn, decision.decode.key(), prefill, status, now);
         }
     }
 
