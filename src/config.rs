@@ -177,6 +177,12 @@ pub struct Args {
     #[arg(long, env = "KVPICK_DEFAULT_OSL_TOKENS", default_value_t = 0)]
     pub default_osl_tokens: u32,
 
+    /// Most load one request may book on a worker, in blocks (prompt plus
+    /// expected output; a block is 64 bytes of text or 16 tokens by default).
+    #[arg(long, env = "KVPICK_MAX_REQUEST_LOAD_BLOCKS",
+          default_value_t = crate::scheduler::DEFAULT_MAX_REQUEST_LOAD_BLOCKS)]
+    pub max_request_load_blocks: u64,
+
     /// Bootstrap port of `sglang` prefill pods without a `kvpick.io/bootstrap-port`
     /// annotation (SGLang's default); 0 sends no bootstrap headers for them.
     #[arg(long, env = "KVPICK_SGLANG_BOOTSTRAP_PORT", default_value_t = 8998)]
@@ -731,6 +737,7 @@ impl Args {
                 self.session_token_max_lifetime_secs.max(1),
             ),
             default_osl_tokens: self.default_osl_tokens,
+            max_request_load_blocks: self.max_request_load_blocks.max(1),
             sglang_bootstrap_port: (self.sglang_bootstrap_port != 0)
                 .then_some(self.sglang_bootstrap_port),
             health: crate::health::HealthConfig {

@@ -346,15 +346,22 @@ impl StreamState {
             && self.body.is_empty()
     }
 
-    /// No body arrived in time after the headers, with no protocol_config: this is
-    /// a buffered/streamed-mode Envoy waiting for the headers answer.
+    /// No body arrived in time after the headers, with no protocol_config: most
+    /// likely a buffered/streamed-mode Envoy waiting for the headers answer, but
+    /// possibly a full-duplex one whose client is slow. Either way Envoy may send
+    /// the headers upstream on this answer, so it carries a destination picked
+    /// without the body; a body that follows re-routes on its own answer.
     pub fn body_wait_expired(&mut self) -> Vec<ProcessingResponse> {
         if !self.waiting_to_infer_mode() {
             return Vec::new();
         }
         debug!("no body after headers: inferring BUFFERED request body mode");
         self.request_mode = BodyMode::Buffered;
-        vec![self.continue_headers()]
+        let out = self.route(None, RouteVia::Headers);
+        if !self.is_done() {
+            self.phase = Phase::RequestBody;
+        }
+        out
     }
 
     /// Whether handling `msg` ends a request body of at least `threshold` bytes
@@ -592,8 +599,16 @@ impl StreamState {
                 return vec![self.reject(503, "service_unavailable", &e.to_string())];
             }
         };
-        self.shared.metrics.record_decision(started.elapsed());
-        self.shared.metrics.record_result(RequestResult::Routed);
+        // A body that follows a decision made on its headers alone (see
+        // `body_wait_expired`) replaces that decision; the request counts once.
+        let rerouted = self
+            .routed
+            .take()
+            .map(|r| self.shared.scheduler.cancel(&r.decision));
+        if rerouted.is_none() {
+            self.shared.metrics.record_decision(started.elapsed());
+            self.shared.metrics.record_result(RequestResult::Routed);
+        }
         let address = decision.decode.endpoint.endpoint.address_string();
         info!(
             endpoint = %address,
@@ -914,3 +929,7 @@ fn spoofed_headers(map: Option<&HeaderMap>) -> Vec<String> {
     out.dedup();
     out
 }
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;
