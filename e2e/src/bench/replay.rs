@@ -41,16 +41,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
-use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
 
 use super::sim::{output_blocks, BlockPool, TimeModel, Worker};
-use super::trace::{self, prompt_tokens, TraceRequest, BLOCK_TOKENS};
+use super::trace::{self, TraceRequest, BLOCK_TOKENS};
 use super::{markdown_table, quantile, sorted, SplitMix64};
-
-/// The model name of replayed requests (seeds kvpick's block hashes).
-const MODEL: &str = "mooncake-replay";
 
 /// What a router can read of one worker when it routes: the engine's metrics.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -688,14 +684,7 @@ impl RoutingPolicy for Kvpick {
                 at: now,
             });
         }
-        let body = InferenceRequest {
-            kind: ApiKind::Completions,
-            model: MODEL.to_string(),
-            segments: vec![Segment::Tokens(prompt_tokens(request))],
-            stream: true,
-            nvext: NvExt::default(),
-            names_worker: false,
-        };
+        let body = trace::body(request);
         let req = PickRequest {
             body: Some(&body),
             ..Default::default()
