@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use clap::{ArgAction, Args as ClapArgs, Parser, Subcommand};
 
+use crate::endpoint_picker_config::{EndpointPickerConfigError, Mapping};
 use crate::extproc::ExtProcConfig;
 use crate::kv::index::IndexConfig;
 use crate::kvevents::subscriber::SubscriberConfig;
@@ -177,6 +178,12 @@ pub struct Args {
     #[arg(long, env = "KVPICK_DEFAULT_OSL_TOKENS", default_value_t = 0)]
     pub default_osl_tokens: u32,
 
+    /// Most load one request may book on a worker, in blocks (prompt plus
+    /// expected output; a block is 64 bytes of text or 16 tokens by default).
+    #[arg(long, env = "KVPICK_MAX_REQUEST_LOAD_BLOCKS",
+          default_value_t = crate::scheduler::DEFAULT_MAX_REQUEST_LOAD_BLOCKS)]
+    pub max_request_load_blocks: u64,
+
     /// Bootstrap port of `sglang` prefill pods without a `kvpick.io/bootstrap-port`
     /// annotation (SGLang's default); 0 sends no bootstrap headers for them.
     #[arg(long, env = "KVPICK_SGLANG_BOOTSTRAP_PORT", default_value_t = 8998)]
@@ -307,6 +314,59 @@ pub struct Args {
     #[arg(long, env = "KVPICK_MM_PLACEHOLDER")]
     pub mm_placeholder: Option<String>,
 
+    /// Fetch remote (`https`) images to identify them by content and size them
+    /// from their header, as `data:` URLs are (exact mode only: needs
+    /// `--tokenizer-dir` and `--mm-model-family`). Off: remote images keep their
+    /// URL identity. A failed fetch keeps it too, and is counted.
+    #[arg(long, env = "KVPICK_MM_FETCH", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub mm_fetch: bool,
+
+    /// The longest one image fetch may take, in milliseconds.
+    #[arg(long, env = "KVPICK_MM_FETCH_TIMEOUT_MS", default_value_t = 500)]
+    pub mm_fetch_timeout_ms: u64,
+
+    /// The largest image fetched, in bytes.
+    #[arg(long, env = "KVPICK_MM_FETCH_MAX_BYTES", default_value_t = 8 << 20)]
+    pub mm_fetch_max_bytes: usize,
+
+    /// Image fetches running at once.
+    #[arg(long, env = "KVPICK_MM_FETCH_MAX_CONCURRENT", default_value_t = 16)]
+    pub mm_fetch_max_concurrent: usize,
+
+    /// Distinct image URLs fetched per request (the rest keep URL identities).
+    #[arg(long, env = "KVPICK_MM_FETCH_MAX_PER_REQUEST", default_value_t = 8)]
+    pub mm_fetch_max_per_request: usize,
+
+    /// Fetched image identities kept (URL -> hash and size, never the bytes).
+    #[arg(long, env = "KVPICK_MM_FETCH_CACHE_ENTRIES", default_value_t = 1024)]
+    pub mm_fetch_cache_entries: usize,
+
+    /// How long a fetched identity is reused, in seconds.
+    #[arg(long, env = "KVPICK_MM_FETCH_CACHE_TTL_SECS", default_value_t = 600)]
+    pub mm_fetch_cache_ttl_secs: u64,
+
+    /// A host images may be fetched from (repeatable; exact names). None: any
+    /// host with only public addresses.
+    #[arg(
+        long = "mm-fetch-allow-host",
+        env = "KVPICK_MM_FETCH_ALLOW_HOSTS",
+        value_delimiter = ','
+    )]
+    pub mm_fetch_allow_hosts: Vec<String>,
+
+    /// Also fetch plain `http` image URLs (off: `https` only).
+    #[arg(long, env = "KVPICK_MM_FETCH_ALLOW_HTTP", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub mm_fetch_allow_http: bool,
+
+    /// Also fetch from loopback, private and link-local addresses (off: a URL
+    /// whose host resolves to any such address is refused). For tests and
+    /// trusted in-cluster image servers only.
+    #[arg(long, env = "KVPICK_MM_FETCH_ALLOW_PRIVATE", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub mm_fetch_allow_private: bool,
+
     /// Passive health: consecutive failing responses (5xx, or Envoy's 503 when it
     /// cannot connect) that take an endpoint out of the candidate set.
     #[arg(long, env = "KVPICK_EJECT_AFTER_FAILURES", default_value_t = 3)]
@@ -409,6 +469,9 @@ fn parse_vision_family(s: &str) -> Result<crate::multimodal::VisionFamily, Strin
 pub enum Command {
     /// Print the InferencePool CRD (YAML) and exit.
     Crd,
+    /// Check the flags and the EndpointPickerConfig, print the warnings and the
+    /// cost weights they give, and exit (non-zero when kvpick would not start).
+    CheckArgs,
 }
 
 /// GIE EPP flags: the ones that map to kvpick are honoured, the rest are accepted
@@ -465,10 +528,11 @@ pub struct GieFlags {
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub zap_devel: Option<bool>,
-    /// Ignored with a warning.
-    #[arg(long, hide = true)]
-    pub config_file: Option<String>,
-    /// Ignored with a warning.
+    /// Honoured: an `EndpointPickerConfig` file (llm-d Router / GIE); the
+    /// scorers kvpick has an equivalent for set its cost weights.
+    #[arg(long, hide = true, env = "KVPICK_CONFIG_FILE")]
+    pub config_file: Option<PathBuf>,
+    /// Honoured: the same as `--config-file`, inline.
     #[arg(long, hide = true)]
     pub config_text: Option<String>,
     /// Ignored with a warning.
@@ -555,8 +619,6 @@ impl GieFlags {
                     .is_some(),
             ),
             ("zap-devel", self.zap_devel.is_some()),
-            ("config-file", self.config_file.is_some()),
-            ("config-text", self.config_text.is_some()),
             (
                 "refresh-prometheus-metrics-interval",
                 self.refresh_prometheus_metrics_interval.is_some(),
@@ -692,6 +754,36 @@ impl Args {
         Some(v)
     }
 
+    /// Remote image fetching as the `--mm-fetch*` flags set it, or `None` when off.
+    pub fn image_fetch(
+        &self,
+    ) -> Option<(
+        crate::image_fetch::FetchPolicy,
+        crate::multimodal::remote::FetchLimits,
+    )> {
+        self.mm_fetch.then(|| {
+            let policy = crate::image_fetch::FetchPolicy {
+                allow_http: self.mm_fetch_allow_http,
+                allow_private: self.mm_fetch_allow_private,
+                allow_hosts: self
+                    .mm_fetch_allow_hosts
+                    .iter()
+                    .map(|h| h.trim().to_ascii_lowercase())
+                    .filter(|h| !h.is_empty())
+                    .collect(),
+                max_bytes: self.mm_fetch_max_bytes,
+            };
+            let limits = crate::multimodal::remote::FetchLimits {
+                timeout: Duration::from_millis(self.mm_fetch_timeout_ms),
+                max_concurrent: self.mm_fetch_max_concurrent,
+                max_per_request: self.mm_fetch_max_per_request,
+                cache_entries: self.mm_fetch_cache_entries,
+                cache_ttl: Duration::from_secs(self.mm_fetch_cache_ttl_secs),
+            };
+            (policy, limits)
+        })
+    }
+
     /// KV-event subscriber settings, or `None` when `--kv-events=false`.
     pub fn kv_events(&self) -> Option<SubscriberConfig> {
         self.kv_events.then(|| SubscriberConfig {
@@ -731,6 +823,7 @@ impl Args {
                 self.session_token_max_lifetime_secs.max(1),
             ),
             default_osl_tokens: self.default_osl_tokens,
+            max_request_load_blocks: self.max_request_load_blocks.max(1),
             sglang_bootstrap_port: (self.sglang_bootstrap_port != 0)
                 .then_some(self.sglang_bootstrap_port),
             health: crate::health::HealthConfig {
@@ -739,6 +832,39 @@ impl Args {
                 max_ejection: Duration::from_millis(self.eject_max_ms.max(self.eject_base_ms)),
             },
         }
+    }
+
+    /// Reads `--config-file` / `--config-text` and sets the cost weights from
+    /// its scorers (see [`crate::endpoint_picker_config`]); `None` without one.
+    pub fn apply_endpoint_picker_config(
+        &mut self,
+    ) -> Result<Option<Mapping>, EndpointPickerConfigError> {
+        let text = match (&self.gie.config_file, &self.gie.config_text) {
+            (Some(_), Some(_)) => return Err(EndpointPickerConfigError::Both),
+            (Some(path), None) => {
+                std::fs::read_to_string(path).map_err(|source| EndpointPickerConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?
+            }
+            (None, Some(text)) => text.clone(),
+            (None, None) => return Ok(None),
+        };
+        let base = Weights {
+            prefill: self.weight_prefill,
+            decode: self.weight_decode,
+            queue: self.weight_queue,
+            kv_usage: self.weight_kv_usage,
+            prefill_overlap: self.weight_prefill_overlap,
+        };
+        let mapping = crate::endpoint_picker_config::map(&text, base)?;
+        let w = mapping.weights;
+        self.weight_prefill = w.prefill;
+        self.weight_decode = w.decode;
+        self.weight_queue = w.queue;
+        self.weight_kv_usage = w.kv_usage;
+        self.weight_prefill_overlap = w.prefill_overlap;
+        Ok(Some(mapping))
     }
 
     /// How long open streams may finish on shutdown.
@@ -949,6 +1075,69 @@ mod tests {
     }
 
     #[test]
+    fn llm_d_v0_10_chart_arguments_run_kvpick_with_its_config_file() {
+        // What llm-d Router v0.10.0's chart (config/charts/routerlib/templates/
+        // _deployment.yaml) passes to its EPP with 2 replicas, tracing and
+        // metrics auth off and router.epp.flags {v: 2}, with its ConfigMap's
+        // default-plugins.yaml mounted as the config file.
+        let config = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/llm-d-v0.10.0/chart-default-plugins.yaml"
+        );
+        let mut a = Args::try_parse_from([
+            "kvpick",
+            "--pool-name",
+            "qwen",
+            "--pool-namespace",
+            "llm-d",
+            "--pool-group",
+            "inference.networking.k8s.io",
+            "--zap-encoder",
+            "json",
+            "--config-file",
+            config,
+            "--ha-enable-leader-election",
+            "--grpc-health-port",
+            "9003",
+            "--v=2",
+            "--tracing=false",
+            "--metrics-endpoint-auth=false",
+        ])
+        .unwrap();
+        let mapping = a.apply_endpoint_picker_config().unwrap().unwrap();
+        assert_eq!(mapping.mapped.len(), 3, "{mapping:?}");
+        let w = a.scheduler(Vec::new()).weights;
+        assert_eq!((w.prefill, w.decode), (1.0, 0.0));
+        assert!((w.queue - 2.0 / 3.0).abs() < 1e-9 && (w.kv_usage - 2.0 / 3.0).abs() < 1e-9);
+        assert_eq!(a.log_format(), LogFormat::Json);
+        // Standalone mode (router.inferencePool.create=false).
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--endpoint-selector",
+            "app=vllm-qwen",
+            "--endpoint-target-ports",
+            "8000",
+            "--zap-encoder",
+            "json",
+            "--config-text",
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: []\nschedulingProfiles: []\n",
+        ])
+        .unwrap();
+        assert_eq!(a.endpoint_selector.as_deref(), Some("app=vllm-qwen"));
+        let mut both = a.clone();
+        both.gie.config_file = Some(config.into());
+        assert!(matches!(
+            both.apply_endpoint_picker_config(),
+            Err(EndpointPickerConfigError::Both)
+        ));
+        let mut missing = Args::try_parse_from(["kvpick", "--config-file=/no/such/file"]).unwrap();
+        assert!(matches!(
+            missing.apply_endpoint_picker_config(),
+            Err(EndpointPickerConfigError::Read { .. })
+        ));
+    }
+
+    #[test]
     fn gie_chart_arguments_parse() {
         // What the GIE inferencepool chart passes to its EPP container.
         let a = Args::try_parse_from([
@@ -989,8 +1178,8 @@ mod tests {
         assert_eq!(a.scrape().port, Some(8080));
         assert_eq!(a.gie.tracing, Some(false));
         let warnings = a.gie.warnings();
-        assert_eq!(warnings.len(), 6, "{warnings:?}");
-        assert!(warnings.iter().any(|w| w.contains("--config-file")));
+        assert_eq!(warnings.len(), 5, "{warnings:?}");
+        assert!(!warnings.iter().any(|w| w.contains("--config-file")));
         assert!(warnings
             .iter()
             .any(|w| w.contains("--ha-enable-leader-election")));
@@ -1069,5 +1258,32 @@ mod tests {
         assert_eq!(v.model.processor.patch_size, 14);
         assert_eq!(v.image_token, "<|img|>");
         assert!(Args::try_parse_from(["kvpick", "--mm-model-family=gpt"]).is_err());
+    }
+
+    #[test]
+    fn image_fetch_is_off_and_https_public_only_by_default() {
+        let a = Args::try_parse_from(["kvpick"]).unwrap();
+        assert!(a.image_fetch().is_none());
+        let (policy, limits) = Args::try_parse_from(["kvpick", "--mm-fetch"])
+            .unwrap()
+            .image_fetch()
+            .unwrap();
+        assert_eq!(policy, crate::image_fetch::FetchPolicy::default());
+        assert_eq!(limits, crate::multimodal::remote::FetchLimits::default());
+        let (policy, limits) = Args::try_parse_from([
+            "kvpick",
+            "--mm-fetch=true",
+            "--mm-fetch-allow-host=Img.Example",
+            "--mm-fetch-allow-host=cdn.example",
+            "--mm-fetch-timeout-ms=250",
+            "--mm-fetch-max-bytes=1024",
+        ])
+        .unwrap()
+        .image_fetch()
+        .unwrap();
+        assert_eq!(policy.allow_hosts, ["img.example", "cdn.example"]);
+        assert!(!policy.allow_http && !policy.allow_private);
+        assert_eq!(policy.max_bytes, 1024);
+        assert_eq!(limits.timeout, Duration::from_millis(250));
     }
 }

@@ -8,10 +8,12 @@
 pub mod admission;
 pub mod config;
 pub mod discovery;
+pub mod endpoint_picker_config;
 pub mod endpoints;
 pub mod extproc;
 pub mod health;
 pub mod identity;
+pub mod image_fetch;
 pub mod kv;
 pub mod kvevents;
 pub mod multimodal;

@@ -25,6 +25,7 @@ use crate::admission::{
 };
 use crate::endpoints::{Engine, InFlightGuard};
 use crate::multimodal::hints;
+use crate::multimodal::remote::KnownImages;
 use crate::request::usage::ResponseTail;
 use crate::request::{self, ApiKind, InferenceRequest, Segment};
 use crate::scheduler::{Decision, PickError, PickRequest};
@@ -159,12 +160,20 @@ pub struct TokenizeJob {
     pool: TokenizerPool,
     kind: ApiKind,
     body: bytes::Bytes,
+    /// The request's image URLs in prompt order (remote ones may be fetched).
+    image_urls: Vec<String>,
 }
 
+/// A tokenized body: its segments, and the remote images fetched for it.
+pub type Tokenized = (Result<Vec<Segment>, TokenizeError>, KnownImages);
+
 impl TokenizeJob {
-    /// Tokenizes the body on the tokenizer pool.
-    pub async fn run(self) -> Result<Vec<Segment>, TokenizeError> {
-        self.pool.tokenize(self.kind, self.body).await
+    /// Fetches the remote images (when on) and tokenizes the body on the
+    /// tokenizer pool.
+    pub async fn run(self) -> Tokenized {
+        self.pool
+            .tokenize_fetching(self.kind, self.body, &self.image_urls)
+            .await
     }
 }
 
@@ -292,18 +301,20 @@ impl StreamState {
             pool: self.shared.tokenizer.clone()?,
             kind: parsed.kind,
             body: bytes::Bytes::copy_from_slice(body),
+            image_urls: image_urls(parsed).map(String::from).collect(),
         })
     }
 
     /// Routes the body that was waiting for its tokens. Without them (no chat
     /// template, a template error) the text segments are hashed as they are.
-    pub fn tokenized(
-        &mut self,
-        tokens: Result<Vec<Segment>, TokenizeError>,
-    ) -> Vec<ProcessingResponse> {
-        let Some((mut parsed, via)) = self.tokenizing.take() else {
+    /// Fetched remote images change the identities the engine is told.
+    pub fn tokenized(&mut self, (tokens, fetched): Tokenized) -> Vec<ProcessingResponse> {
+        let Some((mut parsed, mut via)) = self.tokenizing.take() else {
             return Vec::new();
         };
+        if let (false, RouteVia::Body { mm_hashes, .. }) = (fetched.is_empty(), &mut via) {
+            *mm_hashes = hints::image_hashes(image_urls(&parsed), &fetched);
+        }
         match tokens {
             Ok(segments) => parsed.segments = segments,
             Err(e) => debug!(error = %e, "tokenization failed: routing on text blocks"),
@@ -346,15 +357,22 @@ impl StreamState {
             && self.body.is_empty()
     }
 
-    /// No body arrived in time after the headers, with no protocol_config: this is
-    /// a buffered/streamed-mode Envoy waiting for the headers answer.
+    /// No body arrived in time after the headers, with no protocol_config: most
+    /// likely a buffered/streamed-mode Envoy waiting for the headers answer, but
+    /// possibly a full-duplex one whose client is slow. Either way Envoy may send
+    /// the headers upstream on this answer, so it carries a destination picked
+    /// without the body; a body that follows re-routes on its own answer.
     pub fn body_wait_expired(&mut self) -> Vec<ProcessingResponse> {
         if !self.waiting_to_infer_mode() {
             return Vec::new();
         }
         debug!("no body after headers: inferring BUFFERED request body mode");
         self.request_mode = BodyMode::Buffered;
-        vec![self.continue_headers()]
+        let out = self.route(None, RouteVia::Headers);
+        if !self.is_done() {
+            self.phase = Phase::RequestBody;
+        }
+        out
     }
 
     /// Whether handling `msg` ends a request body of at least `threshold` bytes
@@ -542,10 +560,7 @@ impl StreamState {
                     return vec![self.reject(400, "invalid_request_error", &e.to_string())];
                 }
             };
-        let mm_hashes = hints::image_hashes(parsed.segments.iter().filter_map(|s| match s {
-            Segment::Image(u) => Some(u.as_str()),
-            _ => None,
-        }));
+        let mm_hashes = hints::image_hashes(image_urls(&parsed), &KnownImages::default());
         let via = RouteVia::Body {
             body,
             rewritten,
@@ -592,8 +607,16 @@ impl StreamState {
                 return vec![self.reject(503, "service_unavailable", &e.to_string())];
             }
         };
-        self.shared.metrics.record_decision(started.elapsed());
-        self.shared.metrics.record_result(RequestResult::Routed);
+        // A body that follows a decision made on its headers alone (see
+        // `body_wait_expired`) replaces that decision; the request counts once.
+        let rerouted = self
+            .routed
+            .take()
+            .map(|r| self.shared.scheduler.cancel(&r.decision));
+        if rerouted.is_none() {
+            self.shared.metrics.record_decision(started.elapsed());
+            self.shared.metrics.record_result(RequestResult::Routed);
+        }
         let address = decision.decode.endpoint.endpoint.address_string();
         info!(
             endpoint = %address,
@@ -898,6 +921,14 @@ fn reopen_rehomed_session(
     })
 }
 
+/// The image URLs of a parsed (not yet tokenized) request, in prompt order.
+fn image_urls(parsed: &InferenceRequest) -> impl Iterator<Item = &str> {
+    parsed.segments.iter().filter_map(|s| match s {
+        Segment::Image(u) => Some(u.as_str()),
+        _ => None,
+    })
+}
+
 /// `nvext.agent_hints.priority` (the parser checks it is an i32).
 fn hint_priority(parsed: &InferenceRequest) -> Option<i32> {
     parsed.nvext.agent_hints.as_ref()?.priority
@@ -914,3 +945,7 @@ fn spoofed_headers(map: Option<&HeaderMap>) -> Vec<String> {
     out.dedup();
     out
 }
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;

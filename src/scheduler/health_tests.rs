@@ -162,3 +162,51 @@ fn one_infinite_cost_never_poisons_the_softmax() {
         assert_eq!(i, 1);
     }
 }
+
+#[test]
+fn one_request_books_at_most_the_per_request_cap() {
+    let cap = 100;
+    let s = Scheduler::new(SchedulerConfig {
+        max_request_load_blocks: cap,
+        ..Default::default()
+    });
+    let t = two();
+    let snap = t.snapshot();
+    // An output-length hint of u32::MAX tokens: uncapped, ~268M blocks booked on
+    // one worker by one request.
+    let hinted = crate::request::parse(
+        br#"{"model": "m", "prompt": "x", "nvext": {"agent_hints": {"osl": 4294967295}}}"#,
+        None,
+    )
+    .unwrap();
+    let d = s
+        .pick_at(
+            &PickRequest {
+                body: Some(&hinted),
+                ..Default::default()
+            },
+            &snap,
+            Instant::now(),
+        )
+        .unwrap();
+    assert_eq!(d.load_blocks + d.decode_blocks, cap);
+    assert_eq!(s.active_blocks(d.decode.key()), cap);
+    // A prompt larger than the cap books the cap, and no output on top.
+    let long = format!(r#"{{"model": "m", "prompt": "{}"}}"#, "y".repeat(64 * 1000));
+    let long = crate::request::parse(long.as_bytes(), None).unwrap();
+    let d2 = pick_on(
+        &s,
+        &PickRequest {
+            body: Some(&long),
+            ..Default::default()
+        },
+        &snap,
+        0,
+        Instant::now(),
+    );
+    assert_eq!((d2.load_blocks, d2.decode_blocks), (cap, 0));
+    s.finish(&d, Some(200));
+    s.finish(&d2, Some(200));
+    assert_eq!(s.active_blocks(d.decode.key()), 0);
+    assert_eq!(s.active_blocks(d2.decode.key()), 0);
+}

@@ -78,6 +78,9 @@ pub struct SchedulerConfig {
     /// Expected output tokens of a request without `nvext.agent_hints.osl`; the
     /// expected decode blocks are added to the request's booked load.
     pub default_osl_tokens: u32,
+    /// Most load one request may book on a worker (prompt plus expected output
+    /// blocks), so a client cannot pin a worker with one huge hint or body.
+    pub max_request_load_blocks: u64,
     /// Bootstrap port of `sglang` prefill workers without a
     /// `kvpick.io/bootstrap-port` annotation (SGLang's default is 8998).
     pub sglang_bootstrap_port: Option<u16>,
@@ -100,11 +103,16 @@ impl Default for SchedulerConfig {
             session_max_entries: SessionConfig::default().max_entries,
             session_token_max_lifetime: SessionConfig::default().token_max_lifetime,
             default_osl_tokens: 0,
+            max_request_load_blocks: DEFAULT_MAX_REQUEST_LOAD_BLOCKS,
             sglang_bootstrap_port: Some(DEFAULT_SGLANG_BOOTSTRAP_PORT),
             health: HealthConfig::default(),
         }
     }
 }
+
+/// Default [`SchedulerConfig::max_request_load_blocks`]: 16384 blocks, about
+/// 256k tokens (16-token blocks) or 1 MiB of text (64-byte blocks).
+pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
 
 /// Picks endpoints for requests.
 #[derive(Debug)]
@@ -215,17 +223,23 @@ impl Scheduler {
 
     /// [`Scheduler::finish`] at a given instant (tests drive the clock).
     pub fn finish_at(&self, decision: &Decision, status: Option<u16>, now: Instant) {
+        self.cancel(decision);
+        if let Some(turn) = &decision.session {
+            let prefill = decision.prefill.as_ref().map(Target::key);
+            self.sessions
+                .settle(turn, decision.decode.key(), prefill, status, now);
+        }
+    }
+
+    /// Withdraws a decision that was replaced before its request went out: its
+    /// booked load is released; its session turn is neither settled nor bound.
+    pub fn cancel(&self, decision: &Decision) {
         self.release(
             decision.decode.key(),
             decision.load_blocks + decision.decode_blocks,
         );
         if let Some(p) = &decision.prefill {
             self.release(p.key(), decision.load_blocks);
-        }
-        if let Some(turn) = &decision.session {
-            let prefill = decision.prefill.as_ref().map(Target::key);
-            self.sessions
-                .settle(turn, decision.decode.key(), prefill, status, now);
         }
     }
 

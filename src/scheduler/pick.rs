@@ -64,6 +64,10 @@ impl Scheduler {
             }
         };
         let hashes = &prompt.hashes;
+        // Per-request cap on booked load: the prompt first, expected output in
+        // what is left.
+        let cap = self.config.max_request_load_blocks;
+        let load_blocks = load_blocks.min(cap);
 
         let overlaps = {
             let _t = self.stats.time(Stage::Lookup);
@@ -99,7 +103,10 @@ impl Scheduler {
         self.stats
             .blocks_matched
             .fetch_add(overlap as u64, Ordering::Relaxed);
-        let decode_blocks = req.body.map_or(0, |b| self.expected_decode_blocks(b));
+        let decode_blocks = req
+            .body
+            .map_or(0, |b| self.expected_decode_blocks(b))
+            .min(cap - load_blocks);
         self.record(&decode[di], hashes, load_blocks + decode_blocks, now);
         if let Some(pi) = pi {
             self.record(&prefill[pi], hashes, load_blocks, now);

@@ -110,8 +110,10 @@ pub fn replay_hit_rate(report: &ReplayReport, path: &Path) -> anyhow::Result<()>
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let mut names: Vec<String> = report.policies.iter().map(|p| p.name.clone()).collect();
-    names.push("ceiling".into());
+    names.push("pooled ceiling".into());
+    names.push("infinite ceiling".into());
     let mut values: Vec<f64> = report.policies.iter().map(|p| p.hit_rate * 100.0).collect();
+    values.push(report.pooled_ceiling_hit_rate * 100.0);
     values.push(report.ceiling_hit_rate * 100.0);
     let n = names.len();
     let mut chart = ChartBuilder::on(&root)
@@ -242,6 +244,7 @@ mod tests {
         let policy = |name: &str, hit_rate| PolicyFigures {
             name: name.into(),
             hit_rate,
+            of_achievable: hit_rate / 0.55,
             spread: 1.5,
             ttft_p50_ms: 100.0,
             ttft_p99_ms: 900.0,
@@ -252,7 +255,9 @@ mod tests {
             requests: 3,
             workers: 2,
             capacity_blocks: 10,
+            speed: 1.0,
             ceiling_hit_rate: 0.6,
+            pooled_ceiling_hit_rate: 0.55,
             policies: vec![policy("round-robin", 0.1), policy("kvpick-precise", 0.5)],
         };
         overhead(&overhead_report, &dir.join("o.svg")).unwrap();
