@@ -313,6 +313,59 @@ pub struct Args {
     #[arg(long, env = "KVPICK_MM_PLACEHOLDER")]
     pub mm_placeholder: Option<String>,
 
+    /// Fetch remote (`https`) images to identify them by content and size them
+    /// from their header, as `data:` URLs are (exact mode only: needs
+    /// `--tokenizer-dir` and `--mm-model-family`). Off: remote images keep their
+    /// URL identity. A failed fetch keeps it too, and is counted.
+    #[arg(long, env = "KVPICK_MM_FETCH", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub mm_fetch: bool,
+
+    /// The longest one image fetch may take, in milliseconds.
+    #[arg(long, env = "KVPICK_MM_FETCH_TIMEOUT_MS", default_value_t = 500)]
+    pub mm_fetch_timeout_ms: u64,
+
+    /// The largest image fetched, in bytes.
+    #[arg(long, env = "KVPICK_MM_FETCH_MAX_BYTES", default_value_t = 8 << 20)]
+    pub mm_fetch_max_bytes: usize,
+
+    /// Image fetches running at once.
+    #[arg(long, env = "KVPICK_MM_FETCH_MAX_CONCURRENT", default_value_t = 16)]
+    pub mm_fetch_max_concurrent: usize,
+
+    /// Distinct image URLs fetched per request (the rest keep URL identities).
+    #[arg(long, env = "KVPICK_MM_FETCH_MAX_PER_REQUEST", default_value_t = 8)]
+    pub mm_fetch_max_per_request: usize,
+
+    /// Fetched image identities kept (URL -> hash and size, never the bytes).
+    #[arg(long, env = "KVPICK_MM_FETCH_CACHE_ENTRIES", default_value_t = 1024)]
+    pub mm_fetch_cache_entries: usize,
+
+    /// How long a fetched identity is reused, in seconds.
+    #[arg(long, env = "KVPICK_MM_FETCH_CACHE_TTL_SECS", default_value_t = 600)]
+    pub mm_fetch_cache_ttl_secs: u64,
+
+    /// A host images may be fetched from (repeatable; exact names). None: any
+    /// host with only public addresses.
+    #[arg(
+        long = "mm-fetch-allow-host",
+        env = "KVPICK_MM_FETCH_ALLOW_HOSTS",
+        value_delimiter = ','
+    )]
+    pub mm_fetch_allow_hosts: Vec<String>,
+
+    /// Also fetch plain `http` image URLs (off: `https` only).
+    #[arg(long, env = "KVPICK_MM_FETCH_ALLOW_HTTP", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub mm_fetch_allow_http: bool,
+
+    /// Also fetch from loopback, private and link-local addresses (off: a URL
+    /// whose host resolves to any such address is refused). For tests and
+    /// trusted in-cluster image servers only.
+    #[arg(long, env = "KVPICK_MM_FETCH_ALLOW_PRIVATE", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub mm_fetch_allow_private: bool,
+
     /// Passive health: consecutive failing responses (5xx, or Envoy's 503 when it
     /// cannot connect) that take an endpoint out of the candidate set.
     #[arg(long, env = "KVPICK_EJECT_AFTER_FAILURES", default_value_t = 3)]
@@ -698,6 +751,36 @@ impl Args {
         Some(v)
     }
 
+    /// Remote image fetching as the `--mm-fetch*` flags set it, or `None` when off.
+    pub fn image_fetch(
+        &self,
+    ) -> Option<(
+        crate::image_fetch::FetchPolicy,
+        crate::multimodal::remote::FetchLimits,
+    )> {
+        self.mm_fetch.then(|| {
+            let policy = crate::image_fetch::FetchPolicy {
+                allow_http: self.mm_fetch_allow_http,
+                allow_private: self.mm_fetch_allow_private,
+                allow_hosts: self
+                    .mm_fetch_allow_hosts
+                    .iter()
+                    .map(|h| h.trim().to_ascii_lowercase())
+                    .filter(|h| !h.is_empty())
+                    .collect(),
+                max_bytes: self.mm_fetch_max_bytes,
+            };
+            let limits = crate::multimodal::remote::FetchLimits {
+                timeout: Duration::from_millis(self.mm_fetch_timeout_ms),
+                max_concurrent: self.mm_fetch_max_concurrent,
+                max_per_request: self.mm_fetch_max_per_request,
+                cache_entries: self.mm_fetch_cache_entries,
+                cache_ttl: Duration::from_secs(self.mm_fetch_cache_ttl_secs),
+            };
+            (policy, limits)
+        })
+    }
+
     /// KV-event subscriber settings, or `None` when `--kv-events=false`.
     pub fn kv_events(&self) -> Option<SubscriberConfig> {
         self.kv_events.then(|| SubscriberConfig {
@@ -1076,5 +1159,32 @@ mod tests {
         assert_eq!(v.model.processor.patch_size, 14);
         assert_eq!(v.image_token, "<|img|>");
         assert!(Args::try_parse_from(["kvpick", "--mm-model-family=gpt"]).is_err());
+    }
+
+    #[test]
+    fn image_fetch_is_off_and_https_public_only_by_default() {
+        let a = Args::try_parse_from(["kvpick"]).unwrap();
+        assert!(a.image_fetch().is_none());
+        let (policy, limits) = Args::try_parse_from(["kvpick", "--mm-fetch"])
+            .unwrap()
+            .image_fetch()
+            .unwrap();
+        assert_eq!(policy, crate::image_fetch::FetchPolicy::default());
+        assert_eq!(limits, crate::multimodal::remote::FetchLimits::default());
+        let (policy, limits) = Args::try_parse_from([
+            "kvpick",
+            "--mm-fetch=true",
+            "--mm-fetch-allow-host=Img.Example",
+            "--mm-fetch-allow-host=cdn.example",
+            "--mm-fetch-timeout-ms=250",
+            "--mm-fetch-max-bytes=1024",
+        ])
+        .unwrap()
+        .image_fetch()
+        .unwrap();
+        assert_eq!(policy.allow_hosts, ["img.example", "cdn.example"]);
+        assert!(!policy.allow_http && !policy.allow_private);
+        assert_eq!(policy.max_bytes, 1024);
+        assert_eq!(limits.timeout, Duration::from_millis(250));
     }
 }

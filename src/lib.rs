@@ -12,6 +12,7 @@ pub mod endpoints;
 pub mod extproc;
 pub mod health;
 pub mod identity;
+pub mod image_fetch;
 pub mod kv;
 pub mod kvevents;
 pub mod multimodal;

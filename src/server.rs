@@ -60,6 +60,9 @@ pub enum ServeError {
     /// The tokenizer directory could not be loaded.
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] TokenizeError),
+    /// The remote image fetcher could not be set up.
+    #[error("image fetch: {0}")]
+    ImageFetch(#[from] crate::image_fetch::ImageFetchSetupError),
     /// `--inference-objectives` is malformed.
     #[error(transparent)]
     Objectives(#[from] crate::admission::priority::ObjectiveSpecError),
@@ -369,6 +372,41 @@ fn mm_routing(args: &Args) -> MmRouting {
 }
 
 /// Says at start-up how images will be routed, and why not better.
+/// The remote image fetcher `--mm-fetch` asks for, when multimodal routing is
+/// exact (elsewhere an image's size and content cannot change its blocks'
+/// match with the engine's, and nothing is fetched).
+fn remote_images(
+    args: &Args,
+    exact: bool,
+) -> Result<Option<Arc<crate::multimodal::remote::RemoteImages>>, ServeError> {
+    let Some((policy, limits)) = args.image_fetch() else {
+        return Ok(None);
+    };
+    if !exact {
+        warn!("--mm-fetch has no effect without --tokenizer-dir and --mm-model-family: remote images keep their URL identity");
+        return Ok(None);
+    }
+    if policy.allow_private || policy.allow_http {
+        warn!(
+            allow_private = policy.allow_private,
+            allow_http = policy.allow_http,
+            "image fetching may reach plain-http or non-public addresses"
+        );
+    }
+    info!(
+        ?policy,
+        ?limits,
+        "fetching remote images to identify them by content"
+    );
+    let fetcher = crate::image_fetch::HttpImageFetcher::new(
+        policy,
+        crate::image_fetch::HttpImageFetcher::system_roots(),
+    )?;
+    Ok(Some(Arc::new(
+        crate::multimodal::remote::RemoteImages::new(Arc::new(fetcher), limits),
+    )))
+}
+
 fn log_mm_routing(args: &Args, image_token: Option<u32>) {
     let mode = mm_routing(args);
     let family = args.mm_model_family.map(|f| f.as_str());
@@ -429,8 +467,15 @@ pub async fn run_until(
         info!(dir = %dir.display(), ?tokenizer, "tokenizing requests in-process");
         app.metrics
             .register_multimodal(Arc::clone(tokenizer.mm_stats()), mm_routing(&args));
-        app.tokenizer = Some(TokenizerPool::new(tokenizer, args.tokenizer_threads));
+        let exact = tokenizer.has_vision();
+        let mut pool = TokenizerPool::new(tokenizer, args.tokenizer_threads);
+        if let Some(remote) = remote_images(&args, exact)? {
+            app.metrics.register_image_fetch(Arc::clone(remote.stats()));
+            pool = pool.with_remote_images(remote);
+        }
+        app.tokenizer = Some(pool);
     } else {
+        remote_images(&args, false)?;
         app.metrics
             .register_multimodal(Arc::default(), mm_routing(&args));
     }

@@ -194,6 +194,37 @@ fn build_labels() -> BuildLabels {
     }
 }
 
+/// Renders [`crate::multimodal::remote::FetchStats`].
+#[derive(Debug)]
+struct ImageFetchCollector {
+    stats: Arc<crate::multimodal::remote::FetchStats>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct FetchOutcomeLabels {
+    outcome: &'static str,
+}
+
+impl Collector for ImageFetchCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use crate::multimodal::remote::FetchOutcome;
+        let mut family = encoder.encode_descriptor(
+            "kvpick_mm_fetch",
+            "Remote images resolved by --mm-fetch, by outcome: ok (fetched, identified by content), cached, or why the image kept its URL identity (timeout, too_large, status, refused, not_image, error, limit)",
+            None,
+            MetricType::Counter,
+        )?;
+        for o in FetchOutcome::ALL {
+            ConstCounter::new(self.stats.count(o)).encode(family.encode_family(
+                &FetchOutcomeLabels {
+                    outcome: o.as_str(),
+                },
+            )?)?;
+        }
+        Ok(())
+    }
+}
+
 /// Renders [`crate::multimodal::MmStats`] and the configured multimodal routing mode.
 #[derive(Debug)]
 struct MultimodalCollector {
@@ -463,6 +494,11 @@ impl Metrics {
         mode: crate::multimodal::MmRouting,
     ) {
         self.register(|r| r.register_collector(Box::new(MultimodalCollector { stats, mode })));
+    }
+
+    /// Exposes the remote image fetch counts (`kvpick_mm_fetch_total{outcome}`).
+    pub fn register_image_fetch(&self, stats: Arc<crate::multimodal::remote::FetchStats>) {
+        self.register(|r| r.register_collector(Box::new(ImageFetchCollector { stats })));
     }
 
     /// Sets how old scraped load may be to count in the pool gauges (default 2 s).

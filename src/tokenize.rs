@@ -33,6 +33,7 @@ use tokio::sync::Semaphore;
 
 use crate::multimodal::dims::image_size;
 use crate::multimodal::identity::{self, ImageIdentity};
+use crate::multimodal::remote::{KnownImages, RemoteImages};
 use crate::multimodal::routing::{expand_images, PromptImage};
 use crate::multimodal::{MmRouting, MmStats, VisionPrompt};
 use crate::request::{ApiKind, Segment};
@@ -274,6 +275,17 @@ impl Tokenizer {
         kind: ApiKind,
         body: &Value,
     ) -> Result<Vec<Segment>, TokenizeError> {
+        self.tokenize_body_with(kind, body, &KnownImages::default())
+    }
+
+    /// [`Self::tokenize_body`] with the remote images that were fetched: those
+    /// are identified by content and sized from their header, like `data:` URLs.
+    pub fn tokenize_body_with(
+        &self,
+        kind: ApiKind,
+        body: &Value,
+        known: &KnownImages,
+    ) -> Result<Vec<Segment>, TokenizeError> {
         match kind {
             ApiKind::Completions => {
                 let prompt = body
@@ -292,7 +304,7 @@ impl Tokenizer {
                 let (text, images) = self.render_chat(body)?;
                 match &self.vision {
                     Some(v) if !images.is_empty() => {
-                        let (segments, imgs) = self.expand_vision(v, &text, &images)?;
+                        let (segments, imgs) = self.expand_vision(v, &text, &images, known)?;
                         for i in &imgs {
                             self.mm_stats.record_image(i.identity.source);
                         }
@@ -347,34 +359,36 @@ impl Tokenizer {
     }
 
     /// The rendered prompt's token ids with every image token expanded into pad
-    /// values. Images of unknown size stop the expansion: tokens up to that image,
-    /// the image as a [`Segment::Image`], then the rest unexpanded.
+    /// values. Images of unknown size (remote URLs not in `known`) stop the
+    /// expansion: tokens up to that image, the image as a [`Segment::Image`],
+    /// then the rest unexpanded.
     fn expand_vision(
         &self,
         v: &Vision,
         text: &str,
         urls: &[String],
+        known: &KnownImages,
     ) -> Result<(Vec<Segment>, Vec<TokenizedImage>), TokenizeError> {
         let ids = self.encode(text, false)?;
         let mut images = Vec::with_capacity(urls.len());
         let mut sized = Vec::with_capacity(urls.len());
         for url in urls {
-            let r = identity::resolve(url);
-            let tokens = r
-                .bytes
-                .as_deref()
-                .and_then(|b| image_size(b).ok())
-                .and_then(|size| v.prompt.model.image_tokens(size).ok());
+            let (identity, size) = match known.get(url) {
+                Some(k) => (k.identity, Some(k.size)),
+                None => {
+                    let r = identity::resolve(url);
+                    let size = r.bytes.as_deref().and_then(|b| image_size(b).ok());
+                    (r.identity, size)
+                }
+            };
+            let tokens = size.and_then(|size| v.prompt.model.image_tokens(size).ok());
             if let (Some(t), true) = (tokens, sized.len() == images.len()) {
                 sized.push(PromptImage {
-                    mm_hash: r.identity.mm_hash,
+                    mm_hash: identity.mm_hash,
                     tokens: t,
                 });
             }
-            images.push(TokenizedImage {
-                identity: r.identity,
-                tokens,
-            });
+            images.push(TokenizedImage { identity, tokens });
         }
         if sized.len() == images.len() {
             let tokens = expand_images(&ids, &v.image_token_ids, &sized)
@@ -686,6 +700,8 @@ fn write_py_json(
 pub struct TokenizerPool {
     tokenizer: Arc<Tokenizer>,
     permits: Arc<Semaphore>,
+    /// Fetches remote images before tokenizing (`--mm-fetch`).
+    remote: Option<Arc<RemoteImages>>,
 }
 
 impl TokenizerPool {
@@ -694,7 +710,15 @@ impl TokenizerPool {
         TokenizerPool {
             tokenizer: Arc::new(tokenizer),
             permits: Arc::new(Semaphore::new(threads.max(1))),
+            remote: None,
         }
+    }
+
+    /// Fetches remote images through `remote` before tokenizing
+    /// ([`Self::tokenize_fetching`]).
+    pub fn with_remote_images(mut self, remote: Arc<RemoteImages>) -> Self {
+        self.remote = Some(remote);
+        self
     }
 
     /// The tokenizer itself (for synchronous use in tests and tools).
@@ -710,6 +734,36 @@ impl TokenizerPool {
         kind: ApiKind,
         body: Bytes,
     ) -> Result<Vec<Segment>, TokenizeError> {
+        self.tokenize_known(kind, body, KnownImages::default())
+            .await
+    }
+
+    /// [`Self::tokenize`], first fetching the remote images among `image_urls`
+    /// when fetching is on (and the tokenizer has a vision model to size them
+    /// with); the fetched images are returned with the tokens, for the hints
+    /// that tell the engine the same identities.
+    pub async fn tokenize_fetching(
+        &self,
+        kind: ApiKind,
+        body: Bytes,
+        image_urls: &[String],
+    ) -> (Result<Vec<Segment>, TokenizeError>, KnownImages) {
+        let known = match &self.remote {
+            Some(remote) if self.tokenizer.has_vision() => {
+                remote.resolve(image_urls.iter().map(String::as_str)).await
+            }
+            _ => KnownImages::default(),
+        };
+        let tokens = self.tokenize_known(kind, body, known.clone()).await;
+        (tokens, known)
+    }
+
+    async fn tokenize_known(
+        &self,
+        kind: ApiKind,
+        body: Bytes,
+        known: KnownImages,
+    ) -> Result<Vec<Segment>, TokenizeError> {
         let _permit = self
             .permits
             .acquire()
@@ -719,7 +773,7 @@ impl TokenizerPool {
         tokio::task::spawn_blocking(move || {
             let value: Value =
                 serde_json::from_slice(&body).map_err(|e| TokenizeError::Body(e.to_string()))?;
-            tok.tokenize_body(kind, &value)
+            tok.tokenize_body_with(kind, &value, &known)
         })
         .await
         .map_err(|e| TokenizeError::Task(e.to_string()))?

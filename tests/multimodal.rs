@@ -5,20 +5,27 @@
 //! hashes in `extra_keys`), and later requests are routed against them.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use base64::Engine as _;
 use kvpick::endpoints::{Endpoint, EndpointTable, WorkerKey};
+use kvpick::image_fetch::{FetchPolicy, HttpImageFetcher};
 use kvpick::kvevents::decode::decode_batch;
 use kvpick::kvevents::Ingest;
-use kvpick::multimodal::identity::{identify, is_pad_value, pad_value, vllm_mm_uuid};
+use kvpick::multimodal::hints;
+use kvpick::multimodal::identity::{
+    identify, is_pad_value, pad_value, url_identity, vllm_mm_uuid, IdentitySource,
+};
+use kvpick::multimodal::remote::{FetchLimits, FetchOutcome, KnownImages, RemoteImages};
 use kvpick::multimodal::{VisionFamily, VisionPrompt};
 use kvpick::request::{parse, ApiKind, InferenceRequest};
 use kvpick::scheduler::{PickRequest, Scheduler, SchedulerConfig};
-use kvpick::tokenize::{token_ids, Tokenizer};
+use kvpick::tokenize::{token_ids, Tokenizer, TokenizerPool};
 use rmpv::Value;
 use serde_json::json;
+use tokio_rustls::rustls;
 
 const BS: usize = 16;
 const MODEL: &str = "qwen-vl";
@@ -342,4 +349,250 @@ fn vllm_events_without_the_image_token_are_unmapped() {
     let stats = pool.publish(worker, &vllm_event(&tokens, image_token, &images, true));
     assert_eq!(stats.mm_unmapped_blocks, stats.mm_blocks);
     assert!(stats.mm_blocks > 0);
+}
+
+// ---- Remote images fetched by content (`--mm-fetch`) ----------------------
+
+/// A local image server: `/cat.png` (the bytes given), `/big.png` (over any
+/// small cap, with a length), `/stream.png` (the same without a length),
+/// `/slow.png` (answers after 10 s), `/moved` (a redirect). Counts requests.
+struct ImageServer {
+    addr: std::net::SocketAddr,
+    hits: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ImageServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl ImageServer {
+    async fn start(cat: Vec<u8>) -> ImageServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&hits);
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            while let Ok((sock, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                conns.spawn(serve_image(sock, cat.clone()));
+            }
+        });
+        ImageServer { addr, hits, task }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+async fn serve_image(mut sock: tokio::net::TcpStream, cat: Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match sock.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let head = String::from_utf8_lossy(&head);
+    let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+    let big = [cat.clone(), vec![0; 64 << 10]].concat();
+    let (status, length, body) = match path.as_str() {
+        "/cat.png" => ("200 OK", true, cat),
+        "/big.png" => ("200 OK", true, big),
+        "/stream.png" => ("200 OK", false, big),
+        "/slow.png" => {
+            tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+            ("200 OK", true, cat)
+        }
+        "/moved" => ("302 Found", true, Vec::new()),
+        _ => ("404 Not Found", true, Vec::new()),
+    };
+    let mut out = format!("HTTP/1.1 {status}\r\nlocation: /cat.png\r\nconnection: close\r\n");
+    if length {
+        out.push_str(&format!("content-length: {}\r\n", body.len()));
+    }
+    out.push_str("\r\n");
+    let _ = sock.write_all(out.as_bytes()).await;
+    let _ = sock.write_all(&body).await;
+    let _ = sock.shutdown().await;
+}
+
+/// PNG header bytes of a `w`×`h` picture and its `data:` URL.
+fn png_bytes(w: u32, h: u32, salt: u8) -> (Vec<u8>, String) {
+    let url = png_url(w, h, salt);
+    let b64 = url.split_once(',').unwrap().1;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .unwrap();
+    (bytes, url)
+}
+
+/// The test's explicit opt-in to plain http on loopback (never the default).
+fn loopback_policy() -> FetchPolicy {
+    FetchPolicy {
+        allow_http: true,
+        allow_private: true,
+        ..FetchPolicy::default()
+    }
+}
+
+fn remote_images(policy: FetchPolicy, limits: FetchLimits) -> Arc<RemoteImages> {
+    let fetcher = HttpImageFetcher::new(policy, rustls::RootCertStore::empty()).unwrap();
+    Arc::new(RemoteImages::new(Arc::new(fetcher), limits))
+}
+
+#[tokio::test]
+async fn a_fetched_image_routes_like_the_same_bytes_sent_as_a_data_url() {
+    let cs = case();
+    let (cat, cat_data_url) = png_bytes(224, 224, 7);
+    let server = ImageServer::start(cat).await;
+    let cat_url = server.url("/cat.png");
+    let follow_up = Some("describe both pictures in more detail please");
+
+    // The engine (SGLang) cached the conversation whose first image came inline.
+    let mut pool = Pool::new(None);
+    let worker = pool.worker(1);
+    let stored = routing_tokens(&cs.tok, &chat(&cat_data_url, &cs.b, None));
+    pool.publish(worker, &sglang_event(&stored));
+
+    // The next turn names the same picture by URL.
+    let body = chat(&cat_url, &cs.b, follow_up);
+    let raw = bytes::Bytes::from(serde_json::to_vec(&body).unwrap());
+    let urls = [cat_url.clone(), cs.b.clone()];
+    let routed = |tokens: Vec<kvpick::request::Segment>| {
+        let mut r = parse(&raw, Some(ApiKind::Chat)).unwrap();
+        r.segments = tokens;
+        pool.route(&r)
+    };
+
+    // Without fetching, the URL's identity and unknown size end the match there.
+    let plain = TokenizerPool::new(tokenizer(), 1);
+    let (tokens, fetched) = plain
+        .tokenize_fetching(ApiKind::Chat, raw.clone(), &urls)
+        .await;
+    assert!(fetched.is_empty());
+    let before_image = shared_blocks(&stored, &token_ids(&tokens.unwrap()));
+    assert!(before_image < stored.len() / BS);
+
+    // Fetched: the content identity of the data: URL, the same tokens, full overlap.
+    let remote = remote_images(loopback_policy(), FetchLimits::default());
+    let fetching = TokenizerPool::new(tokenizer(), 1).with_remote_images(Arc::clone(&remote));
+    let (tokens, fetched) = fetching
+        .tokenize_fetching(ApiKind::Chat, raw.clone(), &urls)
+        .await;
+    assert_eq!(fetched.identify(&cat_url), identify(&cat_data_url));
+    assert_eq!(fetched.identify(&cat_url).source, IdentitySource::Content);
+    let tokens = tokens.unwrap();
+    assert_eq!(
+        token_ids(&tokens),
+        routing_tokens(&cs.tok, &chat(&cat_data_url, &cs.b, follow_up)),
+        "the routing tokens of the data: URL body, pad values included"
+    );
+    let (w, overlap, _) = routed(tokens);
+    assert_eq!((w, overlap), (worker, stored.len() / BS));
+    // The engine is told the same identity (SGLang's `mm_hashes`).
+    assert_eq!(
+        hints::image_hashes(urls.iter().map(String::as_str), &fetched),
+        vec![identify(&cat_data_url).mm_hash, identify(&cs.b).mm_hash]
+    );
+    assert_eq!(remote.stats().count(FetchOutcome::Ok), 1);
+    assert_eq!(server.hits(), 1);
+}
+
+#[tokio::test]
+async fn remote_images_breaking_the_fetch_rules_keep_their_url_identity() {
+    let (cat, _) = png_bytes(224, 224, 7);
+    let server = ImageServer::start(cat).await;
+    let port = server.addr.port();
+    let check = |remote: &RemoteImages, known: &KnownImages, url: &str, outcome| {
+        assert_eq!(known.identify(url), url_identity(url), "{url}");
+        assert_eq!(remote.stats().count(outcome), 1, "{url}");
+    };
+
+    // Defaults: https only, public addresses only; nothing reaches the server.
+    let remote = remote_images(FetchPolicy::default(), FetchLimits::default());
+    let https_loopback = format!("https://127.0.0.1:{port}/cat.png");
+    let https_localhost = format!("https://localhost:{port}/cat.png");
+    let http = server.url("/cat.png");
+    let known = remote.resolve([http.as_str()]).await;
+    check(&remote, &known, &http, FetchOutcome::Refused);
+    let known = remote.resolve([https_loopback.as_str()]).await;
+    assert_eq!(
+        known.identify(&https_loopback),
+        url_identity(&https_loopback)
+    );
+    let known = remote.resolve([https_localhost.as_str()]).await;
+    assert_eq!(
+        known.identify(&https_localhost),
+        url_identity(&https_localhost)
+    );
+    assert_eq!(remote.stats().count(FetchOutcome::Refused), 3);
+    let http_only = FetchPolicy {
+        allow_http: true,
+        ..FetchPolicy::default()
+    };
+    let remote = remote_images(http_only, FetchLimits::default());
+    let known = remote.resolve([http.as_str()]).await;
+    check(&remote, &known, &http, FetchOutcome::Refused);
+    let listed = FetchPolicy {
+        allow_hosts: vec!["img.example".into()],
+        ..loopback_policy()
+    };
+    let remote = remote_images(listed, FetchLimits::default());
+    let known = remote.resolve([http.as_str()]).await;
+    check(&remote, &known, &http, FetchOutcome::Refused);
+    assert_eq!(server.hits(), 0, "refused before connecting");
+
+    // Allowed to connect, but over the size cap, too slow, or redirected.
+    let capped = FetchPolicy {
+        max_bytes: 4096,
+        ..loopback_policy()
+    };
+    let limits = FetchLimits {
+        timeout: std::time::Duration::from_millis(300),
+        ..FetchLimits::default()
+    };
+    let remote = remote_images(capped.clone(), limits);
+    let big = server.url("/big.png");
+    let known = remote.resolve([big.as_str()]).await;
+    check(&remote, &known, &big, FetchOutcome::TooLarge);
+    let stream = server.url("/stream.png");
+    let remote = remote_images(capped.clone(), limits);
+    let known = remote.resolve([stream.as_str()]).await;
+    check(&remote, &known, &stream, FetchOutcome::TooLarge);
+    let slow = server.url("/slow.png");
+    let started = Instant::now();
+    let known = remote.resolve([slow.as_str()]).await;
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    check(&remote, &known, &slow, FetchOutcome::Timeout);
+    let moved = server.url("/moved");
+    let known = remote.resolve([moved.as_str()]).await;
+    check(&remote, &known, &moved, FetchOutcome::Status);
+    assert_eq!(remote.stats().count(FetchOutcome::Ok), 0);
+    assert_eq!(server.hits(), 4);
+}
+
+#[tokio::test]
+async fn the_fetch_cache_answers_a_repeat_without_a_second_fetch() {
+    let (cat, cat_data_url) = png_bytes(224, 224, 7);
+    let server = ImageServer::start(cat).await;
+    let remote = remote_images(loopback_policy(), FetchLimits::default());
+    let url = server.url("/cat.png");
+    let first = remote.resolve([url.as_str()]).await;
+    let again = remote.resolve([url.as_str(), url.as_str()]).await;
+    assert_eq!(first, again);
+    assert_eq!(again.identify(&url), identify(&cat_data_url));
+    assert_eq!(server.hits(), 1, "one fetch");
+    assert_eq!(remote.stats().count(FetchOutcome::Ok), 1);
+    assert_eq!(remote.stats().count(FetchOutcome::Cached), 1);
 }

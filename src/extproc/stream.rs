@@ -25,6 +25,7 @@ use crate::admission::{
 };
 use crate::endpoints::{Engine, InFlightGuard};
 use crate::multimodal::hints;
+use crate::multimodal::remote::KnownImages;
 use crate::request::usage::ResponseTail;
 use crate::request::{self, ApiKind, InferenceRequest, Segment};
 use crate::scheduler::{Decision, PickError, PickRequest};
@@ -159,12 +160,20 @@ pub struct TokenizeJob {
     pool: TokenizerPool,
     kind: ApiKind,
     body: bytes::Bytes,
+    /// The request's image URLs in prompt order (remote ones may be fetched).
+    image_urls: Vec<String>,
 }
 
+/// A tokenized body: its segments, and the remote images fetched for it.
+pub type Tokenized = (Result<Vec<Segment>, TokenizeError>, KnownImages);
+
 impl TokenizeJob {
-    /// Tokenizes the body on the tokenizer pool.
-    pub async fn run(self) -> Result<Vec<Segment>, TokenizeError> {
-        self.pool.tokenize(self.kind, self.body).await
+    /// Fetches the remote images (when on) and tokenizes the body on the
+    /// tokenizer pool.
+    pub async fn run(self) -> Tokenized {
+        self.pool
+            .tokenize_fetching(self.kind, self.body, &self.image_urls)
+            .await
     }
 }
 
@@ -292,18 +301,20 @@ impl StreamState {
             pool: self.shared.tokenizer.clone()?,
             kind: parsed.kind,
             body: bytes::Bytes::copy_from_slice(body),
+            image_urls: image_urls(parsed).map(String::from).collect(),
         })
     }
 
     /// Routes the body that was waiting for its tokens. Without them (no chat
     /// template, a template error) the text segments are hashed as they are.
-    pub fn tokenized(
-        &mut self,
-        tokens: Result<Vec<Segment>, TokenizeError>,
-    ) -> Vec<ProcessingResponse> {
-        let Some((mut parsed, via)) = self.tokenizing.take() else {
+    /// Fetched remote images change the identities the engine is told.
+    pub fn tokenized(&mut self, (tokens, fetched): Tokenized) -> Vec<ProcessingResponse> {
+        let Some((mut parsed, mut via)) = self.tokenizing.take() else {
             return Vec::new();
         };
+        if let (false, RouteVia::Body { mm_hashes, .. }) = (fetched.is_empty(), &mut via) {
+            *mm_hashes = hints::image_hashes(image_urls(&parsed), &fetched);
+        }
         match tokens {
             Ok(segments) => parsed.segments = segments,
             Err(e) => debug!(error = %e, "tokenization failed: routing on text blocks"),
@@ -549,10 +560,7 @@ impl StreamState {
                     return vec![self.reject(400, "invalid_request_error", &e.to_string())];
                 }
             };
-        let mm_hashes = hints::image_hashes(parsed.segments.iter().filter_map(|s| match s {
-            Segment::Image(u) => Some(u.as_str()),
-            _ => None,
-        }));
+        let mm_hashes = hints::image_hashes(image_urls(&parsed), &KnownImages::default());
         let via = RouteVia::Body {
             body,
             rewritten,
@@ -910,6 +918,14 @@ fn reopen_rehomed_session(
         rewritten,
         end_of_stream,
         mm_hashes,
+    })
+}
+
+/// The image URLs of a parsed (not yet tokenized) request, in prompt order.
+fn image_urls(parsed: &InferenceRequest) -> impl Iterator<Item = &str> {
+    parsed.segments.iter().filter_map(|s| match s {
+        Segment::Image(u) => Some(u.as_str()),
+        _ => None,
     })
 }
 

@@ -13,6 +13,7 @@
 use serde_json::Value;
 
 use super::identity::{sglang_mm_hash, vllm_mm_uuid};
+use super::remote::KnownImages;
 
 /// Which engine's request format to write the hashes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,10 +61,14 @@ pub fn add_mm_hints(body: &mut Value, format: HintFormat, hashes: &[u64]) -> usi
     hashes.len()
 }
 
-/// The identities of a parsed request's images, in prompt order.
-pub fn image_hashes<'a>(urls: impl IntoIterator<Item = &'a str>) -> Vec<u64> {
+/// The identities of a parsed request's images, in prompt order; remote images
+/// in `fetched` by their content.
+pub fn image_hashes<'a>(
+    urls: impl IntoIterator<Item = &'a str>,
+    fetched: &KnownImages,
+) -> Vec<u64> {
     urls.into_iter()
-        .map(|u| super::identity::identify(u).mm_hash)
+        .map(|u| fetched.identify(u).mm_hash)
         .collect()
 }
 
@@ -156,7 +161,10 @@ mod tests {
     #[test]
     fn bodies_are_rewritten_as_bytes() {
         let raw = serde_json::to_vec(&body()).unwrap();
-        let hashes = image_hashes(["https://x/1.png", "https://x/2.png"]);
+        let hashes = image_hashes(
+            ["https://x/1.png", "https://x/2.png"],
+            &KnownImages::default(),
+        );
         let out = rewrite_body(&raw, HintFormat::Sglang, &hashes).unwrap();
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["nvext"]["mm_hashes"][1], json!(sglang_mm_hash(hashes[1])));

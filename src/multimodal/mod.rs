@@ -7,6 +7,8 @@
 //! - [`dims`]: image size from the PNG / JPEG / WebP / GIF header;
 //! - [`tokens`]: how many prompt tokens an image becomes, per model family;
 //! - [`hints`]: writing the hashes into the request for the engine;
+//! - [`remote`]: the optional bounded fetch-and-hash of remote image URLs
+//!   (the fetcher is glue: `crate::image_fetch`);
 //! - [`routing`]: expanding a prompt's image placeholders into pad values, and
 //!   normalizing vLLM event blocks into the same form.
 //!
@@ -15,6 +17,7 @@
 pub mod dims;
 pub mod hints;
 pub mod identity;
+pub mod remote;
 pub mod routing;
 pub mod tokens;
 
