@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use clap::{ArgAction, Args as ClapArgs, Parser, Subcommand};
 
+use crate::endpoint_picker_config::{EndpointPickerConfigError, Mapping};
 use crate::extproc::ExtProcConfig;
 use crate::kv::index::IndexConfig;
 use crate::kvevents::subscriber::SubscriberConfig;
@@ -196,6 +197,13 @@ pub struct Args {
     /// KV block size).
     #[arg(long, env = "KVPICK_PREFIX_TOKEN_BLOCK", default_value_t = 16)]
     pub prefix_token_block: usize,
+
+    /// Most prompt tokens prefix matching hashes and looks up (the llm-d Router's
+    /// `maxPrefixTokensToMatch`); the blocks past them count as uncached. In
+    /// blocks: this over `--prefix-token-block` (a text block of
+    /// `--prefix-byte-block` bytes counts as one block). 0: the whole prompt.
+    #[arg(long, env = "KVPICK_MAX_PREFIX_TOKENS", default_value_t = crate::scheduler::DEFAULT_MAX_PREFIX_TOKENS)]
+    pub max_prefix_tokens: usize,
 
     /// Approximate prefix index: blocks remembered per worker rank until its
     /// scraped KV capacity is known.
@@ -468,6 +476,9 @@ fn parse_vision_family(s: &str) -> Result<crate::multimodal::VisionFamily, Strin
 pub enum Command {
     /// Print the InferencePool CRD (YAML) and exit.
     Crd,
+    /// Check the flags and the EndpointPickerConfig, print the warnings and the
+    /// cost weights they give, and exit (non-zero when kvpick would not start).
+    CheckArgs,
 }
 
 /// GIE EPP flags: the ones that map to kvpick are honoured, the rest are accepted
@@ -524,10 +535,11 @@ pub struct GieFlags {
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub zap_devel: Option<bool>,
-    /// Ignored with a warning.
-    #[arg(long, hide = true)]
-    pub config_file: Option<String>,
-    /// Ignored with a warning.
+    /// Honoured: an `EndpointPickerConfig` file (llm-d Router / GIE); the
+    /// scorers kvpick has an equivalent for set its cost weights.
+    #[arg(long, hide = true, env = "KVPICK_CONFIG_FILE")]
+    pub config_file: Option<PathBuf>,
+    /// Honoured: the same as `--config-file`, inline.
     #[arg(long, hide = true)]
     pub config_text: Option<String>,
     /// Ignored with a warning.
@@ -614,8 +626,6 @@ impl GieFlags {
                     .is_some(),
             ),
             ("zap-devel", self.zap_devel.is_some()),
-            ("config-file", self.config_file.is_some()),
-            ("config-text", self.config_text.is_some()),
             (
                 "refresh-prometheus-metrics-interval",
                 self.refresh_prometheus_metrics_interval.is_some(),
@@ -797,6 +807,10 @@ impl Args {
         SchedulerConfig {
             byte_block: self.prefix_byte_block.max(1),
             token_block: self.prefix_token_block.max(1),
+            max_prefix_blocks: match self.max_prefix_tokens {
+                0 => usize::MAX,
+                t => (t / self.prefix_token_block.max(1)).max(1),
+            },
             weights: Weights {
                 prefill: self.weight_prefill,
                 decode: self.weight_decode,
@@ -829,6 +843,39 @@ impl Args {
                 max_ejection: Duration::from_millis(self.eject_max_ms.max(self.eject_base_ms)),
             },
         }
+    }
+
+    /// Reads `--config-file` / `--config-text` and sets the cost weights from
+    /// its scorers (see [`crate::endpoint_picker_config`]); `None` without one.
+    pub fn apply_endpoint_picker_config(
+        &mut self,
+    ) -> Result<Option<Mapping>, EndpointPickerConfigError> {
+        let text = match (&self.gie.config_file, &self.gie.config_text) {
+            (Some(_), Some(_)) => return Err(EndpointPickerConfigError::Both),
+            (Some(path), None) => {
+                std::fs::read_to_string(path).map_err(|source| EndpointPickerConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?
+            }
+            (None, Some(text)) => text.clone(),
+            (None, None) => return Ok(None),
+        };
+        let base = Weights {
+            prefill: self.weight_prefill,
+            decode: self.weight_decode,
+            queue: self.weight_queue,
+            kv_usage: self.weight_kv_usage,
+            prefill_overlap: self.weight_prefill_overlap,
+        };
+        let mapping = crate::endpoint_picker_config::map(&text, base)?;
+        let w = mapping.weights;
+        self.weight_prefill = w.prefill;
+        self.weight_decode = w.decode;
+        self.weight_queue = w.queue;
+        self.weight_kv_usage = w.kv_usage;
+        self.weight_prefill_overlap = w.prefill_overlap;
+        Ok(Some(mapping))
     }
 
     /// How long open streams may finish on shutdown.
@@ -985,6 +1032,9 @@ mod tests {
         assert_eq!(c.weights, d.weights);
         assert_eq!(c.index.ttl, d.index.ttl);
         assert_eq!(c.index.default_capacity, d.index.default_capacity);
+        assert_eq!((c.max_prefix_blocks, d.max_prefix_blocks), (8192, 8192));
+        let whole = Args::try_parse_from(["kvpick", "--max-prefix-tokens=0"]).unwrap();
+        assert_eq!(whole.scheduler(Vec::new()).max_prefix_blocks, usize::MAX);
         let a = Args::try_parse_from([
             "kvpick",
             "--prefix-ttl-secs=0",
@@ -1039,6 +1089,69 @@ mod tests {
     }
 
     #[test]
+    fn llm_d_v0_10_chart_arguments_run_kvpick_with_its_config_file() {
+        // What llm-d Router v0.10.0's chart (config/charts/routerlib/templates/
+        // _deployment.yaml) passes to its EPP with 2 replicas, tracing and
+        // metrics auth off and router.epp.flags {v: 2}, with its ConfigMap's
+        // default-plugins.yaml mounted as the config file.
+        let config = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/llm-d-v0.10.0/chart-default-plugins.yaml"
+        );
+        let mut a = Args::try_parse_from([
+            "kvpick",
+            "--pool-name",
+            "qwen",
+            "--pool-namespace",
+            "llm-d",
+            "--pool-group",
+            "inference.networking.k8s.io",
+            "--zap-encoder",
+            "json",
+            "--config-file",
+            config,
+            "--ha-enable-leader-election",
+            "--grpc-health-port",
+            "9003",
+            "--v=2",
+            "--tracing=false",
+            "--metrics-endpoint-auth=false",
+        ])
+        .unwrap();
+        let mapping = a.apply_endpoint_picker_config().unwrap().unwrap();
+        assert_eq!(mapping.mapped.len(), 3, "{mapping:?}");
+        let w = a.scheduler(Vec::new()).weights;
+        assert_eq!((w.prefill, w.decode), (1.0, 0.0));
+        assert!((w.queue - 2.0 / 3.0).abs() < 1e-9 && (w.kv_usage - 2.0 / 3.0).abs() < 1e-9);
+        assert_eq!(a.log_format(), LogFormat::Json);
+        // Standalone mode (router.inferencePool.create=false).
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--endpoint-selector",
+            "app=vllm-qwen",
+            "--endpoint-target-ports",
+            "8000",
+            "--zap-encoder",
+            "json",
+            "--config-text",
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: []\nschedulingProfiles: []\n",
+        ])
+        .unwrap();
+        assert_eq!(a.endpoint_selector.as_deref(), Some("app=vllm-qwen"));
+        let mut both = a.clone();
+        both.gie.config_file = Some(config.into());
+        assert!(matches!(
+            both.apply_endpoint_picker_config(),
+            Err(EndpointPickerConfigError::Both)
+        ));
+        let mut missing = Args::try_parse_from(["kvpick", "--config-file=/no/such/file"]).unwrap();
+        assert!(matches!(
+            missing.apply_endpoint_picker_config(),
+            Err(EndpointPickerConfigError::Read { .. })
+        ));
+    }
+
+    #[test]
     fn gie_chart_arguments_parse() {
         // What the GIE inferencepool chart passes to its EPP container.
         let a = Args::try_parse_from([
@@ -1079,8 +1192,8 @@ mod tests {
         assert_eq!(a.scrape().port, Some(8080));
         assert_eq!(a.gie.tracing, Some(false));
         let warnings = a.gie.warnings();
-        assert_eq!(warnings.len(), 6, "{warnings:?}");
-        assert!(warnings.iter().any(|w| w.contains("--config-file")));
+        assert_eq!(warnings.len(), 5, "{warnings:?}");
+        assert!(!warnings.iter().any(|w| w.contains("--config-file")));
         assert!(warnings
             .iter()
             .any(|w| w.contains("--ha-enable-leader-election")));

@@ -8,6 +8,7 @@
 pub mod admission;
 pub mod config;
 pub mod discovery;
+pub mod endpoint_picker_config;
 pub mod endpoints;
 pub mod extproc;
 pub mod health;

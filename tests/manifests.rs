@@ -719,6 +719,13 @@ fn schema_rejects_bad_values_where_they_are() {
             json!({"tokenizer": {"volume": {"configMap": {"name": "a"}, "secret": {"secretName": "b"}}}}),
             "/tokenizer/volume",
         ),
+        (json!({"provider": {"name": "linkerd"}}), "/provider/name"),
+        (json!({"mtls": {"enabled": "yes"}}), "/mtls/enabled"),
+        (
+            json!({"networkPolicy": {"gatewayNamespace": "Not_A_Namespace"}}),
+            "/networkPolicy/gatewayNamespace",
+        ),
+        (json!({"preStopSleepSeconds": -1}), "/preStopSleepSeconds"),
         (json!({"replicas": 2}), ""),
         (
             json!({"serviceMonitor": {"enabeld": true}}),

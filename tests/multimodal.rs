@@ -360,6 +360,8 @@ struct ImageServer {
     addr: std::net::SocketAddr,
     hits: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
+    /// The CA-less self-signed certificate a TLS server presents.
+    cert: Option<rustls::pki_types::CertificateDer<'static>>,
 }
 
 impl Drop for ImageServer {
@@ -370,6 +372,31 @@ impl Drop for ImageServer {
 
 impl ImageServer {
     async fn start(cat: Vec<u8>) -> ImageServer {
+        ImageServer::serve(cat, None).await
+    }
+
+    /// The same over TLS, with a self-signed certificate for 127.0.0.1.
+    async fn start_tls(cat: Vec<u8>) -> ImageServer {
+        let key = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into()]).unwrap();
+        let cert = key.cert.der().clone();
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
+        )
+        .unwrap();
+        let mut server =
+            ImageServer::serve(cat, Some(tokio_rustls::TlsAcceptor::from(Arc::new(config)))).await;
+        server.cert = Some(cert);
+        server
+    }
+
+    async fn serve(cat: Vec<u8>, tls: Option<tokio_rustls::TlsAcceptor>) -> ImageServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(AtomicUsize::new(0));
@@ -378,14 +405,28 @@ impl ImageServer {
             let mut conns = tokio::task::JoinSet::new();
             while let Ok((sock, _)) = listener.accept().await {
                 counted.fetch_add(1, Ordering::SeqCst);
-                conns.spawn(serve_image(sock, cat.clone()));
+                let cat = cat.clone();
+                match tls.clone() {
+                    None => conns.spawn(serve_image(sock, cat)),
+                    Some(tls) => conns.spawn(async move {
+                        if let Ok(sock) = tls.accept(sock).await {
+                            serve_image(sock, cat).await;
+                        }
+                    }),
+                };
             }
         });
-        ImageServer { addr, hits, task }
+        ImageServer {
+            addr,
+            hits,
+            task,
+            cert: None,
+        }
     }
 
     fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
+        let scheme = if self.cert.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}{path}", self.addr)
     }
 
     fn hits(&self) -> usize {
@@ -393,7 +434,10 @@ impl ImageServer {
     }
 }
 
-async fn serve_image(mut sock: tokio::net::TcpStream, cat: Vec<u8>) {
+async fn serve_image(
+    mut sock: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    cat: Vec<u8>,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
@@ -447,8 +491,42 @@ fn loopback_policy() -> FetchPolicy {
 }
 
 fn remote_images(policy: FetchPolicy, limits: FetchLimits) -> Arc<RemoteImages> {
-    let fetcher = HttpImageFetcher::new(policy, rustls::RootCertStore::empty()).unwrap();
+    remote_images_trusting(policy, limits, rustls::RootCertStore::empty())
+}
+
+fn remote_images_trusting(
+    policy: FetchPolicy,
+    limits: FetchLimits,
+    roots: rustls::RootCertStore,
+) -> Arc<RemoteImages> {
+    let fetcher = HttpImageFetcher::new(policy, roots).unwrap();
     Arc::new(RemoteImages::new(Arc::new(fetcher), limits))
+}
+
+#[tokio::test]
+async fn images_are_fetched_over_tls_from_servers_the_roots_trust() {
+    let (cat, cat_data_url) = png_bytes(224, 224, 7);
+    let server = ImageServer::start_tls(cat).await;
+    let url = server.url("/cat.png");
+    assert!(url.starts_with("https://127.0.0.1:"));
+    // Loopback is allowed here only because this test says so; http is not.
+    let policy = FetchPolicy {
+        allow_private: true,
+        ..FetchPolicy::default()
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(server.cert.clone().unwrap()).unwrap();
+    let trusting = remote_images_trusting(policy.clone(), FetchLimits::default(), roots);
+    let known = trusting.resolve([url.as_str()]).await;
+    assert_eq!(known.identify(&url), identify(&cat_data_url));
+    assert_eq!(trusting.stats().count(FetchOutcome::Ok), 1);
+
+    // A certificate the roots do not trust: the handshake fails, URL identity.
+    let untrusting = remote_images(policy, FetchLimits::default());
+    let known = untrusting.resolve([url.as_str()]).await;
+    assert_eq!(known.identify(&url), url_identity(&url));
+    assert_eq!(untrusting.stats().count(FetchOutcome::Error), 1);
+    assert_eq!(server.hits(), 2);
 }
 
 #[tokio::test]

@@ -174,3 +174,91 @@ fn a_routed_request_logs_nothing_at_info() {
     let debug = logged(tracing::Level::DEBUG, route_one);
     assert!(debug.contains("routed"), "{debug}");
 }
+
+/// Serves one PNG (a 224×224 header) for any URL.
+struct OnePng;
+
+impl crate::multimodal::remote::ImageFetcher for OnePng {
+    fn fetch<'a>(
+        &'a self,
+        _url: &'a str,
+    ) -> futures::future::BoxFuture<'a, Result<Vec<u8>, crate::multimodal::remote::FetchError>>
+    {
+        Box::pin(async { Ok(png_224()) })
+    }
+}
+
+fn png_224() -> Vec<u8> {
+    let mut b = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+    b.extend_from_slice(&224u32.to_be_bytes());
+    b.extend_from_slice(&224u32.to_be_bytes());
+    b.extend_from_slice(&[8, 6, 0, 0, 0]);
+    b
+}
+
+#[tokio::test]
+async fn an_sglang_worker_is_told_the_content_hash_of_a_fetched_image() {
+    use crate::multimodal::identity::{content_identity, sglang_mm_hash};
+    use crate::multimodal::remote::{FetchLimits, RemoteImages};
+    use crate::multimodal::{VisionFamily, VisionPrompt};
+    use envoy_types::pb::envoy::service::ext_proc::v3::{body_mutation, ProtocolConfiguration};
+
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen-vl-tokenizer");
+    let tokenizer = crate::tokenize::Tokenizer::load(dir)
+        .unwrap()
+        .with_vision(VisionPrompt::new(VisionFamily::Qwen2Vl))
+        .unwrap();
+    let remote = Arc::new(RemoteImages::new(Arc::new(OnePng), FetchLimits::default()));
+    let mut app = crate::server::App::new("t");
+    let mut sglang = Endpoint::new("10.0.0.1:8000".parse().unwrap());
+    sglang.engine = Engine::Sglang;
+    app.endpoints.replace(vec![sglang]);
+    app.tokenizer =
+        Some(crate::tokenize::TokenizerPool::new(tokenizer, 1).with_remote_images(remote));
+    let service = app.ext_proc(ExtProcConfig::default());
+    let mut s = StreamState::new(Arc::clone(&service.shared));
+
+    let mut headers = ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(header_map(&[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+            ])),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    headers.protocol_config = Some(ProtocolConfiguration {
+        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+        ..Default::default()
+    });
+    assert!(s.handle(headers).is_empty());
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "https://img.example/cat.png"}},
+    ]}]});
+    let out = s.handle(body_chunk(&serde_json::to_vec(&body).unwrap(), true));
+    assert!(out.is_empty(), "waits for its tokens");
+    let job = s.take_tokenize_job().expect("a tokenize job");
+    let out = s.tokenized(job.run().await);
+    assert!(destination(&out[0]).is_some());
+    let mut routed = Vec::new();
+    while let Some(msg) = s.next_echo() {
+        if let Some(Response::RequestBody(b)) = msg.response {
+            let mutation = b
+                .response
+                .and_then(|c| c.body_mutation)
+                .and_then(|m| m.mutation);
+            if let Some(body_mutation::Mutation::StreamedResponse(chunk)) = mutation {
+                routed.extend_from_slice(&chunk.body);
+            }
+        }
+    }
+    let routed: serde_json::Value = serde_json::from_slice(&routed).unwrap();
+    assert_eq!(
+        routed["nvext"]["mm_hashes"],
+        serde_json::json!([sglang_mm_hash(content_identity(&png_224()).mm_hash)]),
+        "the hash of the fetched bytes, as for the same file sent as a data: URL"
+    );
+}

@@ -22,12 +22,11 @@ use kvpick::admission::{
     AdmissionConfig, Gate, NoObserver, RequestClass, SaturationConfig, Ticket, Verdict,
 };
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot};
-use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
 
 use super::sim::{TimeModel, Worker};
-use super::trace::{prompt_tokens, TraceRequest, BLOCK_TOKENS};
+use super::trace::{self, TraceRequest, BLOCK_TOKENS};
 use super::{markdown_table, quantile, sorted, SplitMix64};
 
 /// The priority classes, highest first: (name, priority).
@@ -260,14 +259,7 @@ impl Sim<'_> {
     }
 
     fn route(&mut self, r: usize, now: u64) {
-        let body = InferenceRequest {
-            kind: ApiKind::Completions,
-            model: "mooncake-replay".to_string(),
-            segments: vec![Segment::Tokens(prompt_tokens(&self.trace[r]))],
-            stream: true,
-            nvext: NvExt::default(),
-            names_worker: false,
-        };
+        let body = trace::body(&self.trace[r]);
         let req = PickRequest {
             body: Some(&body),
             ..Default::default()
@@ -421,9 +413,9 @@ fn simulate(
                 let (_, priority) = CLASSES[classes[r]];
                 let class = RequestClass {
                     priority,
-                    flow: "mooncake-replay".to_string(),
+                    flow: trace::MODEL.to_string(),
                     objective: String::new(),
-                    model: "mooncake-replay".to_string(),
+                    model: trace::MODEL.to_string(),
                     bytes: trace[r].input_length * 4,
                 };
                 sim.scrape(now);

@@ -255,6 +255,7 @@ mod tests {
             requests: 3,
             workers: 2,
             capacity_blocks: 10,
+            speed: 1.0,
             ceiling_hit_rate: 0.6,
             pooled_ceiling_hit_rate: 0.55,
             policies: vec![policy("round-robin", 0.1), policy("kvpick-precise", 0.5)],

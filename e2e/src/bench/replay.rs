@@ -2,19 +2,27 @@
 //! simulated workers, as a discrete-event simulation in compressed time.
 //!
 //! Every policy sees the same trace and the same simulated fleet ([`super::sim`]).
-//! The kvpick policies run kvpick's real [`Scheduler`] over a real
-//! [`EndpointTable`]: each request becomes a token-id prompt (see
-//! [`super::trace`]) that the scheduler hashes in 512-token blocks, so its block
-//! hashes line up with the trace's blocks; the in-flight guard from
-//! [`Decision::begin`] is held until the simulated completion, when
-//! [`Scheduler::finish_at`] is called. The scheduler's clock is the simulated clock.
+//! A policy is a [`RoutingPolicy`]: it routes each arrival given a view of every
+//! worker ([`WorkerView`], what an engine's metrics endpoint shows) and hears of
+//! prefill completions, finished requests and, after `kv_event_delay`, the KV
+//! events of the workers ([`KvEvent`], what vLLM publishes). Crates outside this
+//! one (the bench-only `anchors` crate, which may depend on Dynamo) implement the
+//! trait for peers and pass them to [`run`] / [`matrix`].
 //!
-//! - `kvpick-approx`: the index is fed only by kvpick's own decisions; its per-worker
-//!   bound is set to the simulated pool size (as kvpick learns it from the engine's
-//!   `num_gpu_blocks`).
-//! - `kvpick-precise`: every worker is marked precise and its pool's stores and
-//!   evictions reach the index as KV events (engine hash = trace block id, kvpick
-//!   hash = the scheduler's hash of that block) at the simulated time they happen.
+//! Built-in policies ([`builtin`]):
+//! - `round-robin`; `fewest-in-flight` (seeded random tie-break);
+//! - `kvpick-approx` / `kvpick-precise`: kvpick's real [`Scheduler`] over a real
+//!   [`EndpointTable`]. Each request becomes a token-id prompt (see
+//!   [`super::trace`]) hashed in 512-token blocks, so kvpick's block hashes line up
+//!   with the trace's blocks. Before each pick every endpoint gets a fresh scrape
+//!   (engine queue, running requests, KV usage), as kvpick reads from vLLM's
+//!   metrics. The in-flight guard from [`Decision::begin`] is held until the
+//!   simulated completion, when [`Scheduler::finish_at`] is called; the
+//!   scheduler's clock is the simulated clock. Approximate: the index is fed by
+//!   kvpick's own decisions, its per-worker bound set to the pool size. Precise:
+//!   every worker is marked precise and the delayed KV events reach the index
+//!   (engine hash = trace block id, kvpick hash = the scheduler's hash of that block);
+//! - `llm-d`: the llm-d Router v0.10.0 default profile, see [`LlmD`].
 //!
 //! Hit rate is block-level: leading prompt blocks found in the chosen worker's own
 //! pool when its prefill starts, over all prompt blocks. Two ceilings: the
@@ -22,58 +30,73 @@
 //! shared by all workers); the pooled one is the hit rate of one LRU cache holding
 //! all workers' blocks (`workers × capacity`), which perfect placement could
 //! approach with the fleet's finite KV. Each policy's "fraction of achievable" is
-//! its hit rate over the pooled ceiling. Load
-//! spread is max/mean in-flight over workers, sampled at every arrival that finds
-//! any request in flight, averaged over those arrivals.
+//! its hit rate over the pooled ceiling. Load spread is max/mean in-flight over
+//! workers, sampled at every arrival that finds any request in flight, averaged
+//! over those arrivals.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, Snapshot, WorkerKey};
-use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
+use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
 
-use super::sim::{BlockPool, TimeModel, Worker};
-use super::trace::{prompt_tokens, TraceRequest, BLOCK_TOKENS};
+use super::sim::{output_blocks, BlockPool, TimeModel, Worker};
+use super::trace::{self, TraceRequest, BLOCK_TOKENS};
 use super::{markdown_table, quantile, sorted, SplitMix64};
 
-/// The model name of replayed requests (seeds kvpick's block hashes).
-const MODEL: &str = "mooncake-replay";
-
-/// A routing policy under test.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    /// Workers in turn.
-    RoundRobin,
-    /// The worker with the fewest requests in flight (random tie-break).
-    FewestInFlight,
-    /// kvpick with its approximate index.
-    KvpickApprox,
-    /// kvpick fed by the workers' KV events.
-    KvpickPrecise,
+/// What a router can read of one worker when it routes: the engine's metrics.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerView {
+    /// Requests waiting for prefill (vLLM's `num_requests_waiting`).
+    pub waiting: usize,
+    /// Requests in prefill or decode (`num_requests_running`).
+    pub running: usize,
+    /// Share of KV blocks held by running requests, 0..1 (`kv_cache_usage_perc`).
+    pub kv_usage: f64,
+    /// KV pool size in 512-token blocks (`num_gpu_blocks`).
+    pub capacity_blocks: usize,
 }
 
-impl Policy {
-    /// All policies, in report order.
-    pub const ALL: [Policy; 4] = [
-        Policy::RoundRobin,
-        Policy::FewestInFlight,
-        Policy::KvpickApprox,
-        Policy::KvpickPrecise,
-    ];
+/// A worker's KV event as it reaches the router.
+#[derive(Debug, Clone, Copy)]
+pub enum KvEvent<'a> {
+    /// `request`'s prompt blocks `request.hash_ids[from..]` were stored (their
+    /// parent is `hash_ids[from - 1]`); sent once per request when its prefill
+    /// completes, possibly empty.
+    Stored {
+        /// Trace index of the request.
+        id: usize,
+        /// The request.
+        request: &'a TraceRequest,
+        /// First newly stored block.
+        from: usize,
+    },
+    /// Blocks (trace block ids) were evicted.
+    Removed(&'a [u64]),
+}
 
+/// A routing policy under test. Times are simulated microseconds from the start.
+pub trait RoutingPolicy {
     /// The report name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::RoundRobin => "round-robin",
-            Policy::FewestInFlight => "fewest-in-flight",
-            Policy::KvpickApprox => "kvpick-approx",
-            Policy::KvpickPrecise => "kvpick-precise",
-        }
-    }
+    fn name(&self) -> String;
+    /// Picks the worker (index into `workers`) for request `id`.
+    fn route(
+        &mut self,
+        id: usize,
+        request: &TraceRequest,
+        workers: &[WorkerView],
+        now_us: u64,
+    ) -> usize;
+    /// Request `id`'s prefill completed.
+    fn prefill_done(&mut self, _id: usize, _now_us: u64) {}
+    /// Request `id` finished.
+    fn finished(&mut self, _id: usize, _now_us: u64) {}
+    /// A KV event of `worker` reached the router.
+    fn kv_event(&mut self, _worker: usize, _event: KvEvent<'_>, _now_us: u64) {}
 }
 
 /// Settings of a replay.
@@ -85,8 +108,107 @@ pub struct ReplayConfig {
     pub capacity_blocks: usize,
     /// The time model.
     pub model: TimeModel,
-    /// Seed of the tie-breaking generator of the baselines.
+    /// Arrival-rate multiple: request `i` arrives at `timestamp / speed`.
+    pub speed: f64,
+    /// Delay between a worker's KV event and its arrival at the router.
+    pub kv_event_delay: Duration,
+    /// Seed of the policies' tie-breaking generators.
     pub seed: u64,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            workers: 8,
+            capacity_blocks: 1000,
+            model: TimeModel::default(),
+            speed: 1.0,
+            kv_event_delay: Duration::from_millis(50),
+            seed: 1,
+        }
+    }
+}
+
+/// Flags of a replay, shared by `kvpick-bench replay` and `kvpick-anchors replay`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// The trace (JSON lines with timestamp, input_length, output_length, hash_ids).
+    #[arg(long, default_value = "../shared/data/mooncake_synthetic_trace.jsonl")]
+    pub trace: PathBuf,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// KV pool size of each worker in 512-token blocks (several: one run each).
+    #[arg(long, value_delimiter = ',', default_value = "1000")]
+    pub capacity_blocks: Vec<usize>,
+    /// Arrival-rate multiples (several: one run each).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub speed: Vec<f64>,
+    /// Delay of the workers' KV events to the router, ms.
+    #[arg(long, default_value_t = 50.0)]
+    pub kv_event_delay_ms: f64,
+    /// Only the first N requests of the trace.
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Prefill throughput of a worker on uncached tokens.
+    #[arg(long, default_value_t = TimeModel::default().prefill_tokens_per_s)]
+    pub prefill_tokens_per_s: f64,
+    /// Fixed cost of every prefill, ms.
+    #[arg(long, default_value_t = TimeModel::default().prefill_fixed_ms)]
+    pub prefill_fixed_ms: f64,
+    /// Time per output token of a lone request, ms.
+    #[arg(long, default_value_t = TimeModel::default().decode_ms_per_token)]
+    pub decode_ms_per_token: f64,
+    /// Decoding requests at which per-token time has doubled.
+    #[arg(long, default_value_t = TimeModel::default().decode_batch_knee)]
+    pub decode_batch_knee: f64,
+    /// Seed of the policies' tie-breaking.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+impl ReplayArgs {
+    /// The trace (cut to `--requests`) and its file name.
+    pub fn load(&self) -> anyhow::Result<(String, Vec<TraceRequest>)> {
+        let mut requests = trace::load(&self.trace)?;
+        if let Some(n) = self.requests {
+            requests.truncate(n);
+        }
+        let name = self
+            .trace
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok((name, requests))
+    }
+
+    /// The time model of these flags.
+    pub fn model(&self) -> TimeModel {
+        TimeModel {
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+            prefill_fixed_ms: self.prefill_fixed_ms,
+            decode_ms_per_token: self.decode_ms_per_token,
+            decode_batch_knee: self.decode_batch_knee,
+        }
+    }
+
+    /// One config per (capacity, speed), capacities outermost.
+    pub fn configs(&self) -> Vec<ReplayConfig> {
+        let mut out = Vec::new();
+        for &capacity_blocks in &self.capacity_blocks {
+            for &speed in &self.speed {
+                out.push(ReplayConfig {
+                    workers: self.workers,
+                    capacity_blocks,
+                    model: self.model(),
+                    speed,
+                    kv_event_delay: Duration::from_secs_f64(self.kv_event_delay_ms / 1000.0),
+                    seed: self.seed,
+                });
+            }
+        }
+        out
+    }
 }
 
 /// One policy's figures.
@@ -120,6 +242,8 @@ pub struct ReplayReport {
     pub workers: usize,
     /// Pool size per worker in blocks.
     pub capacity_blocks: usize,
+    /// Arrival-rate multiple.
+    pub speed: f64,
     /// Hit rate of an infinite cache shared by all workers.
     pub ceiling_hit_rate: f64,
     /// Hit rate of one LRU cache of `workers × capacity_blocks` blocks.
@@ -165,8 +289,9 @@ impl ReplayReport {
             "–".into(),
         ]);
         format!(
-            "{} requests, {} workers, {} blocks of {} tokens per worker\n\n{}",
+            "{} requests at {}× speed, {} workers, {} blocks of {} tokens per worker\n\n{}",
             self.requests,
+            self.speed,
             self.workers,
             self.capacity_blocks,
             BLOCK_TOKENS,
@@ -207,9 +332,8 @@ pub fn pooled_ceiling_hit_rate(trace: &[TraceRequest], capacity: usize) -> f64 {
     let mut pool = BlockPool::new(capacity);
     let (mut hits, mut total) = (0usize, 0usize);
     for r in trace {
-        hits += pool.prefix_hits(&r.hash_ids);
+        hits += pool.store(&r.hash_ids).hits;
         total += r.hash_ids.len();
-        pool.store(&r.hash_ids);
     }
     ratio(hits, total)
 }
@@ -222,22 +346,40 @@ fn ratio(a: usize, b: usize) -> f64 {
     }
 }
 
-/// Runs every policy over `trace` and reports them next to the ceiling.
-pub fn run(trace_name: &str, trace: &[TraceRequest], cfg: &ReplayConfig) -> ReplayReport {
+/// The built-in policies, fresh, in report order.
+pub fn builtin(cfg: &ReplayConfig) -> Vec<Box<dyn RoutingPolicy>> {
+    vec![
+        Box::new(RoundRobin::default()),
+        Box::new(FewestInFlight::new(cfg.seed)),
+        Box::new(Kvpick::new(cfg, false)),
+        Box::new(Kvpick::new(cfg, true)),
+        Box::new(LlmD::new(cfg)),
+    ]
+}
+
+/// Runs every policy over `trace` and reports them next to the ceilings.
+pub fn run(
+    trace_name: &str,
+    trace: &[TraceRequest],
+    cfg: &ReplayConfig,
+    policies: Vec<Box<dyn RoutingPolicy>>,
+) -> ReplayReport {
     let pooled = pooled_ceiling_hit_rate(trace, cfg.workers * cfg.capacity_blocks);
-    let policies = Policy::ALL
-        .iter()
-        .map(|&p| {
+    let policies = policies
+        .into_iter()
+        .map(|mut p| {
             let started = Instant::now();
-            let mut f = simulate(p, trace, cfg);
+            let mut f = simulate(p.as_mut(), trace, cfg);
             f.of_achievable = if pooled > 0.0 {
                 f.hit_rate / pooled
             } else {
                 0.0
             };
             eprintln!(
-                "replay: {} done in {:.1} s (hit rate {:.3})",
-                p.name(),
+                "replay: {} at {} blocks, {}× done in {:.1} s (hit rate {:.3})",
+                f.name,
+                cfg.capacity_blocks,
+                cfg.speed,
                 started.elapsed().as_secs_f64(),
                 f.hit_rate
             );
@@ -249,14 +391,204 @@ pub fn run(trace_name: &str, trace: &[TraceRequest], cfg: &ReplayConfig) -> Repl
         requests: trace.len(),
         workers: cfg.workers,
         capacity_blocks: cfg.capacity_blocks,
+        speed: cfg.speed,
         ceiling_hit_rate: ceiling_hit_rate(trace),
         pooled_ceiling_hit_rate: pooled,
         policies,
     }
 }
 
-/// kvpick's side of a kvpick policy.
-struct Kvpick {
+/// The replays of several (capacity, speed) pairs, all policies in each.
+#[derive(Debug, Clone, Serialize)]
+pub struct MatrixReport {
+    /// The trace replayed.
+    pub trace: String,
+    /// One report per (capacity, speed).
+    pub runs: Vec<ReplayReport>,
+}
+
+/// Policies kvpick is held against in the criteria (when present in a run).
+const PEERS: [&str; 2] = ["dynamo", "llm-d"];
+
+impl MatrixReport {
+    /// All runs in one table, then the issue's criteria for each kvpick policy.
+    pub fn markdown(&self) -> String {
+        let mut rows = Vec::new();
+        for r in &self.runs {
+            for p in &r.policies {
+                rows.push(vec![
+                    r.capacity_blocks.to_string(),
+                    format!("{}×", r.speed),
+                    p.name.clone(),
+                    format!("{:.1}%", p.hit_rate * 100.0),
+                    format!("{:.2}", p.of_achievable),
+                    format!("{:.2}", p.spread),
+                    format!("{:.0}", p.ttft_p50_ms),
+                    format!("{:.0}", p.ttft_p99_ms),
+                ]);
+            }
+            rows.push(vec![
+                r.capacity_blocks.to_string(),
+                format!("{}×", r.speed),
+                "ceiling: pooled LRU / infinite".into(),
+                format!(
+                    "{:.1}% / {:.1}%",
+                    r.pooled_ceiling_hit_rate * 100.0,
+                    r.ceiling_hit_rate * 100.0
+                ),
+                "1.00".into(),
+                "–".into(),
+                "–".into(),
+                "–".into(),
+            ]);
+        }
+        let head = self.runs.first().map_or(String::new(), |r| {
+            format!(
+                "{}: {} requests, {} workers, blocks of {} tokens\n\n",
+                self.trace, r.requests, r.workers, BLOCK_TOKENS
+            )
+        });
+        let mut out = head
+            + &markdown_table(
+                &[
+                    "blocks per worker",
+                    "speed",
+                    "policy",
+                    "prefix hit rate",
+                    "fraction of achievable",
+                    "spread",
+                    "TTFT p50 ms",
+                    "TTFT p99 ms",
+                ],
+                &rows,
+            );
+        let mut crit = Vec::new();
+        for r in &self.runs {
+            for k in r.policies.iter().filter(|p| p.name.starts_with("kvpick")) {
+                let others: Vec<&PolicyFigures> = r
+                    .policies
+                    .iter()
+                    .filter(|p| !p.name.starts_with("kvpick"))
+                    .collect();
+                let peers: Vec<&&PolicyFigures> = others
+                    .iter()
+                    .filter(|p| PEERS.contains(&p.name.as_str()))
+                    .collect();
+                let mark = |ok: bool| if ok { "yes" } else { "**no**" }.to_string();
+                crit.push(vec![
+                    r.capacity_blocks.to_string(),
+                    format!("{}×", r.speed),
+                    k.name.clone(),
+                    mark(k.of_achievable >= 0.85),
+                    mark(peers.iter().all(|p| k.hit_rate > p.hit_rate)),
+                    mark(
+                        others
+                            .iter()
+                            .filter(|p| p.name == "round-robin" || PEERS.contains(&p.name.as_str()))
+                            .all(|p| {
+                                k.ttft_p50_ms <= p.ttft_p50_ms && k.ttft_p99_ms <= p.ttft_p99_ms
+                            }),
+                    ),
+                    mark(k.spread <= 1.3),
+                ]);
+            }
+        }
+        out.push_str("\nCriteria of issue 17 (peers: ");
+        out.push_str(&PEERS.join(", "));
+        out.push_str(", where present)\n\n");
+        out.push_str(&markdown_table(
+            &[
+                "blocks per worker",
+                "speed",
+                "policy",
+                "hit ≥ 0.85 of pooled ceiling",
+                "hit above peers",
+                "TTFT p50 and p99 ≤ round robin and peers",
+                "spread ≤ 1.3",
+            ],
+            &crit,
+        ));
+        out
+    }
+}
+
+/// Every config in turn, each with fresh policies from `policies`.
+pub fn matrix(
+    trace_name: &str,
+    trace: &[TraceRequest],
+    configs: &[ReplayConfig],
+    policies: &dyn Fn(&ReplayConfig) -> Vec<Box<dyn RoutingPolicy>>,
+) -> MatrixReport {
+    MatrixReport {
+        trace: trace_name.to_string(),
+        runs: configs
+            .iter()
+            .map(|c| run(trace_name, trace, c, policies(c)))
+            .collect(),
+    }
+}
+
+/// Workers in turn.
+#[derive(Debug, Default)]
+pub struct RoundRobin(usize);
+
+impl RoutingPolicy for RoundRobin {
+    fn name(&self) -> String {
+        "round-robin".into()
+    }
+
+    fn route(&mut self, _: usize, _: &TraceRequest, workers: &[WorkerView], _: u64) -> usize {
+        self.0 += 1;
+        (self.0 - 1) % workers.len()
+    }
+}
+
+/// The worker with the fewest requests in flight (its own count; seeded random
+/// tie-break).
+#[derive(Debug)]
+pub struct FewestInFlight {
+    rng: SplitMix64,
+    in_flight: Vec<usize>,
+    routed_to: HashMap<usize, usize>,
+}
+
+impl FewestInFlight {
+    /// With tie-breaks drawn from `seed`.
+    pub fn new(seed: u64) -> Self {
+        FewestInFlight {
+            rng: SplitMix64::new(seed),
+            in_flight: Vec::new(),
+            routed_to: HashMap::new(),
+        }
+    }
+}
+
+impl RoutingPolicy for FewestInFlight {
+    fn name(&self) -> String {
+        "fewest-in-flight".into()
+    }
+
+    fn route(&mut self, id: usize, _: &TraceRequest, workers: &[WorkerView], _: u64) -> usize {
+        self.in_flight.resize(workers.len(), 0);
+        let min = self.in_flight.iter().copied().min().unwrap_or(0);
+        let ties: Vec<usize> = (0..workers.len())
+            .filter(|&i| self.in_flight[i] == min)
+            .collect();
+        let w = ties[self.rng.below(ties.len() as u64) as usize];
+        self.in_flight[w] += 1;
+        self.routed_to.insert(id, w);
+        w
+    }
+
+    fn finished(&mut self, id: usize, _: u64) {
+        if let Some(w) = self.routed_to.remove(&id) {
+            self.in_flight[w] -= 1;
+        }
+    }
+}
+
+/// kvpick's real scheduler (see the module doc).
+pub struct Kvpick {
     scheduler: Scheduler,
     _table: EndpointTable,
     snapshot: Arc<Snapshot>,
@@ -265,10 +597,20 @@ struct Kvpick {
     keys: Vec<WorkerKey>,
     precise: bool,
     base: Instant,
+    routed: HashMap<usize, Routed>,
+    /// kvpick's hashes of a routed request's full blocks, until its store event.
+    hashes: HashMap<usize, Vec<u64>>,
+}
+
+/// A request kvpick routed: held until its simulated completion.
+struct Routed {
+    decision: Decision,
+    _guard: InFlightGuard,
 }
 
 impl Kvpick {
-    fn new(cfg: &ReplayConfig, precise: bool) -> Self {
+    /// kvpick over `cfg.workers` endpoints, fed by KV events when `precise`.
+    pub fn new(cfg: &ReplayConfig, precise: bool) -> Self {
         let base = Instant::now();
         let scheduler = Scheduler::new(SchedulerConfig {
             token_block: BLOCK_TOKENS,
@@ -305,6 +647,8 @@ impl Kvpick {
             keys,
             precise,
             base,
+            routed: HashMap::new(),
+            hashes: HashMap::new(),
         }
     }
 
@@ -313,15 +657,211 @@ impl Kvpick {
     }
 }
 
-/// A request kvpick routed: held until its simulated completion.
-struct Routed {
-    decision: Decision,
-    _guard: InFlightGuard,
-    /// kvpick's hashes of the prompt's full blocks (for KV events).
-    hashes: Vec<u64>,
+impl RoutingPolicy for Kvpick {
+    fn name(&self) -> String {
+        match self.precise {
+            true => "kvpick-precise".into(),
+            false => "kvpick-approx".into(),
+        }
+    }
+
+    fn route(
+        &mut self,
+        id: usize,
+        request: &TraceRequest,
+        workers: &[WorkerView],
+        now_us: u64,
+    ) -> usize {
+        let now = self.at(now_us);
+        for e in &self.snapshot.endpoints {
+            let v = &workers[self.worker_of[&e.endpoint.instance_id]];
+            e.set_scraped(ScrapedLoad {
+                queue: v.waiting as f64,
+                running: v.running as f64,
+                kv_usage: v.kv_usage,
+                block_size: None,
+                num_blocks: None,
+                at: now,
+            });
+        }
+        let body = trace::body(request);
+        let req = PickRequest {
+            body: Some(&body),
+            ..Default::default()
+        };
+        let decision = self
+            .scheduler
+            .pick_at(&req, &self.snapshot, now)
+            .expect("the simulated pool is never empty");
+        let w = self.worker_of[&decision.decode.endpoint.endpoint.instance_id];
+        if self.precise {
+            self.hashes.insert(id, self.scheduler.block_hashes(&body));
+        }
+        let guard = decision.begin();
+        self.routed.insert(
+            id,
+            Routed {
+                decision,
+                _guard: guard,
+            },
+        );
+        w
+    }
+
+    fn finished(&mut self, id: usize, now_us: u64) {
+        if let Some(routed) = self.routed.remove(&id) {
+            self.scheduler
+                .finish_at(&routed.decision, Some(200), self.at(now_us));
+        }
+    }
+
+    fn kv_event(&mut self, worker: usize, event: KvEvent<'_>, now_us: u64) {
+        if !self.precise {
+            return;
+        }
+        let key = self.keys[worker];
+        match event {
+            KvEvent::Stored { id, request, from } => {
+                let Some(hashes) = self.hashes.remove(&id) else {
+                    return;
+                };
+                let pairs: Vec<(u64, u64)> = request.hash_ids[from..]
+                    .iter()
+                    .zip(hashes.iter().skip(from))
+                    .map(|(e, h)| (*e, *h))
+                    .collect();
+                if !pairs.is_empty() {
+                    self.scheduler
+                        .index()
+                        .store_engine_blocks(key, &pairs, self.at(now_us));
+                }
+            }
+            KvEvent::Removed(ids) => self.scheduler.index().remove_engine_blocks(key, ids),
+        }
+    }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+/// The llm-d Router v0.10.0 default scheduling profile (`loadDefaultConfig` in
+/// `pkg/epp/config/loader/defaults.go`): `queue-scorer` (weight 2),
+/// `kv-cache-utilization-scorer` (2) and `prefix-cache-scorer` (3), summed, and
+/// the `max-score-picker` (highest total, random tie-break).
+///
+/// - queue: `(max − waiting) / (max − min)` over the candidates, 1 when all equal;
+/// - KV utilization: `1 − kv_usage`;
+/// - prefix: matched blocks / prompt blocks from the `approx-prefix-cache-producer`
+///   with `autoTune` (block size and per-pod LRU capacity from the engine's
+///   metrics: 512-token blocks, `capacity_blocks` entries): prompts hashed in
+///   full blocks (at most 131,072 tokens), a pod's match counts the leading blocks
+///   it holds while any pod holds them, and the chosen pod's LRU gets the prompt's
+///   blocks at routing time (the producer's `PreRequest`).
+///
+/// Metrics are read fresh at every pick (llm-d scrapes every 50 ms).
+pub struct LlmD {
+    rng: SplitMix64,
+    capacity: usize,
+    /// Per pod: block → last use; and use → block (its LRU).
+    lru: Vec<(HashMap<u64, u64>, std::collections::BTreeMap<u64, u64>)>,
+    clock: u64,
+    /// Block → pods holding it in their LRU.
+    pods_of: HashMap<u64, HashSet<usize>>,
+}
+
+impl LlmD {
+    /// Weight of the queue scorer.
+    const QUEUE: f64 = 2.0;
+    /// Weight of the KV-cache utilization scorer.
+    const KV: f64 = 2.0;
+    /// Weight of the prefix-cache scorer.
+    const PREFIX: f64 = 3.0;
+    /// `maxPrefixTokensToMatch`.
+    const MAX_PREFIX_TOKENS: usize = 131_072;
+
+    /// A fresh router for `cfg`'s fleet.
+    pub fn new(cfg: &ReplayConfig) -> Self {
+        LlmD {
+            rng: SplitMix64::new(cfg.seed),
+            capacity: cfg.capacity_blocks.max(1),
+            lru: (0..cfg.workers).map(|_| Default::default()).collect(),
+            clock: 0,
+            pods_of: HashMap::new(),
+        }
+    }
+
+    /// The blocks the producer hashes: full 512-token blocks, capped.
+    fn blocks(request: &TraceRequest) -> &[u64] {
+        let full = (request.input_length / BLOCK_TOKENS)
+            .min(Self::MAX_PREFIX_TOKENS / BLOCK_TOKENS)
+            .min(request.hash_ids.len());
+        &request.hash_ids[..full]
+    }
+
+    /// The producer's `Add`: every block into the pod's LRU, in order.
+    fn add(&mut self, pod: usize, blocks: &[u64]) {
+        for &b in blocks {
+            self.clock += 1;
+            let (last_use, by_age) = &mut self.lru[pod];
+            if let Some(old) = last_use.insert(b, self.clock) {
+                by_age.remove(&old);
+            }
+            by_age.insert(self.clock, b);
+            if last_use.len() > self.capacity {
+                let (_, gone) = by_age.pop_first().expect("ages mirror entries");
+                last_use.remove(&gone);
+                if let Some(pods) = self.pods_of.get_mut(&gone) {
+                    pods.remove(&pod);
+                    if pods.is_empty() {
+                        self.pods_of.remove(&gone);
+                    }
+                }
+            }
+            self.pods_of.entry(b).or_default().insert(pod);
+        }
+    }
+}
+
+impl RoutingPolicy for LlmD {
+    fn name(&self) -> String {
+        "llm-d".into()
+    }
+
+    fn route(&mut self, _: usize, request: &TraceRequest, workers: &[WorkerView], _: u64) -> usize {
+        let blocks = Self::blocks(request);
+        let mut matched = vec![0usize; workers.len()];
+        for b in blocks {
+            let Some(pods) = self.pods_of.get(b) else {
+                break;
+            };
+            for &p in pods {
+                matched[p] += 1;
+            }
+        }
+        let min_q = workers.iter().map(|w| w.waiting).min().unwrap_or(0);
+        let max_q = workers.iter().map(|w| w.waiting).max().unwrap_or(0);
+        let scores: Vec<f64> = workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let queue = match max_q == min_q {
+                    true => 1.0,
+                    false => (max_q - w.waiting) as f64 / (max_q - min_q) as f64,
+                };
+                let kv = 1.0 - w.kv_usage;
+                let prefix = match blocks.is_empty() {
+                    true => 0.0,
+                    false => matched[i] as f64 / blocks.len() as f64,
+                };
+                Self::QUEUE * queue + Self::KV * kv + Self::PREFIX * prefix
+            })
+            .collect();
+        let best = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let ties: Vec<usize> = (0..scores.len()).filter(|&i| scores[i] == best).collect();
+        let pod = ties[self.rng.below(ties.len() as u64) as usize];
+        self.add(pod, blocks);
+        pod
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     /// A request arrives (trace index).
     Arrival(usize),
@@ -329,6 +869,10 @@ enum Event {
     PrefillDone(usize),
     /// A request's decode finishes (trace index).
     Done(usize),
+    /// A stored event (worker, request, first new block) reaches the router.
+    Stored(usize, usize, usize),
+    /// An eviction event (worker, blocks) reaches the router.
+    Removed(usize, Vec<u64>),
 }
 
 struct Sim<'a> {
@@ -338,19 +882,24 @@ struct Sim<'a> {
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
     routed_to: Vec<usize>,
-    routed: Vec<Option<Routed>>,
+    /// First newly stored block of each request (its stored event).
+    stored_from: Vec<usize>,
     ttft_ms: Vec<f64>,
     hits: usize,
     blocks: usize,
     spread_sum: f64,
     spread_samples: usize,
-    kvpick: Option<Kvpick>,
+    delay_us: u64,
 }
 
 impl Sim<'_> {
     fn schedule(&mut self, at_us: u64, e: Event) {
         self.seq += 1;
         self.events.push(Reverse((at_us, self.seq, e)));
+    }
+
+    fn arrival_us(&self, r: usize) -> u64 {
+        (self.trace[r].timestamp as f64 * 1000.0 / self.cfg.speed) as u64
     }
 
     fn sample_spread(&mut self) {
@@ -364,116 +913,58 @@ impl Sim<'_> {
         self.spread_samples += 1;
     }
 
-    /// Starts the next queued prefill on worker `w` at `now`, if it is idle.
+    fn views(&self) -> Vec<WorkerView> {
+        self.workers
+            .iter()
+            .map(|w| WorkerView {
+                waiting: w.queue.len(),
+                running: w.running(),
+                kv_usage: w.pool.usage(),
+                capacity_blocks: self.cfg.capacity_blocks,
+            })
+            .collect()
+    }
+
+    /// Starts the next queued prefill on worker `w` at `now`, if it is idle and
+    /// the request's blocks fit next to the running ones.
     fn start_prefill(&mut self, w: usize, now: u64) {
-        if self.workers[w].prefilling.is_some() {
+        let worker = &self.workers[w];
+        if worker.prefilling.is_some() {
             return;
         }
-        let Some(r) = self.workers[w].queue.pop_front() else {
+        let Some(&r) = worker.queue.front() else {
             return;
         };
         let req = &self.trace[r];
-        let worker = &mut self.workers[w];
-        worker.prefilling = Some(r);
-        let hits = worker.pool.prefix_hits(&req.hash_ids);
-        let (stored, evicted) = worker.pool.store(&req.hash_ids);
-        self.hits += hits;
-        self.blocks += req.hash_ids.len();
-        if let Some(k) = self.kvpick.as_ref().filter(|k| k.precise) {
-            let key = k.keys[w];
-            let hashes = self.routed[r]
-                .as_ref()
-                .map(|x| &x.hashes[..])
-                .unwrap_or(&[]);
-            let pairs: Vec<(u64, u64)> = stored
-                .iter()
-                .filter_map(|id| {
-                    let i = req.hash_ids.iter().position(|x| x == id)?;
-                    hashes.get(i).map(|h| (*id, *h))
-                })
-                .collect();
-            let index = k.scheduler.index();
-            if !evicted.is_empty() {
-                index.remove_engine_blocks(key, &evicted);
-            }
-            if !pairs.is_empty() {
-                index.store_engine_blocks(key, &pairs, k.at(now));
-            }
+        let extra = output_blocks(req);
+        if !worker.pool.fits(&req.hash_ids, extra) && worker.running() > 0 {
+            return;
         }
-        let uncached = req.input_length.saturating_sub(hits * BLOCK_TOKENS);
+        let worker = &mut self.workers[w];
+        worker.queue.pop_front();
+        worker.prefilling = Some(r);
+        let s = worker.pool.acquire(&req.hash_ids, extra);
+        self.hits += s.hits;
+        self.blocks += req.hash_ids.len();
+        self.stored_from[r] = s.hits;
+        if !s.evicted.is_empty() {
+            self.schedule(now + self.delay_us, Event::Removed(w, s.evicted));
+        }
+        let uncached = req.input_length.saturating_sub(s.hits * BLOCK_TOKENS);
         let dur_us = (self.cfg.model.prefill_ms(uncached) * 1000.0) as u64;
-        let arrival_us = self.trace[r].timestamp * 1000;
+        let arrival_us = self.arrival_us(r);
         self.ttft_ms
             .push((now + dur_us - arrival_us) as f64 / 1000.0);
         self.schedule(now + dur_us, Event::PrefillDone(w));
     }
-
-    fn route(
-        &mut self,
-        policy: Policy,
-        r: usize,
-        rr: &mut usize,
-        rng: &mut SplitMix64,
-        now: u64,
-    ) -> usize {
-        match policy {
-            Policy::RoundRobin => {
-                *rr += 1;
-                (*rr - 1) % self.workers.len()
-            }
-            Policy::FewestInFlight => {
-                let min = self.workers.iter().map(|w| w.in_flight).min().unwrap_or(0);
-                let ties: Vec<usize> = (0..self.workers.len())
-                    .filter(|&i| self.workers[i].in_flight == min)
-                    .collect();
-                ties[rng.below(ties.len() as u64) as usize]
-            }
-            Policy::KvpickApprox | Policy::KvpickPrecise => {
-                let k = self
-                    .kvpick
-                    .as_ref()
-                    .expect("kvpick policies carry a scheduler");
-                let body = InferenceRequest {
-                    kind: ApiKind::Completions,
-                    model: MODEL.to_string(),
-                    segments: vec![Segment::Tokens(prompt_tokens(&self.trace[r]))],
-                    stream: true,
-                    nvext: NvExt::default(),
-                    names_worker: false,
-                };
-                let req = PickRequest {
-                    body: Some(&body),
-                    ..Default::default()
-                };
-                let decision = k
-                    .scheduler
-                    .pick_at(&req, &k.snapshot, k.at(now))
-                    .expect("the simulated pool is never empty");
-                let w = k.worker_of[&decision.decode.endpoint.endpoint.instance_id];
-                let hashes = if k.precise {
-                    k.scheduler.block_hashes(&body)
-                } else {
-                    Vec::new()
-                };
-                let guard = decision.begin();
-                self.routed[r] = Some(Routed {
-                    decision,
-                    _guard: guard,
-                    hashes,
-                });
-                w
-            }
-        }
-    }
 }
 
 /// Replays `trace` under `policy`.
-pub fn simulate(policy: Policy, trace: &[TraceRequest], cfg: &ReplayConfig) -> PolicyFigures {
-    let kvpick = match policy {
-        Policy::KvpickApprox => Some(Kvpick::new(cfg, false)),
-        Policy::KvpickPrecise => Some(Kvpick::new(cfg, true)),
-        _ => None,
-    };
+pub fn simulate(
+    policy: &mut dyn RoutingPolicy,
+    trace: &[TraceRequest],
+    cfg: &ReplayConfig,
+) -> PolicyFigures {
     let mut sim = Sim {
         trace,
         cfg,
@@ -483,24 +974,24 @@ pub fn simulate(policy: Policy, trace: &[TraceRequest], cfg: &ReplayConfig) -> P
         events: BinaryHeap::new(),
         seq: 0,
         routed_to: vec![0; trace.len()],
-        routed: (0..trace.len()).map(|_| None).collect(),
+        stored_from: vec![0; trace.len()],
         ttft_ms: Vec::with_capacity(trace.len()),
         hits: 0,
         blocks: 0,
         spread_sum: 0.0,
         spread_samples: 0,
-        kvpick,
+        delay_us: cfg.kv_event_delay.as_micros() as u64,
     };
-    for (i, r) in trace.iter().enumerate() {
-        sim.schedule(r.timestamp * 1000, Event::Arrival(i));
+    for r in 0..trace.len() {
+        let at = sim.arrival_us(r);
+        sim.schedule(at, Event::Arrival(r));
     }
-    let mut rr = 0usize;
-    let mut rng = SplitMix64::new(cfg.seed);
     while let Some(Reverse((now, _, event))) = sim.events.pop() {
         match event {
             Event::Arrival(r) => {
                 sim.sample_spread();
-                let w = sim.route(policy, r, &mut rr, &mut rng, now);
+                let views = sim.views();
+                let w = policy.route(r, &trace[r], &views, now);
                 sim.routed_to[r] = w;
                 sim.workers[w].in_flight += 1;
                 sim.workers[w].queue.push_back(r);
@@ -511,21 +1002,37 @@ pub fn simulate(policy: Policy, trace: &[TraceRequest], cfg: &ReplayConfig) -> P
                     .prefilling
                     .take()
                     .expect("a prefill was running");
+                policy.prefill_done(r, now);
                 let decoding = sim.workers[w].decoding;
                 sim.workers[w].decoding += 1;
                 let dur = cfg.model.decode_ms(trace[r].output_length, decoding);
                 sim.schedule(now + (dur * 1000.0) as u64, Event::Done(r));
+                sim.schedule(now + sim.delay_us, Event::Stored(w, r, sim.stored_from[r]));
                 sim.start_prefill(w, now);
             }
             Event::Done(r) => {
                 let w = sim.routed_to[r];
-                sim.workers[w].decoding -= 1;
-                sim.workers[w].in_flight -= 1;
-                if let (Some(routed), Some(k)) = (sim.routed[r].take(), sim.kvpick.as_ref()) {
-                    k.scheduler
-                        .finish_at(&routed.decision, Some(200), k.at(now));
+                let worker = &mut sim.workers[w];
+                worker.decoding -= 1;
+                worker.in_flight -= 1;
+                let evicted = worker
+                    .pool
+                    .release(&trace[r].hash_ids, output_blocks(&trace[r]));
+                if !evicted.is_empty() {
+                    sim.schedule(now + sim.delay_us, Event::Removed(w, evicted));
                 }
+                policy.finished(r, now);
+                sim.start_prefill(w, now);
             }
+            Event::Stored(w, r, from) => {
+                let event = KvEvent::Stored {
+                    id: r,
+                    request: &trace[r],
+                    from,
+                };
+                policy.kv_event(w, event, now);
+            }
+            Event::Removed(w, ids) => policy.kv_event(w, KvEvent::Removed(&ids), now),
         }
     }
     debug_assert!(sim
@@ -534,7 +1041,7 @@ pub fn simulate(policy: Policy, trace: &[TraceRequest], cfg: &ReplayConfig) -> P
         .all(|w| w.in_flight == 0 && w.queue.is_empty() && w.prefilling.is_none()));
     let ttft = sorted(std::mem::take(&mut sim.ttft_ms));
     PolicyFigures {
-        name: policy.name().to_string(),
+        name: policy.name(),
         hit_rate: ratio(sim.hits, sim.blocks),
         of_achievable: 0.0,
         spread: if sim.spread_samples == 0 {
@@ -577,9 +1084,12 @@ mod tests {
         ReplayConfig {
             workers: 3,
             capacity_blocks: 12,
-            model: TimeModel::default(),
-            seed: 1,
+            ..ReplayConfig::default()
         }
+    }
+
+    fn by_name<'a>(r: &'a ReplayReport, name: &str) -> &'a PolicyFigures {
+        r.policies.iter().find(|p| p.name == name).unwrap()
     }
 
     #[test]
@@ -599,7 +1109,7 @@ mod tests {
         assert!((pooled_ceiling_hit_rate(&t, 1000) - infinite).abs() < 1e-9);
         assert!((pooled_ceiling_hit_rate(&t, 20) - infinite).abs() < 1e-9);
         assert_eq!(pooled_ceiling_hit_rate(&t, 4), 0.0);
-        let report = run("t", &t, &cfg());
+        let report = run("t", &t, &cfg(), builtin(&cfg()));
         assert!(report.pooled_ceiling_hit_rate <= report.ceiling_hit_rate);
         for p in &report.policies {
             assert!(p.hit_rate <= report.pooled_ceiling_hit_rate + 1e-9, "{p:?}");
@@ -613,28 +1123,41 @@ mod tests {
     #[test]
     fn prefix_aware_policies_beat_round_robin_and_stay_under_the_ceiling() {
         let t = conversations();
-        let rr = simulate(Policy::RoundRobin, &t, &cfg());
-        let approx = simulate(Policy::KvpickApprox, &t, &cfg());
-        let precise = simulate(Policy::KvpickPrecise, &t, &cfg());
-        let ceiling = ceiling_hit_rate(&t);
-        assert!(
-            approx.hit_rate > rr.hit_rate + 0.1,
-            "{} vs {}",
-            approx.hit_rate,
-            rr.hit_rate
-        );
-        assert!(
-            precise.hit_rate > rr.hit_rate + 0.1,
-            "{} vs {}",
-            precise.hit_rate,
-            rr.hit_rate
-        );
-        for p in [&rr, &approx, &precise] {
-            assert!(p.hit_rate <= ceiling + 1e-9);
+        let report = run("t", &t, &cfg(), builtin(&cfg()));
+        let rr = by_name(&report, "round-robin");
+        for name in ["kvpick-approx", "kvpick-precise", "llm-d"] {
+            let p = by_name(&report, name);
+            assert!(
+                p.hit_rate > rr.hit_rate + 0.1,
+                "{name}: {} vs {}",
+                p.hit_rate,
+                rr.hit_rate
+            );
+            assert!(p.hit_rate <= report.ceiling_hit_rate + 1e-9);
             assert_eq!(p.ttft_ms.len(), t.len());
         }
         // Cached prefixes shorten prefill.
-        assert!(precise.ttft_p50_ms < rr.ttft_p50_ms);
+        assert!(by_name(&report, "kvpick-precise").ttft_p50_ms < rr.ttft_p50_ms);
+    }
+
+    #[test]
+    fn matrix_runs_every_pair_and_checks_the_criteria() {
+        let t = conversations();
+        let configs: Vec<ReplayConfig> = [(12, 1.0), (24, 2.0)]
+            .iter()
+            .map(|&(capacity_blocks, speed)| ReplayConfig {
+                capacity_blocks,
+                speed,
+                ..cfg()
+            })
+            .collect();
+        let m = matrix("t", &t, &configs, &builtin);
+        assert_eq!(m.runs.len(), 2);
+        assert_eq!((m.runs[1].capacity_blocks, m.runs[1].speed), (24, 2.0));
+        let md = m.markdown();
+        assert!(md.contains("| 24 | 2× | llm-d |"), "{md}");
+        // One criteria row per kvpick policy and run.
+        assert_eq!(md.matches("| kvpick-precise |").count(), 4, "{md}");
     }
 
     #[test]
@@ -649,8 +1172,153 @@ mod tests {
                 hash_ids: vec![i],
             })
             .collect();
-        let f = simulate(Policy::FewestInFlight, &t, &cfg());
+        let f = simulate(&mut FewestInFlight::new(1), &t, &cfg());
         assert_eq!(f.ttft_ms.len(), 3);
         assert!((f.spread - 2.25).abs() < 1e-9, "{}", f.spread);
+    }
+
+    /// Records what the simulator tells a policy; routes everything to worker 0.
+    #[derive(Default)]
+    struct Recorder {
+        log: Vec<(u64, String)>,
+    }
+
+    impl RoutingPolicy for Recorder {
+        fn name(&self) -> String {
+            "recorder".into()
+        }
+        fn route(&mut self, id: usize, _: &TraceRequest, w: &[WorkerView], now: u64) -> usize {
+            self.log
+                .push((now, format!("route {id} waiting {}", w[0].waiting)));
+            0
+        }
+        fn prefill_done(&mut self, id: usize, now: u64) {
+            self.log.push((now, format!("prefill {id}")));
+        }
+        fn finished(&mut self, id: usize, now: u64) {
+            self.log.push((now, format!("done {id}")));
+        }
+        fn kv_event(&mut self, _: usize, e: KvEvent<'_>, now: u64) {
+            let s = match e {
+                KvEvent::Stored { id, from, .. } => format!("stored {id} from {from}"),
+                KvEvent::Removed(ids) => format!("removed {ids:?}"),
+            };
+            self.log.push((now, s));
+        }
+    }
+
+    #[test]
+    fn kv_events_arrive_after_the_delay_and_a_full_pool_holds_requests_back() {
+        // Pool of 4 blocks: request 0 (2 prompt blocks + 1 output block) runs;
+        // request 1 (2 other blocks + 1) must wait for it to finish, then evicts
+        // the tail of request 0's cached prompt.
+        let t = vec![
+            TraceRequest {
+                timestamp: 0,
+                input_length: 1024,
+                output_length: 10,
+                hash_ids: vec![1, 2],
+            },
+            TraceRequest {
+                timestamp: 1,
+                input_length: 1024,
+                output_length: 10,
+                hash_ids: vec![3, 4],
+            },
+        ];
+        let cfg = ReplayConfig {
+            workers: 1,
+            capacity_blocks: 4,
+            kv_event_delay: Duration::from_millis(7),
+            ..ReplayConfig::default()
+        };
+        let mut rec = Recorder::default();
+        let f = simulate(&mut rec, &t, &cfg);
+        let m = cfg.model;
+        let prefill = (m.prefill_ms(1024) * 1000.0) as u64;
+        let decode = (m.decode_ms(10, 0) * 1000.0) as u64;
+        let expect = vec![
+            (0, "route 0 waiting 0".to_string()),
+            (1000, "route 1 waiting 0".to_string()),
+            (prefill, "prefill 0".to_string()),
+            (prefill + 7_000, "stored 0 from 0".to_string()),
+            (prefill + decode, "done 0".to_string()),
+            (2 * prefill + decode, "prefill 1".to_string()),
+            (prefill + decode + 7_000, "removed [2]".to_string()),
+            (2 * prefill + decode + 7_000, "stored 1 from 0".to_string()),
+            (2 * prefill + decode + decode, "done 1".to_string()),
+        ];
+        let mut log = rec.log.clone();
+        log.sort_by_key(|(t, _)| *t);
+        let mut want = expect.clone();
+        want.sort_by_key(|(t, _)| *t);
+        assert_eq!(log, want);
+        // Request 1 waited for room: its TTFT includes request 0's whole decode.
+        assert!(f.ttft_ms[1] * 1000.0 >= (2 * prefill + decode - 1000) as f64);
+    }
+
+    #[test]
+    fn speed_compresses_arrivals_and_raises_queueing() {
+        let t: Vec<TraceRequest> = (0..40u64)
+            .map(|i| TraceRequest {
+                timestamp: i * 300,
+                input_length: 4096,
+                output_length: 8,
+                hash_ids: (0..8).map(|b| i * 100 + b).collect(),
+            })
+            .collect();
+        let at = |speed| {
+            let cfg = ReplayConfig {
+                workers: 2,
+                speed,
+                ..ReplayConfig::default()
+            };
+            simulate(&mut RoundRobin::default(), &t, &cfg)
+        };
+        let (slow, fast) = (at(0.5), at(4.0));
+        assert!(
+            fast.ttft_p99_ms > 2.0 * slow.ttft_p99_ms,
+            "{slow:?} {fast:?}"
+        );
+    }
+
+    #[test]
+    fn llm_d_follows_its_prefix_match_then_its_load_scores() {
+        let cfg = ReplayConfig {
+            workers: 2,
+            ..ReplayConfig::default()
+        };
+        let mut p = LlmD::new(&cfg);
+        let r = |ids: Vec<u64>| TraceRequest {
+            timestamp: 0,
+            input_length: ids.len() * BLOCK_TOKENS,
+            output_length: 1,
+            hash_ids: ids,
+        };
+        let idle = WorkerView {
+            waiting: 0,
+            running: 0,
+            kv_usage: 0.0,
+            capacity_blocks: 1000,
+        };
+        let first = p.route(0, &r(vec![1, 2, 3, 4]), &[idle, idle], 0);
+        // The full match (3) and KV (2 × 0.8) beat the idle peer's queue and KV
+        // scores (2 + 2) though this pod has the longest queue (queue score 0).
+        let busy = WorkerView {
+            waiting: 3,
+            kv_usage: 0.2,
+            ..idle
+        };
+        let mut views = [idle, idle];
+        views[first] = busy;
+        assert_eq!(p.route(1, &r(vec![1, 2, 3, 4]), &views, 0), first);
+        let swamped = WorkerView {
+            waiting: 3,
+            kv_usage: 0.9,
+            ..idle
+        };
+        views[first] = swamped;
+        // Match 2/4 = 0.5 × 3 + KV 0.2 = 1.7 < queue 2 + KV 2 of the idle peer.
+        assert_ne!(p.route(2, &r(vec![1, 2, 9, 9]), &views, 0), first);
     }
 }

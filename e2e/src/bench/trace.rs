@@ -9,12 +9,16 @@
 use std::path::Path;
 
 use anyhow::Context;
+use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
 use serde::Deserialize;
 
 use super::SplitMix64;
 
 /// Tokens per trace block.
 pub const BLOCK_TOKENS: usize = 512;
+
+/// The model name of replayed requests (seeds kvpick's block hashes).
+pub const MODEL: &str = "mooncake-replay";
 
 /// Token ids are drawn below this (a typical vocabulary size).
 const VOCAB: u64 = 128_000;
@@ -69,6 +73,19 @@ pub fn prompt_tokens(r: &TraceRequest) -> Vec<u32> {
     }
     out.truncate(r.input_length);
     out
+}
+
+/// A request's body as kvpick parses it: a streamed completion of its token-id
+/// prompt for [`MODEL`].
+pub fn body(r: &TraceRequest) -> InferenceRequest {
+    InferenceRequest {
+        kind: ApiKind::Completions,
+        model: MODEL.to_string(),
+        segments: vec![Segment::Tokens(prompt_tokens(r))],
+        stream: true,
+        nvext: NvExt::default(),
+        names_worker: false,
+    }
 }
 
 #[cfg(test)]

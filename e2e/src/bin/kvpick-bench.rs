@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use e2e::bench::{overhead, overload, plot, replay, scale, sim::TimeModel, trace};
+use e2e::bench::{overhead, overload, plot, replay, scale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -107,35 +107,11 @@ enum Command {
         #[arg(long)]
         noop: bool,
     },
-    /// Replays a Mooncake-format trace through routing policies against simulated workers.
+    /// Replays a Mooncake-format trace through routing policies against simulated
+    /// workers (several capacities or speeds: one table of every run).
     Replay {
-        /// The trace (JSON lines with timestamp, input_length, output_length, hash_ids).
-        #[arg(long, default_value = "../shared/data/mooncake_synthetic_trace.jsonl")]
-        trace: PathBuf,
-        /// Simulated workers.
-        #[arg(long, default_value_t = 8)]
-        workers: usize,
-        /// KV pool size of each worker in 512-token blocks.
-        #[arg(long, default_value_t = 1000)]
-        capacity_blocks: usize,
-        /// Only the first N requests of the trace.
-        #[arg(long)]
-        requests: Option<usize>,
-        /// Prefill throughput of a worker on uncached tokens.
-        #[arg(long, default_value_t = TimeModel::default().prefill_tokens_per_s)]
-        prefill_tokens_per_s: f64,
-        /// Fixed cost of every prefill, ms.
-        #[arg(long, default_value_t = TimeModel::default().prefill_fixed_ms)]
-        prefill_fixed_ms: f64,
-        /// Time per output token of a lone request, ms.
-        #[arg(long, default_value_t = TimeModel::default().decode_ms_per_token)]
-        decode_ms_per_token: f64,
-        /// Decoding requests at which per-token time has doubled.
-        #[arg(long, default_value_t = TimeModel::default().decode_batch_knee)]
-        decode_batch_knee: f64,
-        /// Seed of the baselines' tie-breaking.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
+        #[command(flatten)]
+        args: replay::ReplayArgs,
         /// Instead of the policy comparison: replay X times faster (and at 1×) with
         /// a mix of priorities, with and without flow control.
         #[arg(long)]
@@ -258,65 +234,43 @@ fn main() -> anyhow::Result<()> {
             tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))
         }
         Command::Replay {
-            trace: path,
-            workers,
-            capacity_blocks,
-            requests,
-            prefill_tokens_per_s,
-            prefill_fixed_ms,
-            decode_ms_per_token,
-            decode_batch_knee,
-            seed,
+            args,
             overload: factor,
             mix,
             queue_depth_threshold,
             ttl,
         } => {
-            let mut requests_all = trace::load(&path)?;
-            if let Some(n) = requests {
-                requests_all.truncate(n);
-            }
-            let model = TimeModel {
-                prefill_tokens_per_s,
-                prefill_fixed_ms,
-                decode_ms_per_token,
-                decode_batch_knee,
-            };
+            let (name, requests) = args.load()?;
+            let configs = args.configs();
             if let Some(factor) = factor {
                 let mut shares = [0.0; 3];
                 for (s, m) in shares.iter_mut().zip(&mix) {
                     *s = *m;
                 }
                 let report = overload::run(
-                    &requests_all,
+                    &requests,
                     &overload::OverloadConfig {
                         factor,
-                        workers,
-                        capacity_blocks,
-                        model,
+                        workers: args.workers,
+                        capacity_blocks: configs[0].capacity_blocks,
+                        model: args.model(),
                         mix: shares,
                         queue_depth_threshold,
                         ttl: Duration::from_secs_f64(ttl),
-                        seed,
+                        seed: args.seed,
                     },
                 );
                 return emit(cli.format, cli.save.as_deref(), &report, report.markdown());
             }
-            let cfg = replay::ReplayConfig {
-                workers,
-                capacity_blocks,
-                model,
-                seed,
-            };
-            let name = path
-                .file_name()
-                .map(|f| f.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let report = replay::run(&name, &requests_all, &cfg);
-            if let Some(dir) = &cli.plots {
-                plot::replay_hit_rate(&report, &dir.join("replay-hit-rate.svg"))?;
-                plot::replay_ttft(&report, &dir.join("replay-ttft.svg"))?;
+            if let [cfg] = &configs[..] {
+                let report = replay::run(&name, &requests, cfg, replay::builtin(cfg));
+                if let Some(dir) = &cli.plots {
+                    plot::replay_hit_rate(&report, &dir.join("replay-hit-rate.svg"))?;
+                    plot::replay_ttft(&report, &dir.join("replay-ttft.svg"))?;
+                }
+                return emit(cli.format, cli.save.as_deref(), &report, report.markdown());
             }
+            let report = replay::matrix(&name, &requests, &configs, &replay::builtin);
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::Scale {
