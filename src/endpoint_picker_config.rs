@@ -443,6 +443,35 @@ mod tests {
     }
 
     #[test]
+    fn gie_v1_5_chart_configs_read_as_llm_d_ones() {
+        let gie = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gie-v1.5.0");
+        let read = |name: &str| std::fs::read_to_string(format!("{gie}/{name}")).unwrap();
+        // GIE's chart passes its default config to every EPP it runs.
+        let m = map(&read("chart-default-plugins.yaml"), Weights::default()).unwrap();
+        let llm_d = map(&upstream("chart-default-plugins.yaml"), Weights::default()).unwrap();
+        assert_eq!(m, llm_d);
+        // The latency-predictor profile has no scorer kvpick maps: weights stay,
+        // each plugin kvpick lacks is named.
+        let m = map(
+            &read("chart-latency-predictor-plugins.yaml"),
+            Weights::default(),
+        )
+        .unwrap();
+        assert_eq!(m.weights, Weights::default());
+        for missing in [
+            "latency-scorer",
+            "weighted-random-picker",
+            "strict-affinity-filter",
+        ] {
+            assert!(
+                m.warnings.iter().any(|w| w.contains(missing)),
+                "{missing}: {:?}",
+                m.warnings
+            );
+        }
+    }
+
+    #[test]
     fn gie_api_version_is_read_too() {
         let text = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n";
         let m = map(text, Weights::default()).unwrap();

@@ -5,8 +5,10 @@
 //! is a sequence of blocks stored together (one KV event, one routing decision)
 //! that every holder holds entirely, with one holder set for the whole run. Each
 //! (worker, rank) gets a dense slot number; a holder set is a sorted slot list, or
-//! a bitset once that is smaller ([`SlotSet`]). A map from block hash to (run,
-//! position) finds where a prompt's blocks are.
+//! a bitset once that is smaller ([`SlotSet`]). A table from block hash to (run,
+//! position) finds where a prompt's blocks are ([`BlockTable`]: open addressing
+//! placed by a per-table secret, so chosen hashes cannot pile up in one probe
+//! sequence).
 //!
 //! A lookup probes the map for the prompt's first block, then compares the prompt
 //! with the run in place (no probe per block) until the run ends or differs, then
@@ -44,7 +46,6 @@
 //! sleeper costs more than a chunk) and say so: a writer lets them in before
 //! taking the lock for its next chunk.
 
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -55,6 +56,7 @@ use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::endpoints::WorkerKey;
 use crate::kv::slots::SlotSet;
+use crate::kv::table::BlockTable;
 
 /// Default LRU bound per worker in blocks, when neither the engine's capacity nor
 /// a flag says otherwise (the GIE prefix plugin's default).
@@ -100,7 +102,7 @@ pub type KeyHash = BuildHasherDefault<KeyHasher>;
 type Map<K, V> = HashMap<K, V, KeyHash>;
 
 /// Where a block lives: its run and its absolute position there.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Loc {
     run: u32,
     pos: u32,
@@ -111,7 +113,8 @@ struct Loc {
 struct Run {
     /// Absolute position of `hashes[0]` (positions survive moves of the other side).
     start: u32,
-    hashes: Vec<u64>,
+    /// A deque so that a split moving a short front away does not shift the rest.
+    hashes: VecDeque<u64>,
     holders: SlotSet,
 }
 
@@ -139,7 +142,7 @@ struct Worker {
     oldest: u32,
     last_stamp: u32,
     /// Precise entries: engine hash → kvpick hash.
-    engine: Map<u64, u64>,
+    engine: BlockTable<u64>,
     /// Precise entries: extra engine blocks naming a kvpick hash already held
     /// precisely (beyond the first); usually empty.
     extra: Map<u64, u32>,
@@ -175,7 +178,7 @@ impl Default for IndexConfig {
 
 #[derive(Debug, Default)]
 struct Inner {
-    blocks: Map<u64, Loc>,
+    blocks: BlockTable<Loc>,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     /// Shared with the [`Overlaps`] answers still alive (copied on write then).
@@ -381,16 +384,18 @@ impl PrefixIndex {
             let mut dropped = 0u64;
             for &(engine, hash) in chunk {
                 let w = &mut g.workers[slot as usize];
-                let full = w.engine.len() >= limit;
-                match w.engine.entry(engine) {
-                    Entry::Occupied(o) if *o.get() == hash => continue,
-                    Entry::Occupied(mut o) => released.push(o.insert(hash)),
-                    Entry::Vacant(_) if full => {
+                match w.engine.get(engine) {
+                    Some(old) if old == hash => continue,
+                    Some(old) => {
+                        w.engine.insert(engine, hash);
+                        released.push(old);
+                    }
+                    None if w.engine.len() >= limit => {
                         dropped += 1;
                         continue;
                     }
-                    Entry::Vacant(v) => {
-                        v.insert(hash);
+                    None => {
+                        w.engine.insert(engine, hash);
                     }
                 }
                 if w.precise {
@@ -431,7 +436,7 @@ impl PrefixIndex {
                 return;
             };
             let w = &mut g.workers[slot as usize];
-            let released: Vec<u64> = chunk.iter().filter_map(|e| w.engine.remove(e)).collect();
+            let released: Vec<u64> = chunk.iter().filter_map(|e| w.engine.remove(*e)).collect();
             g.release_precise(slot, &released, &self.entries);
         }
     }
@@ -449,7 +454,7 @@ impl PrefixIndex {
         };
         // The slot has no key now (lookups skip it) and is reused only once empty.
         let mut hashes: Vec<u64> = w.recency.into_keys().collect();
-        hashes.extend(w.engine.into_values());
+        hashes.extend(w.engine.values());
         self.remove_in_run_order(slot, hashes, None);
         self.write().free_slots.push(slot);
     }
@@ -460,7 +465,7 @@ impl PrefixIndex {
     fn remove_in_run_order(&self, slot: u32, mut hashes: Vec<u64>, owner: Option<WorkerKey>) {
         {
             let g = self.inner.read();
-            hashes.sort_by_cached_key(|h| g.blocks.get(h).map(|l| (l.run, l.pos)));
+            hashes.sort_by_cached_key(|h| g.blocks.get(*h).map(|l| (l.run, l.pos)));
         }
         for chunk in hashes.chunks(WRITE_CHUNK) {
             let mut g = self.write();
@@ -484,7 +489,7 @@ impl PrefixIndex {
             w.precise = precise;
             if !precise {
                 // Track precise holdings apart from approximate ones from now on.
-                w.precise_held = w.engine.values().copied().collect();
+                w.precise_held = w.engine.values().collect();
                 return;
             }
             let precise_held = std::mem::take(&mut w.precise_held);
@@ -563,7 +568,7 @@ impl PrefixIndex {
     pub fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
         let g = self.inner.read();
         let slot = *g.slots.get(&worker)?;
-        g.workers[slot as usize].engine.get(&engine_hash).copied()
+        g.workers[slot as usize].engine.get(engine_hash)
     }
 
     /// Precise entries (engine blocks) `worker` holds.
@@ -667,7 +672,7 @@ impl PrefixIndex {
             capacity * (size_of::<(K, V)>() + 1)
         }
         let g = self.inner.read();
-        let mut bytes = table::<u64, Loc>(g.blocks.capacity())
+        let mut bytes = g.blocks.heap_bytes()
             + g.runs.capacity() * size_of::<Run>()
             + table::<WorkerKey, u32>(g.slots.capacity())
             + g.workers.capacity() * size_of::<Worker>();
@@ -681,7 +686,7 @@ impl PrefixIndex {
         for w in &g.workers {
             bytes += table::<u64, (u64, u32)>(w.recency.capacity())
                 + w.order.capacity() * size_of::<(u64, u64)>()
-                + table::<u64, u64>(w.engine.capacity())
+                + w.engine.heap_bytes()
                 + table::<u64, u32>(w.extra.capacity())
                 + table::<u64, ()>(w.precise_held.capacity());
         }
@@ -778,7 +783,7 @@ impl Inner {
     /// Whether `slot` holds block `hash` (through any entry).
     fn holds(&self, hash: u64, slot: u32) -> bool {
         self.blocks
-            .get(&hash)
+            .get(hash)
             .is_some_and(|l| self.runs[l.run as usize].holders.contains(slot))
     }
 
@@ -827,17 +832,18 @@ impl Inner {
         let left_len = (at - r.start) as usize;
         let holders = r.holders.clone();
         if left_len <= r.hashes.len() - left_len {
-            let hashes: Vec<u64> = r.hashes.drain(..left_len).collect();
+            let hashes: VecDeque<u64> = r.hashes.drain(..left_len).collect();
             let start = r.start;
             r.start = at;
-            let moved = hashes.clone();
+            let moved: Vec<u64> = hashes.iter().copied().collect();
             let id = self.new_run(Run {
                 start,
                 hashes,
                 holders,
             });
+            self.blocks.prefetch(&moved);
             for h in moved {
-                if let Some(l) = self.blocks.get_mut(&h) {
+                if let Some(l) = self.blocks.get_mut(h) {
                     l.run = id;
                 }
             }
@@ -845,14 +851,15 @@ impl Inner {
         } else {
             let hashes = r.hashes.split_off(left_len);
             r.hashes.shrink_to_fit();
-            let moved = hashes.clone();
+            let moved: Vec<u64> = hashes.iter().copied().collect();
             let id = self.new_run(Run {
                 start: at,
                 hashes,
                 holders,
             });
+            self.blocks.prefetch(&moved);
             for h in moved {
-                if let Some(l) = self.blocks.get_mut(&h) {
+                if let Some(l) = self.blocks.get_mut(h) {
                     l.run = id;
                 }
             }
@@ -886,6 +893,7 @@ impl Inner {
         }
         let moved = std::mem::take(&mut self.runs[right as usize]);
         let base = self.runs[prev.run as usize].end();
+        self.blocks.prefetch(&moved.hashes);
         for (k, h) in moved.hashes.iter().enumerate() {
             self.blocks.insert(
                 *h,
@@ -906,7 +914,7 @@ impl Inner {
         let i = (loc.pos - r.start) as usize;
         hashes
             .iter()
-            .zip(&r.hashes[i..])
+            .zip(r.hashes.range(i..))
             .take_while(|(a, b)| a == b)
             .count()
     }
@@ -924,9 +932,9 @@ impl Inner {
     ) {
         let mut i = 0;
         // Where the previous block of the chain lives, to append to its run.
-        let mut prev: Option<Loc> = after.and_then(|h| self.blocks.get(&h).copied());
+        let mut prev: Option<Loc> = after.and_then(|h| self.blocks.get(h));
         while i < hashes.len() {
-            match self.blocks.get(&hashes[i]).copied() {
+            match self.blocks.get(hashes[i]) {
                 Some(loc) => {
                     let n = self.stretch(loc, &hashes[i..]);
                     let run = loc.run;
@@ -941,8 +949,7 @@ impl Inner {
                         }
                     }
                     i += n;
-                    let last = self.blocks[&hashes[i - 1]];
-                    prev = Some(last);
+                    prev = self.blocks.get(hashes[i - 1]);
                 }
                 None => {
                     let append = prev.filter(|p| {
@@ -954,7 +961,7 @@ impl Inner {
                         None => (
                             self.new_run(Run {
                                 start: 0,
-                                hashes: Vec::with_capacity(hashes.len() - i),
+                                hashes: VecDeque::with_capacity(hashes.len() - i),
                                 holders: SlotSet::one(slot),
                             }),
                             0,
@@ -962,21 +969,21 @@ impl Inner {
                     };
                     // New blocks up to the first known one (or a repeat in `hashes`).
                     let mut n = 0u32;
+                    self.blocks.reserve(hashes.len() - i);
+                    self.blocks.prefetch(&hashes[i..]);
                     for h in &hashes[i..] {
-                        match self.blocks.entry(*h) {
-                            Entry::Occupied(_) => break,
-                            Entry::Vacant(v) => {
-                                v.insert(Loc {
-                                    run,
-                                    pos: first + n,
-                                });
-                                n += 1;
-                            }
+                        let loc = Loc {
+                            run,
+                            pos: first + n,
+                        };
+                        if !self.blocks.insert_new(*h, loc) {
+                            break;
                         }
+                        n += 1;
                     }
                     self.runs[run as usize]
                         .hashes
-                        .extend_from_slice(&hashes[i..i + n as usize]);
+                        .extend(&hashes[i..i + n as usize]);
                     entries.fetch_add(n as usize, Ordering::Relaxed);
                     i += n as usize;
                     prev = Some(Loc {
@@ -993,7 +1000,7 @@ impl Inner {
     fn remove_holder_runs(&mut self, hashes: &[u64], slot: u32, entries: &AtomicUsize) {
         let mut i = 0;
         while i < hashes.len() {
-            let Some(loc) = self.blocks.get(&hashes[i]).copied() else {
+            let Some(loc) = self.blocks.get(hashes[i]) else {
                 i += 1;
                 continue;
             };
@@ -1009,7 +1016,7 @@ impl Inner {
             if r.holders.is_empty() {
                 let r = std::mem::take(r);
                 for h in &r.hashes {
-                    self.blocks.remove(h);
+                    self.blocks.remove(*h);
                 }
                 self.free_runs.push(mid);
             }
@@ -1021,18 +1028,18 @@ impl Inner {
     /// every set a subset of the one before.
     fn walk(&self, hashes: &[u64]) -> Vec<(SlotSet, u32)> {
         let mut levels = Vec::new();
-        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else {
+        let Some(first) = hashes.first().and_then(|h| self.blocks.get(*h)) else {
             return levels;
         };
         let mut active = self.runs[first.run as usize].holders.clone();
-        let mut loc = *first;
+        let mut loc = first;
         let mut i = 1usize;
         while i < hashes.len() {
             let r = &self.runs[loc.run as usize];
             let off = (loc.pos + 1 - r.start) as usize;
             let same = hashes[i..]
                 .iter()
-                .zip(&r.hashes[off.min(r.hashes.len())..])
+                .zip(r.hashes.range(off.min(r.hashes.len())..))
                 .take_while(|(a, b)| a == b)
                 .count();
             i += same;
@@ -1040,7 +1047,7 @@ impl Inner {
             if i == hashes.len() {
                 break;
             }
-            let Some(next) = self.blocks.get(&hashes[i]) else {
+            let Some(next) = self.blocks.get(hashes[i]) else {
                 break;
             };
             if next.run != loc.run {
@@ -1052,7 +1059,7 @@ impl Inner {
                     }
                 }
             }
-            loc = *next;
+            loc = next;
             i += 1;
         }
         levels.push((active, i as u32));

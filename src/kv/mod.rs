@@ -7,3 +7,4 @@
 pub mod hash;
 pub mod index;
 mod slots;
+mod table;

@@ -1,0 +1,319 @@
+//! [`BlockTable`]: the index's hash tables from a block hash to a small value.
+//!
+//! Open addressing with linear probing over one array of (key, value) slots, so a
+//! probe reads one or two adjacent cache lines. A key's home slot is a
+//! multiply-shift of the key under a per-table random multiplier and mask, so a
+//! client that can choose block hashes cannot choose where they land (and pile
+//! them into one probe sequence). Removal shifts the entries after the hole back
+//! (no tombstones), so probes stay short under churn. Key 0 marks an empty slot;
+//! the key 0 itself is kept aside.
+//!
+//! Writes of a batch first [`BlockTable::prefetch`] the slots they will need: the
+//! cache misses of a batch then overlap instead of queueing one behind the other,
+//! which is most of what an insert into a table of millions of blocks costs.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+
+/// One slot: `key == 0` is empty.
+#[derive(Debug, Clone, Copy, Default)]
+struct Slot<V> {
+    key: u64,
+    value: V,
+}
+
+/// A hash table from `u64` block hashes to `V`; see the module doc.
+#[derive(Debug, Clone)]
+pub struct BlockTable<V> {
+    slots: Vec<Slot<V>>,
+    /// `64 - log2(slots.len())`.
+    shift: u32,
+    len: usize,
+    /// The value of key 0, which cannot live in a slot.
+    zero: Option<V>,
+    mul: u64,
+    mask: u64,
+}
+
+impl<V: Copy + Default> Default for BlockTable<V> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Slots of the first allocation.
+const MIN_SLOTS: usize = 16;
+
+impl<V: Copy + Default> BlockTable<V> {
+    /// An empty table (allocates on first insert).
+    pub fn new() -> Self {
+        let mut h = RandomState::new().build_hasher();
+        h.write_u64(0x6b76_7069_636b);
+        let a = h.finish();
+        h.write_u64(a);
+        let b = h.finish();
+        BlockTable {
+            slots: Vec::new(),
+            shift: 64,
+            len: 0,
+            zero: None,
+            mul: a | 1,
+            mask: b,
+        }
+    }
+
+    /// Entries in the table.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Heap bytes held.
+    pub fn heap_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Slot<V>>()
+    }
+
+    fn home(&self, key: u64) -> usize {
+        ((key ^ self.mask).wrapping_mul(self.mul) >> self.shift) as usize
+    }
+
+    fn next(&self, i: usize) -> usize {
+        (i + 1) & (self.slots.len() - 1)
+    }
+
+    /// The slot holding `key` (not 0), if any.
+    fn find(&self, key: u64) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mut i = self.home(key);
+        loop {
+            match self.slots[i].key {
+                k if k == key => return Some(i),
+                0 => return None,
+                _ => i = self.next(i),
+            }
+        }
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: u64) -> Option<V> {
+        if key == 0 {
+            return self.zero;
+        }
+        self.find(key).map(|i| self.slots[i].value)
+    }
+
+    /// The value of `key`, to change in place.
+    pub fn get_mut(&mut self, key: u64) -> Option<&mut V> {
+        if key == 0 {
+            return self.zero.as_mut();
+        }
+        self.find(key).map(|i| &mut self.slots[i].value)
+    }
+
+    /// Makes room for `additional` more entries without growing in between.
+    pub fn reserve(&mut self, additional: usize) {
+        let need = self.len + additional;
+        // At most 3/4 full.
+        if need * 4 <= self.slots.len() * 3 {
+            return;
+        }
+        let mut n = self.slots.len().max(MIN_SLOTS);
+        while need * 4 > n * 3 {
+            n *= 2;
+        }
+        let old = std::mem::replace(&mut self.slots, vec![Slot::default(); n]);
+        self.shift = 64 - n.trailing_zeros();
+        for s in old.into_iter().filter(|s| s.key != 0) {
+            let mut i = self.home(s.key);
+            while self.slots[i].key != 0 {
+                i = self.next(i);
+            }
+            self.slots[i] = s;
+        }
+    }
+
+    /// Sets `key` to `value`; returns the value it replaced.
+    pub fn insert(&mut self, key: u64, value: V) -> Option<V> {
+        if key == 0 {
+            let old = self.zero.replace(value);
+            self.len += usize::from(old.is_none());
+            return old;
+        }
+        let i = self.slot_for(key);
+        let s = &mut self.slots[i];
+        if s.key == key {
+            return Some(std::mem::replace(&mut s.value, value));
+        }
+        *s = Slot { key, value };
+        self.len += 1;
+        None
+    }
+
+    /// Adds `key` with `value` unless it is there; returns whether it was added.
+    pub fn insert_new(&mut self, key: u64, value: V) -> bool {
+        if key == 0 {
+            if self.zero.is_some() {
+                return false;
+            }
+            self.zero = Some(value);
+            self.len += 1;
+            return true;
+        }
+        let i = self.slot_for(key);
+        if self.slots[i].key == key {
+            return false;
+        }
+        self.slots[i] = Slot { key, value };
+        self.len += 1;
+        true
+    }
+
+    /// The slot holding `key` (not 0), else the empty slot where it would go,
+    /// with room made for one more entry.
+    fn slot_for(&mut self, key: u64) -> usize {
+        self.reserve(1);
+        let mut i = self.home(key);
+        while self.slots[i].key != key && self.slots[i].key != 0 {
+            i = self.next(i);
+        }
+        i
+    }
+
+    /// Removes `key`; returns its value.
+    pub fn remove(&mut self, key: u64) -> Option<V> {
+        if key == 0 {
+            let old = self.zero.take();
+            if old.is_some() {
+                self.len -= 1;
+            }
+            return old;
+        }
+        let mut hole = self.find(key)?;
+        let value = self.slots[hole].value;
+        self.len -= 1;
+        // Shift back every later entry of the cluster whose home is not in
+        // (hole, j]: it may then sit in the hole and stay reachable.
+        let mask = self.slots.len() - 1;
+        let mut j = hole;
+        loop {
+            j = self.next(j);
+            let k = self.slots[j].key;
+            if k == 0 {
+                break;
+            }
+            let home = self.home(k);
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = self.slots[j];
+                hole = j;
+            }
+        }
+        self.slots[hole] = Slot::default();
+        Some(value)
+    }
+
+    /// Loads the home slots of `keys`, so that the writes that follow find them
+    /// in cache: the misses overlap instead of queueing.
+    pub fn prefetch<'a>(&self, keys: impl IntoIterator<Item = &'a u64>) {
+        if self.slots.is_empty() {
+            return;
+        }
+        let mut acc = 0u64;
+        for &k in keys {
+            acc ^= self.slots[self.home(k)].key;
+        }
+        std::hint::black_box(acc);
+    }
+
+    /// The values, in no particular order.
+    pub fn values(&self) -> impl Iterator<Item = V> + '_ {
+        self.zero
+            .into_iter()
+            .chain(self.slots.iter().filter(|s| s.key != 0).map(|s| s.value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u64, u32),
+        InsertNew(u64, u32),
+        Remove(u64),
+        Get(u64),
+    }
+
+    /// Keys from a small range (so operations meet) plus 0 and colliding ones.
+    fn key() -> impl Strategy<Value = u64> {
+        prop_oneof![0u64..64, Just(0), Just(u64::MAX), any::<u64>()]
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (key(), any::<u32>()).prop_map(|(k, v)| Op::Insert(k, v)),
+            (key(), any::<u32>()).prop_map(|(k, v)| Op::InsertNew(k, v)),
+            key().prop_map(Op::Remove),
+            key().prop_map(Op::Get),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn table_agrees_with_hash_map(ops in proptest::collection::vec(op(), 1..400)) {
+            let mut t = BlockTable::<u32>::new();
+            let mut m = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Insert(k, v) => prop_assert_eq!(t.insert(k, v), m.insert(k, v)),
+                    Op::InsertNew(k, v) => {
+                        let added = !m.contains_key(&k);
+                        if added {
+                            m.insert(k, v);
+                        }
+                        prop_assert_eq!(t.insert_new(k, v), added);
+                    }
+                    Op::Remove(k) => prop_assert_eq!(t.remove(k), m.remove(&k)),
+                    Op::Get(k) => prop_assert_eq!(t.get(k), m.get(&k).copied()),
+                }
+                prop_assert_eq!(t.len(), m.len());
+            }
+            for (k, v) in &m {
+                prop_assert_eq!(t.get(*k), Some(*v));
+            }
+            let mut values: Vec<u32> = t.values().collect();
+            let mut expected: Vec<u32> = m.values().copied().collect();
+            values.sort_unstable();
+            expected.sort_unstable();
+            prop_assert_eq!(values, expected);
+        }
+    }
+
+    #[test]
+    fn removal_keeps_every_other_key_of_a_full_cluster_reachable() {
+        let mut t = BlockTable::<u64>::new();
+        for k in 1..=10_000u64 {
+            t.insert(k, k * 2);
+        }
+        for k in (1..=10_000u64).step_by(3) {
+            assert_eq!(t.remove(k), Some(k * 2));
+        }
+        for k in 1..=10_000u64 {
+            let expected = (k % 3 != 1).then_some(k * 2);
+            assert_eq!(t.get(k), expected, "key {k}");
+        }
+        assert_eq!(t.len(), 10_000 - 3_334);
+    }
+
+    #[test]
+    fn two_tables_place_the_same_keys_differently() {
+        // Placement depends on a per-table secret, not on the keys alone.
+        let (a, b) = (BlockTable::<u8>::new(), BlockTable::<u8>::new());
+        assert!(a.mul != b.mul || a.mask != b.mask);
+    }
+}
