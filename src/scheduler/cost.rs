@@ -81,19 +81,7 @@ impl CostTerms {
 
 impl Scheduler {
     /// The cost of sending a request of `size` blocks, `new_blocks` of which the
-    /// candidate must still prefill, to candidate `c`.
-    fn cost(
-        &self,
-        c: &Cand<'_>,
-        new_blocks: usize,
-        size: u64,
-        w_prefill: f64,
-        now: Instant,
-    ) -> f64 {
-        self.cost_terms(c, new_blocks, size, w_prefill, now).total()
-    }
-
-    /// [`Self::cost`] term by term.
+    /// candidate must still prefill, to candidate `c`, term by term.
     pub(super) fn cost_terms(
         &self,
         c: &Cand<'_>,
@@ -157,7 +145,7 @@ impl Scheduler {
     ) -> usize {
         let costs = cands.iter().map(|c| {
             let new_blocks = prompt.uncached(overlap(c));
-            self.cost(c, new_blocks, size, w_prefill, now)
+            self.cost_terms(c, new_blocks, size, w_prefill, now).total()
         });
         let temperature = self.config.temperature;
         if temperature > 0.0 {

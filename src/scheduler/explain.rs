@@ -12,7 +12,6 @@ use std::time::Instant;
 use super::cost::{Cand, CostTerms};
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
-use crate::kv::hash;
 
 /// Why a candidate is not considered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,18 +118,7 @@ impl Scheduler {
             return Err(PickError::SubsetEmpty);
         }
 
-        let (prompt, load_blocks) = match req.body {
-            Some(b) => (
-                self.prompt_blocks(b),
-                hash::request_size_blocks_for(
-                    &b.segments,
-                    self.config.byte_block,
-                    self.config.token_block,
-                    self.config.vision.as_ref(),
-                ),
-            ),
-            None => (hash::PromptBlocks::default(), 1),
-        };
+        let (prompt, load_blocks) = self.prompt_and_size(req.body);
         let load_blocks = load_blocks.min(self.config.max_request_load_blocks);
         let overlaps =
             (!prompt.hashes.is_empty()).then(|| self.index.overlaps(&prompt.hashes, now));
