@@ -208,6 +208,13 @@ pub struct Args {
     #[arg(long, env = "KVPICK_PREFIX_TOKEN_BLOCK", default_value_t = 16)]
     pub prefix_token_block: usize,
 
+    /// Most prompt tokens prefix matching hashes and looks up (the llm-d Router's
+    /// `maxPrefixTokensToMatch`); the blocks past them count as uncached. In
+    /// blocks: this over `--prefix-token-block` (a text block of
+    /// `--prefix-byte-block` bytes counts as one block). 0: the whole prompt.
+    #[arg(long, env = "KVPICK_MAX_PREFIX_TOKENS", default_value_t = crate::scheduler::DEFAULT_MAX_PREFIX_TOKENS)]
+    pub max_prefix_tokens: usize,
+
     /// Approximate prefix index: blocks remembered per worker rank until its
     /// scraped KV capacity is known.
     #[arg(long, env = "KVPICK_PREFIX_CAPACITY_BLOCKS", default_value_t = 31_250)]
@@ -829,6 +836,10 @@ impl Args {
         SchedulerConfig {
             byte_block: self.prefix_byte_block.max(1),
             token_block: self.prefix_token_block.max(1),
+            max_prefix_blocks: match self.max_prefix_tokens {
+                0 => usize::MAX,
+                t => (t / self.prefix_token_block.max(1)).max(1),
+            },
             weights: Weights {
                 prefill: self.weight_prefill,
                 decode: self.weight_decode,
@@ -1050,6 +1061,9 @@ mod tests {
         assert_eq!(c.weights, d.weights);
         assert_eq!(c.index.ttl, d.index.ttl);
         assert_eq!(c.index.default_capacity, d.index.default_capacity);
+        assert_eq!((c.max_prefix_blocks, d.max_prefix_blocks), (8192, 8192));
+        let whole = Args::try_parse_from(["kvpick", "--max-prefix-tokens=0"]).unwrap();
+        assert_eq!(whole.scheduler(Vec::new()).max_prefix_blocks, usize::MAX);
         let a = Args::try_parse_from([
             "kvpick",
             "--prefix-ttl-secs=0",

@@ -124,7 +124,7 @@ pub fn request_block_hashes(
     byte_block: usize,
     token_block: usize,
 ) -> Vec<u64> {
-    hash_prompt(seed, segments, byte_block, token_block, None)
+    hash_prompt(seed, segments, byte_block, token_block, usize::MAX, None)
 }
 
 /// A prompt's chained block hashes and what prefilling them costs: an image
@@ -136,19 +136,45 @@ pub struct PromptBlocks {
     pub hashes: Vec<u64>,
     /// `(hash index, blocks beyond the one hash block)` of each image block.
     image_extra: Vec<(usize, u64)>,
+    /// Blocks of the prompt past the hashing cap (not hashed, always uncached).
+    beyond: usize,
 }
 
 impl PromptBlocks {
-    /// Hashes `segments`; images are sized with `vision` ([`estimate_image_tokens`]).
+    /// Hashes the first `max_blocks` blocks of `segments` (the blocks past them
+    /// count as uncached); images are sized with `vision` ([`estimate_image_tokens`]).
     pub fn of(
         seed: u64,
         segments: &[Segment],
-        byte_block: usize,
-        token_block: usize,
+        (byte_block, token_block): (usize, usize),
+        max_blocks: usize,
         vision: Option<&VisionModel>,
     ) -> Self {
         let mut images = Vec::new();
-        let hashes = hash_prompt(seed, segments, byte_block, token_block, Some(&mut images));
+        let hashes = hash_prompt(
+            seed,
+            segments,
+            byte_block,
+            token_block,
+            max_blocks,
+            Some(&mut images),
+        );
+        let beyond = if hashes.len() < max_blocks {
+            0
+        } else {
+            // Past the cap: the prompt's blocks by length (text, tokens, one per
+            // image), less those hashed.
+            let (bytes, tokens, pictures) =
+                segments
+                    .iter()
+                    .fold((0usize, 0usize, 0usize), |(b, t, i), s| match s {
+                        Segment::Text(x) => (b + x.len(), t, i),
+                        Segment::Tokens(x) => (b, t + x.len(), i),
+                        Segment::Image(_) => (b, t, i + 1),
+                    });
+            (bytes.div_ceil(byte_block.max(1)) + tokens.div_ceil(token_block.max(1)) + pictures)
+                .saturating_sub(hashes.len())
+        };
         let urls = segments.iter().filter_map(|s| match s {
             Segment::Image(url) => Some(url),
             _ => None,
@@ -166,6 +192,7 @@ impl PromptBlocks {
         PromptBlocks {
             hashes,
             image_extra,
+            beyond,
         }
     }
 
@@ -181,17 +208,19 @@ impl PromptBlocks {
         self.hashes
             .len()
             .saturating_sub(overlap)
+            .saturating_add(self.beyond)
             .saturating_add(usize::try_from(images).unwrap_or(usize::MAX))
     }
 }
 
-/// [`request_block_hashes`], recording the hash index of each image block in
-/// `images` when given.
+/// [`request_block_hashes`] of at most `max` blocks, recording the hash index of
+/// each image block in `images` when given.
 fn hash_prompt(
     seed: u64,
     segments: &[Segment],
     byte_block: usize,
     token_block: usize,
+    max: usize,
     mut images: Option<&mut Vec<usize>>,
 ) -> Vec<u64> {
     let byte_block = byte_block.max(1);
@@ -202,6 +231,9 @@ fn hash_prompt(
     let mut toks: Vec<u32> = Vec::new();
     let mut buf = Vec::new();
     for seg in segments {
+        if out.len() >= max {
+            break;
+        }
         match seg {
             Segment::Text(t) => {
                 if !toks.is_empty() {
@@ -221,7 +253,7 @@ fn hash_prompt(
                     }
                 }
                 let mut chunks = bytes.chunks_exact(byte_block);
-                for c in &mut chunks {
+                for c in (&mut chunks).take(max.saturating_sub(out.len())) {
                     prev = text_block(prev, c);
                     out.push(prev);
                 }
@@ -244,7 +276,7 @@ fn hash_prompt(
                     }
                 }
                 let mut chunks = ids.chunks_exact(token_block);
-                for c in &mut chunks {
+                for c in (&mut chunks).take(max.saturating_sub(out.len())) {
                     prev = token_block_hash_push(&mut buf, &mut out, prev, c);
                 }
                 toks.extend_from_slice(chunks.remainder());
@@ -266,6 +298,10 @@ fn hash_prompt(
                 out.push(prev);
             }
         }
+    }
+    out.truncate(max);
+    if let Some(at) = images {
+        at.retain(|&i| i < max);
     }
     out
 }
@@ -310,6 +346,25 @@ mod tests {
 
     fn text(s: &str) -> Segment {
         Segment::Text(s.to_string())
+    }
+
+    #[test]
+    fn a_capped_prompt_hashes_its_leading_blocks_and_counts_the_rest_uncached() {
+        let segs = [
+            text(&"a".repeat(64 * 10 + 5)),
+            Segment::Tokens((0..64).collect()),
+        ];
+        let all = request_block_hashes(3, &segs, 64, 16);
+        assert_eq!(all.len(), 15); // 10 text + the 5-byte short block + 4 token blocks
+        for cap in [1, 4, 10, 11, 12, 15] {
+            let p = PromptBlocks::of(3, &segs, (64, 16), cap, None);
+            assert_eq!(p.hashes, all[..cap], "cap {cap}");
+            // Past the cap the prompt counts by length: 11 text + 4 token blocks.
+            assert_eq!(p.uncached(0), 15, "cap {cap}");
+            assert_eq!(p.uncached(cap), 15 - cap, "cap {cap}");
+        }
+        let whole = PromptBlocks::of(3, &segs, (64, 16), 16, None);
+        assert_eq!((whole.hashes.len(), whole.uncached(0)), (15, 15));
     }
 
     #[test]
@@ -432,13 +487,13 @@ mod tests {
             Segment::Image("https://x/cat.png".into()),
             text(&"q".repeat(128)),
         ];
-        let p = PromptBlocks::of(1, &segs, 64, 16, None);
+        let p = PromptBlocks::of(1, &segs, (64, 16), usize::MAX, None);
         assert_eq!(p.hashes, request_block_hashes(1, &segs, 64, 16));
         assert_eq!(p.uncached(0), 4 + 36);
         assert_eq!(p.uncached(2), 2 + 36, "the image is still to prefill");
         assert_eq!(p.uncached(3), 2, "a cached image costs nothing");
         assert_eq!(p.uncached(5), 0);
-        let plain = PromptBlocks::of(1, &[text(&"p".repeat(128))], 64, 16, None);
+        let plain = PromptBlocks::of(1, &[text(&"p".repeat(128))], (64, 16), usize::MAX, None);
         assert_eq!(plain.uncached(1), 1);
     }
 

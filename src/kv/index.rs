@@ -269,8 +269,18 @@ impl PrefixIndex {
 
     /// Approximate mode: records that `worker` now holds `hashes` (touching them in
     /// its LRU), then evicts its least recently used blocks beyond its capacity and
-    /// its expired ones. Does nothing for a precise worker.
+    /// its expired ones. Does nothing for a precise worker. Of a prompt longer
+    /// than the worker's capacity only the leading blocks that fit are recorded:
+    /// the rest would evict the prompt's own prefix, the part a later request can match.
     pub fn insert(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
+        let cap = {
+            let g = self.inner.read();
+            g.slots
+                .get(&worker)
+                .and_then(|s| g.workers[*s as usize].capacity)
+                .unwrap_or(self.config.default_capacity)
+        };
+        let hashes = &hashes[..hashes.len().min(cap)];
         let stamp = self.stamp(now);
         let mut after = None;
         for chunk in hashes.chunks(WRITE_CHUNK) {
@@ -1162,6 +1172,15 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_longer_than_the_capacity_keeps_its_prefix() {
+        let (idx, t) = index(3, None);
+        idx.insert(wk(1), &[1, 2, 3, 4, 5], t);
+        // Recording all five would have kept 3, 4, 5 and lost the prefix.
+        assert_eq!(idx.lookup(&[1, 2, 3, 4, 5], &[wk(1)], t), vec![3]);
+        assert_eq!(idx.len(), 3);
+    }
+
+    #[test]
     fn ttl_expires_approximate_entries() {
         let (idx, t) = index(100, Some(10));
         idx.insert(wk(1), &[1, 2], t);
@@ -1349,7 +1368,9 @@ mod tests {
                 idx.insert(wk(w), &hs, at);
                 let m = model.entry(w).or_default();
                 if !m.precise {
-                    for h in hs {
+                    // Only the leading blocks that fit are recorded.
+                    let fit = m.capacity.unwrap_or(CAP);
+                    for h in hs.into_iter().take(fit) {
                         m.lru.retain(|(x, _)| *x != h);
                         m.lru.push((h, *now));
                     }

@@ -58,6 +58,11 @@ pub struct SchedulerConfig {
     pub byte_block: usize,
     /// Token block size for prompts given as token ids.
     pub token_block: usize,
+    /// Most leading blocks of a prompt hashed, looked up and recorded (the rest
+    /// counts as uncached): a long prompt's tail never decides a prefix match
+    /// worth its cost, and an approximate index would evict the prompt's own
+    /// prefix to keep it.
+    pub max_prefix_blocks: usize,
     /// Cost weights.
     pub weights: Weights,
     /// 0 picks the cheapest candidate; above 0, softmax sampling over normalised costs.
@@ -95,6 +100,7 @@ impl Default for SchedulerConfig {
         SchedulerConfig {
             byte_block: DEFAULT_BYTE_BLOCK,
             token_block: DEFAULT_TOKEN_BLOCK,
+            max_prefix_blocks: DEFAULT_MAX_PREFIX_TOKENS / DEFAULT_TOKEN_BLOCK,
             weights: Weights::default(),
             temperature: 0.0,
             scrape_max_age: Duration::from_secs(5),
@@ -111,6 +117,10 @@ impl Default for SchedulerConfig {
         }
     }
 }
+
+/// Default cap on the prompt tokens prefix matching looks at: 131,072 (the llm-d
+/// Router's `maxPrefixTokensToMatch` default, one context window of large models).
+pub const DEFAULT_MAX_PREFIX_TOKENS: usize = 131_072;
 
 /// Default [`SchedulerConfig::max_request_load_blocks`]: 16384 blocks, about
 /// 256k tokens (16-token blocks) or 1 MiB of text (64-byte blocks).
@@ -174,14 +184,10 @@ impl Scheduler {
         self.active.get(&key).map_or(0, |v| *v)
     }
 
-    /// The chained prefix block hashes of a request body.
+    /// The chained prefix block hashes of a request body (at most
+    /// [`SchedulerConfig::max_prefix_blocks`]).
     pub fn block_hashes(&self, body: &InferenceRequest) -> Vec<u64> {
-        hash::request_block_hashes(
-            hash::model_seed(&body.model, None),
-            &body.segments,
-            self.config.byte_block,
-            self.config.token_block,
-        )
+        self.prompt_blocks(body).hashes
     }
 
     /// [`Self::block_hashes`] with the prefill cost of each block (images count
@@ -190,8 +196,8 @@ impl Scheduler {
         hash::PromptBlocks::of(
             hash::model_seed(&body.model, None),
             &body.segments,
-            self.config.byte_block,
-            self.config.token_block,
+            (self.config.byte_block, self.config.token_block),
+            self.config.max_prefix_blocks,
             self.config.vision.as_ref(),
         )
     }

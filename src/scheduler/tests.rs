@@ -157,6 +157,28 @@ fn distinct_prompts_spread_out() {
 }
 
 #[test]
+fn only_the_leading_prefix_blocks_are_hashed_recorded_and_matched() {
+    let s = Scheduler::new(SchedulerConfig {
+        max_prefix_blocks: 8,
+        ..Default::default()
+    });
+    let t = both(1);
+    let snap = t.snapshot();
+    let head = "h".repeat(64 * 8);
+    let first = prompt(&format!("{head}{}", "a".repeat(64 * 12)));
+    let d = s.pick(&with_body(&first), &snap).unwrap();
+    assert_eq!(d.prompt_blocks, 8);
+    // The whole prompt is still booked as load.
+    assert_eq!(d.load_blocks, 20);
+    assert_eq!(s.index().len(), 8);
+    s.finish(&d, Some(200));
+    // Another prompt with the same 8 leading blocks matches all that is hashed.
+    let second = prompt(&format!("{head}{}", "b".repeat(64 * 30)));
+    let d = s.pick(&with_body(&second), &snap).unwrap();
+    assert_eq!((d.prompt_blocks, d.overlap_blocks), (8, 8));
+}
+
+#[test]
 fn scraped_load_counts_only_while_fresh() {
     let cfg = SchedulerConfig {
         scrape_max_age: Duration::from_secs(5),
