@@ -39,6 +39,16 @@ pub struct Args {
     #[arg(long, env = "KVPICK_METRICS_PORT", default_value_t = 9090)]
     pub metrics_port: u16,
 
+    /// Admin gRPC port (`kvpick.admin.v1.Admin`: `Explain`), plaintext; 0 (the
+    /// default) serves none.
+    #[arg(long, env = "KVPICK_ADMIN_PORT", default_value_t = 0)]
+    pub admin_port: u16,
+
+    /// Address the admin port binds (loopback unless set: the admin API is not
+    /// for clients).
+    #[arg(long, env = "KVPICK_ADMIN_ADDRESS", default_value = "127.0.0.1")]
+    pub admin_address: IpAddr,
+
     /// On SIGTERM/SIGINT: how long open ext_proc streams may take to finish (ms)
     /// after readiness turns NOT_SERVING and new connections are refused.
     #[arg(long, env = "KVPICK_DRAIN_TIMEOUT_MS", default_value_t = 120_000)]
@@ -479,6 +489,25 @@ pub enum Command {
     /// Check the flags and the EndpointPickerConfig, print the warnings and the
     /// cost weights they give, and exit (non-zero when kvpick would not start).
     CheckArgs,
+    /// Ask a running kvpick's admin port how it would route a request body
+    /// (per-candidate scores), print the answer as JSON, and exit.
+    Explain(ExplainArgs),
+}
+
+/// `kvpick explain FILE`.
+#[derive(Debug, Clone, ClapArgs)]
+pub struct ExplainArgs {
+    /// The request body (JSON), `-` for stdin.
+    pub file: PathBuf,
+    /// The admin endpoint.
+    #[arg(long, default_value = "http://127.0.0.1:9004")]
+    pub admin: String,
+    /// The request path (chooses the API).
+    #[arg(long, default_value = "/v1/chat/completions")]
+    pub path: String,
+    /// A session id, as the session header would carry it.
+    #[arg(long)]
+    pub session_id: Option<String>,
 }
 
 /// GIE EPP flags: the ones that map to kvpick are honoured, the rest are accepted
@@ -1272,6 +1301,23 @@ mod tests {
         assert_eq!(v.model.processor.patch_size, 14);
         assert_eq!(v.image_token, "<|img|>");
         assert!(Args::try_parse_from(["kvpick", "--mm-model-family=gpt"]).is_err());
+    }
+
+    #[test]
+    fn the_admin_port_is_off_and_on_loopback_by_default() {
+        let a = Args::try_parse_from(["kvpick"]).unwrap();
+        assert_eq!(a.admin_port, 0);
+        assert!(a.admin_address.is_loopback());
+        let a = Args::try_parse_from(["kvpick", "explain", "body.json", "--path=/v1/completions"])
+            .unwrap();
+        match a.command {
+            Some(Command::Explain(e)) => {
+                assert_eq!(e.file, PathBuf::from("body.json"));
+                assert_eq!(e.path, "/v1/completions");
+                assert_eq!(e.admin, "http://127.0.0.1:9004");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

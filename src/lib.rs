@@ -5,6 +5,7 @@
 //! [`identity`]) is plain Rust. The glue ([`extproc`], [`discovery`], [`telemetry`],
 //! [`server`]) speaks gRPC, HTTP and Kubernetes.
 
+pub mod admin;
 pub mod admission;
 pub mod config;
 pub mod discovery;

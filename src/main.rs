@@ -8,6 +8,27 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", kvpick::discovery::pool::CRD_YAML);
         return Ok(());
     }
+    if let Some(Command::Explain(e)) = &args.command {
+        let body = if e.file.as_os_str() == "-" {
+            let mut b = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)?;
+            b
+        } else {
+            std::fs::read(&e.file)?
+        };
+        let request = kvpick::admin::ExplainRequest {
+            body,
+            path: e.path.clone(),
+            session_id: e.session_id.clone().unwrap_or_default(),
+            subset: Vec::new(),
+        };
+        let answer = kvpick::admin::call_explain(e.admin.clone(), request).await?;
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&kvpick::admin::to_json(&answer))?
+        );
+        return Ok(());
+    }
     let picker_config = args.apply_endpoint_picker_config()?;
     let mut warnings = args.gie.warnings();
     warnings.extend(picker_config.iter().flat_map(|m| m.warnings.clone()));

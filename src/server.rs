@@ -270,6 +270,21 @@ pub async fn shutdown_signal() {
 
 /// Accepted connections with TCP_NODELAY: Nagle's algorithm plus delayed ACKs would
 /// add ~40 ms to every small gRPC message.
+/// Serves the admin gRPC service on `listener` (plaintext; never returns
+/// without one).
+pub async fn serve_admin(
+    listener: Option<TcpListener>,
+    admin: crate::admin::Admin,
+) -> Result<(), ServeError> {
+    match listener {
+        Some(l) => Ok(Server::builder()
+            .add_service(admin.into_server())
+            .serve_with_incoming(incoming(l))
+            .await?),
+        None => std::future::pending().await,
+    }
+}
+
 fn incoming(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }
@@ -548,6 +563,19 @@ pub async fn run_until(
         mtls = args.client_ca_path.is_some(),
         "kvpick listening"
     );
+    let admin = match args.admin_port {
+        0 => None,
+        port => {
+            let addr = SocketAddr::new(args.admin_address, port);
+            info!(%addr, "admin gRPC (Explain) listening");
+            Some(bind(addr).await?)
+        }
+    };
+    let admin_service = crate::admin::Admin::new(
+        Arc::clone(&app.scheduler),
+        Arc::clone(&app.endpoints),
+        app.tokenizer.clone(),
+    );
     let service = app.ext_proc(args.ext_proc());
     let (drain_tx, draining) = watch::channel(false);
     let mut stop = draining.clone();
@@ -562,6 +590,7 @@ pub async fn run_until(
             r = telemetry::serve_metrics(metrics, Arc::clone(&app.metrics), Arc::clone(&app.endpoints)) => r.map_err(ServeError::Metrics),
             r = discovery => r,
             () = scrape => Ok(()),
+            r = serve_admin(admin, admin_service) => r,
         }
     };
     tokio::pin!(others);

@@ -143,10 +143,10 @@ impl Impl {
 
 /// One stored chain: `blocks` follow `parent` (None: from the root) on `worker`.
 #[derive(Debug, Clone)]
-struct Store {
-    worker: u64,
-    parent: Option<u64>,
-    blocks: Vec<u64>,
+pub(crate) struct Store {
+    pub(crate) worker: u64,
+    pub(crate) parent: Option<u64>,
+    pub(crate) blocks: Vec<u64>,
 }
 
 /// A churn step: remove a chain, store another.
@@ -446,7 +446,8 @@ impl Subject for Kvpick {
     }
 }
 
-fn stored_event(s: &Store, id: u64) -> RouterEvent {
+/// Dynamo's event for a stored chain (a block's u64 is its local and external hash).
+pub(crate) fn stored_event(s: &Store, id: u64) -> RouterEvent {
     RouterEvent::new(
         s.worker,
         KvCacheEvent {
@@ -469,7 +470,8 @@ fn stored_event(s: &Store, id: u64) -> RouterEvent {
     )
 }
 
-fn removed_event(worker: u64, blocks: &[u64], id: u64) -> RouterEvent {
+/// Dynamo's event for removed blocks.
+pub(crate) fn removed_event(worker: u64, blocks: &[u64], id: u64) -> RouterEvent {
     RouterEvent::new(
         worker,
         KvCacheEvent {

@@ -5,6 +5,7 @@
 
 mod index;
 mod measure;
+mod replay;
 
 use clap::{Parser, Subcommand};
 
@@ -20,10 +21,15 @@ enum Command {
     /// kvpick's prefix index next to Dynamo's `RadixTree` and
     /// `ConcurrentRadixTreeCompressed` (through `ThreadPoolIndexer`).
     Index(index::IndexArgs),
+    /// The trace replay of `kvpick-bench replay` with Dynamo's router
+    /// (`DefaultWorkerSelector`, its indexer and active-sequence tracking) as one
+    /// more policy, over every (capacity, speed) given.
+    Replay(replay::ReplayCmd),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Index(args) => index::run(args),
+        Command::Replay(cmd) => replay::run(cmd),
     }
 }

@@ -11,6 +11,7 @@
 //!     bootstrap_port: 8998      # optional (SGLang disaggregation)
 //! ```
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -71,6 +72,7 @@ struct EndpointSpec {
 pub fn parse(text: &str) -> Result<Vec<Endpoint>, String> {
     let spec: FileSpec = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
     let mut out = Vec::with_capacity(spec.endpoints.len());
+    let mut ids = HashMap::with_capacity(spec.endpoints.len());
     for (i, e) in spec.endpoints.into_iter().enumerate() {
         let dp_size = e.dp_size.unwrap_or(1);
         if !(1..=MAX_DP_SIZE).contains(&dp_size) {
@@ -87,6 +89,13 @@ pub fn parse(text: &str) -> Result<Vec<Endpoint>, String> {
         ep.engine = e.engine;
         ep.kv_events_port = e.kv_events_port;
         ep.bootstrap_port = e.bootstrap_port;
+        // One id, one worker: two would share a KV index, a load and sessions.
+        if let Some(j) = ids.insert(ep.instance_id, i) {
+            return Err(format!(
+                "endpoints[{i}] has instance_id {}, as endpoints[{j}] has (ids default to a hash of the address)",
+                ep.instance_id
+            ));
+        }
         out.push(ep);
     }
     Ok(out)
@@ -169,6 +178,21 @@ mod tests {
             1024
         );
         assert!(parse("endpoints:\n  - address: 1.2.3.4:1\n    colour: red\n").is_err());
+    }
+
+    #[test]
+    fn rejects_duplicate_instance_ids() {
+        let twice = "endpoints:\n  - address: 1.2.3.4:1\n    instance_id: 7\n  - address: 1.2.3.4:2\n    instance_id: 7\n";
+        let err = parse(twice).unwrap_err();
+        assert!(
+            err.contains("endpoints[1] has instance_id 7, as endpoints[0]"),
+            "{err}"
+        );
+        // The same address twice is the same default id.
+        assert!(parse("endpoints:\n  - address: 1.2.3.4:1\n  - address: 1.2.3.4:1\n").is_err());
+        let distinct =
+            "endpoints:\n  - address: 1.2.3.4:1\n    instance_id: 7\n  - address: 1.2.3.4:2\n";
+        assert_eq!(parse(distinct).unwrap().len(), 2);
     }
 
     #[tokio::test]

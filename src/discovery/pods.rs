@@ -17,8 +17,11 @@
 //! With several target ports, the first port's endpoint has the pod's instance id
 //! and each further port `p` has the hash of `namespace/name:p`, so every endpoint
 //! is its own worker. Bad values fall back to the default and produce a warning.
+//! An instance id already taken by an older pod (or an earlier port) falls back
+//! to the default too, with a warning naming both pods.
 
-use std::collections::BTreeMap;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -80,15 +83,65 @@ pub fn is_ready(pod: &Pod) -> bool {
     has_ip && ready
 }
 
-/// Endpoints of all selected, ready pods, sorted by address.
+/// Endpoints of all selected, ready pods, sorted by address. Instance ids are
+/// unique in the result: see [`dedup_instance_ids`].
 pub fn pool_endpoints<'a>(pods: impl IntoIterator<Item = &'a Pod>, pool: &PoolTarget) -> Mapped {
+    let mut pods: Vec<&Pod> = pods.into_iter().collect();
+    // Oldest first (then by name), so which pod keeps a contested id does not
+    // depend on the order the watch delivered them in.
+    pods.sort_by(|a, b| {
+        let key = |p: &'a Pod| {
+            let m = &p.metadata;
+            (
+                m.creation_timestamp.as_ref().map(|t| t.0),
+                &m.namespace,
+                &m.name,
+            )
+        };
+        key(a).cmp(&key(b))
+    });
     let mut out = Mapped::default();
     for pod in pods {
         out.endpoints
             .extend(pod_endpoints(pod, pool, &mut out.warnings));
     }
+    dedup_instance_ids(&mut out);
     out.endpoints.sort_by_key(|e| e.address);
     out
+}
+
+/// Two endpoints with one instance id would share a KV index, a load and
+/// session bindings. In order (oldest pod first), the first keeps the id; a
+/// later one falls back to the hash of its pod (then of its pod and port), with
+/// a warning; one whose fallbacks are taken too is left out.
+fn dedup_instance_ids(out: &mut Mapped) {
+    let mut owner: HashMap<u64, String> = HashMap::with_capacity(out.endpoints.len());
+    let warnings = &mut out.warnings;
+    out.endpoints.retain_mut(|e| {
+        if let Entry::Vacant(v) = owner.entry(e.instance_id) {
+            v.insert(e.name.clone());
+            return true;
+        }
+        let first = &owner[&e.instance_id];
+        let fallbacks = [
+            instance_id_for(&e.name),
+            instance_id_for(&format!("{}:{}", e.name, e.address.port())),
+        ];
+        let Some(id) = fallbacks.into_iter().find(|id| !owner.contains_key(id)) else {
+            warnings.push(format!(
+                "pod {}: {INSTANCE_ID_ANNOTATION} {} is already pod {first}'s and no fallback id is free; {} left out",
+                e.name, e.instance_id, e.address
+            ));
+            return false;
+        };
+        warnings.push(format!(
+            "pod {}: {INSTANCE_ID_ANNOTATION} {} is already pod {first}'s; {} uses {id}",
+            e.name, e.instance_id, e.address
+        ));
+        e.instance_id = id;
+        owner.insert(id, e.name.clone());
+        true
+    });
 }
 
 /// Endpoints of one pod (none unless selected and ready); malformed values are
@@ -437,5 +490,71 @@ pub(crate) mod tests {
         let m = pool_endpoints([&p], &pool(&[8000]));
         assert!(m.endpoints.is_empty());
         assert_eq!(m.warnings.len(), 1);
+    }
+}
+
+#[cfg(test)]
+mod duplicate_id_tests {
+    use super::tests::pod;
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn with_id(name: &str, ip: &str, id: &str, created_secs: i64) -> Pod {
+        let mut p = pod(name, &[("app", "vllm")], true, Some(ip));
+        p.metadata.annotations =
+            Some([(INSTANCE_ID_ANNOTATION.to_string(), id.to_string())].into());
+        p.metadata.creation_timestamp = Some(Time(
+            k8s_openapi::chrono::DateTime::from_timestamp(created_secs, 0).unwrap(),
+        ));
+        p
+    }
+
+    fn pool(ports: &[i32]) -> PoolTarget {
+        PoolTarget::new(
+            [("app".to_string(), "vllm".to_string())].into(),
+            ports.iter().copied(),
+        )
+    }
+
+    #[test]
+    fn a_duplicate_instance_id_stays_with_the_older_pod_and_the_newer_one_falls_back() {
+        let old = with_id("old", "10.0.0.1", "7001", 100);
+        let new = with_id("new", "10.0.0.2", "7001", 200);
+        for order in [[&old, &new], [&new, &old]] {
+            let m = pool_endpoints(order, &pool(&[8000]));
+            let ids: Vec<(String, u64)> = m
+                .endpoints
+                .iter()
+                .map(|e| (e.name.clone(), e.instance_id))
+                .collect();
+            assert_eq!(
+                ids,
+                [
+                    ("ns/old".to_string(), 7001),
+                    ("ns/new".to_string(), instance_id_for("ns/new"))
+                ]
+            );
+            assert_eq!(m.warnings.len(), 1, "{:?}", m.warnings);
+            let w = &m.warnings[0];
+            assert!(
+                w.contains("ns/new") && w.contains("ns/old") && w.contains("7001"),
+                "{w}"
+            );
+        }
+    }
+
+    #[test]
+    fn ids_stay_unique_when_an_annotation_takes_another_pods_default() {
+        // `b` claims the id `a` has by default, and `c` claims `b`'s default too.
+        let a = pod("a", &[("app", "vllm")], true, Some("10.0.0.1"));
+        let b = with_id("b", "10.0.0.2", &instance_id_for("ns/a").to_string(), 0);
+        let c = with_id("c", "10.0.0.3", &instance_id_for("ns/b").to_string(), 0);
+        let m = pool_endpoints([&a, &b, &c], &pool(&[8000, 8001]));
+        let mut ids: Vec<u64> = m.endpoints.iter().map(|e| e.instance_id).collect();
+        let n = ids.len();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!((ids.len(), n), (6, 6), "{:?}", m.warnings);
+        assert!(!m.warnings.is_empty());
     }
 }

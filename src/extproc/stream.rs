@@ -619,7 +619,7 @@ impl StreamState {
             self.shared.metrics.record_result(RequestResult::Routed);
         }
         let address = decision.decode.endpoint.endpoint.address_string();
-        info!(
+        debug!(
             endpoint = %address,
             worker = decision.decode.endpoint.endpoint.instance_id,
             dp_rank = decision.decode.rank,

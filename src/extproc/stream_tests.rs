@@ -132,6 +132,49 @@ fn headers_answered_after_the_body_wait_carry_a_destination() {
     assert!(routed_line.ends_with(" 1"), "{routed_line}");
 }
 
+/// Log lines written while `f` runs under a subscriber at `level`.
+fn logged(level: tracing::Level, f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Sink(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let bytes = sink.0.lock().unwrap().clone();
+    String::from_utf8(bytes).unwrap()
+}
+
+#[test]
+fn a_routed_request_logs_nothing_at_info() {
+    let app = app();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let route_one = || {
+        let mut s = StreamState::new(Arc::clone(&service.shared));
+        s.handle(post_headers());
+        let out = s.handle(body_chunk(br#"{"model":"m","prompt":"hi"}"#, true));
+        assert!(destination(&out[0]).is_some());
+        s.handle(response_headers("200"));
+    };
+    let info = logged(tracing::Level::INFO, route_one);
+    assert!(info.is_empty(), "per-request lines at INFO: {info}");
+    // The decision is still there for whoever turns DEBUG on.
+    let debug = logged(tracing::Level::DEBUG, route_one);
+    assert!(debug.contains("routed"), "{debug}");
+}
+
 /// Serves one PNG (a 224×224 header) for any URL.
 struct OnePng;
 

@@ -59,17 +59,37 @@ impl Cand<'_> {
     }
 }
 
+/// A candidate's cost term by term, each weighted (KV blocks of work).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CostTerms {
+    /// Blocks still to prefill there, times the prefill weight.
+    pub prefill: f64,
+    /// Active load (routed, unrouted running, failures), times its weight.
+    pub decode: f64,
+    /// Scraped queue at this request's size, times its weight.
+    pub queue: f64,
+    /// Scraped KV-cache usage at this request's size, times its weight.
+    pub kv_usage: f64,
+}
+
+impl CostTerms {
+    /// The cost: the sum of the terms.
+    pub fn total(&self) -> f64 {
+        self.prefill + self.decode + self.queue + self.kv_usage
+    }
+}
+
 impl Scheduler {
     /// The cost of sending a request of `size` blocks, `new_blocks` of which the
-    /// candidate must still prefill, to candidate `c`.
-    fn cost(
+    /// candidate must still prefill, to candidate `c`, term by term.
+    pub(super) fn cost_terms(
         &self,
         c: &Cand<'_>,
         new_blocks: usize,
         size: u64,
         w_prefill: f64,
         now: Instant,
-    ) -> f64 {
+    ) -> CostTerms {
         let w = &self.config.weights;
         let size = size as f64;
         let active = self.active_blocks(c.key) as f64;
@@ -103,7 +123,12 @@ impl Scheduler {
         // Failed responses release their load at once; until a success, each one
         // counts as a request of this size still running there.
         decode += f64::from(c.ep.health().failures()) * size;
-        w_prefill * new_blocks as f64 + w.decode * decode + w.queue * queue + w.kv_usage * kv
+        CostTerms {
+            prefill: w_prefill * new_blocks as f64,
+            decode: w.decode * decode,
+            queue: w.queue * queue,
+            kv_usage: w.kv_usage * kv,
+        }
     }
 
     /// Index of the chosen candidate: argmin of the cost with a uniform random
@@ -120,7 +145,7 @@ impl Scheduler {
     ) -> usize {
         let costs = cands.iter().map(|c| {
             let new_blocks = prompt.uncached(overlap(c));
-            self.cost(c, new_blocks, size, w_prefill, now)
+            self.cost_terms(c, new_blocks, size, w_prefill, now).total()
         });
         let temperature = self.config.temperature;
         if temperature > 0.0 {

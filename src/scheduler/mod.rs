@@ -20,6 +20,7 @@
 
 mod cost;
 mod decision;
+mod explain;
 #[cfg(test)]
 mod health_tests;
 mod pick;
@@ -27,8 +28,9 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
-pub use cost::Weights;
+pub use cost::{CostTerms, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};
+pub use explain::{CandidateScore, Explanation, FilteredOut};
 pub use stats::{
     HistogramSnapshot, LatencyHistogram, SchedulerStats, Stage, StageTimer, LATENCY_BUCKETS,
 };

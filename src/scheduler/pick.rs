@@ -50,21 +50,7 @@ impl Scheduler {
 
         let (prompt, load_blocks) = {
             let _t = self.stats.time(Stage::Hash);
-            match req.body {
-                Some(b) => (
-                    self.prompt_blocks(b),
-                    hash::request_size_blocks_for(
-                        &b.segments,
-                        self.config.byte_block,
-                        self.config.token_block,
-                        self.config.vision.as_ref(),
-                    )
-                    .saturating_add(
-                        b.omitted_tokens.div_ceil(self.config.token_block.max(1)) as u64,
-                    ),
-                ),
-                None => (hash::PromptBlocks::default(), 1),
-            }
+            self.prompt_and_size(req.body)
         };
         let hashes = &prompt.hashes;
         // Per-request cap on booked load: the prompt first, expected output in
@@ -135,6 +121,26 @@ impl Scheduler {
             load_blocks,
             decode_blocks,
         })
+    }
+
+    /// The prompt's blocks and the load it books (before the per-request cap).
+    pub(super) fn prompt_and_size(
+        &self,
+        body: Option<&InferenceRequest>,
+    ) -> (hash::PromptBlocks, u64) {
+        match body {
+            Some(b) => (
+                self.prompt_blocks(b),
+                hash::request_size_blocks_for(
+                    &b.segments,
+                    self.config.byte_block,
+                    self.config.token_block,
+                    self.config.vision.as_ref(),
+                )
+                .saturating_add(b.omitted_tokens.div_ceil(self.config.token_block.max(1)) as u64),
+            ),
+            None => (hash::PromptBlocks::default(), 1),
+        }
     }
 
     /// Blocks the request's expected output will take on its decode rank:

@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
-use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
+use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig, Weights};
 use serde::Serialize;
 
 use super::sim::{output_blocks, BlockPool, TimeModel, Worker};
@@ -114,6 +114,8 @@ pub struct ReplayConfig {
     pub kv_event_delay: Duration,
     /// Seed of the policies' tie-breaking generators.
     pub seed: u64,
+    /// Cost weights of the kvpick policies.
+    pub kvpick_weights: Weights,
 }
 
 impl Default for ReplayConfig {
@@ -125,6 +127,7 @@ impl Default for ReplayConfig {
             speed: 1.0,
             kv_event_delay: Duration::from_millis(50),
             seed: 1,
+            kvpick_weights: Weights::default(),
         }
     }
 }
@@ -165,6 +168,10 @@ pub struct ReplayArgs {
     /// Seed of the policies' tie-breaking.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// kvpick's cost weights `prefill,decode,queue,kv_usage` (default: kvpick's
+    /// defaults), to compare settings on the same fleet.
+    #[arg(long, value_parser = parse_weights)]
+    pub kvpick_weights: Option<[f64; 4]>,
 }
 
 impl ReplayArgs {
@@ -192,6 +199,20 @@ impl ReplayArgs {
         }
     }
 
+    /// kvpick's cost weights of these flags.
+    pub fn weights(&self) -> Weights {
+        match self.kvpick_weights {
+            Some([prefill, decode, queue, kv_usage]) => Weights {
+                prefill,
+                decode,
+                queue,
+                kv_usage,
+                ..Weights::default()
+            },
+            None => Weights::default(),
+        }
+    }
+
     /// One config per (capacity, speed), capacities outermost.
     pub fn configs(&self) -> Vec<ReplayConfig> {
         let mut out = Vec::new();
@@ -204,11 +225,22 @@ impl ReplayArgs {
                     speed,
                     kv_event_delay: Duration::from_secs_f64(self.kv_event_delay_ms / 1000.0),
                     seed: self.seed,
+                    kvpick_weights: self.weights(),
                 });
             }
         }
         out
     }
+}
+
+/// Parses `prefill,decode,queue,kv_usage`.
+fn parse_weights(s: &str) -> Result<[f64; 4], String> {
+    let v: Vec<f64> = s
+        .split(',')
+        .map(|x| x.trim().parse::<f64>().map_err(|e| format!("{x:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    v.try_into()
+        .map_err(|v: Vec<f64>| format!("4 weights expected, got {}", v.len()))
 }
 
 /// One policy's figures.
@@ -614,6 +646,7 @@ impl Kvpick {
         let base = Instant::now();
         let scheduler = Scheduler::new(SchedulerConfig {
             token_block: BLOCK_TOKENS,
+            weights: cfg.kvpick_weights,
             ..SchedulerConfig::default()
         });
         let table = EndpointTable::new();
@@ -1158,6 +1191,13 @@ mod tests {
         assert!(md.contains("| 24 | 2× | llm-d |"), "{md}");
         // One criteria row per kvpick policy and run.
         assert_eq!(md.matches("| kvpick-precise |").count(), 4, "{md}");
+    }
+
+    #[test]
+    fn weights_parse_as_four_numbers() {
+        assert_eq!(parse_weights("1,0.5,2,0"), Ok([1.0, 0.5, 2.0, 0.0]));
+        assert!(parse_weights("1,2,3").is_err());
+        assert!(parse_weights("1,x,3,4").is_err());
     }
 
     #[test]
