@@ -263,7 +263,7 @@ impl Collector for MultimodalCollector {
         }
         let mut family = encoder.encode_descriptor(
             "kvpick_mm_requests",
-            "Tokenized requests with images, by how their images were routed: exact (every image token-exact), approximate (an image of unknown size, e.g. a remote URL not fetched), text_only (no vision model)",
+            "Requests with images, by how their images were routed: exact (every image token-exact), approximate (no tokenizer, or an image of unknown size, e.g. a remote URL not fetched), text_only (no vision model)",
             None,
             MetricType::Counter,
         )?;

@@ -25,7 +25,9 @@ use crate::admission::{
 };
 use crate::endpoints::{Engine, InFlightGuard};
 use crate::multimodal::hints;
+use crate::multimodal::identity::{identify, ImageIdentity};
 use crate::multimodal::remote::KnownImages;
+use crate::multimodal::MmRouting;
 use crate::request::usage::ResponseTail;
 use crate::request::{self, ApiKind, InferenceRequest, Segment};
 use crate::scheduler::{Decision, PickError, PickRequest};
@@ -563,7 +565,14 @@ impl StreamState {
                     return vec![self.reject(400, "invalid_request_error", &e.to_string())];
                 }
             };
-        let mm_hashes = hints::image_hashes(image_urls(&parsed), &KnownImages::default());
+        let images: Vec<ImageIdentity> = image_urls(&parsed).map(identify).collect();
+        if self.shared.tokenizer.is_none() && !images.is_empty() {
+            // Approximate mode: the tokenizer, which counts the others, never sees it.
+            let stats = &self.shared.mm_stats;
+            images.iter().for_each(|i| stats.record_image(i.source));
+            stats.record_request(MmRouting::Approximate);
+        }
+        let mm_hashes = images.iter().map(|i| i.mm_hash).collect();
         let via = RouteVia::Body {
             body,
             rewritten,
