@@ -138,6 +138,8 @@ pub struct StreamState {
     body_started: Option<Instant>,
     routed: Option<Routed>,
     response_status: Option<u16>,
+    /// Response headers arrived (only the first count).
+    response_seen: bool,
     tokenizing: Option<(InferenceRequest, RouteVia)>,
     /// A body waiting in a flow-control queue.
     admitting: Option<Admitting>,
@@ -202,6 +204,7 @@ impl StreamState {
             body_started: None,
             routed: None,
             response_status: None,
+            response_seen: false,
             tokenizing: None,
             admitting: None,
             class: None,
@@ -775,6 +778,17 @@ impl StreamState {
     }
 
     fn on_response_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
+        // Only the first response headers of a request this stream routed and
+        // sent on count (for health and sessions): a caller repeating them, or
+        // sending them before its request went out, changes nothing.
+        if self.phase != Phase::Routed || self.response_seen {
+            debug!(phase = ?self.phase, "response headers that do not count");
+            if h.end_of_stream {
+                self.finish();
+            }
+            return vec![messages::response_headers(None)];
+        }
+        self.response_seen = true;
         self.response_status =
             find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
         if let (Some(status), Some(r)) = (self.response_status, &self.routed) {

@@ -270,6 +270,49 @@ async fn an_sglang_worker_is_told_the_content_hash_of_a_fetched_image() {
 }
 
 #[test]
+fn repeated_or_early_response_headers_change_nothing() {
+    let app = app();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let mut s = StreamState::new(Arc::clone(&service.shared));
+    s.handle(post_headers());
+    let out = s.handle(body_chunk(br#"{"model":"m","prompt":"hi"}"#, true));
+    let to = destination(&out[0]).unwrap();
+    let ep = Arc::clone(&s.routed.as_ref().unwrap().decision.decode.endpoint);
+    // One real failure, then forged repeats of it on the same stream: enough to
+    // eject the worker (3 failures) if each counted.
+    let not_last = |status: &str| {
+        let mut r = response_headers(status);
+        if let Some(Request::ResponseHeaders(h)) = r.request.as_mut() {
+            h.end_of_stream = false;
+        }
+        r
+    };
+    for _ in 0..5 {
+        s.handle(not_last("503"));
+    }
+    assert_eq!(ep.health().failures(), 1, "only the first response counts");
+    assert!(
+        ep.health().available(Instant::now()),
+        "{to} ejected by forged responses"
+    );
+
+    // Response headers before the request went out (body still arriving) do
+    // not count either.
+    let mut early = StreamState::new(Arc::clone(&service.shared));
+    early.handle(post_headers());
+    early.body_wait_expired();
+    early.handle(not_last("503"));
+    let failures: u32 = app
+        .endpoints
+        .snapshot()
+        .endpoints
+        .iter()
+        .map(|e| e.health().failures())
+        .sum();
+    assert_eq!(failures, 1);
+}
+
+#[test]
 fn images_routed_without_a_tokenizer_are_counted_by_identity() {
     use crate::multimodal::identity::IdentitySource;
     use crate::multimodal::MmRouting;
