@@ -94,6 +94,8 @@ pub struct App {
     pub admission_metrics: Arc<AdmissionMetrics>,
     /// Failed metrics scrapes by reason.
     pub scrape_errors: Arc<crate::scrape::ScrapeErrors>,
+    /// Multimodal counters (the tokenizer's, or the stream's without one).
+    pub mm_stats: Arc<crate::multimodal::MmStats>,
 }
 
 impl App {
@@ -124,6 +126,7 @@ impl App {
             admission,
             admission_metrics,
             scrape_errors,
+            mm_stats: Arc::default(),
         }
     }
 
@@ -180,6 +183,7 @@ impl App {
             tokenizer: self.tokenizer.clone(),
             admission: self.admission.clone(),
             admission_metrics: Some(Arc::clone(&self.admission_metrics)),
+            mm_stats: Arc::clone(&self.mm_stats),
             body_budget: crate::extproc::budget::BodyBudget::new(config.body_budget_bytes),
             config,
         })
@@ -480,8 +484,7 @@ pub async fn run_until(
         }
         image_token = tokenizer.image_token_id();
         info!(dir = %dir.display(), ?tokenizer, "tokenizing requests in-process");
-        app.metrics
-            .register_multimodal(Arc::clone(tokenizer.mm_stats()), mm_routing(&args));
+        tokenizer = tokenizer.with_mm_stats(Arc::clone(&app.mm_stats));
         let exact = tokenizer.has_vision();
         let mut pool = TokenizerPool::new(tokenizer, args.tokenizer_threads);
         if let Some(remote) = remote_images(&args, exact)? {
@@ -491,9 +494,9 @@ pub async fn run_until(
         app.tokenizer = Some(pool);
     } else {
         remote_images(&args, false)?;
-        app.metrics
-            .register_multimodal(Arc::default(), mm_routing(&args));
     }
+    app.metrics
+        .register_multimodal(Arc::clone(&app.mm_stats), mm_routing(&args));
     let static_objectives =
         crate::admission::priority::parse_objectives(&args.inference_objectives)?;
     let objectives = Arc::new(Objectives::new(static_objectives.clone()));

@@ -237,6 +237,12 @@ impl Tokenizer {
         self.vision.is_some()
     }
 
+    /// Records into `stats` (shared with the rest of the process) from now on.
+    pub fn with_mm_stats(mut self, stats: Arc<MmStats>) -> Self {
+        self.mm_stats = stats;
+        self
+    }
+
     /// Multimodal counters (image identities, requests by routing mode).
     pub fn mm_stats(&self) -> &Arc<MmStats> {
         &self.mm_stats

@@ -77,6 +77,9 @@ pub struct Shared {
     pub admission: Gate,
     /// Objective metrics the stream records (request errors and durations).
     pub admission_metrics: Option<Arc<AdmissionMetrics>>,
+    /// Multimodal counters; the stream records requests routed without a
+    /// tokenizer (the tokenizer records the others).
+    pub mm_stats: Arc<crate::multimodal::MmStats>,
     /// The process-wide buffered-body budget.
     pub body_budget: budget::BodyBudget,
 }

@@ -25,7 +25,9 @@ use crate::admission::{
 };
 use crate::endpoints::{Engine, InFlightGuard};
 use crate::multimodal::hints;
+use crate::multimodal::identity::{identify, ImageIdentity};
 use crate::multimodal::remote::KnownImages;
+use crate::multimodal::MmRouting;
 use crate::request::usage::ResponseTail;
 use crate::request::{self, ApiKind, InferenceRequest, Segment};
 use crate::scheduler::{Decision, PickError, PickRequest};
@@ -136,6 +138,8 @@ pub struct StreamState {
     body_started: Option<Instant>,
     routed: Option<Routed>,
     response_status: Option<u16>,
+    /// Response headers arrived (only the first count).
+    response_seen: bool,
     tokenizing: Option<(InferenceRequest, RouteVia)>,
     /// A body waiting in a flow-control queue.
     admitting: Option<Admitting>,
@@ -200,6 +204,7 @@ impl StreamState {
             body_started: None,
             routed: None,
             response_status: None,
+            response_seen: false,
             tokenizing: None,
             admitting: None,
             class: None,
@@ -561,7 +566,14 @@ impl StreamState {
                     return vec![self.reject(400, "invalid_request_error", &e.to_string())];
                 }
             };
-        let mm_hashes = hints::image_hashes(image_urls(&parsed), &KnownImages::default());
+        let images: Vec<ImageIdentity> = image_urls(&parsed).map(identify).collect();
+        if self.shared.tokenizer.is_none() && !images.is_empty() {
+            // Approximate mode: the tokenizer, which counts the others, never sees it.
+            let stats = &self.shared.mm_stats;
+            images.iter().for_each(|i| stats.record_image(i.source));
+            stats.record_request(MmRouting::Approximate);
+        }
+        let mm_hashes = images.iter().map(|i| i.mm_hash).collect();
         let via = RouteVia::Body {
             body,
             rewritten,
@@ -767,6 +779,17 @@ impl StreamState {
     }
 
     fn on_response_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
+        // Only the first response headers of a request this stream routed and
+        // sent on count (for health and sessions): a caller repeating them, or
+        // sending them before its request went out, changes nothing.
+        if self.phase != Phase::Routed || self.response_seen {
+            debug!(phase = ?self.phase, "response headers that do not count");
+            if h.end_of_stream {
+                self.finish();
+            }
+            return vec![messages::response_headers(None)];
+        }
+        self.response_seen = true;
         self.response_status =
             find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
         if let (Some(status), Some(r)) = (self.response_status, &self.routed) {

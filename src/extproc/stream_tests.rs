@@ -175,6 +175,26 @@ fn a_routed_request_logs_nothing_at_info() {
     assert!(debug.contains("routed"), "{debug}");
 }
 
+/// Request headers of a chat POST whose body Envoy streams full duplex.
+fn chat_headers_full_duplex() -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(header_map(&[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+            ])),
+            ..Default::default()
+        })),
+        protocol_config: Some(
+            envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration {
+                request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+                ..Default::default()
+            },
+        ),
+        ..Default::default()
+    }
+}
+
 /// Serves one PNG (a 224×224 header) for any URL.
 struct OnePng;
 
@@ -201,7 +221,7 @@ async fn an_sglang_worker_is_told_the_content_hash_of_a_fetched_image() {
     use crate::multimodal::identity::{content_identity, sglang_mm_hash};
     use crate::multimodal::remote::{FetchLimits, RemoteImages};
     use crate::multimodal::{VisionFamily, VisionPrompt};
-    use envoy_types::pb::envoy::service::ext_proc::v3::{body_mutation, ProtocolConfiguration};
+    use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation;
 
     let dir =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen-vl-tokenizer");
@@ -219,21 +239,7 @@ async fn an_sglang_worker_is_told_the_content_hash_of_a_fetched_image() {
     let service = app.ext_proc(ExtProcConfig::default());
     let mut s = StreamState::new(Arc::clone(&service.shared));
 
-    let mut headers = ProcessingRequest {
-        request: Some(Request::RequestHeaders(HttpHeaders {
-            headers: Some(header_map(&[
-                (":method", "POST"),
-                (":path", "/v1/chat/completions"),
-            ])),
-            ..Default::default()
-        })),
-        ..Default::default()
-    };
-    headers.protocol_config = Some(ProtocolConfiguration {
-        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
-        ..Default::default()
-    });
-    assert!(s.handle(headers).is_empty());
+    assert!(s.handle(chat_headers_full_duplex()).is_empty());
     let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is in this picture?"},
         {"type": "image_url", "image_url": {"url": "https://img.example/cat.png"}},
@@ -261,4 +267,67 @@ async fn an_sglang_worker_is_told_the_content_hash_of_a_fetched_image() {
         serde_json::json!([sglang_mm_hash(content_identity(&png_224()).mm_hash)]),
         "the hash of the fetched bytes, as for the same file sent as a data: URL"
     );
+}
+
+#[test]
+fn repeated_or_early_response_headers_change_nothing() {
+    let app = app();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let mut s = StreamState::new(Arc::clone(&service.shared));
+    s.handle(post_headers());
+    let out = s.handle(body_chunk(br#"{"model":"m","prompt":"hi"}"#, true));
+    let to = destination(&out[0]).unwrap();
+    let ep = Arc::clone(&s.routed.as_ref().unwrap().decision.decode.endpoint);
+    // One real failure, then forged repeats of it on the same stream: enough to
+    // eject the worker (3 failures) if each counted.
+    let not_last = |status: &str| {
+        let mut r = response_headers(status);
+        if let Some(Request::ResponseHeaders(h)) = r.request.as_mut() {
+            h.end_of_stream = false;
+        }
+        r
+    };
+    for _ in 0..5 {
+        s.handle(not_last("503"));
+    }
+    assert_eq!(ep.health().failures(), 1, "only the first response counts");
+    assert!(
+        ep.health().available(Instant::now()),
+        "{to} ejected by forged responses"
+    );
+
+    // Response headers before the request went out (body still arriving) do
+    // not count either.
+    let mut early = StreamState::new(Arc::clone(&service.shared));
+    early.handle(post_headers());
+    early.body_wait_expired();
+    early.handle(not_last("503"));
+    let failures: u32 = app
+        .endpoints
+        .snapshot()
+        .endpoints
+        .iter()
+        .map(|e| e.health().failures())
+        .sum();
+    assert_eq!(failures, 1);
+}
+
+#[test]
+fn images_routed_without_a_tokenizer_are_counted_by_identity() {
+    use crate::multimodal::identity::IdentitySource;
+    use crate::multimodal::MmRouting;
+
+    let app = app();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let mut s = StreamState::new(Arc::clone(&service.shared));
+    s.handle(chat_headers_full_duplex());
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "image_url", "image_url": {"url": "https://img.example/cat.png"}},
+    ]}]});
+    let out = s.handle(body_chunk(&serde_json::to_vec(&body).unwrap(), true));
+    assert!(destination(&out[0]).is_some());
+    assert_eq!(app.mm_stats.images(IdentitySource::Content), 1);
+    assert_eq!(app.mm_stats.images(IdentitySource::Url), 1);
+    assert_eq!(app.mm_stats.requests(MmRouting::Approximate), 1);
 }

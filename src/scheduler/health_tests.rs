@@ -210,3 +210,51 @@ fn one_request_books_at_most_the_per_request_cap() {
     assert_eq!(s.active_blocks(d.decode.key()), 0);
     assert_eq!(s.active_blocks(d2.decode.key()), 0);
 }
+
+#[test]
+fn a_subset_hint_cannot_move_or_rebind_another_callers_session() {
+    let s = Scheduler::default();
+    let t = two();
+    let snap = t.snapshot();
+    let t0 = Instant::now();
+    let body = |action: &str| {
+        let mut sc = serde_json::json!({"session_id": "victim"});
+        if !action.is_empty() {
+            sc["action"] = action.into();
+        }
+        let json =
+            serde_json::json!({"model": "m", "prompt": "hi", "nvext": {"session_control": sc}});
+        crate::request::parse(json.to_string().as_bytes(), None).unwrap()
+    };
+    let open = body("open");
+    let req = PickRequest {
+        body: Some(&open),
+        ..Default::default()
+    };
+    let home = pick_on(&s, &req, &snap, 0, t0);
+    s.finish_at(&home, Some(200), t0);
+    assert_eq!(s.sessions().get("victim", t0), Some(home.decode.key()));
+
+    // Another caller names the other worker in a subset hint, with the victim's
+    // session id, and forges a successful response.
+    for action in ["open", ""] {
+        let turn = body(action);
+        let req = PickRequest {
+            body: Some(&turn),
+            ..Default::default()
+        };
+        let d = pick_on(&s, &req, &snap, 1, t0);
+        assert_ne!(d.decode.key(), home.decode.key());
+        assert!(d.session.is_none(), "the turn went without the session");
+        assert!(
+            s.response_headers(&d).is_none(),
+            "no token for the other worker"
+        );
+        s.finish_at(&d, Some(200), t0);
+        assert_eq!(
+            s.sessions().get("victim", t0),
+            Some(home.decode.key()),
+            "{action}: the session stays on its worker"
+        );
+    }
+}

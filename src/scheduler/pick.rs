@@ -41,11 +41,34 @@ impl Scheduler {
         let (session, pinned, pinned_prefill) = {
             let _t = self.stats.time(Stage::Session);
             let mut session = SessionTurn::of(req.body, req.session_id);
-            let (pinned, pinned_prefill) = match session.as_mut() {
-                Some(turn) => self.pinned(turn, req.session_token, decode, prefill, now),
-                None => (None, None),
+            // A worker the subset hint leaves out is still the session's: the
+            // turn goes within the subset but neither moves nor re-binds the
+            // session (a caller cannot re-home someone's session by naming a
+            // worker of its choice).
+            let outside_subset = |k: WorkerKey| {
+                req.subset.is_some()
+                    && snapshot.endpoints.iter().any(|e| {
+                        e.endpoint.role.serves_decode()
+                            && e.endpoint.instance_id == k.instance_id
+                            && k.dp_rank < e.ranks()
+                            && e.health().available(now)
+                    })
             };
-            (session, pinned, pinned_prefill)
+            let pins = match session.as_mut() {
+                Some(turn) => self.pinned(
+                    turn,
+                    req.session_token,
+                    decode,
+                    prefill,
+                    outside_subset,
+                    now,
+                ),
+                None => Some((None, None)),
+            };
+            match pins {
+                Some((pinned, pinned_prefill)) => (session, pinned, pinned_prefill),
+                None => (None, None, None),
+            }
         };
 
         let (prompt, load_blocks) = {
@@ -157,32 +180,38 @@ impl Scheduler {
 
     /// The decode candidate (and prefill candidate) a session turn is pinned to,
     /// if any. A binding whose decode worker is gone re-homes the turn (counted);
-    /// a prefill rank that is gone is re-scored.
+    /// a prefill rank that is gone is re-scored. `None` when the session's worker
+    /// is live but outside the candidates (`outside`): the request goes without
+    /// its session.
     fn pinned(
         &self,
         turn: &mut SessionTurn,
         token: Option<&str>,
         decode: &[Cand<'_>],
         prefill: &[Cand<'_>],
+        outside: impl Fn(WorkerKey) -> bool,
         now: Instant,
-    ) -> (Option<usize>, Option<usize>) {
-        let ready = |k: WorkerKey| decode.iter().any(|c| c.key == k);
+    ) -> Option<(Option<usize>, Option<usize>)> {
+        let ready = |k: WorkerKey| decode.iter().any(|c| c.key == k) || outside(k);
         match self.sessions.pin(turn, token, ready, now) {
             Pin::Ready {
                 decode: d,
                 prefill: p,
-            } => (
-                decode.iter().position(|c| c.key == d),
-                p.and_then(|p| prefill.iter().position(|c| c.key == p)),
-            ),
+            } => {
+                let d = decode.iter().position(|c| c.key == d)?;
+                Some((
+                    Some(d),
+                    p.and_then(|p| prefill.iter().position(|c| c.key == p)),
+                ))
+            }
             Pin::Rehome => {
                 self.stats.session_repicks.fetch_add(1, Ordering::Relaxed);
                 if turn.rehomed {
                     self.stats.session_rehomes.fetch_add(1, Ordering::Relaxed);
                 }
-                (None, None)
+                Some((None, None))
             }
-            Pin::Unbound => (None, None),
+            Pin::Unbound => Some((None, None)),
         }
     }
 
