@@ -112,7 +112,8 @@ pub struct Admin {
 
 impl Admin {
     /// The service over the routing state (and the tokenizer, so precise-mode
-    /// requests are hashed as the ext_proc path hashes them).
+    /// requests are hashed as the ext_proc path hashes them, remote images
+    /// fetched when it fetches them).
     pub fn new(
         scheduler: Arc<Scheduler>,
         endpoints: Arc<EndpointTable>,
@@ -140,7 +141,19 @@ impl Admin {
             .iter()
             .any(|s| matches!(s, Segment::Text(_)));
         if let (Some(pool), true) = (&self.tokenizer, has_text) {
-            if let Ok(tokens) = pool.tokenize(parsed.kind, req.body.into()).await {
+            // As the ext_proc path: remote images are fetched when `--mm-fetch` is on.
+            let urls: Vec<String> = parsed
+                .segments
+                .iter()
+                .filter_map(|s| match s {
+                    Segment::Image(u) => Some(u.clone()),
+                    _ => None,
+                })
+                .collect();
+            let (tokens, _) = pool
+                .tokenize_fetching(parsed.kind, req.body.into(), &urls)
+                .await;
+            if let Ok(tokens) = tokens {
                 parsed.segments = tokens;
             }
         }
@@ -456,6 +469,46 @@ mod tests {
             other => panic!("{other:?}"),
         }
         server.abort();
+    }
+
+    #[tokio::test]
+    async fn with_a_tokenizer_explain_hashes_token_blocks_like_the_ext_proc_path() {
+        use crate::endpoints::Endpoint;
+        use crate::tokenize::{token_ids, Tokenizer};
+        let app = crate::server::App::new("t");
+        app.endpoints
+            .replace(vec![Endpoint::new("10.0.0.1:8000".parse().unwrap())]);
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let tokenizer = Tokenizer::load(&dir).unwrap();
+        let body = chat(&"a b c d e f g h ".repeat(40));
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let tokens = token_ids(&tokenizer.tokenize_body(ApiKind::Chat, &value).unwrap());
+        let token_block = app.scheduler.config().token_block;
+        let ask = |tokenizer| {
+            let admin = Admin::new(
+                Arc::clone(&app.scheduler),
+                Arc::clone(&app.endpoints),
+                tokenizer,
+            );
+            let body = body.clone();
+            async move {
+                admin
+                    .explain(ExplainRequest {
+                        body,
+                        path: "/v1/chat/completions".into(),
+                        ..ExplainRequest::default()
+                    })
+                    .await
+                    .unwrap()
+            }
+        };
+        let precise = ask(Some(TokenizerPool::new(tokenizer, 1))).await;
+        assert_eq!(precise.prompt_blocks as usize, tokens.len() / token_block);
+        let bytes = ask(None).await;
+        assert_ne!(
+            bytes.prompt_blocks, precise.prompt_blocks,
+            "byte blocks without it"
+        );
     }
 
     #[test]
