@@ -341,6 +341,13 @@ struct PodLabels {
     model_server_pod: String,
 }
 
+/// llm-d's per-endpoint labels: the pool and the pod name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PoolEndpointLabels {
+    name: String,
+    model_server_endpoint: String,
+}
+
 /// A gauge holding an `f64`.
 type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 
@@ -356,6 +363,8 @@ pub struct Metrics {
     average_kv: Family<PoolLabels, FloatGauge>,
     average_queue: Family<PoolLabels, FloatGauge>,
     per_pod_queue: Family<PodLabels, FloatGauge>,
+    average_running: Family<PoolLabels, FloatGauge>,
+    per_endpoint_queue: Family<PoolEndpointLabels, FloatGauge>,
     scrape_staleness: parking_lot::Mutex<Duration>,
     /// Requests whose client sent routing headers (removed).
     pub spoofed_headers: Counter,
@@ -418,6 +427,29 @@ impl Metrics {
             "Engine queue length per ready pod (summed over its target ports), fresh metrics only",
             per_pod_queue.clone(),
         );
+        // llm-d Router v0.10.0's names for the same pool figures (`poolLabels`).
+        registry.register(
+            "llm_d_epp_average_kv_cache_utilization",
+            "The average kv cache utilization for an inference server pool.",
+            average_kv.clone(),
+        );
+        registry.register(
+            "llm_d_epp_average_queue_size",
+            "The average number of requests pending in the model server queue.",
+            average_queue.clone(),
+        );
+        let average_running = Family::<PoolLabels, FloatGauge>::default();
+        registry.register(
+            "llm_d_epp_average_running_requests",
+            "The average number of running requests across model servers in the pool.",
+            average_running.clone(),
+        );
+        let per_endpoint_queue = Family::<PoolEndpointLabels, FloatGauge>::default();
+        registry.register(
+            "llm_d_epp_per_endpoint_queue_size",
+            "The total number of requests pending in the model server queue for each underlying endpoint.",
+            per_endpoint_queue.clone(),
+        );
         let spoofed_headers = Counter::default();
         registry.register(
             "kvpick_spoofed_routing_headers",
@@ -467,6 +499,8 @@ impl Metrics {
             average_kv,
             average_queue,
             per_pod_queue,
+            average_running,
+            per_endpoint_queue,
             scrape_staleness: parking_lot::Mutex::new(Duration::from_secs(2)),
             spoofed_headers,
             body_budget_rejections,
@@ -548,12 +582,13 @@ impl Metrics {
         self.ready_pods.get_or_create(&pool).set(pods.len() as i64);
         let now = std::time::Instant::now();
         let staleness = *self.scrape_staleness.lock();
-        let (mut kv_sum, mut queue_sum, mut fresh) = (0.0, 0.0, 0usize);
+        let (mut kv_sum, mut queue_sum, mut running_sum, mut fresh) = (0.0, 0.0, 0.0, 0usize);
         let mut per_pod: std::collections::BTreeMap<String, f64> = Default::default();
         for e in &snapshot.endpoints {
             if let Some(load) = e.scraped(now, staleness) {
                 kv_sum += load.kv_usage;
                 queue_sum += load.queue;
+                running_sum += load.running;
                 fresh += 1;
                 let pod = e.endpoint.name.rsplit('/').next().unwrap_or_default();
                 *per_pod.entry(pod.to_string()).or_default() += load.queue;
@@ -562,8 +597,18 @@ impl Metrics {
         let avg = |sum: f64| if fresh == 0 { 0.0 } else { sum / fresh as f64 };
         self.average_kv.get_or_create(&pool).set(avg(kv_sum));
         self.average_queue.get_or_create(&pool).set(avg(queue_sum));
+        self.average_running
+            .get_or_create(&pool)
+            .set(avg(running_sum));
         self.per_pod_queue.clear();
+        self.per_endpoint_queue.clear();
         for (pod, queue) in per_pod {
+            self.per_endpoint_queue
+                .get_or_create(&PoolEndpointLabels {
+                    name: self.pool_name.clone(),
+                    model_server_endpoint: pod.clone(),
+                })
+                .set(queue);
             self.per_pod_queue
                 .get_or_create(&PodLabels {
                     name: self.pool_name.clone(),
@@ -770,6 +815,59 @@ mod tests {
         )
         .ends_with(" 6.0"));
         assert!(!text.contains("model_server_pod=\"c\""));
+    }
+
+    /// llm-d Router v0.10.0's pool gauges carry the same figures under its names.
+    #[test]
+    fn llm_d_pool_gauges_follow_fresh_scrapes() {
+        let table = EndpointTable::new();
+        table.replace(vec![
+            ep("10.0.0.1:8000", "ns/a"),
+            ep("10.0.0.2:8000", "ns/b"),
+            ep("10.0.0.3:8000", "ns/c"),
+        ]);
+        let snap = table.snapshot();
+        let now = std::time::Instant::now();
+        let load = |queue: f64, running: f64, kv: f64, at| ScrapedLoad {
+            queue,
+            running,
+            kv_usage: kv,
+            block_size: None,
+            num_blocks: None,
+            at,
+        };
+        snap.endpoints[0].set_scraped(load(2.0, 1.0, 0.25, now));
+        snap.endpoints[1].set_scraped(load(6.0, 5.0, 0.75, now));
+        snap.endpoints[2].set_scraped(load(100.0, 100.0, 1.0, now - Duration::from_secs(10)));
+        let metrics = Metrics::new("pool");
+        let text = metrics.render(&table);
+        let value = |prefix: &str| -> f64 {
+            gauge_line(&text, prefix)
+                .rsplit(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(
+            value("llm_d_epp_average_kv_cache_utilization{name=\"pool\"}"),
+            0.5
+        );
+        assert_eq!(value("llm_d_epp_average_queue_size{name=\"pool\"}"), 4.0);
+        assert_eq!(
+            value("llm_d_epp_average_running_requests{name=\"pool\"}"),
+            3.0
+        );
+        assert_eq!(
+            value("llm_d_epp_per_endpoint_queue_size{name=\"pool\",model_server_endpoint=\"b\"}"),
+            6.0
+        );
+        assert!(!text.contains("model_server_endpoint=\"c\""));
+        // An endpoint that leaves the pool leaves the per-endpoint family.
+        table.replace(vec![ep("10.0.0.1:8000", "ns/a")]);
+        table.snapshot().endpoints[0].set_scraped(load(2.0, 1.0, 0.25, now));
+        let text = metrics.render(&table);
+        assert!(!text.contains("model_server_endpoint=\"b\""), "{text}");
     }
 }
 
