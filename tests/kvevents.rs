@@ -1044,10 +1044,24 @@ mod routing {
         assert_eq!(d.overlap_blocks, 0);
         app.scheduler.finish(&d, Some(200));
 
+        let b_series = |page: &str| {
+            let label = format!("instance_id=\"{}\"", ep_b.instance_id);
+            page.lines()
+                .filter(|l| !l.starts_with('#') && l.contains(&label))
+                .count()
+        };
+        assert!(b_series(&app.metrics.render(&app.endpoints)) > 0);
+
         // B leaves the endpoint set: its subscriber stops and its events are forgotten.
         app.endpoints.replace(vec![ep_a]);
         eventually("B forgotten", || {
             !index.is_precise(key_b) && index.lookup(&hashes, &[key_b], Instant::now())[0] == 0
+        })
+        .await;
+        // ...and so are its metric series (the registry does not grow with every
+        // pod that ever existed).
+        eventually("B's series pruned", || {
+            b_series(&app.metrics.render(&app.endpoints)) == 0
         })
         .await;
     }

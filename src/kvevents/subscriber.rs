@@ -115,9 +115,21 @@ pub enum ResetReason {
     Overflow,
     /// The engine sent `AllBlocksCleared`.
     Cleared,
-    /// The worker left the endpoint set.
-    Removed,
 }
+
+impl ResetReason {
+    const ALL: [ResetReason; 6] = [
+        ResetReason::Connect,
+        ResetReason::Disconnect,
+        ResetReason::Gap,
+        ResetReason::Restart,
+        ResetReason::Overflow,
+        ResetReason::Cleared,
+    ];
+}
+
+/// `identity` values of `kvpick_kv_events_mm_blocks`.
+const MM_IDENTITIES: [&str; 3] = ["issued", "native", "unmapped"];
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct WorkerLabels {
@@ -226,6 +238,30 @@ impl KvEventMetrics {
         Arc::new(m)
     }
 
+    /// Drops every series of a worker rank that left the endpoint set, so the
+    /// families do not grow with each pod that ever existed.
+    fn forget(&self, w: WorkerKey) {
+        let l = labels(w);
+        for family in [&self.events, &self.dropped, &self.orphans, &self.replayed] {
+            family.remove(&l);
+        }
+        self.precise.remove(&l);
+        for reason in ResetReason::ALL {
+            self.resets.remove(&ResetLabels {
+                instance_id: w.instance_id,
+                dp_rank: w.dp_rank,
+                reason,
+            });
+        }
+        for identity in MM_IDENTITIES {
+            self.mm_blocks.remove(&MmBlockLabels {
+                instance_id: w.instance_id,
+                dp_rank: w.dp_rank,
+                identity,
+            });
+        }
+    }
+
     fn reset(&self, w: WorkerKey, reason: ResetReason) {
         self.resets
             .get_or_create(&ResetLabels {
@@ -301,11 +337,12 @@ fn ingest_loop(
                         .get_or_create(&l)
                         .inc_by(stats.orphan_blocks);
                 }
-                for (identity, n) in [
-                    ("issued", stats.mm_blocks),
-                    ("native", stats.mm_native_blocks),
-                    ("unmapped", stats.mm_unmapped_blocks),
-                ] {
+                let mm = [
+                    stats.mm_blocks,
+                    stats.mm_native_blocks,
+                    stats.mm_unmapped_blocks,
+                ];
+                for (identity, n) in MM_IDENTITIES.into_iter().zip(mm) {
                     if n > 0 {
                         metrics
                             .mm_blocks
@@ -337,8 +374,7 @@ fn ingest_loop(
             }
             IngestMsg::Forget { worker } => {
                 ingest.set_live(worker, false);
-                metrics.precise.remove(&labels(worker));
-                metrics.reset(worker, ResetReason::Removed);
+                metrics.forget(worker);
             }
             IngestMsg::Flush(done) => {
                 let _ = done.send(());
