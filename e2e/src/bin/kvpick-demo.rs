@@ -1,15 +1,18 @@
 //! `kvpick-demo`: kvpick in standalone mode, 4 mock workers and the test
-//! gateway on 127.0.0.1, a short multi-turn chat workload through them, and a
-//! table of what each worker saw.
+//! gateway on 127.0.0.1, a short multi-turn chat workload through them, a table
+//! of what each worker saw, then the same workload behind the same gateway with
+//! no picker (Envoy failing open round robin over fresh workers) next to it.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use e2e::gateway::BodyMode;
-use e2e::mock_worker::WorkerConfig;
+use e2e::client::Client;
+use e2e::gateway::{BodyMode, FailureMode, GatewayConfig, GatewayHandle};
+use e2e::mock_worker::{Counters, WorkerConfig, WorkerHandle};
 use e2e::report::{markdown_table, WorkerRow};
 use e2e::stack::{Stack, StackOptions};
-use e2e::workload::{self, Workload};
+use e2e::workload::{self, Outcome, Workload};
 
 /// Runs kvpick end to end on this machine and prints per-worker results.
 #[derive(Debug, Parser)]
@@ -39,18 +42,22 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            // The baseline run fails open on every request by design: its gateway
+            // warnings are not news.
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,e2e::gateway=error".into()),
         )
         .init();
     let a = Args::parse();
+    let worker = WorkerConfig {
+        ttft: Duration::from_millis(5),
+        prefill_per_token: Duration::from_micros(20),
+        itl: Duration::from_millis(1),
+        ..WorkerConfig::default()
+    };
     let stack = Stack::start(StackOptions {
         workers: a.workers,
-        worker: WorkerConfig {
-            ttft: Duration::from_millis(5),
-            prefill_per_token: Duration::from_micros(20),
-            itl: Duration::from_millis(1),
-            ..WorkerConfig::default()
-        },
+        worker: worker.clone(),
         body_mode: a.body_mode,
         ..StackOptions::default()
     })
@@ -91,12 +98,109 @@ async fn main() -> anyhow::Result<()> {
         outcome.ok,
         took.as_secs_f64()
     );
-    if !outcome.failures.is_empty() {
-        anyhow::bail!(
-            "{} requests failed: statuses {:?}",
-            outcome.failures.len(),
-            outcome.failures
-        );
+    ensure_ok("kvpick", &outcome)?;
+    let picked: Vec<Counters> = rows.into_iter().map(|r| r.counters).collect();
+    let (unpicked, rr) = round_robin(&a, &worker, &w).await?;
+    ensure_ok("round robin", &rr)?;
+    println!("\nthe same workload, same gateway, no picker (fail-open round robin):\n");
+    println!("| picker | prefix hit rate | mean TTFT (ms, the workers' prefill model) |");
+    println!("| --- | --- | --- |");
+    for (name, counters) in [("kvpick", &picked), ("round robin", &unpicked)] {
+        let (hit, ttft) = summary(counters, &worker);
+        println!("| {name} | {:.1}% | {ttft:.1} |", hit * 100.0);
     }
     Ok(())
+}
+
+fn ensure_ok(who: &str, outcome: &Outcome) -> anyhow::Result<()> {
+    if outcome.failures.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{who}: {} requests failed: statuses {:?}",
+        outcome.failures.len(),
+        outcome.failures
+    )
+}
+
+/// The workload through the test gateway with no picker reachable and failing
+/// open, which is what Envoy does without an endpoint picker: round robin over
+/// the pool (fresh workers, same settings). Returns each worker's counters.
+async fn round_robin(
+    a: &Args,
+    worker: &WorkerConfig,
+    w: &Workload,
+) -> anyhow::Result<(Vec<Counters>, Outcome)> {
+    let local: SocketAddr = ([127, 0, 0, 1], 0).into();
+    let mut workers = Vec::with_capacity(a.workers);
+    for _ in 0..a.workers {
+        workers.push(WorkerHandle::start(local, worker.clone()).await?);
+    }
+    // A port nothing listens on: every ext_proc call is refused at once.
+    let closed = std::net::TcpListener::bind(local)?.local_addr()?;
+    let gateway = GatewayHandle::start(
+        local,
+        GatewayConfig {
+            ext_proc: format!("http://{closed}"),
+            body_mode: a.body_mode,
+            failure_mode: FailureMode::Open,
+            fallback: workers.iter().map(WorkerHandle::addr).collect(),
+            ..GatewayConfig::default()
+        },
+    )
+    .await?;
+    let outcome = workload::run(&Client::new(gateway.addr()), w).await?;
+    Ok((
+        workers.iter().map(WorkerHandle::counters).collect(),
+        outcome,
+    ))
+}
+
+/// Prefix hit rate over all workers, and the mean time to first token their
+/// prefill model gives: `ttft + prefill_per_token × uncached prompt tokens`.
+fn summary(counters: &[Counters], worker: &WorkerConfig) -> (f64, f64) {
+    let (hits, queries, requests) = counters.iter().fold((0, 0, 0), |(h, q, r), c| {
+        (
+            h + c.prefix_cache_hits,
+            q + c.prefix_cache_queries,
+            r + c.requests,
+        )
+    });
+    let hit = hits as f64 / queries.max(1) as f64;
+    let uncached_per_request = (queries - hits) as f64 / requests.max(1) as f64;
+    let ttft =
+        worker.ttft.as_secs_f64() + worker.prefill_per_token.as_secs_f64() * uncached_per_request;
+    (hit, ttft * 1000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_baseline_spreads_every_request_round_robin_without_a_picker() {
+        let a = Args::parse_from(["kvpick-demo"]);
+        let worker = WorkerConfig {
+            ttft: Duration::from_millis(1),
+            prefill_per_token: Duration::from_micros(1),
+            ..WorkerConfig::default()
+        };
+        let w = Workload {
+            sessions: 4,
+            turns: 2,
+            sequential: true,
+            ..Workload::default()
+        };
+        let (counters, outcome) = round_robin(&a, &worker, &w).await.unwrap();
+        assert_eq!((outcome.requests, outcome.ok), (8, 8));
+        // Sequential requests over 4 workers in turn: 2 each.
+        assert!(counters.iter().all(|c| c.requests == 2), "{counters:?}");
+        let (hit, ttft) = summary(&counters, &worker);
+        let (h, q): (u64, u64) = counters.iter().fold((0, 0), |(h, q), c| {
+            (h + c.prefix_cache_hits, q + c.prefix_cache_queries)
+        });
+        assert!((hit - h as f64 / q as f64).abs() < 1e-12);
+        let expected = 1.0 + 0.001 * (q - h) as f64 / 8.0;
+        assert!((ttft - expected).abs() < 1e-9, "{ttft} vs {expected}");
+    }
 }
