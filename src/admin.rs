@@ -134,7 +134,8 @@ impl Admin {
     /// Answers one `Explain`.
     pub async fn explain(&self, req: ExplainRequest) -> Result<ExplainResponse, tonic::Status> {
         let kind = ApiKind::from_path(&req.path);
-        let mut parsed = request::parse(&req.body, kind)
+        let limit = self.scheduler.config().prompt_token_limit();
+        let mut parsed = request::parse_capped(&req.body, kind, limit)
             .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
         let has_text = parsed
             .segments

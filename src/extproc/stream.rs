@@ -547,7 +547,8 @@ impl StreamState {
     fn finish_request_body(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
         let body = std::mem::take(&mut self.body);
         let kind = self.meta.as_ref().and_then(|m| m.kind);
-        let mut parsed = match request::parse(&body, kind) {
+        let limit = self.shared.scheduler.config().prompt_token_limit();
+        let mut parsed = match request::parse_capped(&body, kind, limit) {
             Ok(p) => p,
             Err(e) => {
                 self.shared.metrics.record_result(RequestResult::BadRequest);

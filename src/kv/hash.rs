@@ -196,6 +196,13 @@ impl PromptBlocks {
         }
     }
 
+    /// Adds `blocks` of the prompt that were never hashed (token ids the parse
+    /// only counted) to the uncached tail.
+    pub fn and_unhashed(mut self, blocks: usize) -> Self {
+        self.beyond = self.beyond.saturating_add(blocks);
+        self
+    }
+
     /// Blocks left to prefill on a worker holding the first `overlap` hash
     /// blocks: each uncached image counts its token blocks.
     pub fn uncached(&self, overlap: usize) -> usize {

@@ -99,6 +99,8 @@ pub struct InferenceRequest {
     pub nvext: NvExt,
     /// Whether `nvext` names a worker (and the body must be rewritten).
     pub names_worker: bool,
+    /// Prompt token ids past the parse limit ([`parse_capped`]): counted, not kept.
+    pub omitted_tokens: usize,
 }
 
 impl InferenceRequest {
@@ -123,7 +125,19 @@ impl InferenceRequest {
 /// Parses a request body. `kind` comes from the path; when the path is unknown the
 /// body's shape decides (`messages` → chat, `prompt` → completions, `input` → responses).
 pub fn parse(body: &[u8], kind: Option<ApiKind>) -> Result<InferenceRequest, RequestError> {
-    parse::parse_body(body, kind)
+    parse::parse_body(body, kind, usize::MAX)
+}
+
+/// [`parse`] keeping at most `token_limit` of the prompt's token ids (prefix
+/// matching looks at no more): the rest are only counted in
+/// [`InferenceRequest::omitted_tokens`], so a prompt of millions of ids does not
+/// cost four bytes each on top of its body.
+pub fn parse_capped(
+    body: &[u8],
+    kind: Option<ApiKind>,
+    token_limit: usize,
+) -> Result<InferenceRequest, RequestError> {
+    parse::parse_body(body, kind, token_limit)
 }
 
 #[cfg(test)]
@@ -521,6 +535,36 @@ mod tests {
         assert_eq!(
             r.segments,
             vec![Segment::Text("system\nsys\nuser\nhi\n".into())]
+        );
+    }
+
+    #[test]
+    fn a_capped_parse_keeps_the_leading_token_ids_and_counts_the_rest() {
+        let ids: Vec<u32> = (0..100).collect();
+        let flat = serde_json::json!({"model": "m", "prompt": ids}).to_string();
+        let r = parse_capped(flat.as_bytes(), None, 32).unwrap();
+        assert_eq!(r.segments, vec![Segment::Tokens((0..32).collect())]);
+        assert_eq!(r.omitted_tokens, 68);
+        let nested = serde_json::json!({"model": "m", "prompt": [[1, 2, 3], "x", [4, 5]]});
+        let r = parse_capped(nested.to_string().as_bytes(), None, 4).unwrap();
+        assert_eq!(
+            r.segments,
+            vec![
+                Segment::Tokens(vec![1, 2, 3]),
+                Segment::Text("x".into()),
+                Segment::Tokens(vec![4])
+            ]
+        );
+        assert_eq!(r.omitted_tokens, 1);
+        let nv = serde_json::json!({"model": "m", "prompt": "t", "nvext": {"token_data": ids}});
+        let r = parse_capped(nv.to_string().as_bytes(), None, 10).unwrap();
+        assert_eq!(r.segments, vec![Segment::Tokens((0..10).collect())]);
+        assert_eq!(r.omitted_tokens, 90);
+        // Unlimited: everything kept.
+        let r = parse(flat.as_bytes(), None).unwrap();
+        assert_eq!(
+            (r.segments, r.omitted_tokens),
+            (vec![Segment::Tokens(ids)], 0)
         );
     }
 }

@@ -78,7 +78,23 @@ fn request_error(e: serde_json::Error, path: String) -> RequestError {
 
 /// Prompt segments as the pass sees them; neighbours of one kind merge.
 #[derive(Debug, Default)]
-struct Segments(Vec<Segment>);
+struct Segments(Vec<Segment>, TokenBudget);
+
+/// Token ids still kept; those past the budget are only counted.
+#[derive(Debug)]
+struct TokenBudget {
+    left: usize,
+    omitted: usize,
+}
+
+impl Default for TokenBudget {
+    fn default() -> Self {
+        TokenBudget {
+            left: usize::MAX,
+            omitted: 0,
+        }
+    }
+}
 
 impl Segments {
     fn text(&mut self, s: &str) {
@@ -88,7 +104,22 @@ impl Segments {
         }
     }
 
+    fn with_token_limit(limit: usize) -> Self {
+        Segments(
+            Vec::new(),
+            TokenBudget {
+                left: limit,
+                omitted: 0,
+            },
+        )
+    }
+
     fn token(&mut self, t: u32) {
+        if self.1.left == 0 {
+            self.1.omitted += 1;
+            return;
+        }
+        self.1.left -= 1;
         match self.0.last_mut() {
             Some(Segment::Tokens(last)) => last.push(t),
             _ => self.0.push(Segment::Tokens(vec![t])),
@@ -100,6 +131,7 @@ impl Segments {
     }
 
     fn append(&mut self, other: Segments) {
+        self.1.omitted += other.1.omitted;
         for seg in other.0 {
             match seg {
                 Segment::Text(t) => self.text(&t),
@@ -133,6 +165,7 @@ fn once<E: de::Error, T>(slot: &Option<T>, name: &str) -> Result<(), E> {
 pub(super) fn parse_body(
     body: &[u8],
     kind: Option<ApiKind>,
+    token_limit: usize,
 ) -> Result<InferenceRequest, RequestError> {
     let mut path = Path::default();
     let mut de = serde_json::Deserializer::from_slice(body);
@@ -140,6 +173,7 @@ pub(super) fn parse_body(
         .deserialize_map(Top {
             path: &mut path,
             kind,
+            token_limit,
         })
         .and_then(|top| de.end().map(|()| top))
         .map_err(|e| request_error(e, path.render()))?;
@@ -155,14 +189,21 @@ pub(super) fn parse_body(
     // Dynamo's `token_data` is the pre-tokenized prompt the engine runs: its ids,
     // not the text, are what the engine caches, so they are what kvpick hashes
     // (and no tokenization is needed).
-    let segments = match &nvext.token_data {
-        Some(ids) if !ids.is_empty() => vec![super::Segment::Tokens(ids.clone())],
-        _ => top.segments.0,
+    let (segments, omitted_tokens) = match &nvext.token_data {
+        Some(ids) if !ids.is_empty() => {
+            let kept = ids.len().min(token_limit);
+            (
+                vec![super::Segment::Tokens(ids[..kept].to_vec())],
+                ids.len() - kept,
+            )
+        }
+        _ => (top.segments.0, top.segments.1.omitted),
     };
     Ok(InferenceRequest {
         kind: top.kind,
         model: top.model,
         segments,
+        omitted_tokens,
         stream: top.stream,
         names_worker: nvext.names_worker(),
         nvext,
@@ -194,6 +235,7 @@ struct TopFound<'de> {
 struct Top<'p> {
     path: &'p mut Path,
     kind: Option<ApiKind>,
+    token_limit: usize,
 }
 
 impl<'de> Visitor<'de> for Top<'_> {
@@ -245,7 +287,10 @@ impl<'de> Visitor<'de> for Top<'_> {
                 "prompt" if want_completions => {
                     path.push("prompt");
                     once(&prompt, "prompt")?;
-                    prompt = Some(map.next_value_seed(Prompt { path: &mut *path })?);
+                    prompt = Some(map.next_value_seed(Prompt {
+                        path: &mut *path,
+                        token_limit: self.token_limit,
+                    })?);
                 }
                 "input" if want_responses => {
                     path.push("input");
@@ -659,6 +704,8 @@ impl<'de> Visitor<'de> for ImageUrl<'_> {
 /// or an array of token-id arrays.
 struct Prompt<'p> {
     path: &'p mut Path,
+    /// Token ids kept; the rest are counted ([`InferenceRequest::omitted_tokens`]).
+    token_limit: usize,
 }
 
 impl<'de> DeserializeSeed<'de> for Prompt<'_> {
@@ -684,7 +731,7 @@ impl<'de> Visitor<'de> for Prompt<'_> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Segments, A::Error> {
-        let mut out = Segments::default();
+        let mut out = Segments::with_token_limit(self.token_limit);
         self.path.index(0);
         let first = seq.next_element_seed(PromptItem { out: &mut out })?;
         self.path.pop();

@@ -97,6 +97,14 @@ pub struct SchedulerConfig {
     pub health: HealthConfig,
 }
 
+impl SchedulerConfig {
+    /// Most prompt token ids worth keeping from a body: prefix matching hashes no more.
+    pub fn prompt_token_limit(&self) -> usize {
+        self.max_prefix_blocks
+            .saturating_mul(self.token_block.max(1))
+    }
+}
+
 impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
@@ -202,6 +210,7 @@ impl Scheduler {
             self.config.max_prefix_blocks,
             self.config.vision.as_ref(),
         )
+        .and_unhashed(body.omitted_tokens.div_ceil(self.config.token_block.max(1)))
     }
 
     /// Headers to add to a successful (2xx) response of a routed request: the

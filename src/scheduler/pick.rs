@@ -159,7 +159,8 @@ impl Scheduler {
                     self.config.byte_block,
                     self.config.token_block,
                     self.config.vision.as_ref(),
-                ),
+                )
+                .saturating_add(b.omitted_tokens.div_ceil(self.config.token_block.max(1)) as u64),
             ),
             None => (hash::PromptBlocks::default(), 1),
         }

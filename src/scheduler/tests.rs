@@ -179,6 +179,36 @@ fn only_the_leading_prefix_blocks_are_hashed_recorded_and_matched() {
 }
 
 #[test]
+fn a_body_parsed_with_the_token_limit_routes_and_weighs_like_the_whole_body() {
+    let s = Scheduler::new(SchedulerConfig {
+        max_prefix_blocks: 4,
+        ..Default::default()
+    });
+    assert_eq!(s.config().prompt_token_limit(), 64);
+    let ids: Vec<u32> = (0..1000).collect();
+    let json = serde_json::json!({"model": "m", "prompt": ids}).to_string();
+    let whole = body(&json);
+    let capped =
+        crate::request::parse_capped(json.as_bytes(), None, s.config().prompt_token_limit())
+            .unwrap();
+    assert_eq!(capped.omitted_tokens, 1000 - 64);
+    assert_eq!(s.block_hashes(&capped), s.block_hashes(&whole));
+    let (a, b) = (s.prompt_blocks(&capped), s.prompt_blocks(&whole));
+    assert_eq!(
+        (a.uncached(0), a.uncached(4)),
+        (b.uncached(0), b.uncached(4))
+    );
+    assert_eq!(a.uncached(0), 63); // ceil(1000 / 16)
+    let t = both(1);
+    let snap = t.snapshot();
+    let (d1, d2) = (
+        s.pick(&with_body(&capped), &snap).unwrap(),
+        s.pick(&with_body(&whole), &snap).unwrap(),
+    );
+    assert_eq!(d1.load_blocks, d2.load_blocks);
+}
+
+#[test]
 fn scraped_load_counts_only_while_fresh() {
     let cfg = SchedulerConfig {
         scrape_max_age: Duration::from_secs(5),

@@ -236,6 +236,7 @@ pub fn run(cfg: &ScaleConfig) -> ScaleReport {
         stream: true,
         nvext: NvExt::default(),
         names_worker: false,
+        omitted_tokens: 0,
     };
     let mut picks = Vec::with_capacity(cfg.iterations);
     for _ in 0..cfg.iterations {

@@ -85,6 +85,7 @@ pub fn body(r: &TraceRequest) -> InferenceRequest {
         stream: true,
         nvext: NvExt::default(),
         names_worker: false,
+        omitted_tokens: 0,
     }
 }
 
