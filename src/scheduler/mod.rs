@@ -24,6 +24,8 @@ mod explain;
 #[cfg(test)]
 mod health_tests;
 mod pick;
+#[cfg(test)]
+mod prop_tests;
 mod stats;
 #[cfg(test)]
 mod tests;
