@@ -30,6 +30,7 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
+use cost::ActiveLoad;
 pub use cost::{CostTerms, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation, FilteredOut};
@@ -142,8 +143,9 @@ pub struct Scheduler {
     config: SchedulerConfig,
     index: Arc<PrefixIndex>,
     sessions: SessionStore,
-    /// Active load per rank in blocks (prompts of unfinished requests).
-    active: DashMap<WorkerKey, u64, KeyHash>,
+    /// Active load per rank (prompts of unfinished requests, and what of them
+    /// was left to prefill).
+    active: DashMap<WorkerKey, ActiveLoad, KeyHash>,
     stats: SchedulerStats,
 }
 
@@ -191,7 +193,13 @@ impl Scheduler {
 
     /// Active load of a rank in blocks.
     pub fn active_blocks(&self, key: WorkerKey) -> u64 {
-        self.active.get(&key).map_or(0, |v| *v)
+        self.active.get(&key).map_or(0, |v| v.blocks)
+    }
+
+    /// A rank's active load: booked blocks and, of them, the blocks its requests
+    /// had left to prefill when they were routed.
+    pub(crate) fn active_load(&self, key: WorkerKey) -> ActiveLoad {
+        self.active.get(&key).map_or(ActiveLoad::default(), |v| *v)
     }
 
     /// The chained prefix block hashes of a request body (at most
@@ -255,16 +263,26 @@ impl Scheduler {
     pub fn cancel(&self, decision: &Decision) {
         self.release(
             decision.decode.key(),
-            decision.load_blocks + decision.decode_blocks,
+            ActiveLoad {
+                blocks: decision.load_blocks + decision.decode_blocks,
+                uncached: decision.uncached_blocks,
+            },
         );
         if let Some(p) = &decision.prefill {
-            self.release(p.key(), decision.load_blocks);
+            self.release(
+                p.key(),
+                ActiveLoad {
+                    blocks: decision.load_blocks,
+                    uncached: decision.load_blocks,
+                },
+            );
         }
     }
 
-    fn release(&self, key: WorkerKey, size: u64) {
+    fn release(&self, key: WorkerKey, load: ActiveLoad) {
         if let Some(mut v) = self.active.get_mut(&key) {
-            *v = v.saturating_sub(size);
+            v.blocks = v.blocks.saturating_sub(load.blocks);
+            v.uncached = v.uncached.saturating_sub(load.uncached);
         }
     }
 
@@ -284,7 +302,7 @@ impl Scheduler {
                 self.index.clear_worker(w);
             }
         }
-        self.active.retain(|k, v| *v > 0 || live.contains(k));
+        self.active.retain(|k, v| v.blocks > 0 || live.contains(k));
         reaped
     }
 }
