@@ -23,6 +23,7 @@ mod decision;
 mod explain;
 #[cfg(test)]
 mod health_tests;
+mod overlap;
 mod pick;
 #[cfg(test)]
 mod prop_tests;
@@ -74,6 +75,9 @@ pub struct SchedulerConfig {
     pub scrape_max_age: Duration,
     /// Prefix index settings.
     pub index: IndexConfig,
+    /// How long a prompt routed to a precise worker counts as held there
+    /// (provisional entries) while its KV events have not said so.
+    pub provisional_ttl: Duration,
     /// Response header carrying the signed session token.
     pub session_token_header: String,
     /// HMAC key for session tokens (empty: a random per-process key).
@@ -116,6 +120,7 @@ impl Default for SchedulerConfig {
             temperature: 0.0,
             scrape_max_age: Duration::from_secs(5),
             index: IndexConfig::default(),
+            provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             session_token_header: "x-kvpick-session".into(),
             session_key: Vec::new(),
             vision: None,
@@ -133,6 +138,10 @@ impl Default for SchedulerConfig {
 /// Router's `maxPrefixTokensToMatch` default, one context window of large models).
 pub const DEFAULT_MAX_PREFIX_TOKENS: usize = 131_072;
 
+/// Default [`SchedulerConfig::provisional_ttl`]: long enough for a queued
+/// prefill to complete and its KV event to arrive under load.
+pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(10);
+
 /// Default [`SchedulerConfig::max_request_load_blocks`]: 16384 blocks, about
 /// 256k tokens (16-token blocks) or 1 MiB of text (64-byte blocks).
 pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
@@ -142,6 +151,8 @@ pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
 pub struct Scheduler {
     config: SchedulerConfig,
     index: Arc<PrefixIndex>,
+    /// Prompts routed to precise workers, until their TTL (see `overlap.rs`).
+    provisional: PrefixIndex,
     sessions: SessionStore,
     /// Active load per rank (prompts of unfinished requests, and what of them
     /// was left to prefill).
@@ -160,6 +171,10 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
+            provisional: PrefixIndex::new(IndexConfig {
+                ttl: Some(config.provisional_ttl),
+                ..config.index
+            }),
             sessions: SessionStore::with_config(SessionConfig {
                 key: config.session_key.clone(),
                 max_entries: config.session_max_entries,
@@ -287,11 +302,12 @@ impl Scheduler {
     }
 
     /// Periodic upkeep: reaps expired sessions, purges expired index entries, and
-    /// forgets the approximate index entries and idle load of ranks no longer in
+    /// forgets the approximate and provisional index entries and idle load of ranks no longer in
     /// `snapshot` (precise workers are left to the KV-event subscriber).
     pub fn maintain(&self, snapshot: &Snapshot, now: Instant) -> usize {
         let reaped = self.sessions.reap(now);
         self.index.purge_expired(now);
+        self.provisional.purge_expired(now);
         let live: HashSet<WorkerKey> = snapshot
             .endpoints
             .iter()
@@ -300,6 +316,11 @@ impl Scheduler {
         for w in self.index.workers() {
             if !live.contains(&w) && !self.index.is_precise(w) {
                 self.index.clear_worker(w);
+            }
+        }
+        for w in self.provisional.workers() {
+            if !live.contains(&w) {
+                self.provisional.clear_worker(w);
             }
         }
         self.active.retain(|k, v| v.blocks > 0 || live.contains(k));

@@ -83,7 +83,7 @@ impl Scheduler {
 
         let overlaps = {
             let _t = self.stats.time(Stage::Lookup);
-            (!hashes.is_empty()).then(|| self.index.overlaps(hashes, now))
+            self.overlaps(hashes, now)
         };
         let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c.key));
 
@@ -266,8 +266,9 @@ impl Scheduler {
         Ok(cands)
     }
 
-    /// Approximate mode: the target now holds the prompt's blocks; it carries the
-    /// request's load (and its uncached part) until it finishes.
+    /// The target now holds the prompt's blocks (approximate entries, or
+    /// provisional ones on a precise worker); it carries the request's load (and
+    /// its uncached part) until it finishes.
     fn record(&self, c: &Cand<'_>, hashes: &[u64], load: ActiveLoad, now: Instant) {
         if !hashes.is_empty() {
             if let Some(s) = c.ep.scraped(now, self.config.scrape_max_age) {
@@ -280,7 +281,7 @@ impl Scheduler {
                     self.index.set_engine_blocks(c.key, n);
                 }
             }
-            self.index.insert(c.key, hashes, now);
+            self.record_prompt(c.key, hashes, now);
         }
         let mut v = self.active.entry(c.key).or_default();
         v.blocks += load.blocks;

@@ -787,6 +787,38 @@ fn precise_workers_get_no_approximate_entries() {
 }
 
 #[test]
+fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
+    let s = Scheduler::new(SchedulerConfig {
+        provisional_ttl: Duration::from_secs(10),
+        ..Default::default()
+    });
+    let t = both(8);
+    let snap = t.snapshot();
+    for e in &snap.endpoints {
+        s.index().set_precise(e.key(0), true);
+    }
+    let now = Instant::now();
+    let long = prompt(&"q".repeat(64 * 10));
+    let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    s.finish_at(&first, Some(200), now);
+    // No KV event yet: the worker it went to is still credited with the prompt.
+    for i in 1..5 {
+        let at = now + Duration::from_secs(i);
+        let d = s.pick_at(&with_body(&long), &snap, at).unwrap();
+        assert_eq!(d.decode.key(), first.decode.key());
+        assert_eq!(d.overlap_blocks, 10);
+        s.finish_at(&d, Some(200), at);
+    }
+    assert!(s.index().is_empty(), "the precise index holds only events");
+    // Its events never came (or said it evicted the prompt): after the TTL of
+    // the last routing, nobody holds it.
+    let later = now + Duration::from_secs(20);
+    s.maintain(&snap, later);
+    let d = s.pick_at(&with_body(&long), &snap, later).unwrap();
+    assert_eq!(d.overlap_blocks, 0);
+}
+
+#[test]
 fn maintain_forgets_gone_workers() {
     let s = Scheduler::default();
     let t = both(2);
