@@ -9,11 +9,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+mod support;
+
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request::Request, HttpHeaders, ProcessingRequest,
-};
+use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
@@ -24,11 +23,9 @@ use rcgen::{
 };
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
@@ -67,6 +64,15 @@ fn cert_dir(test: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// A fresh directory holding a server certificate for `localhost` signed by a new CA.
+fn served_cert(test: &str) -> (PathBuf, Ca, (String, String)) {
+    let dir = cert_dir(test);
+    let ca = new_ca();
+    let pair = server_leaf(&ca);
+    write_pair(&dir, &pair);
+    (dir, ca, pair)
 }
 
 /// Writes the server certificate and key as a rotation would (each file
@@ -142,33 +148,8 @@ async fn connect(port: u16, ca_pem: &str, identity: Option<(String, String)>) ->
         .ok()
 }
 
-fn headers(pairs: &[(&str, &str)], request: bool) -> ProcessingRequest {
-    let headers = HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    value: String::new(),
-                    raw_value: v.as_bytes().to_vec(),
-                })
-                .collect(),
-        }),
-        end_of_stream: true,
-        ..Default::default()
-    };
-    let message = match request {
-        true => Request::RequestHeaders(headers),
-        false => Request::ResponseHeaders(headers),
-    };
-    ProcessingRequest {
-        request: Some(message),
-        ..Default::default()
-    }
-}
-
 fn get_models() -> ProcessingRequest {
-    headers(&[(":method", "GET"), (":path", "/v1/models")], true)
+    support::headers(&[(":method", "GET"), (":path", "/v1/models")])
 }
 
 /// Whether a client with `identity` gets a routing answer from the server.
@@ -219,9 +200,7 @@ fn der(pem: &str) -> Vec<u8> {
 
 #[tokio::test]
 async fn only_clients_with_a_certificate_from_the_client_ca_are_served() {
-    let dir = cert_dir("mtls");
-    let ca = new_ca();
-    write_pair(&dir, &server_leaf(&ca));
+    let (dir, ca, _) = served_cert("mtls");
     replace(&dir.join("ca.crt"), &ca.pem());
     let (port, _) = serve_with(&dir, true, |tls| tls).await;
 
@@ -263,27 +242,18 @@ fn a_client_ca_without_tls_is_a_start_up_error() {
 
 #[tokio::test]
 async fn rotated_files_reach_new_handshakes_while_an_open_stream_keeps_working() {
-    let dir = cert_dir("tls-rotate");
-    let (old_ca, new_ca) = (new_ca(), new_ca());
-    let old = server_leaf(&old_ca);
-    write_pair(&dir, &old);
+    let (dir, old_ca, old) = served_cert("tls-rotate");
+    let next_ca = new_ca();
     let (port, stats) = serve_reloading(&dir, false).await;
-    let both = [old_ca.pem(), new_ca.pem()];
+    let both = [old_ca.pem(), next_ca.pem()];
     let both = [both[0].as_str(), both[1].as_str()];
     assert_eq!(presented(port, &both).await, der(&old.0));
 
     // An ext_proc stream open on a connection made with the old certificate.
     let ch = connect(port, &old_ca.pem(), None).await.unwrap();
-    let (tx, rx) = mpsc::channel(4);
-    let mut answers = ExternalProcessorClient::new(ch)
-        .process(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(get_models()).await.unwrap();
-    assert!(answers.next().await.unwrap().is_ok(), "routed");
+    let (tx, answers) = support::open_routed_stream(&mut ExternalProcessorClient::new(ch)).await;
 
-    let new = server_leaf(&new_ca);
+    let new = server_leaf(&next_ca);
     write_pair(&dir, &new);
     until("reloads", 1, || stats.reloaded()).await;
     assert_eq!(
@@ -291,31 +261,21 @@ async fn rotated_files_reach_new_handshakes_while_an_open_stream_keeps_working()
         der(&new.0),
         "a new handshake is shown the new certificate"
     );
-    assert!(routed(port, &new_ca.pem(), None).await, "new CA trusted");
+    assert!(routed(port, &next_ca.pem(), None).await, "new CA trusted");
     assert!(
         !routed(port, &old_ca.pem(), None).await,
         "the old certificate is no longer shown"
     );
 
-    // The stream opened before the rotation goes on, on its old connection.
-    tx.send(headers(&[(":status", "200")], false))
-        .await
-        .unwrap();
-    assert!(
-        answers.next().await.unwrap().is_ok(),
-        "the open stream is still answered after the rotation"
-    );
-    drop(tx);
-    assert!(answers.next().await.is_none());
+    // The stream opened before the rotation goes on, on its old connection:
+    // its response headers are answered and it ends cleanly.
+    support::finish_stream(tx, answers).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]
 async fn a_broken_replacement_keeps_the_old_certificate() {
-    let dir = cert_dir("tls-broken");
-    let ca = new_ca();
-    let old = server_leaf(&ca);
-    write_pair(&dir, &old);
+    let (dir, ca, old) = served_cert("tls-broken");
     let (port, stats) = serve_reloading(&dir, false).await;
     let ca_pem = ca.pem();
 
@@ -343,9 +303,7 @@ async fn a_broken_replacement_keeps_the_old_certificate() {
 
 #[tokio::test]
 async fn a_rotated_client_ca_admits_its_clients_and_refuses_the_old_ones() {
-    let dir = cert_dir("tls-client-ca");
-    let server_ca = new_ca();
-    write_pair(&dir, &server_leaf(&server_ca));
+    let (dir, server_ca, _) = served_cert("tls-client-ca");
     let (old_ca, new_ca) = (new_ca(), new_ca());
     replace(&dir.join("ca.crt"), &old_ca.pem());
     let (port, stats) = serve_reloading(&dir, true).await;
@@ -374,10 +332,7 @@ async fn a_rotated_client_ca_admits_its_clients_and_refuses_the_old_ones() {
 
 #[tokio::test]
 async fn a_client_that_never_finishes_its_handshake_holds_up_no_one_and_is_dropped() {
-    let dir = cert_dir("tls-slow");
-    let ca = new_ca();
-    let pair = server_leaf(&ca);
-    write_pair(&dir, &pair);
+    let (dir, ca, pair) = served_cert("tls-slow");
     let timeout = Duration::from_secs(4);
     let (port, _) = serve_with(&dir, false, |tls| tls.handshake_timeout(timeout)).await;
 
