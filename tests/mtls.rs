@@ -3,7 +3,8 @@
 //! self-signed one, is refused. Certificate reload (`--enable-cert-reload`):
 //! rotated files reach new handshakes while open connections keep working, a
 //! broken replacement keeps the old certificate, the client CA rotates too.
-//! Handshakes run concurrently, each bounded by a timeout.
+//! Handshakes run concurrently, each bounded by a timeout. The built binary
+//! reloads with `--enable-cert-reload` and counts it in `/metrics`.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose,
 };
+use support::{free_port, Child};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls::pki_types::pem::PemObject;
@@ -352,6 +354,74 @@ async fn a_client_that_never_finishes_its_handshake_holds_up_no_one_and_is_dropp
     assert!(
         opened.elapsed() >= timeout - Duration::from_millis(100),
         "closed after the handshake timeout, not before"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The body of `GET /metrics` on `port` (HTTP/1.0: the server closes when done).
+async fn metrics_page(port: u16) -> String {
+    use tokio::io::AsyncWriteExt;
+    let mut tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut page = String::new();
+    tcp.read_to_string(&mut page).await.unwrap();
+    page
+}
+
+#[tokio::test]
+async fn the_binary_reloads_its_certificate_with_enable_cert_reload() {
+    let (dir, ca, old) = served_cert("tls-binary");
+    let endpoints = dir.join("endpoints.yaml");
+    std::fs::write(&endpoints, "endpoints:\n  - address: 127.0.0.1:9\n").unwrap();
+    let (grpc, health, metrics) = (free_port(), free_port(), free_port());
+    let mut child = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvpick"))
+            .arg("--endpoints-file")
+            .arg(&endpoints)
+            .arg("--cert-path")
+            .arg(&dir)
+            .args([
+                "--bind-address=127.0.0.1",
+                "--kv-events=false",
+                "--enable-cert-reload",
+                "--cert-reload-interval-ms=50",
+                &format!("--grpc-port={grpc}"),
+                &format!("--grpc-health-port={health}"),
+                &format!("--metrics-port={metrics}"),
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let started = std::time::Instant::now();
+    while TcpStream::connect(("127.0.0.1", grpc)).await.is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "kvpick never listened"
+        );
+        assert!(child.0.try_wait().unwrap().is_none(), "kvpick exited early");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let ca_pem = ca.pem();
+    assert_eq!(presented(grpc, &[&ca_pem]).await, der(&old.0));
+
+    let new = server_leaf(&ca);
+    write_pair(&dir, &new);
+    let rotated = std::time::Instant::now();
+    while presented(grpc, &[&ca_pem]).await != der(&new.0) {
+        assert!(
+            rotated.elapsed() < Duration::from_secs(10),
+            "the new certificate never reached a handshake"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(routed(grpc, &ca_pem, None).await);
+    let page = metrics_page(metrics).await;
+    assert!(
+        page.contains(r#"kvpick_tls_reloads_total{result="reloaded"} 1"#),
+        "{page}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

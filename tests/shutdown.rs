@@ -10,7 +10,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::Ex
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc_until, App};
-use support::{finish_stream, open_routed_stream};
+use support::{finish_stream, free_port, open_routed_stream, Child};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
@@ -48,25 +48,6 @@ async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
     finish_stream(tx, answers).await;
     let done = tokio::time::timeout(Duration::from_secs(5), server).await;
     assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
-}
-
-/// A free local port (bound and released; the binary binds it again).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Kills the child if the test fails before it exits.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[tokio::test]

@@ -1,5 +1,6 @@
-//! Envoy-side ext_proc messages and streams shared by the integration tests
-//! (each test crate includes this with `mod support;`).
+//! Envoy-side ext_proc messages and streams, and the pieces for running the
+//! built binary, shared by the integration tests (each test crate includes
+//! this with `mod support;`).
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
@@ -66,4 +67,23 @@ pub async fn finish_stream(tx: mpsc::Sender<ProcessingRequest>, mut answers: Ans
     );
     drop(tx);
     assert!(answers.next().await.is_none());
+}
+
+/// A free local port (bound and released; the binary binds it again).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the child if the test fails before it exits.
+pub struct Child(pub std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
