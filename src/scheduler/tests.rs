@@ -321,14 +321,7 @@ fn scraped_load_counts_only_while_fresh() {
     let snap = t.snapshot();
     let now = Instant::now();
     let busy = &snap.endpoints[0];
-    busy.set_scraped(ScrapedLoad {
-        queue: 20.0,
-        running: 30.0,
-        kv_usage: 0.9,
-        block_size: None,
-        num_blocks: None,
-        at: now,
-    });
+    scrape(busy, 20.0, 30.0, 0.9, now);
     for _ in 0..10 {
         let d = s.pick_at(&PickRequest::default(), &snap, now).unwrap();
         assert_eq!(d.decode.key(), snap.endpoints[1].key(0));
