@@ -30,8 +30,15 @@
 //!   32-block chains (about 1 M entries in all); the main thread removes each
 //!   worker's oldest chain and stores a new one, round robin, for
 //!   `--churn-blocks` blocks at full speed, while a second thread looks up prompts
-//!   (prefix + a chain + 64 fresh blocks) and records the latency of each.
-//!   `dynamo-radix` is not concurrent and sits this one out.
+//!   (prefix + a chain + 64 fresh blocks) and records the latency of each. The
+//!   lookups are paced, the same for every index (`--churn-lookup-every-us`, 100:
+//!   10,000 lookups a second, sleeping in between; an index slower than that
+//!   runs them back to back): a lookup thread looping flat out would offer each
+//!   index a different load (one 50 times faster at lookups took 50 times more
+//!   turns at its lock and at the 2 cores, and its ingest figure measured that).
+//!   Dynamo applies events on its `ThreadPoolIndexer`'s 2 threads (the main
+//!   thread only enqueues); kvpick applies them on the main thread, as its
+//!   event subscriber does. `dynamo-radix` is not concurrent and sits this one out.
 //!
 //! Every cell reports a digest of each query's nonzero overlaps per (worker, rank);
 //! the parent asserts kvpick's equal Dynamo's on every query (churn: on queries
@@ -97,6 +104,9 @@ pub struct IndexArgs {
     /// Blocks stored plus removed during `churn`.
     #[arg(long, default_value_t = 2_000_000)]
     churn_blocks: usize,
+    /// One lookup every this many microseconds during `churn` (0: back to back).
+    #[arg(long, default_value_t = 100)]
+    churn_lookup_every_us: u64,
     /// Dynamo's `RadixTree` (one node per block) runs only below this many workers.
     #[arg(long, default_value_t = 10_000)]
     radix_below: usize,
@@ -672,12 +682,19 @@ fn run_cell(
             .sum();
         let (elapsed, mut times) = std::thread::scope(|scope| {
             let looker = scope.spawn(|| {
+                let every = Duration::from_micros(args.churn_lookup_every_us);
+                let start = Instant::now();
                 let mut times = Vec::new();
                 let mut i = 0;
                 while !done.load(Ordering::Relaxed) {
                     let q = &workload.churn_queries[i % workload.churn_queries.len()];
                     times.push(subject.time_lookup(q));
                     i += 1;
+                    // Sleep until the next lookup is due (none when behind).
+                    let due = start + every * i as u32;
+                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
                 }
                 times
             });
@@ -733,6 +750,10 @@ fn spawn_cell(
         .args(["--max-entries", &args.max_entries.to_string()])
         .args(["--queries", &args.queries.to_string()])
         .args(["--churn-blocks", &args.churn_blocks.to_string()])
+        .args([
+            "--churn-lookup-every-us",
+            &args.churn_lookup_every_us.to_string(),
+        ])
         .args(["--workers", &list(&args.workers)])
         .arg("--trace")
         .arg(&args.trace)
@@ -786,7 +807,7 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
         let mut notes = Vec::new();
         md.push_str(&format!("\n### {kind:?}\n\n"));
         if *kind == Kind::Churn {
-            md.push_str("| workers | index | entries | churn blocks/s | lookup p50 / p99 during churn (µs) | ratio ingest | ratio p50 / p99 | quiet p50 / p99 (µs) | overlaps = Dynamo |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+            md.push_str("| workers | index | entries | churn blocks/s | lookups during churn | lookup p50 / p99 during churn (µs) | ratio ingest | ratio p50 / p99 | quiet p50 / p99 (µs) | overlaps = Dynamo |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
         } else {
             md.push_str("| workers | index | entries | lookup p50 / p99 (µs) | ingest blocks/s | bytes per entry (RSS) | ratio p50 / p99 | ratio ingest | ratio bytes | overlaps = Dynamo |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
         }
@@ -826,9 +847,10 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
                 let a_bytes = a.rss_growth_bytes as f64 / entries as f64;
                 if *kind == Kind::Churn {
                     md.push_str(&format!(
-                        "| {workers} | {} | {entries} | {:.2} M | {:.1} / {:.1} | {} | {} / {} | {:.1} / {:.1} | {same} |\n",
+                        "| {workers} | {} | {entries} | {:.2} M | {} | {:.1} / {:.1} | {} | {} / {} | {:.1} / {:.1} | {same} |\n",
                         c.index,
                         c.churn_blocks_per_s / 1e6,
+                        c.churn_lookups,
                         c.churn_lookup_p50_us,
                         c.churn_lookup_p99_us,
                         ratio(c.churn_blocks_per_s, a.churn_blocks_per_s),
