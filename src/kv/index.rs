@@ -199,6 +199,11 @@ pub struct PrefixIndex {
     precise_dropped: AtomicU64,
     /// Lookups spinning for the lock; writers let them in before their next chunk.
     lookups_waiting: AtomicUsize,
+    /// Lookups that ever spun for the lock (a writer waits for each at most once).
+    lookups_announced: AtomicU64,
+    /// `lookups_announced` when a writer last stopped waiting for a lookup that
+    /// did not take the lock within [`YIELD`] (descheduled while spinning).
+    writers_gave_up_at: AtomicU64,
 }
 
 impl Default for PrefixIndex {
@@ -217,6 +222,8 @@ impl PrefixIndex {
             entries: AtomicUsize::new(0),
             precise_dropped: AtomicU64::new(0),
             lookups_waiting: AtomicUsize::new(0),
+            lookups_announced: AtomicU64::new(0),
+            writers_gave_up_at: AtomicU64::new(0),
         }
     }
 
@@ -230,15 +237,24 @@ impl PrefixIndex {
     }
 
     /// The write lock, taken once no lookup is spinning for the lock and released
-    /// fairly (a lookup asleep on it goes before this writer's next chunk).
+    /// fairly (a lookup asleep on it goes before this writer's next chunk). A
+    /// lookup that does not take the lock within [`YIELD`] was descheduled while
+    /// spinning: the writer goes on, and does not wait for that one again (waiting
+    /// for it on every chunk burned the writer's CPU until it ran again).
     fn write(&self) -> FairWrite<'_> {
-        let spun = spin_for(|| {
-            if self.lookups_waiting.load(Ordering::SeqCst) == 0 {
-                self.inner.try_write()
-            } else {
-                None
+        let announced = self.lookups_announced.load(Ordering::SeqCst);
+        if self.lookups_waiting.load(Ordering::SeqCst) > 0
+            && announced > self.writers_gave_up_at.load(Ordering::Relaxed)
+        {
+            let let_in = spin_for(YIELD, || {
+                (self.lookups_waiting.load(Ordering::SeqCst) == 0).then_some(())
+            });
+            if let_in.is_none() {
+                self.writers_gave_up_at
+                    .fetch_max(announced, Ordering::Relaxed);
             }
-        });
+        }
+        let spun = spin_for(SPIN, || self.inner.try_write());
         FairWrite(Some(spun.unwrap_or_else(|| self.inner.write())))
     }
 
@@ -250,7 +266,8 @@ impl PrefixIndex {
             return g;
         }
         self.lookups_waiting.fetch_add(1, Ordering::SeqCst);
-        let g = spin_for(|| self.inner.try_read()).unwrap_or_else(|| self.inner.read());
+        self.lookups_announced.fetch_add(1, Ordering::SeqCst);
+        let g = spin_for(SPIN, || self.inner.try_read()).unwrap_or_else(|| self.inner.read());
         self.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
         g
     }
@@ -709,8 +726,12 @@ impl PrefixIndex {
 /// while waking a sleeping thread costs tens of microseconds on a busy machine.
 const SPIN: Duration = Duration::from_micros(50);
 
-/// Polls `f` until it yields or [`SPIN`] has passed.
-fn spin_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
+/// How long a writer waits for a lookup spinning for the lock to take it: a
+/// running lookup takes it within nanoseconds of the writer's last chunk.
+const YIELD: Duration = Duration::from_micros(5);
+
+/// Polls `f` until it yields or `limit` has passed.
+fn spin_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     if let Some(t) = f() {
         return Some(t);
     }
@@ -722,7 +743,7 @@ fn spin_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
             }
             std::hint::spin_loop();
         }
-        if start.elapsed() >= SPIN {
+        if start.elapsed() >= limit {
             return None;
         }
     }
