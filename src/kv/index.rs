@@ -44,7 +44,9 @@
 //! purges are cut into chunks), so a lookup waits behind ingest for at most one
 //! chunk, a few microseconds. Waiting lookups spin rather than sleep (waking a
 //! sleeper costs more than a chunk) and say so: a writer lets them in before
-//! taking the lock for its next chunk.
+//! taking the lock for its next chunk. A writer first loads the table slots its
+//! chunk will touch under the read lock, so the cache misses,
+//! most of a write's cost, are not taken while lookups wait.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -301,6 +303,7 @@ impl PrefixIndex {
         let stamp = self.stamp(now);
         let mut after = None;
         for chunk in hashes.chunks(WRITE_CHUNK) {
+            self.inner.read().warm(worker, [], chunk);
             let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
@@ -399,6 +402,11 @@ impl PrefixIndex {
         let _ = now;
         let mut after = None;
         for chunk in blocks.chunks(WRITE_CHUNK) {
+            self.inner.read().warm(
+                worker,
+                chunk.iter().map(|(e, _)| e),
+                chunk.iter().map(|(_, h)| h),
+            );
             let mut g = self.write();
             let slot = g.slot(worker);
             let limit = g.workers[slot as usize]
@@ -458,6 +466,16 @@ impl PrefixIndex {
     /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones are ignored.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
         for chunk in engine_hashes.chunks(WRITE_CHUNK) {
+            {
+                let g = self.inner.read();
+                let Some(&slot) = g.slots.get(&worker) else {
+                    return;
+                };
+                let w = &g.workers[slot as usize];
+                w.engine.prefetch(chunk);
+                let hashes: Vec<u64> = chunk.iter().filter_map(|e| w.engine.get(*e)).collect();
+                g.blocks.prefetch(&hashes);
+            }
             let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
@@ -811,6 +829,21 @@ impl Inner {
         w.oldest = oldest;
     }
 
+    /// Loads the table slots a write of these blocks by `worker` will touch, under
+    /// the read lock: the cache misses are then taken while lookups can still
+    /// run, and the write lock is held for less.
+    fn warm<'a>(
+        &self,
+        worker: WorkerKey,
+        engine: impl IntoIterator<Item = &'a u64>,
+        hashes: impl IntoIterator<Item = &'a u64>,
+    ) {
+        if let Some(&slot) = self.slots.get(&worker) {
+            self.workers[slot as usize].engine.prefetch(engine);
+        }
+        self.blocks.prefetch(hashes);
+    }
+
     /// Whether `slot` holds block `hash` (through any entry).
     fn holds(&self, hash: u64, slot: u32) -> bool {
         self.blocks
@@ -1046,6 +1079,7 @@ impl Inner {
             entries.fetch_sub(n, Ordering::Relaxed);
             if r.holders.is_empty() {
                 let r = std::mem::take(r);
+                self.blocks.prefetch(&r.hashes);
                 for h in &r.hashes {
                     self.blocks.remove(*h);
                 }
