@@ -1272,6 +1272,29 @@ mod tests {
         assert_eq!(idx.lookup(&[1], &[wk(1)], t), vec![0]);
     }
 
+    /// A lookup announced as spinning for the lock but never taking it (it was
+    /// descheduled) is waited for once, not on every chunk after.
+    #[test]
+    fn writers_wait_once_for_a_lookup_that_does_not_come() {
+        let (idx, t) = index(100, None);
+        idx.lookups_waiting.fetch_add(1, Ordering::SeqCst);
+        idx.lookups_announced.fetch_add(1, Ordering::SeqCst);
+        idx.insert(wk(1), &[1], t);
+        assert_eq!(idx.writers_gave_up_at.load(Ordering::SeqCst), 1);
+        // Still announced: the next writes go on without waiting (nothing to
+        // observe but that they finish and keep the mark).
+        for h in 2..100 {
+            idx.insert(wk(1), &[h], t);
+        }
+        assert_eq!(idx.writers_gave_up_at.load(Ordering::SeqCst), 1);
+        // A new lookup spinning for the lock is waited for again.
+        idx.lookups_announced.fetch_add(1, Ordering::SeqCst);
+        idx.insert(wk(1), &[100], t);
+        assert_eq!(idx.writers_gave_up_at.load(Ordering::SeqCst), 2);
+        idx.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
+        assert_eq!(idx.lookup(&[1], &[wk(1)], t), vec![1]);
+    }
+
     #[test]
     fn dp_ranks_are_separate_holders() {
         let (idx, t) = index(100, None);
