@@ -4,73 +4,15 @@
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+mod support;
+
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request::Request, HttpHeaders, ProcessingRequest,
-};
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc_until, App};
+use support::{finish_stream, free_port, open_routed_stream, Child};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
-
-fn headers(pairs: &[(&str, &str)]) -> ProcessingRequest {
-    let headers = HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    value: String::new(),
-                    raw_value: v.as_bytes().to_vec(),
-                })
-                .collect(),
-        }),
-        end_of_stream: true,
-        ..Default::default()
-    };
-    ProcessingRequest {
-        request: Some(if pairs[0].0 == ":status" {
-            Request::ResponseHeaders(headers)
-        } else {
-            Request::RequestHeaders(headers)
-        }),
-        ..Default::default()
-    }
-}
-
-type Answers = tonic::Streaming<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse>;
-
-/// Opens an ext_proc stream and has its request headers routed.
-async fn open_routed_stream(
-    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
-) -> (mpsc::Sender<ProcessingRequest>, Answers) {
-    let (tx, rx) = mpsc::channel(4);
-    let mut answers = client
-        .process(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(headers(&[(":method", "GET"), (":path", "/v1/models")]))
-        .await
-        .unwrap();
-    assert!(answers.next().await.unwrap().is_ok(), "routed");
-    (tx, answers)
-}
-
-/// Sends the response headers, expects their answer, and closes the stream.
-async fn finish_stream(tx: mpsc::Sender<ProcessingRequest>, mut answers: Answers) {
-    tx.send(headers(&[(":status", "200")])).await.unwrap();
-    assert!(
-        answers.next().await.unwrap().is_ok(),
-        "response headers answered"
-    );
-    drop(tx);
-    assert!(answers.next().await.is_none());
-}
+use tokio::sync::oneshot;
 
 #[tokio::test]
 async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
@@ -106,25 +48,6 @@ async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
     finish_stream(tx, answers).await;
     let done = tokio::time::timeout(Duration::from_secs(5), server).await;
     assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
-}
-
-/// A free local port (bound and released; the binary binds it again).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Kills the child if the test fails before it exits.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[tokio::test]
