@@ -114,7 +114,11 @@ impl Changes {
             if let Some(m) = &common.header_mutation {
                 c.add_header_mutation(m);
             }
-            c.body = match common.body_mutation.as_ref().and_then(|m| m.mutation.as_ref()) {
+            c.body = match common
+                .body_mutation
+                .as_ref()
+                .and_then(|m| m.mutation.as_ref())
+            {
                 Some(Mutation::Body(b)) => BodyChange::Replace(b.clone()),
                 Some(Mutation::ClearBody(true)) => BodyChange::Clear,
                 Some(Mutation::StreamedResponse(s)) => BodyChange::Streamed {
@@ -320,7 +324,11 @@ mod tests {
             header: Some(HeaderValue {
                 key: key.into(),
                 value: if raw { String::new() } else { value.into() },
-                raw_value: if raw { value.as_bytes().to_vec() } else { vec![] },
+                raw_value: if raw {
+                    value.as_bytes().to_vec()
+                } else {
+                    vec![]
+                },
             }),
             append_action: action as i32,
             ..Default::default()
@@ -358,7 +366,11 @@ mod tests {
             .unwrap();
         assert!(c.clear_route_cache);
         assert_eq!(c.get(DESTINATION_KEY), Some("10.0.0.9:8000"));
-        assert_eq!(c.get("x-old"), Some("v"), "value read when raw_value is empty");
+        assert_eq!(
+            c.get("x-old"),
+            Some("v"),
+            "value read when raw_value is empty"
+        );
         assert_eq!(c.set[1].action, HeaderAppendAction::AddIfAbsent);
         assert_eq!(c.removed, vec!["x-spoof".to_string()]);
         assert_eq!(
@@ -393,7 +405,10 @@ mod tests {
         let a = Answer::of(streamed).unwrap();
         assert!(matches!(
             a.clone().expect(Phase::ResponseBody),
-            Err(ClientError::Unexpected { expected: "response_body", .. })
+            Err(ClientError::Unexpected {
+                expected: "response_body",
+                ..
+            })
         ));
         let c = a.expect(Phase::RequestBody).unwrap().unwrap();
         assert_eq!(

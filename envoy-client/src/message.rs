@@ -250,7 +250,11 @@ mod tests {
         let parts: Vec<_> = msgs.iter().map(body_of).collect();
         assert_eq!(
             parts,
-            vec![(&body[..4], false), (&body[4..8], false), (&body[8..], true)]
+            vec![
+                (&body[..4], false),
+                (&body[4..8], false),
+                (&body[8..], true)
+            ]
         );
         let empty: Vec<_> = body_chunks(&[], 4, true).collect();
         assert_eq!(empty.len(), 1);
@@ -282,9 +286,11 @@ mod tests {
             pc.request_body_mode,
             envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode::Buffered as i32
         );
-        assert!(m.metadata_context.unwrap().filter_metadata[SUBSET_NAMESPACE]
-            .fields
-            .contains_key(SUBSET_KEY));
+        assert!(
+            m.metadata_context.unwrap().filter_metadata[SUBSET_NAMESPACE]
+                .fields
+                .contains_key(SUBSET_KEY)
+        );
         assert!(matches!(
             RequestHeaders::get("/v1/models").build().request,
             Some(Request::RequestHeaders(h)) if h.end_of_stream

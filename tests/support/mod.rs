@@ -1,0 +1,72 @@
+//! What the loopback tests share: a kvpick ext_proc server on loopback and the
+//! Envoy side of its streams ([`envoy_client`]), failing the test on errors.
+
+use std::time::Duration;
+
+use envoy_client::message::RequestHeaders;
+use envoy_client::{Answer, BodyMode, Changes, EnvoyStream, Immediate, Phase};
+use envoy_types::pb::envoy::config::core::v3::Metadata;
+use kvpick::extproc::ExtProcConfig;
+use kvpick::server::{serve_ext_proc, App};
+use tokio::net::TcpListener;
+use tonic::transport::Channel;
+
+/// How long a test waits for each answer (Envoy's `message_timeout`).
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves `app`'s ext_proc service on a loopback port (until the test ends)
+/// and returns the port.
+pub async fn serve(app: &App, config: ExtProcConfig) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(serve_ext_proc(listener, app.ext_proc(config), None));
+    port
+}
+
+/// A plaintext gRPC channel to `port`.
+pub async fn channel(port: u16) -> Channel {
+    Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Opens a stream with JSON POST request headers for `path` (not ending it).
+pub async fn post(
+    ch: &Channel,
+    path: &str,
+    extra: &[(&str, &str)],
+    mode: Option<BodyMode>,
+    metadata: Option<Metadata>,
+) -> EnvoyStream {
+    let mut h = RequestHeaders::post(path).headers(extra);
+    if let Some(m) = mode {
+        h = h.mode(m);
+    }
+    if let Some(md) = metadata {
+        h = h.metadata(md);
+    }
+    EnvoyStream::open(ch, h.build(), ANSWER_TIMEOUT)
+        .await
+        .unwrap()
+}
+
+/// The next answer's changes, which must be for `phase`.
+pub async fn changes(s: &mut EnvoyStream, phase: Phase) -> Changes {
+    match s.phase(phase).await.unwrap() {
+        Ok(c) => c,
+        Err(i) => panic!("expected a {} answer, got {i:?}", phase.name()),
+    }
+}
+
+/// The next answer, which must be an immediate response, and its JSON body.
+pub async fn immediate(s: &mut EnvoyStream) -> (Immediate, serde_json::Value) {
+    match s.answer().await.unwrap() {
+        Answer::Immediate(i) => {
+            let json = serde_json::from_slice(&i.body).expect("error body is JSON");
+            (i, json)
+        }
+        other => panic!("expected an immediate response, got {other:?}"),
+    }
+}
