@@ -16,6 +16,7 @@ use kvpick::extproc::ExtProcConfig;
 use kvpick::server::App;
 use tonic::transport::Channel;
 
+#[allow(dead_code)] // each test binary uses a part of it
 mod support;
 use support::{changes, channel, immediate, post};
 

@@ -23,6 +23,7 @@ use kvpick::server::{serve_ext_proc, App};
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
+#[allow(dead_code)] // each test binary uses a part of it
 mod support;
 use support::{changes, channel, immediate, post, ANSWER_TIMEOUT};
 

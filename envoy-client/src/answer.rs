@@ -2,6 +2,7 @@
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::HeaderValueOption;
+use envoy_types::pb::envoy::service::ext_proc::v3::common_response::ResponseStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     body_mutation::Mutation, processing_response::Response, CommonResponse, HeaderMutation,
     ImmediateResponse, ProcessingResponse,
@@ -90,6 +91,8 @@ pub enum BodyChange {
 /// The mutations of one answer (or of several, merged in order).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Changes {
+    /// `CONTINUE`, or `CONTINUE_AND_REPLACE` (the answer's body replaces the rest).
+    pub status: ResponseStatus,
     /// Headers to set, in order.
     pub set: Vec<SetHeader>,
     /// Headers to remove.
@@ -110,6 +113,7 @@ impl Changes {
             ..Default::default()
         };
         if let Some(common) = common {
+            c.status = ResponseStatus::try_from(common.status).unwrap_or_default();
             c.clear_route_cache = common.clear_route_cache;
             if let Some(m) = &common.header_mutation {
                 c.add_header_mutation(m);
@@ -147,9 +151,12 @@ impl Changes {
     }
 
     /// Adds a later answer's mutations: headers and removals appended, the
-    /// route cache cleared if either clears it, the later body change and
-    /// destination when they have one.
+    /// route cache cleared if either clears it, the later status, body change
+    /// and destination when they are not the defaults.
     pub fn merge(&mut self, later: Changes) {
+        if later.status != ResponseStatus::Continue {
+            self.status = later.status;
+        }
         self.set.extend(later.set);
         self.removed.extend(later.removed);
         self.clear_route_cache |= later.clear_route_cache;
