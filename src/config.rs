@@ -69,6 +69,25 @@ pub struct Args {
     #[arg(long, env = "KVPICK_CERT_PATH")]
     pub cert_path: Option<PathBuf>,
 
+    /// Reload `tls.crt`/`tls.key` (and `--client-ca-path`) when they change:
+    /// new handshakes get the new certificate, open connections keep theirs;
+    /// an invalid or half-written set is refused with a warning.
+    #[arg(long, env = "KVPICK_ENABLE_CERT_RELOAD", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_cert_reload: bool,
+
+    /// With `--enable-cert-reload`: how often the certificate files are read
+    /// for changes (ms).
+    #[arg(long, env = "KVPICK_CERT_RELOAD_INTERVAL_MS", default_value_t = 5_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub cert_reload_interval_ms: u64,
+
+    /// Longest a client may take to finish its TLS handshake on the ext_proc
+    /// port (ms); handshakes run concurrently.
+    #[arg(long, env = "KVPICK_TLS_HANDSHAKE_TIMEOUT_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub tls_handshake_timeout_ms: u64,
+
     /// Standalone mode: a YAML file of endpoints, reloaded when it changes.
     #[arg(long, env = "KVPICK_ENDPOINTS_FILE")]
     pub endpoints_file: Option<PathBuf>,
@@ -554,9 +573,6 @@ pub struct GieFlags {
     pub enable_pprof: Option<bool>,
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub enable_cert_reload: Option<bool>,
-    /// Ignored with a warning.
-    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub metrics_endpoint_auth: Option<bool>,
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
@@ -644,7 +660,6 @@ impl GieFlags {
             ("tracing", self.tracing.is_some()),
             ("health-checking", self.health_checking.is_some()),
             ("enable-pprof", self.enable_pprof.is_some()),
-            ("enable-cert-reload", self.enable_cert_reload.is_some()),
             (
                 "metrics-endpoint-auth",
                 self.metrics_endpoint_auth.is_some(),
@@ -907,6 +922,17 @@ impl Args {
         Ok(Some(mapping))
     }
 
+    /// How often to look for changed certificate files, if at all.
+    pub fn cert_reload_interval(&self) -> Option<Duration> {
+        self.enable_cert_reload
+            .then(|| Duration::from_millis(self.cert_reload_interval_ms))
+    }
+
+    /// The bound on one ext_proc TLS handshake.
+    pub fn tls_handshake_timeout(&self) -> Duration {
+        Duration::from_millis(self.tls_handshake_timeout_ms)
+    }
+
     /// How long open streams may finish on shutdown.
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_millis(self.drain_timeout_ms)
@@ -1075,6 +1101,23 @@ mod tests {
         assert_eq!(c.index.ttl, None);
         assert_eq!(c.weights.decode, 0.5);
         assert_eq!(c.temperature, 0.2);
+    }
+
+    #[test]
+    fn enable_cert_reload_is_honoured_not_warned_about() {
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--enable-cert-reload",
+            "--cert-reload-interval-ms",
+            "250",
+        ])
+        .unwrap();
+        assert_eq!(a.cert_reload_interval(), Some(Duration::from_millis(250)));
+        assert!(a.gie.warnings().is_empty(), "{:?}", a.gie.warnings());
+        let a = Args::try_parse_from(["kvpick", "--enable-cert-reload=false"]).unwrap();
+        assert_eq!(a.cert_reload_interval(), None);
+        assert_eq!(a.tls_handshake_timeout(), Duration::from_secs(10));
+        assert!(Args::try_parse_from(["kvpick", "--cert-reload-interval-ms=0"]).is_err());
     }
 
     #[test]

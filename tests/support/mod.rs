@@ -1,10 +1,14 @@
-//! What the loopback tests share: a kvpick ext_proc server on loopback and the
-//! Envoy side of its streams ([`envoy_client`]), failing the test on errors.
+//! What the integration tests share (each test crate includes this with
+//! `mod support;`): a kvpick ext_proc server on loopback, the Envoy side of its
+//! streams ([`envoy_client`]) failing the test on errors, and the pieces for
+//! running the built binary.
 
 use std::time::Duration;
 
 use envoy_client::message::RequestHeaders;
-use envoy_client::{Answer, BodyMode, Changes, EnvoyStream, Immediate, Phase};
+use envoy_client::{
+    Answer, BodyMode, Changes, ClientError, EnvoyStream, Immediate, Phase, ResponseOutcome,
+};
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
@@ -68,5 +72,46 @@ pub async fn immediate(s: &mut EnvoyStream) -> (Immediate, serde_json::Value) {
             (i, json)
         }
         other => panic!("expected an immediate response, got {other:?}"),
+    }
+}
+
+/// Opens an ext_proc stream and has its request headers (a `GET`, no body) routed.
+pub async fn open_routed_stream(ch: &Channel) -> EnvoyStream {
+    let get = RequestHeaders::get("/v1/models").build();
+    let mut s = EnvoyStream::open(ch, get, ANSWER_TIMEOUT).await.unwrap();
+    changes(&mut s, Phase::RequestHeaders).await;
+    s
+}
+
+/// Sends the response headers (no body), expects their answer, and checks that
+/// the stream then ends cleanly.
+pub async fn finish_stream(mut s: EnvoyStream) {
+    let outcome = s
+        .respond(BodyMode::FullDuplex, "200", &[], None, 0)
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcome, ResponseOutcome::Forwarded { .. }),
+        "response headers answered: {outcome:?}"
+    );
+    assert!(matches!(s.recv().await, Err(ClientError::Closed)));
+}
+
+/// A free local port (bound and released; the binary binds it again).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the child if the test fails before it exits.
+pub struct Child(pub std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
