@@ -63,11 +63,12 @@ fn chat_body(text: &str) -> Vec<u8> {
     .unwrap()
 }
 
-/// Collects streamed request body chunks until end_of_stream; returns (bytes, chunk sizes).
-async fn collect_streamed(s: &mut EnvoyStream) -> (Vec<u8>, Vec<usize>) {
+/// Collects the body streamed back in `phase` answers until end_of_stream;
+/// returns (bytes, chunk sizes).
+async fn collect_streamed(s: &mut EnvoyStream, phase: Phase) -> (Vec<u8>, Vec<usize>) {
     let mut sizes = Vec::new();
     let echo = s
-        .streamed_body(Phase::RequestBody, &mut Changes::default(), &mut sizes)
+        .streamed_body(phase, &mut Changes::default(), &mut sizes)
         .await
         .unwrap()
         .expect("a streamed body, not an immediate response");
@@ -145,7 +146,7 @@ async fn full_duplex_routes_after_body_and_echoes_it() {
     );
     assert_eq!(r.get("x-dp-rank"), Some("0"));
     assert_eq!(r.get("x-prefill-instance-id"), None);
-    let (echo, sizes) = collect_streamed(&mut s).await;
+    let (echo, sizes) = collect_streamed(&mut s, Phase::RequestBody).await;
     assert_eq!(echo, body, "body must come back unchanged");
     assert_eq!(sizes.len(), 1);
 }
@@ -171,7 +172,7 @@ async fn large_prompt_is_echoed_in_62000_byte_chunks() {
     .await;
     s.send(request_body(&body, true)).await.unwrap();
     changes(&mut s, Phase::RequestHeaders).await;
-    let (echo, sizes) = collect_streamed(&mut s).await;
+    let (echo, sizes) = collect_streamed(&mut s, Phase::RequestBody).await;
     assert_eq!(echo, body);
     assert_eq!(sizes.len(), body.len().div_ceil(62_000));
     assert!(sizes.iter().all(|n| *n <= 62_000));
@@ -227,7 +228,7 @@ async fn mode_is_inferred_without_protocol_config() {
         .unwrap();
     let r = changes(&mut s, Phase::RequestHeaders).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
-    let (echo, _) = collect_streamed(&mut s).await;
+    let (echo, _) = collect_streamed(&mut s, Phase::RequestBody).await;
     assert_eq!(echo, br#"{"model":"m","prompt":"hi"}"#);
 }
 
@@ -476,12 +477,7 @@ async fn response_path_releases_in_flight() {
     s.send(response_body(b"data: [DONE]\n\n", true))
         .await
         .unwrap();
-    let mut sizes = Vec::new();
-    let echoed = s
-        .streamed_body(Phase::ResponseBody, &mut Changes::default(), &mut sizes)
-        .await
-        .unwrap()
-        .expect("full-duplex response body must be streamed back");
+    let (echoed, sizes) = collect_streamed(&mut s, Phase::ResponseBody).await;
     assert_eq!(sizes.len(), 2, "one answer per chunk");
     assert_eq!(echoed, [&sse[..], b"data: [DONE]\n\n"].concat());
     wait_in_flight(&srv.app, 0).await;

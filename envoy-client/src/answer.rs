@@ -297,33 +297,15 @@ pub enum Decision {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::message::one_field;
     use envoy_types::pb::envoy::config::core::v3::HeaderValue;
     use envoy_types::pb::envoy::service::ext_proc::v3::{
         BodyMutation, BodyResponse, HeadersResponse, StreamedBodyResponse,
     };
-    use envoy_types::pb::google::protobuf::Value;
 
     fn lb(dest: &str) -> Struct {
-        let inner = Struct {
-            fields: [(
-                DESTINATION_KEY.to_string(),
-                Value {
-                    kind: Some(Kind::StringValue(dest.into())),
-                },
-            )]
-            .into_iter()
-            .collect(),
-        };
-        Struct {
-            fields: [(
-                LB_NAMESPACE.to_string(),
-                Value {
-                    kind: Some(Kind::StructValue(inner)),
-                },
-            )]
-            .into_iter()
-            .collect(),
-        }
+        let inner = one_field(DESTINATION_KEY, Kind::StringValue(dest.into()));
+        one_field(LB_NAMESPACE, Kind::StructValue(inner))
     }
 
     fn set(key: &str, value: &str, action: HeaderAppendAction, raw: bool) -> HeaderValueOption {

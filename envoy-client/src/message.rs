@@ -207,15 +207,18 @@ pub fn body_chunks(
 /// addresses, or a comma-separated string).
 pub fn subset_hint(value: Kind) -> Metadata {
     let mut md = Metadata::default();
-    md.filter_metadata.insert(
-        SUBSET_NAMESPACE.into(),
-        Struct {
-            fields: [(SUBSET_KEY.to_string(), Value { kind: Some(value) })]
-                .into_iter()
-                .collect(),
-        },
-    );
+    md.filter_metadata
+        .insert(SUBSET_NAMESPACE.into(), one_field(SUBSET_KEY, value));
     md
+}
+
+/// A protobuf struct of one field.
+pub fn one_field(key: &str, value: Kind) -> Struct {
+    Struct {
+        fields: [(key.to_string(), Value { kind: Some(value) })]
+            .into_iter()
+            .collect(),
+    }
 }
 
 /// A list of strings as a protobuf value.
