@@ -575,7 +575,7 @@ pub async fn run_until(
     if let Some(tls) = &tls {
         app.metrics.register_tls_reloads(tls.stats());
         if args.enable_cert_reload && !tls.reloads() {
-            warn!("--enable-cert-reload without --cert-path: a self-signed certificate is never reloaded");
+            warn!("--enable-cert-reload with neither --cert-path nor --client-ca-path: a self-signed certificate is never reloaded");
         }
     }
     let grpc = bind(SocketAddr::new(args.bind_address, args.grpc_port)).await?;

@@ -90,7 +90,7 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct ServerTls {
     current: Arc<ArcSwap<ServerConfig>>,
-    files: Option<Arc<Files>>,
+    source: Arc<Source>,
     reload_every: Option<Duration>,
     handshake_timeout: Duration,
     stats: Arc<ReloadStats>,
@@ -110,28 +110,27 @@ pub fn ext_proc(
             None => Ok(None),
         };
     }
-    Ok(Some(match cert_dir {
-        Some(dir) => ServerTls::from_files(Files::new(dir, client_ca))?,
+    let identity = match cert_dir {
+        Some(dir) => Identity::Files {
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+        },
         None => {
             let (cert, key) = generate(&["localhost"])?;
-            let ca = client_ca.map(|f| read(f).map(|pem| (f, pem))).transpose()?;
-            let ca = ca.as_ref().map(|(f, pem)| (*f, pem.as_slice()));
-            let config = server_config(
-                (Path::new("self-signed"), cert.as_bytes()),
-                (Path::new("self-signed"), key.as_bytes()),
-                ca,
-            )?;
-            ServerTls::new(config, None)
+            Identity::SelfSigned { cert, key }
         }
-    }))
+    };
+    ServerTls::load(Source::new(identity, client_ca)).map(Some)
 }
 
 /// A self-signed certificate (and its PEM, so tests can trust it) for `names`.
 pub fn self_signed(names: &[&str]) -> Result<(ServerTls, String), TlsError> {
     let (cert, key) = generate(names)?;
-    let label = Path::new("self-signed");
-    let config = server_config((label, cert.as_bytes()), (label, key.as_bytes()), None)?;
-    Ok((ServerTls::new(config, None), cert))
+    let identity = Identity::SelfSigned {
+        cert: cert.clone(),
+        key,
+    };
+    Ok((ServerTls::load(Source::new(identity, None))?, cert))
 }
 
 /// (certificate PEM, key PEM) of a new self-signed certificate for `names`.
@@ -142,33 +141,30 @@ fn generate(names: &[&str]) -> Result<(String, String), TlsError> {
 }
 
 impl ServerTls {
-    fn new(config: ServerConfig, files: Option<Files>) -> Self {
-        ServerTls {
+    fn load(source: Source) -> Result<Self, TlsError> {
+        let contents = source.read()?;
+        let config = contents.server_config(&source)?;
+        source.set_seen(contents.digest());
+        Ok(ServerTls {
             current: Arc::new(ArcSwap::from_pointee(config)),
-            files: files.map(Arc::new),
+            source: Arc::new(source),
             reload_every: None,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             stats: Arc::default(),
-        }
+        })
     }
 
-    fn from_files(files: Files) -> Result<Self, TlsError> {
-        let contents = files.read()?;
-        let config = contents.server_config(&files)?;
-        files.set_seen(contents.digest());
-        Ok(ServerTls::new(config, Some(files)))
-    }
-
-    /// Reads the certificate files again every `interval` while [`Self::watch`]
-    /// runs. A self-signed certificate has no files: this changes nothing then.
+    /// Reads the certificate files (and the client CA) again every `interval`
+    /// while [`Self::watch`] runs. A self-signed certificate is never reloaded.
     pub fn reload_every(mut self, interval: Duration) -> Self {
         self.reload_every = Some(interval);
         self
     }
 
-    /// Whether [`Self::watch`] reloads anything (files and an interval are set).
+    /// Whether [`Self::watch`] reloads anything: an interval is set and there
+    /// are files (certificate or client CA) to read.
     pub fn reloads(&self) -> bool {
-        self.files.is_some() && self.reload_every.is_some()
+        self.reload_every.is_some() && self.source.has_files()
     }
 
     /// Bounds each handshake: a client that has not finished by then is dropped.
@@ -186,7 +182,7 @@ impl ServerTls {
     /// with [`Self::reload_every`]; never completes (pending forever when there
     /// is nothing to reload). Drop it to stop.
     pub async fn watch(&self) {
-        let (Some(files), Some(every)) = (&self.files, self.reload_every) else {
+        let Some(every) = self.reload_every.filter(|_| self.reloads()) else {
             return std::future::pending().await;
         };
         let mut tick = tokio::time::interval(every);
@@ -194,26 +190,27 @@ impl ServerTls {
         tick.tick().await;
         loop {
             tick.tick().await;
-            self.check(files);
+            self.check();
         }
     }
 
     /// Takes the files' contents if they changed since the last look and are
     /// valid; counts and logs either way. Reads are a few KiB of local files.
-    fn check(&self, files: &Files) {
-        let read = files.read();
+    fn check(&self) {
+        let source = &self.source;
+        let read = source.read();
         let digest = match &read {
             Ok(contents) => contents.digest(),
             Err(e) => Sha256::digest(error_chain(e)).into(),
         };
-        if !files.set_seen(digest) {
+        if !source.set_seen(digest) {
             return;
         }
-        match read.and_then(|contents| contents.server_config(files)) {
+        match read.and_then(|contents| contents.server_config(source)) {
             Ok(config) => {
                 self.current.store(Arc::new(config));
                 self.stats.reloaded.fetch_add(1, Ordering::Relaxed);
-                info!(cert = %files.cert.display(), "ext_proc TLS certificate reloaded");
+                info!(source = ?source.identity, client_ca = ?source.client_ca, "ext_proc TLS certificate reloaded");
             }
             Err(e) => {
                 self.stats.rejected.fetch_add(1, Ordering::Relaxed);
@@ -300,30 +297,58 @@ impl ReloadStats {
     }
 }
 
-/// The files a certificate is loaded from.
+/// Where the server certificate and key come from.
+enum Identity {
+    /// `tls.crt` and `tls.key` in `--cert-path`, read again on reload.
+    Files { cert: PathBuf, key: PathBuf },
+    /// Made at start-up (certificate PEM, key PEM); never changes.
+    SelfSigned { cert: String, key: String },
+}
+
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Identity::Files { cert, .. } => write!(f, "{}", cert.display()),
+            Identity::SelfSigned { .. } => f.write_str("self-signed"),
+        }
+    }
+}
+
+/// Where a TLS config is loaded from.
 #[derive(Debug)]
-struct Files {
-    cert: PathBuf,
-    key: PathBuf,
+struct Source {
+    identity: Identity,
     client_ca: Option<PathBuf>,
     /// The digest of the contents last looked at.
     seen: parking_lot::Mutex<[u8; 32]>,
 }
 
-/// What [`Files`] held at one read.
+/// What a [`Source`] held at one read.
 struct Contents {
     cert: Vec<u8>,
     key: Vec<u8>,
     client_ca: Option<Vec<u8>>,
 }
 
-impl Files {
-    fn new(dir: &Path, client_ca: Option<&Path>) -> Self {
-        Files {
-            cert: dir.join("tls.crt"),
-            key: dir.join("tls.key"),
+impl Source {
+    fn new(identity: Identity, client_ca: Option<&Path>) -> Self {
+        Source {
+            identity,
             client_ca: client_ca.map(Path::to_path_buf),
             seen: Default::default(),
+        }
+    }
+
+    /// Whether anything here comes from a file that can change.
+    fn has_files(&self) -> bool {
+        matches!(self.identity, Identity::Files { .. }) || self.client_ca.is_some()
+    }
+
+    /// The (certificate, key) labels errors name.
+    fn labels(&self) -> (&Path, &Path) {
+        match &self.identity {
+            Identity::Files { cert, key } => (cert, key),
+            Identity::SelfSigned { .. } => (Path::new("self-signed"), Path::new("self-signed")),
         }
     }
 
@@ -336,9 +361,13 @@ impl Files {
     }
 
     fn read(&self) -> Result<Contents, TlsError> {
+        let (cert, key) = match &self.identity {
+            Identity::Files { cert, key } => (read(cert)?, read(key)?),
+            Identity::SelfSigned { cert, key } => (cert.clone().into(), key.clone().into()),
+        };
         Ok(Contents {
-            cert: read(&self.cert)?,
-            key: read(&self.key)?,
+            cert,
+            key,
             client_ca: self.client_ca.as_deref().map(read).transpose()?,
         })
     }
@@ -355,12 +384,13 @@ impl Contents {
         h.finalize().into()
     }
 
-    fn server_config(&self, files: &Files) -> Result<ServerConfig, TlsError> {
-        let ca = match (&files.client_ca, &self.client_ca) {
+    fn server_config(&self, source: &Source) -> Result<ServerConfig, TlsError> {
+        let ca = match (&source.client_ca, &self.client_ca) {
             (Some(f), Some(pem)) => Some((f.as_path(), pem.as_slice())),
             _ => None,
         };
-        server_config((&files.cert, &self.cert), (&files.key, &self.key), ca)
+        let (cert_file, key_file) = source.labels();
+        server_config((cert_file, &self.cert), (key_file, &self.key), ca)
     }
 }
 
@@ -489,30 +519,61 @@ mod tests {
         let (cert, key) = pair("a");
         std::fs::write(dir.join("tls.crt"), &cert).unwrap();
         std::fs::write(dir.join("tls.key"), &key).unwrap();
-        let tls = ServerTls::from_files(Files::new(&dir, None)).unwrap();
-        let files = tls.files.clone().unwrap();
+        let files = Identity::Files {
+            cert: dir.join("tls.crt"),
+            key: dir.join("tls.key"),
+        };
+        let tls = ServerTls::load(Source::new(files, None)).unwrap();
         let first = tls.current.load_full();
 
-        tls.check(&files);
+        tls.check();
         assert_eq!((tls.stats.reloaded(), tls.stats.rejected()), (0, 0));
         assert!(Arc::ptr_eq(&first, &tls.current.load_full()));
 
         let (new_cert, new_key) = pair("b");
         std::fs::write(dir.join("tls.crt"), &new_cert).unwrap();
-        tls.check(&files);
-        tls.check(&files);
+        tls.check();
+        tls.check();
         assert_eq!((tls.stats.reloaded(), tls.stats.rejected()), (0, 1));
         assert!(Arc::ptr_eq(&first, &tls.current.load_full()));
 
         std::fs::write(dir.join("tls.key"), &new_key).unwrap();
-        tls.check(&files);
+        tls.check();
         assert_eq!((tls.stats.reloaded(), tls.stats.rejected()), (1, 1));
         assert!(!Arc::ptr_eq(&first, &tls.current.load_full()));
 
         std::fs::remove_file(dir.join("tls.key")).unwrap();
-        tls.check(&files);
-        tls.check(&files);
+        tls.check();
+        tls.check();
         assert_eq!((tls.stats.reloaded(), tls.stats.rejected()), (1, 2));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_self_signed_server_reloads_its_client_ca() {
+        let dir = std::env::temp_dir().join(format!("kvpick-tls-unit-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca_file = dir.join("ca.crt");
+        let (first_ca, _) = pair("ca-1");
+        std::fs::write(&ca_file, &first_ca).unwrap();
+        let tls = ext_proc(true, None, Some(&ca_file))
+            .unwrap()
+            .unwrap()
+            .reload_every(Duration::from_millis(10));
+        assert!(tls.reloads());
+        let first = tls.current.load_full();
+        std::fs::write(&ca_file, "not a CA").unwrap();
+        tls.check();
+        assert_eq!((tls.stats.reloaded(), tls.stats.rejected()), (0, 1));
+        assert!(Arc::ptr_eq(&first, &tls.current.load_full()));
+        let (second_ca, _) = pair("ca-2");
+        std::fs::write(&ca_file, &second_ca).unwrap();
+        tls.check();
+        assert_eq!((tls.stats.reloaded(), tls.stats.rejected()), (1, 1));
+        assert!(!Arc::ptr_eq(&first, &tls.current.load_full()));
+        // Nothing to reload without files.
+        let (plain, _) = self_signed(&["localhost"]).unwrap();
+        assert!(!plain.reload_every(Duration::from_millis(10)).reloads());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
