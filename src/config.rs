@@ -244,6 +244,11 @@ pub struct Args {
     #[arg(long, env = "KVPICK_PREFIX_TTL_SECS", default_value_t = 900)]
     pub prefix_ttl_secs: u64,
 
+    /// Precise workers: seconds a routed prompt counts as held there
+    /// (provisional entries) until its KV events say so.
+    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value_t = 10)]
+    pub provisional_ttl_secs: u64,
+
     /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
     /// block count is scraped (then `num_gpu_blocks` × `--prefix-precise-slack`);
     /// stores beyond the cap are dropped and counted.
@@ -870,6 +875,7 @@ impl Args {
                 default_precise_limit: self.prefix_precise_max_blocks,
                 precise_slack: self.prefix_precise_slack.max(1.0),
             },
+            provisional_ttl: Duration::from_secs(self.provisional_ttl_secs.max(1)),
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
             vision: self.vision_prompt().map(|v| v.model),

@@ -82,8 +82,8 @@ const MAX_PENDING_HANDSHAKES: usize = 1024;
 /// How long accepting pauses after the listener fails (out of descriptors).
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 
-/// The default bound on one TLS handshake.
-pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The bound on one TLS handshake unless [`ServerTls::handshake_timeout`] sets another.
+const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The ext_proc port's TLS: the rustls config new handshakes use, and where it
 /// is reloaded from.

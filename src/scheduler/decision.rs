@@ -69,6 +69,9 @@ pub struct Decision {
     pub overlap_blocks: usize,
     /// Blocks this request adds to its targets' active load until it finishes.
     pub load_blocks: u64,
+    /// Of `load_blocks`, those the decode target had left to prefill (not
+    /// cached there when routed): its queued work while it waits.
+    pub uncached_blocks: u64,
     /// Expected output blocks (`agent_hints.osl` or the default) added to the
     /// decode rank's load on top of `load_blocks`.
     pub decode_blocks: u64,

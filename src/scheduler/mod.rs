@@ -23,6 +23,7 @@ mod decision;
 mod explain;
 #[cfg(test)]
 mod health_tests;
+mod overlap;
 mod pick;
 #[cfg(test)]
 mod prop_tests;
@@ -30,6 +31,7 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
+use cost::ActiveLoad;
 pub use cost::{CostTerms, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation, FilteredOut};
@@ -73,6 +75,9 @@ pub struct SchedulerConfig {
     pub scrape_max_age: Duration,
     /// Prefix index settings.
     pub index: IndexConfig,
+    /// How long a prompt routed to a precise worker counts as held there
+    /// (provisional entries) while its KV events have not said so.
+    pub provisional_ttl: Duration,
     /// Response header carrying the signed session token.
     pub session_token_header: String,
     /// HMAC key for session tokens (empty: a random per-process key).
@@ -115,6 +120,7 @@ impl Default for SchedulerConfig {
             temperature: 0.0,
             scrape_max_age: Duration::from_secs(5),
             index: IndexConfig::default(),
+            provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             session_token_header: "x-kvpick-session".into(),
             session_key: Vec::new(),
             vision: None,
@@ -132,6 +138,10 @@ impl Default for SchedulerConfig {
 /// Router's `maxPrefixTokensToMatch` default, one context window of large models).
 pub const DEFAULT_MAX_PREFIX_TOKENS: usize = 131_072;
 
+/// Default [`SchedulerConfig::provisional_ttl`]: long enough for a queued
+/// prefill to complete and its KV event to arrive under load.
+pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(10);
+
 /// Default [`SchedulerConfig::max_request_load_blocks`]: 16384 blocks, about
 /// 256k tokens (16-token blocks) or 1 MiB of text (64-byte blocks).
 pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
@@ -141,9 +151,12 @@ pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
 pub struct Scheduler {
     config: SchedulerConfig,
     index: Arc<PrefixIndex>,
+    /// Prompts routed to precise workers, until their TTL (see `overlap.rs`).
+    provisional: PrefixIndex,
     sessions: SessionStore,
-    /// Active load per rank in blocks (prompts of unfinished requests).
-    active: DashMap<WorkerKey, u64, KeyHash>,
+    /// Active load per rank (prompts of unfinished requests, and what of them
+    /// was left to prefill).
+    active: DashMap<WorkerKey, ActiveLoad, KeyHash>,
     stats: SchedulerStats,
 }
 
@@ -158,6 +171,10 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
+            provisional: PrefixIndex::new(IndexConfig {
+                ttl: Some(config.provisional_ttl),
+                ..config.index
+            }),
             sessions: SessionStore::with_config(SessionConfig {
                 key: config.session_key.clone(),
                 max_entries: config.session_max_entries,
@@ -191,7 +208,13 @@ impl Scheduler {
 
     /// Active load of a rank in blocks.
     pub fn active_blocks(&self, key: WorkerKey) -> u64 {
-        self.active.get(&key).map_or(0, |v| *v)
+        self.active.get(&key).map_or(0, |v| v.blocks)
+    }
+
+    /// A rank's active load: booked blocks and, of them, the blocks its requests
+    /// had left to prefill when they were routed.
+    pub(crate) fn active_load(&self, key: WorkerKey) -> ActiveLoad {
+        self.active.get(&key).map_or(ActiveLoad::default(), |v| *v)
     }
 
     /// The chained prefix block hashes of a request body (at most
@@ -255,25 +278,36 @@ impl Scheduler {
     pub fn cancel(&self, decision: &Decision) {
         self.release(
             decision.decode.key(),
-            decision.load_blocks + decision.decode_blocks,
+            ActiveLoad {
+                blocks: decision.load_blocks + decision.decode_blocks,
+                uncached: decision.uncached_blocks,
+            },
         );
         if let Some(p) = &decision.prefill {
-            self.release(p.key(), decision.load_blocks);
+            self.release(
+                p.key(),
+                ActiveLoad {
+                    blocks: decision.load_blocks,
+                    uncached: decision.load_blocks,
+                },
+            );
         }
     }
 
-    fn release(&self, key: WorkerKey, size: u64) {
+    fn release(&self, key: WorkerKey, load: ActiveLoad) {
         if let Some(mut v) = self.active.get_mut(&key) {
-            *v = v.saturating_sub(size);
+            v.blocks = v.blocks.saturating_sub(load.blocks);
+            v.uncached = v.uncached.saturating_sub(load.uncached);
         }
     }
 
     /// Periodic upkeep: reaps expired sessions, purges expired index entries, and
-    /// forgets the approximate index entries and idle load of ranks no longer in
+    /// forgets the approximate and provisional index entries and idle load of ranks no longer in
     /// `snapshot` (precise workers are left to the KV-event subscriber).
     pub fn maintain(&self, snapshot: &Snapshot, now: Instant) -> usize {
         let reaped = self.sessions.reap(now);
         self.index.purge_expired(now);
+        self.provisional.purge_expired(now);
         let live: HashSet<WorkerKey> = snapshot
             .endpoints
             .iter()
@@ -284,7 +318,12 @@ impl Scheduler {
                 self.index.clear_worker(w);
             }
         }
-        self.active.retain(|k, v| *v > 0 || live.contains(k));
+        for w in self.provisional.workers() {
+            if !live.contains(&w) {
+                self.provisional.clear_worker(w);
+            }
+        }
+        self.active.retain(|k, v| v.blocks > 0 || live.contains(k));
         reaped
     }
 }
