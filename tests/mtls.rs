@@ -10,10 +10,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+#[allow(dead_code)] // each test binary uses a part of it
 mod support;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
+use envoy_client::message::RequestHeaders;
+use envoy_client::EnvoyStream;
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
@@ -28,7 +29,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore};
-use tokio_stream::StreamExt;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 type Ca = CertifiedIssuer<'static, KeyPair>;
@@ -150,22 +150,16 @@ async fn connect(port: u16, ca_pem: &str, identity: Option<(String, String)>) ->
         .ok()
 }
 
-fn get_models() -> ProcessingRequest {
-    support::headers(&[(":method", "GET"), (":path", "/v1/models")])
-}
-
 /// Whether a client with `identity` gets a routing answer from the server.
 async fn routed(port: u16, ca_pem: &str, identity: Option<(String, String)>) -> bool {
     let Some(ch) = connect(port, ca_pem, identity).await else {
         return false;
     };
-    let Ok(answers) = ExternalProcessorClient::new(ch)
-        .process(tokio_stream::iter([get_models()]))
-        .await
-    else {
+    let get = RequestHeaders::get("/v1/models").build();
+    let Ok(mut s) = EnvoyStream::open(&ch, get, support::ANSWER_TIMEOUT).await else {
         return false;
     };
-    matches!(answers.into_inner().next().await, Some(Ok(_)))
+    s.recv().await.is_ok()
 }
 
 /// The leaf certificate (DER) a new handshake on `port` is shown, checked
@@ -253,7 +247,7 @@ async fn rotated_files_reach_new_handshakes_while_an_open_stream_keeps_working()
 
     // An ext_proc stream open on a connection made with the old certificate.
     let ch = connect(port, &old_ca.pem(), None).await.unwrap();
-    let (tx, answers) = support::open_routed_stream(&mut ExternalProcessorClient::new(ch)).await;
+    let stream = support::open_routed_stream(&ch).await;
 
     let new = server_leaf(&next_ca);
     write_pair(&dir, &new);
@@ -271,7 +265,7 @@ async fn rotated_files_reach_new_handshakes_while_an_open_stream_keeps_working()
 
     // The stream opened before the rotation goes on, on its old connection:
     // its response headers are answered and it ends cleanly.
-    support::finish_stream(tx, answers).await;
+    support::finish_stream(stream).await;
     let _ = std::fs::remove_dir_all(&dir);
 }
 

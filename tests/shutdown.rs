@@ -4,15 +4,16 @@
 
 use std::time::Duration;
 
+#[allow(dead_code)] // each test binary uses a part of it
 mod support;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc_until, App};
 use support::{finish_stream, free_port, open_routed_stream, Child};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
+use tonic::transport::Channel;
 
 #[tokio::test]
 async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
@@ -30,10 +31,8 @@ async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
             let _ = stopped.await;
         },
     ));
-    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let (tx, answers) = open_routed_stream(&mut client).await;
+    let ch = support::channel(addr.port()).await;
+    let stream = open_routed_stream(&ch).await;
     // Mid-stream (the response path is still to come): shut down.
     stop.send(()).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -45,7 +44,7 @@ async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
         !server.is_finished(),
         "the server stopped before the stream ended"
     );
-    finish_stream(tx, answers).await;
+    finish_stream(stream).await;
     let done = tokio::time::timeout(Duration::from_secs(5), server).await;
     assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
 }
@@ -77,8 +76,8 @@ async fn the_binary_drains_on_sigterm_and_exits_zero_before_the_deadline() {
     );
     let addr = format!("http://127.0.0.1:{grpc}");
     let started = std::time::Instant::now();
-    let mut client = loop {
-        match ExternalProcessorClient::connect(addr.clone()).await {
+    let ch = loop {
+        match Channel::from_shared(addr.clone()).unwrap().connect().await {
             Ok(c) => break c,
             Err(e) => {
                 assert!(
@@ -90,7 +89,7 @@ async fn the_binary_drains_on_sigterm_and_exits_zero_before_the_deadline() {
             }
         }
     };
-    let (tx, answers) = open_routed_stream(&mut client).await;
+    let stream = open_routed_stream(&ch).await;
 
     // Mid-stream: SIGTERM.
     let status = std::process::Command::new("kill")
@@ -108,7 +107,7 @@ async fn the_binary_drains_on_sigterm_and_exits_zero_before_the_deadline() {
         child.0.try_wait().unwrap().is_none(),
         "kvpick exited with a stream still open"
     );
-    finish_stream(tx, answers).await;
+    finish_stream(stream).await;
     let exit = loop {
         if let Some(s) = child.0.try_wait().unwrap() {
             break s;

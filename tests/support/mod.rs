@@ -1,72 +1,100 @@
-//! Envoy-side ext_proc messages and streams, and the pieces for running the
-//! built binary, shared by the integration tests (each test crate includes
-//! this with `mod support;`).
+//! What the integration tests share (each test crate includes this with
+//! `mod support;`): a kvpick ext_proc server on loopback, the Envoy side of its
+//! streams ([`envoy_client`]) failing the test on errors, and the pieces for
+//! running the built binary.
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request::Request, HttpHeaders, ProcessingRequest, ProcessingResponse,
+use std::time::Duration;
+
+use envoy_client::message::RequestHeaders;
+use envoy_client::{
+    Answer, BodyMode, Changes, ClientError, EnvoyStream, Immediate, Phase, ResponseOutcome,
 };
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
+use envoy_types::pb::envoy::config::core::v3::Metadata;
+use kvpick::extproc::ExtProcConfig;
+use kvpick::server::{serve_ext_proc, App};
+use tokio::net::TcpListener;
+use tonic::transport::Channel;
 
-/// Headers with end of stream: response headers when the first pair is
-/// `:status`, else request headers.
-pub fn headers(pairs: &[(&str, &str)]) -> ProcessingRequest {
-    let headers = HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    value: String::new(),
-                    raw_value: v.as_bytes().to_vec(),
-                })
-                .collect(),
-        }),
-        end_of_stream: true,
-        ..Default::default()
-    };
-    ProcessingRequest {
-        request: Some(if pairs[0].0 == ":status" {
-            Request::ResponseHeaders(headers)
-        } else {
-            Request::RequestHeaders(headers)
-        }),
-        ..Default::default()
+/// How long a test waits for each answer (Envoy's `message_timeout`).
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves `app`'s ext_proc service on a loopback port (until the test ends)
+/// and returns the port.
+pub async fn serve(app: &App, config: ExtProcConfig) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(serve_ext_proc(listener, app.ext_proc(config), None));
+    port
+}
+
+/// A plaintext gRPC channel to `port`.
+pub async fn channel(port: u16) -> Channel {
+    Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Opens a stream with JSON POST request headers for `path` (not ending it).
+pub async fn post(
+    ch: &Channel,
+    path: &str,
+    extra: &[(&str, &str)],
+    mode: Option<BodyMode>,
+    metadata: Option<Metadata>,
+) -> EnvoyStream {
+    let mut h = RequestHeaders::post(path).headers(extra);
+    if let Some(m) = mode {
+        h = h.mode(m);
+    }
+    if let Some(md) = metadata {
+        h = h.metadata(md);
+    }
+    EnvoyStream::open(ch, h.build(), ANSWER_TIMEOUT)
+        .await
+        .unwrap()
+}
+
+/// The next answer's changes, which must be for `phase`.
+pub async fn changes(s: &mut EnvoyStream, phase: Phase) -> Changes {
+    match s.phase(phase).await.unwrap() {
+        Ok(c) => c,
+        Err(i) => panic!("expected a {} answer, got {i:?}", phase.name()),
     }
 }
 
-/// The answers of one ext_proc stream.
-pub type Answers = tonic::Streaming<ProcessingResponse>;
-
-/// Opens an ext_proc stream and has its request headers routed.
-pub async fn open_routed_stream(
-    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
-) -> (mpsc::Sender<ProcessingRequest>, Answers) {
-    let (tx, rx) = mpsc::channel(4);
-    let mut answers = client
-        .process(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(headers(&[(":method", "GET"), (":path", "/v1/models")]))
-        .await
-        .unwrap();
-    assert!(answers.next().await.unwrap().is_ok(), "routed");
-    (tx, answers)
+/// The next answer, which must be an immediate response, and its JSON body.
+pub async fn immediate(s: &mut EnvoyStream) -> (Immediate, serde_json::Value) {
+    match s.answer().await.unwrap() {
+        Answer::Immediate(i) => {
+            let json = serde_json::from_slice(&i.body).expect("error body is JSON");
+            (i, json)
+        }
+        other => panic!("expected an immediate response, got {other:?}"),
+    }
 }
 
-/// Sends the response headers, expects their answer, and closes the stream.
-pub async fn finish_stream(tx: mpsc::Sender<ProcessingRequest>, mut answers: Answers) {
-    tx.send(headers(&[(":status", "200")])).await.unwrap();
+/// Opens an ext_proc stream and has its request headers (a `GET`, no body) routed.
+pub async fn open_routed_stream(ch: &Channel) -> EnvoyStream {
+    let get = RequestHeaders::get("/v1/models").build();
+    let mut s = EnvoyStream::open(ch, get, ANSWER_TIMEOUT).await.unwrap();
+    changes(&mut s, Phase::RequestHeaders).await;
+    s
+}
+
+/// Sends the response headers (no body), expects their answer, and checks that
+/// the stream then ends cleanly.
+pub async fn finish_stream(mut s: EnvoyStream) {
+    let outcome = s
+        .respond(BodyMode::FullDuplex, "200", &[], None, 0)
+        .await
+        .unwrap();
     assert!(
-        answers.next().await.unwrap().is_ok(),
-        "response headers answered"
+        matches!(outcome, ResponseOutcome::Forwarded { .. }),
+        "response headers answered: {outcome:?}"
     );
-    drop(tx);
-    assert!(answers.next().await.is_none());
+    assert!(matches!(s.recv().await, Err(ClientError::Closed)));
 }
 
 /// A free local port (bound and released; the binary binds it again).
