@@ -1137,7 +1137,6 @@ mod routing {
     /// KV events hold those tokens.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_tokenized_chat_request_follows_the_events_through_ext_proc() {
-        use envoy_client::{BodyMode, Decision, RequestBody};
         use kvpick::extproc::ExtProcConfig;
 
         let mut pub_socket = PubSocket::new();
@@ -1206,21 +1205,7 @@ mod routing {
                 .await;
         let bytes = serde_json::to_vec(&body).unwrap();
         for _ in 0..3 {
-            let mut s = crate::support::post(
-                &ch,
-                "/v1/chat/completions",
-                &[],
-                Some(BodyMode::FullDuplex),
-                None,
-            )
-            .await;
-            let whole = RequestBody::Whole {
-                bytes: &bytes,
-                chunk: bytes.len(),
-            };
-            let Decision::Routed(r) = s.decide(BodyMode::FullDuplex, whole).await.unwrap() else {
-                panic!("expected a routed request");
-            };
+            let (_, r) = crate::support::routed_chat(&ch, &bytes, &[], None).await;
             let worker: u64 = r
                 .changes
                 .get("x-worker-instance-id")
