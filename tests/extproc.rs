@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_client::message::{
-    request_body, response_body, response_headers, string_list, subset_hint, RequestHeaders,
+    request_body, request_trailers, response_body, response_headers, response_trailers,
+    string_list, subset_hint, RequestHeaders,
 };
 use envoy_client::{
     Answer, BodyChange, BodyMode, Changes, ClientError, EnvoyStream, Phase, ResponseOutcome,
@@ -901,4 +902,59 @@ async fn response_usage_and_sizes_feed_the_objective_metrics() {
         line("inference_objective_response_sizes_sum").ends_with(&format!(" {response_bytes}.0"))
     );
     assert!(line("inference_objective_request_sizes_sum").ends_with(&format!(" {}.0", body.len())));
+}
+
+/// Trailers end a body the way `end_of_stream` does: request trailers after an
+/// unfinished full-duplex body route the request, then the body streams back and
+/// the trailers are answered; response trailers end the response and the request.
+#[tokio::test]
+async fn trailers_end_the_request_and_the_response() {
+    let srv = start(pool(2)).await;
+    let ch = channel(srv.port).await;
+    let mut s = post(
+        &ch,
+        "/v1/chat/completions",
+        &[],
+        Some(BodyMode::FullDuplex),
+        None,
+    )
+    .await;
+    let body = chat_body("with trailers");
+    s.send(request_body(&body, false)).await.unwrap();
+    assert!(s.silent_for(Duration::from_millis(200)).await);
+    s.send(request_trailers(&[("x-checksum", "1")]))
+        .await
+        .unwrap();
+    let r = changes(&mut s, Phase::RequestHeaders).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+    // The body comes back without `end_of_stream` (the trailers end it), then
+    // the trailers' answer.
+    let mut echo = Vec::new();
+    loop {
+        match s.answer().await.unwrap() {
+            Answer::Continue(Phase::RequestBody, c) => match c.body {
+                BodyChange::Streamed {
+                    body,
+                    end_of_stream: false,
+                } => echo.extend_from_slice(&body),
+                other => panic!("expected a streamed chunk, got {other:?}"),
+            },
+            Answer::Continue(Phase::RequestTrailers, _) => break,
+            other => panic!("expected the body or the trailers' answer, got {other:?}"),
+        }
+    }
+    assert_eq!(echo, body);
+    assert_eq!(total_in_flight(&srv.app), 1);
+
+    s.send(response_headers("200", &[], false)).await.unwrap();
+    changes(&mut s, Phase::ResponseHeaders).await;
+    s.send(response_body(b"data: [DONE]\n\n", false))
+        .await
+        .unwrap();
+    changes(&mut s, Phase::ResponseBody).await;
+    s.send(response_trailers(&[("grpc-status", "0")]))
+        .await
+        .unwrap();
+    changes(&mut s, Phase::ResponseTrailers).await;
+    wait_in_flight(&srv.app, 0).await;
 }
