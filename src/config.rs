@@ -246,7 +246,7 @@ pub struct Args {
 
     /// Precise workers: seconds a routed prompt counts as held there
     /// (provisional entries) until its KV events say so.
-    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value_t = 10)]
+    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value_t = 2)]
     pub provisional_ttl_secs: u64,
 
     /// Precise prefix index: KV-event blocks kept per worker rank until its engine's

@@ -138,9 +138,11 @@ impl Default for SchedulerConfig {
 /// Router's `maxPrefixTokensToMatch` default, one context window of large models).
 pub const DEFAULT_MAX_PREFIX_TOKENS: usize = 131_072;
 
-/// Default [`SchedulerConfig::provisional_ttl`]: long enough for a queued
-/// prefill to complete and its KV event to arrive under load.
-pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(10);
+/// Default [`SchedulerConfig::provisional_ttl`]: covers a burst sharing a
+/// prefix while its first prefill runs, and stays short because a provisional
+/// entry outlives the worker evicting those blocks (a routed prompt refreshes
+/// it; at 10 s a small pool kept being credited with prompts it had evicted).
+pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(2);
 
 /// Default [`SchedulerConfig::max_request_load_blocks`]: 16384 blocks, about
 /// 256k tokens (16-token blocks) or 1 MiB of text (64-byte blocks).
