@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -156,10 +156,19 @@ pub struct ScrapedLoad {
 pub struct EndpointState {
     /// Identity and configuration.
     pub endpoint: Endpoint,
-    in_flight: Box<[AtomicU32]>,
+    ranks: Box<[RankLoad]>,
     /// The latest scrape, read lock-free by every pick.
     scrape: ArcSwap<Scrape>,
     health: PassiveHealth,
+}
+
+/// The load kvpick itself put on one rank, read lock-free by every pick.
+#[derive(Debug, Default)]
+struct RankLoad {
+    /// Requests routed there that have not finished.
+    in_flight: AtomicU32,
+    /// Blocks those requests booked (prompt and expected output).
+    booked: AtomicU64,
 }
 
 /// The latest scrape outcome of one endpoint.
@@ -187,7 +196,7 @@ impl EndpointState {
     fn new(endpoint: Endpoint) -> Self {
         let ranks = endpoint.dp_size.clamp(1, MAX_DP_SIZE) as usize;
         EndpointState {
-            in_flight: (0..ranks).map(|_| AtomicU32::new(0)).collect(),
+            ranks: (0..ranks).map(|_| RankLoad::default()).collect(),
             scrape: ArcSwap::default(),
             health: PassiveHealth::default(),
             endpoint,
@@ -204,28 +213,53 @@ impl EndpointState {
 
     /// Number of ranks (dp size, at least 1).
     pub fn ranks(&self) -> u32 {
-        self.in_flight.len() as u32
+        self.ranks.len() as u32
     }
 
     /// Requests kvpick has routed to `rank` that have not finished.
     pub fn in_flight(&self, rank: u32) -> u32 {
-        self.in_flight
+        self.ranks
             .get(rank as usize)
-            .map_or(0, |c| c.load(Ordering::Relaxed))
+            .map_or(0, |r| r.in_flight.load(Ordering::Relaxed))
     }
 
     /// In-flight requests over all ranks.
     pub fn in_flight_total(&self) -> u32 {
-        self.in_flight
+        self.ranks
             .iter()
-            .map(|c| c.load(Ordering::Relaxed))
+            .map(|r| r.in_flight.load(Ordering::Relaxed))
             .sum()
+    }
+
+    /// Blocks of load booked on `rank` by unfinished requests kvpick routed there.
+    pub fn booked_blocks(&self, rank: u32) -> u64 {
+        self.ranks
+            .get(rank as usize)
+            .map_or(0, |r| r.booked.load(Ordering::Relaxed))
+    }
+
+    /// Books `blocks` of load on `rank`.
+    pub fn book(&self, rank: u32, blocks: u64) {
+        if let Some(r) = self.ranks.get(rank as usize) {
+            r.booked.fetch_add(blocks, Ordering::Relaxed);
+        }
+    }
+
+    /// Releases `blocks` of load booked on `rank` (never below zero).
+    pub fn release(&self, rank: u32, blocks: u64) {
+        if let Some(r) = self.ranks.get(rank as usize) {
+            let _ = r
+                .booked
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(blocks))
+                });
+        }
     }
 
     /// Counts one more request on `rank` until the returned guard is dropped.
     pub fn begin_request(self: &Arc<Self>, rank: u32) -> InFlightGuard {
-        if let Some(c) = self.in_flight.get(rank as usize) {
-            c.fetch_add(1, Ordering::Relaxed);
+        if let Some(r) = self.ranks.get(rank as usize) {
+            r.in_flight.fetch_add(1, Ordering::Relaxed);
         }
         InFlightGuard {
             state: Arc::clone(self),
@@ -296,7 +330,12 @@ impl InFlightGuard {
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        if let Some(c) = self.state.in_flight.get(self.rank as usize) {
+        if let Some(c) = self
+            .state
+            .ranks
+            .get(self.rank as usize)
+            .map(|r| &r.in_flight)
+        {
             // Saturating: never wrap below zero.
             let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
         }

@@ -151,7 +151,7 @@ fn spawn_contained<F>(
     F: std::future::Future<Output = ()> + Send + 'static,
 {
     metrics.streams.inc();
-    let span = tracing::info_span!("ext_proc");
+    let span = tracing::debug_span!("ext_proc");
     tokio::spawn(
         async move {
             if let Err(panic) = AssertUnwindSafe(work).catch_unwind().await {
@@ -181,7 +181,9 @@ async fn run_stream(
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) {
     let body_wait = shared.config.body_wait;
-    let mut state = StreamState::new(shared);
+    // Boxed: the stream's future stays small, so spawning and polling it moves
+    // a pointer rather than the whole state.
+    let mut state = Box::new(StreamState::new(shared));
     loop {
         // Wait for Envoy, but no longer than the mode-inference wait or the
         // body deadline, whichever comes first.
@@ -276,9 +278,9 @@ pub const BLOCKING_BODY_BYTES: usize = 128 << 10;
 /// down.
 async fn handle_blocking(
     heavy: &Semaphore,
-    mut state: StreamState,
+    mut state: Box<StreamState>,
     msg: ProcessingRequest,
-) -> Option<(StreamState, Vec<ProcessingResponse>)> {
+) -> Option<(Box<StreamState>, Vec<ProcessingResponse>)> {
     let _permit = heavy.acquire().await.ok()?;
     let handled = tokio::task::spawn_blocking(move || {
         let out = state.handle(msg);
@@ -413,7 +415,7 @@ mod tests {
         let body = format!(r#"{{"model":"m","prompt":"{prompt}"}}"#).into_bytes();
         let (head, tail) = body.split_at(body.len() / 2);
 
-        let mut state = StreamState::new(Arc::clone(&service.shared));
+        let mut state = Box::new(StreamState::new(Arc::clone(&service.shared)));
         let headers = full_duplex_headers();
         assert!(!state.completes_body_of_at_least(&headers, BLOCKING_BODY_BYTES));
         assert!(state.handle(headers).is_empty());

@@ -92,7 +92,7 @@ impl Scheduler {
     ) -> CostTerms {
         let w = &self.config.weights;
         let size = size as f64;
-        let active = self.active_blocks(c.key) as f64;
+        let active = c.ep.booked_blocks(c.rank) as f64;
         let mut decode = active;
         let mut queue = 0.0;
         let mut kv = 0.0;

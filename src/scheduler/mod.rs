@@ -41,12 +41,10 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dashmap::DashMap;
-
 use crate::endpoints::{Snapshot, WorkerKey};
 use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
-use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
+use crate::kv::index::{IndexConfig, PrefixIndex};
 use crate::request::InferenceRequest;
 use crate::sessions::{SessionConfig, SessionStore};
 
@@ -142,8 +140,6 @@ pub struct Scheduler {
     config: SchedulerConfig,
     index: Arc<PrefixIndex>,
     sessions: SessionStore,
-    /// Active load per rank in blocks (prompts of unfinished requests).
-    active: DashMap<WorkerKey, u64, KeyHash>,
     stats: SchedulerStats,
 }
 
@@ -163,7 +159,6 @@ impl Scheduler {
                 max_entries: config.session_max_entries,
                 token_max_lifetime: config.session_token_max_lifetime,
             }),
-            active: DashMap::default(),
             stats: SchedulerStats::default(),
             config,
         }
@@ -187,11 +182,6 @@ impl Scheduler {
     /// The settings.
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
-    }
-
-    /// Active load of a rank in blocks.
-    pub fn active_blocks(&self, key: WorkerKey) -> u64 {
-        self.active.get(&key).map_or(0, |v| *v)
     }
 
     /// The chained prefix block hashes of a request body (at most
@@ -253,18 +243,11 @@ impl Scheduler {
     /// Withdraws a decision that was replaced before its request went out: its
     /// booked load is released; its session turn is neither settled nor bound.
     pub fn cancel(&self, decision: &Decision) {
-        self.release(
-            decision.decode.key(),
-            decision.load_blocks + decision.decode_blocks,
-        );
+        let d = &decision.decode;
+        d.endpoint
+            .release(d.rank, decision.load_blocks + decision.decode_blocks);
         if let Some(p) = &decision.prefill {
-            self.release(p.key(), decision.load_blocks);
-        }
-    }
-
-    fn release(&self, key: WorkerKey, size: u64) {
-        if let Some(mut v) = self.active.get_mut(&key) {
-            *v = v.saturating_sub(size);
+            p.endpoint.release(p.rank, decision.load_blocks);
         }
     }
 
@@ -284,7 +267,6 @@ impl Scheduler {
                 self.index.clear_worker(w);
             }
         }
-        self.active.retain(|k, v| *v > 0 || live.contains(k));
         reaped
     }
 }

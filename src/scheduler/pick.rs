@@ -1,5 +1,6 @@
 //! The pick: candidates → session pin → hash → lookup → score → book.
 
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -227,12 +228,19 @@ impl Scheduler {
     ) -> Result<Vec<Cand<'s>>, PickError> {
         let mut cands = Vec::with_capacity(snapshot.endpoints.len());
         let mut any_available = false;
+        // The hint's addresses, parsed and sorted once (an entry that is no
+        // socket address matches no endpoint).
+        let subset: Option<Vec<SocketAddr>> = req.subset.map(|s| {
+            let mut addrs: Vec<SocketAddr> = s.iter().filter_map(|a| a.parse().ok()).collect();
+            addrs.sort_unstable();
+            addrs
+        });
         for ep in &snapshot.endpoints {
-            if let Some(subset) = req.subset {
-                let address = ep.endpoint.address_string();
-                if !subset.contains(&address) {
-                    continue;
-                }
+            if subset
+                .as_ref()
+                .is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err())
+            {
+                continue;
             }
             let available = ep.health().available(now);
             any_available |= available;
@@ -268,7 +276,7 @@ impl Scheduler {
             }
             self.index.insert(c.key, hashes, now);
         }
-        *self.active.entry(c.key).or_insert(0) += size;
+        c.ep.book(c.rank, size);
     }
 }
 

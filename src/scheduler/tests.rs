@@ -94,7 +94,7 @@ fn spreads_over_ranks_by_load() {
     assert_eq!(seen.len(), 3, "three idle ranks each get one request");
     for d in &held {
         s.finish(d, Some(200));
-        assert_eq!(s.active_blocks(d.decode.key()), 0);
+        assert_eq!(d.decode.booked_blocks(), 0);
     }
 }
 
@@ -444,7 +444,7 @@ fn close_on_a_dropped_stream_unbinds() {
     // sidecar closes the engine session when the request is dropped).
     s.finish_at(&d, None, t0);
     assert!(s.sessions().is_empty());
-    assert_eq!(s.active_blocks(d.decode.key()), 0);
+    assert_eq!(d.decode.booked_blocks(), 0);
 }
 
 #[test]
@@ -536,16 +536,13 @@ fn osl_adds_expected_decode_blocks_to_the_booked_load() {
     let d = s.pick(&with_body(&hinted), &snap).unwrap();
     let per_block = SchedulerConfig::default().token_block as u64;
     assert_eq!(d.decode_blocks, 1600_u64.div_ceil(per_block));
-    assert_eq!(
-        s.active_blocks(d.decode.key()),
-        d.load_blocks + d.decode_blocks
-    );
+    assert_eq!(d.decode.booked_blocks(), d.load_blocks + d.decode_blocks);
     let plain = prompt("x");
     let d2 = s.pick(&with_body(&plain), &snap).unwrap();
     assert_eq!(d2.decode_blocks, 64_u64.div_ceil(per_block), "the default");
     s.finish(&d, Some(200));
     s.finish(&d2, Some(200));
-    assert_eq!(s.active_blocks(d.decode.key()), 0);
+    assert_eq!(d.decode.booked_blocks(), 0);
 }
 
 #[test]
