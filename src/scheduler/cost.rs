@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use rand::Rng;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 
 use super::{Scheduler, Target};
 use crate::endpoints::{EndpointState, LoadView, WorkerKey};
@@ -151,7 +152,8 @@ impl Scheduler {
         if temperature > 0.0 {
             pick_index(&costs.collect::<Vec<_>>(), temperature, &mut rand::rng())
         } else {
-            argmin(costs, &mut rand::rng())
+            // A fast generator seeded once per pick: ties draw once each.
+            argmin(costs, &mut SmallRng::from_rng(&mut rand::rng()))
         }
     }
 }
