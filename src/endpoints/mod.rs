@@ -17,6 +17,9 @@ use serde::Deserialize;
 use tokio::sync::watch;
 
 use crate::health::PassiveHealth;
+use scrape_cell::{Scrape, ScrapeCell};
+
+mod scrape_cell;
 
 /// What a worker does in a (possibly disaggregated) pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
@@ -152,14 +155,49 @@ pub struct ScrapedLoad {
 }
 
 /// Live state of one endpoint: its identity plus load counters.
+///
+/// What every pick reads of every candidate (rank 0's load, health, the
+/// scrape) lives inline, in one allocation, ahead of the identity.
 #[derive(Debug)]
+#[repr(C)]
 pub struct EndpointState {
+    ranks: RankLoads,
+    health: PassiveHealth,
+    /// The latest scrape, read lock-free by every pick.
+    scrape: ScrapeCell,
     /// Identity and configuration.
     pub endpoint: Endpoint,
-    ranks: Box<[RankLoad]>,
-    /// The latest scrape, read lock-free by every pick.
-    scrape: ArcSwap<Scrape>,
-    health: PassiveHealth,
+}
+
+/// Per-rank load: rank 0 inline, further data-parallel ranks behind a pointer.
+#[derive(Debug)]
+struct RankLoads {
+    first: RankLoad,
+    rest: Box<[RankLoad]>,
+}
+
+impl RankLoads {
+    fn new(ranks: usize) -> Self {
+        RankLoads {
+            first: RankLoad::default(),
+            rest: (1..ranks).map(|_| RankLoad::default()).collect(),
+        }
+    }
+
+    fn get(&self, rank: u32) -> Option<&RankLoad> {
+        match rank {
+            0 => Some(&self.first),
+            r => self.rest.get(r as usize - 1),
+        }
+    }
+
+    fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &RankLoad> {
+        std::iter::once(&self.first).chain(self.rest.iter())
+    }
 }
 
 /// The load kvpick itself put on one rank, read lock-free by every pick.
@@ -169,15 +207,6 @@ struct RankLoad {
     in_flight: AtomicU32,
     /// Blocks those requests booked (prompt and expected output).
     booked: AtomicU64,
-}
-
-/// The latest scrape outcome of one endpoint.
-#[derive(Debug, Clone, Copy, Default)]
-struct Scrape {
-    /// The last successful scrape's load.
-    load: Option<ScrapedLoad>,
-    /// When the latest scrape failed, if it did (cleared by a successful one).
-    failed_at: Option<Instant>,
 }
 
 /// What the scheduler knows of a worker's scraped load.
@@ -196,8 +225,8 @@ impl EndpointState {
     fn new(endpoint: Endpoint) -> Self {
         let ranks = endpoint.dp_size.clamp(1, MAX_DP_SIZE) as usize;
         EndpointState {
-            ranks: (0..ranks).map(|_| RankLoad::default()).collect(),
-            scrape: ArcSwap::default(),
+            ranks: RankLoads::new(ranks),
+            scrape: ScrapeCell::default(),
             health: PassiveHealth::default(),
             endpoint,
         }
@@ -219,7 +248,7 @@ impl EndpointState {
     /// Requests kvpick has routed to `rank` that have not finished.
     pub fn in_flight(&self, rank: u32) -> u32 {
         self.ranks
-            .get(rank as usize)
+            .get(rank)
             .map_or(0, |r| r.in_flight.load(Ordering::Relaxed))
     }
 
@@ -234,20 +263,20 @@ impl EndpointState {
     /// Blocks of load booked on `rank` by unfinished requests kvpick routed there.
     pub fn booked_blocks(&self, rank: u32) -> u64 {
         self.ranks
-            .get(rank as usize)
+            .get(rank)
             .map_or(0, |r| r.booked.load(Ordering::Relaxed))
     }
 
     /// Books `blocks` of load on `rank`.
     pub fn book(&self, rank: u32, blocks: u64) {
-        if let Some(r) = self.ranks.get(rank as usize) {
+        if let Some(r) = self.ranks.get(rank) {
             r.booked.fetch_add(blocks, Ordering::Relaxed);
         }
     }
 
     /// Releases `blocks` of load booked on `rank` (never below zero).
     pub fn release(&self, rank: u32, blocks: u64) {
-        if let Some(r) = self.ranks.get(rank as usize) {
+        if let Some(r) = self.ranks.get(rank) {
             let _ = r
                 .booked
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
@@ -258,7 +287,7 @@ impl EndpointState {
 
     /// Counts one more request on `rank` until the returned guard is dropped.
     pub fn begin_request(self: &Arc<Self>, rank: u32) -> InFlightGuard {
-        if let Some(r) = self.ranks.get(rank as usize) {
+        if let Some(r) = self.ranks.get(rank) {
             r.in_flight.fetch_add(1, Ordering::Relaxed);
         }
         InFlightGuard {
@@ -269,23 +298,23 @@ impl EndpointState {
 
     /// Records freshly scraped load.
     pub fn set_scraped(&self, load: ScrapedLoad) {
-        self.scrape.store(Arc::new(Scrape {
+        self.scrape.update(|_| Scrape {
             load: Some(load),
             failed_at: None,
-        }));
+        });
     }
 
     /// Records a failed scrape at `at`: the load turns suspect at once.
     pub fn set_scrape_failed(&self, at: Instant) {
-        self.scrape.rcu(|s| Scrape {
+        self.scrape.update(|s| Scrape {
             failed_at: Some(at),
-            ..**s
+            ..s
         });
     }
 
     /// The scraped load as the scheduler should see it at `now`.
     pub fn load_view(&self, now: Instant, max_age: std::time::Duration) -> LoadView {
-        let scrape = **self.scrape.load();
+        let scrape = self.scrape.read();
         let failing = scrape.failed_at.is_some();
         match scrape.load {
             Some(l) if !failing && now.saturating_duration_since(l.at) <= max_age => {
@@ -303,7 +332,7 @@ impl EndpointState {
 
     /// Scraped load if it is younger than `max_age` at `now`.
     pub fn scraped(&self, now: Instant, max_age: std::time::Duration) -> Option<ScrapedLoad> {
-        let load = self.scrape.load().load?;
+        let load = self.scrape.read().load?;
         (now.saturating_duration_since(load.at) <= max_age).then_some(load)
     }
 }
@@ -330,12 +359,7 @@ impl InFlightGuard {
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        if let Some(c) = self
-            .state
-            .ranks
-            .get(self.rank as usize)
-            .map(|r| &r.in_flight)
-        {
+        if let Some(c) = self.state.ranks.get(self.rank).map(|r| &r.in_flight) {
             // Saturating: never wrap below zero.
             let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
         }
