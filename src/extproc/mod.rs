@@ -23,7 +23,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
 
 use crate::admission::metrics::AdmissionMetrics;
-use crate::admission::Gate;
+use crate::admission::{Gate, Ticket};
 use crate::endpoints::EndpointTable;
 use crate::scheduler::Scheduler;
 use crate::telemetry::Metrics;
@@ -238,15 +238,19 @@ async fn run_stream(
             return;
         }
         // A complete text body waits for its token ids (off the async threads).
+        // The rare waits (tokenizing, image fetches, flow control) are boxed so
+        // the stream's own future stays small for every request.
         if let Some(job) = state.take_tokenize_job() {
-            let tokens = job.run().await;
+            let tokens = Box::pin(job.run()).await;
             let out = state.tokenized(tokens);
             if !send_answers(&tx, &mut state, out).await {
                 return;
             }
         }
-        if !wait_admission(&mut state, &mut inbound, &tx).await {
-            return;
+        if let Some(ticket) = state.take_ticket() {
+            if !Box::pin(wait_admission(ticket, &mut state, &mut inbound, &tx)).await {
+                return;
+            }
         }
         if state.is_done() {
             return linger(&mut inbound).await;
@@ -299,13 +303,11 @@ async fn handle_blocking(
 /// away first, dropping the ticket takes the request out of its queue at once.
 /// False when the stream is over.
 async fn wait_admission(
+    mut ticket: Ticket,
     state: &mut StreamState,
     inbound: &mut Streaming<ProcessingRequest>,
     tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) -> bool {
-    let Some(mut ticket) = state.take_ticket() else {
-        return true;
-    };
     let mut held = Vec::new();
     let verdict = loop {
         tokio::select! {

@@ -7,8 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
 use super::{Scheduler, Target};
 use crate::endpoints::{EndpointState, LoadView, WorkerKey};
@@ -138,7 +137,7 @@ impl Scheduler {
     pub(super) fn choose(
         &self,
         cands: &[Cand<'_>],
-        overlap: &dyn Fn(&Cand<'_>) -> usize,
+        overlap: &impl Fn(&Cand<'_>) -> usize,
         prompt: &PromptBlocks,
         size: u64,
         w_prefill: f64,
@@ -152,8 +151,7 @@ impl Scheduler {
         if temperature > 0.0 {
             pick_index(&costs.collect::<Vec<_>>(), temperature, &mut rand::rng())
         } else {
-            // A fast generator seeded once per pick: ties draw once each.
-            argmin(costs, &mut SmallRng::from_rng(&mut rand::rng()))
+            argmin(costs, rand::rng().random())
         }
     }
 }
@@ -189,28 +187,38 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
         // Rounding left x ≥ 0 after the last weight: the last candidate with any.
         return weights.iter().rposition(|w| *w > 0.0).unwrap_or(0);
     }
-    argmin(costs.iter().copied(), rng)
+    argmin(costs.iter().copied(), rng.random())
 }
 
 /// Index of the least cost in one pass; costs within 1e-9 of the least tie and
-/// one of them is drawn uniformly (reservoir sampling). NaN never wins; 0 when
-/// every cost is NaN or there is none.
-fn argmin(costs: impl Iterator<Item = f64>, rng: &mut impl Rng) -> usize {
+/// one of them wins uniformly: each tied index gets a pseudo-random draw from
+/// `seed` and the least draw wins (no generator call per tie). NaN never wins;
+/// 0 when every cost is NaN or there is none.
+fn argmin(costs: impl Iterator<Item = f64>, seed: u64) -> usize {
     let mut best = 0;
     let mut least = f64::INFINITY;
-    let mut ties = 0u32;
+    let mut best_draw = u64::MAX;
     for (i, c) in costs.enumerate() {
         if c < least - 1e-9 {
             least = c;
             best = i;
-            ties = 1;
+            best_draw = draw(seed, i);
         } else if c <= least + 1e-9 {
             least = least.min(c);
-            ties += 1;
-            if rng.random_range(0..ties) == 0 {
+            let d = draw(seed, i);
+            if d < best_draw {
                 best = i;
+                best_draw = d;
             }
         }
     }
     best
+}
+
+/// A pseudo-random value for index `i` under `seed` (SplitMix64's finaliser).
+fn draw(seed: u64, i: usize) -> u64 {
+    let mut z = seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

@@ -705,6 +705,17 @@ fn tie_break_is_uniform_and_temperature_samples() {
     }
     assert_eq!(hits[2], 0);
     assert!(hits[0] > 1200 && hits[1] > 1200, "{hits:?}");
+    // Eight ties after a worse cost and before a better-by-less-than-epsilon one.
+    let costs = [3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0 - 1e-12, 2.0];
+    let mut hits = [0usize; 10];
+    for _ in 0..8000 {
+        hits[pick_index(&costs, 0.0, &mut rng)] += 1;
+    }
+    assert_eq!((hits[0], hits[9]), (0, 0), "{hits:?}");
+    assert!(
+        hits[1..9].iter().all(|h| (800..1200).contains(h)),
+        "{hits:?}"
+    );
     let mut hits = [0usize; 2];
     for _ in 0..3000 {
         hits[pick_index(&[0.0, 1.0], 1.0, &mut rng)] += 1;
