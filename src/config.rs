@@ -69,6 +69,25 @@ pub struct Args {
     #[arg(long, env = "KVPICK_CERT_PATH")]
     pub cert_path: Option<PathBuf>,
 
+    /// Reload `tls.crt`/`tls.key` (and `--client-ca-path`) when they change:
+    /// new handshakes get the new certificate, open connections keep theirs;
+    /// an invalid or half-written set is refused with a warning.
+    #[arg(long, env = "KVPICK_ENABLE_CERT_RELOAD", default_value_t = false,
+          action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_cert_reload: bool,
+
+    /// With `--enable-cert-reload`: how often the certificate files are read
+    /// for changes (ms).
+    #[arg(long, env = "KVPICK_CERT_RELOAD_INTERVAL_MS", default_value_t = 5_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub cert_reload_interval_ms: u64,
+
+    /// Longest a client may take to finish its TLS handshake on the ext_proc
+    /// port (ms); handshakes run concurrently.
+    #[arg(long, env = "KVPICK_TLS_HANDSHAKE_TIMEOUT_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub tls_handshake_timeout_ms: u64,
+
     /// Standalone mode: a YAML file of endpoints, reloaded when it changes.
     #[arg(long, env = "KVPICK_ENDPOINTS_FILE")]
     pub endpoints_file: Option<PathBuf>,
@@ -225,6 +244,11 @@ pub struct Args {
     #[arg(long, env = "KVPICK_PREFIX_TTL_SECS", default_value_t = 900)]
     pub prefix_ttl_secs: u64,
 
+    /// Precise workers: seconds a routed prompt counts as held there
+    /// (provisional entries) until its KV events say so.
+    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value_t = 10)]
+    pub provisional_ttl_secs: u64,
+
     /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
     /// block count is scraped (then `num_gpu_blocks` × `--prefix-precise-slack`);
     /// stores beyond the cap are dropped and counted.
@@ -244,12 +268,14 @@ pub struct Args {
     #[arg(long, env = "KVPICK_WEIGHT_PREFILL", default_value_t = 1.0)]
     pub weight_prefill: f64,
 
-    /// Cost weight per block of active load on the candidate.
-    #[arg(long, env = "KVPICK_WEIGHT_DECODE", default_value_t = 1.0)]
+    /// Cost weight per block of active load on the candidate (counted while it
+    /// is saturated, or has no fresh scrape).
+    #[arg(long, env = "KVPICK_WEIGHT_DECODE", default_value_t = 0.1)]
     pub weight_decode: f64,
 
-    /// Cost weight per scraped queued request (counted at the request's size).
-    #[arg(long, env = "KVPICK_WEIGHT_QUEUE", default_value_t = 1.0)]
+    /// Cost weight per block of scraped queued work (queued requests at their
+    /// uncached size).
+    #[arg(long, env = "KVPICK_WEIGHT_QUEUE", default_value_t = 0.25)]
     pub weight_queue: f64,
 
     /// Cost weight of scraped KV-cache usage (0..1, counted at the request's size).
@@ -554,9 +580,6 @@ pub struct GieFlags {
     pub enable_pprof: Option<bool>,
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
-    pub enable_cert_reload: Option<bool>,
-    /// Ignored with a warning.
-    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub metrics_endpoint_auth: Option<bool>,
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
@@ -644,7 +667,6 @@ impl GieFlags {
             ("tracing", self.tracing.is_some()),
             ("health-checking", self.health_checking.is_some()),
             ("enable-pprof", self.enable_pprof.is_some()),
-            ("enable-cert-reload", self.enable_cert_reload.is_some()),
             (
                 "metrics-endpoint-auth",
                 self.metrics_endpoint_auth.is_some(),
@@ -855,6 +877,7 @@ impl Args {
                 default_precise_limit: self.prefix_precise_max_blocks,
                 precise_slack: self.prefix_precise_slack.max(1.0),
             },
+            provisional_ttl: Duration::from_secs(self.provisional_ttl_secs.max(1)),
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
             vision: self.vision_prompt().map(|v| v.model),
@@ -905,6 +928,17 @@ impl Args {
         self.weight_kv_usage = w.kv_usage;
         self.weight_prefill_overlap = w.prefill_overlap;
         Ok(Some(mapping))
+    }
+
+    /// How often to look for changed certificate files, if at all.
+    pub fn cert_reload_interval(&self) -> Option<Duration> {
+        self.enable_cert_reload
+            .then(|| Duration::from_millis(self.cert_reload_interval_ms))
+    }
+
+    /// The bound on one ext_proc TLS handshake.
+    pub fn tls_handshake_timeout(&self) -> Duration {
+        Duration::from_millis(self.tls_handshake_timeout_ms)
     }
 
     /// How long open streams may finish on shutdown.
@@ -1078,6 +1112,23 @@ mod tests {
     }
 
     #[test]
+    fn enable_cert_reload_is_honoured_not_warned_about() {
+        let a = Args::try_parse_from([
+            "kvpick",
+            "--enable-cert-reload",
+            "--cert-reload-interval-ms",
+            "250",
+        ])
+        .unwrap();
+        assert_eq!(a.cert_reload_interval(), Some(Duration::from_millis(250)));
+        assert!(a.gie.warnings().is_empty(), "{:?}", a.gie.warnings());
+        let a = Args::try_parse_from(["kvpick", "--enable-cert-reload=false"]).unwrap();
+        assert_eq!(a.cert_reload_interval(), None);
+        assert_eq!(a.tls_handshake_timeout(), Duration::from_secs(10));
+        assert!(Args::try_parse_from(["kvpick", "--cert-reload-interval-ms=0"]).is_err());
+    }
+
+    #[test]
     fn gie_v1_5_and_llm_d_v0_10_flags_are_accepted_with_warnings() {
         // Flags defined in GIE v1.5.0 and llm-d Router v0.10.0
         // `pkg/epp/server/options.go` that kvpick has no equivalent for.
@@ -1151,7 +1202,8 @@ mod tests {
         assert_eq!(mapping.mapped.len(), 3, "{mapping:?}");
         let w = a.scheduler(Vec::new()).weights;
         assert_eq!((w.prefill, w.decode), (1.0, 0.0));
-        assert!((w.queue - 2.0 / 3.0).abs() < 1e-9 && (w.kv_usage - 2.0 / 3.0).abs() < 1e-9);
+        // The flag weights scaled by the scorers' ratios (queue flag default 0.25).
+        assert!((w.queue - 0.25 * 2.0 / 3.0).abs() < 1e-9 && (w.kv_usage - 2.0 / 3.0).abs() < 1e-9);
         assert_eq!(a.log_format(), LogFormat::Json);
         // Standalone mode (router.inferencePool.create=false).
         let a = Args::try_parse_from([

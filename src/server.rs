@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Server, ServerTlsConfig};
+use tonic::transport::Server;
 use tracing::{info, warn};
 
 use crate::admission::metrics::AdmissionMetrics;
@@ -24,6 +24,7 @@ use crate::kvevents::KvEventSink;
 use crate::multimodal::MmRouting;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::telemetry::{self, Metrics};
+use crate::tls::ServerTls;
 use crate::tokenize::{TokenizeError, Tokenizer, TokenizerPool};
 
 /// Why kvpick stopped.
@@ -194,30 +195,39 @@ impl App {
 pub async fn serve_ext_proc(
     listener: TcpListener,
     service: ExtProcService,
-    tls: Option<ServerTlsConfig>,
+    tls: Option<ServerTls>,
 ) -> Result<(), ServeError> {
     serve_ext_proc_until(listener, service, tls, std::future::pending()).await
 }
 
 /// [`serve_ext_proc`] until `shutdown` completes: then the listener closes (new
 /// connections are refused), open connections get a GOAWAY (no new streams),
-/// and this returns once every open stream has finished.
+/// and this returns once every open stream has finished. With TLS, the
+/// certificate reload ([`ServerTls::watch`]) runs until then too.
 pub async fn serve_ext_proc_until(
     listener: TcpListener,
     service: ExtProcService,
-    tls: Option<ServerTlsConfig>,
+    tls: Option<ServerTls>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    let mut builder = Server::builder()
+    let router = Server::builder()
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
-        .http2_keepalive_interval(Some(Duration::from_secs(30)));
-    if let Some(tls) = tls {
-        builder = builder.tls_config(tls)?;
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(service.into_server());
+    match tls {
+        None => {
+            router
+                .serve_with_incoming_shutdown(incoming(listener), shutdown)
+                .await?
+        }
+        Some(tls) => {
+            let serve = router.serve_with_incoming_shutdown(tls.incoming(listener), shutdown);
+            tokio::select! {
+                r = serve => r?,
+                () = tls.watch() => {}
+            }
+        }
     }
-    builder
-        .add_service(service.into_server())
-        .serve_with_incoming_shutdown(incoming(listener), shutdown)
-        .await?;
     Ok(())
 }
 
@@ -554,7 +564,20 @@ pub async fn run_until(
         args.secure_serving,
         args.cert_path.as_deref(),
         args.client_ca_path.as_deref(),
-    )?;
+    )?
+    .map(|tls| {
+        let tls = tls.handshake_timeout(args.tls_handshake_timeout());
+        match args.cert_reload_interval() {
+            Some(every) => tls.reload_every(every),
+            None => tls,
+        }
+    });
+    if let Some(tls) = &tls {
+        app.metrics.register_tls_reloads(tls.stats());
+        if args.enable_cert_reload && !tls.reloads() {
+            warn!("--enable-cert-reload with neither --cert-path nor --client-ca-path: a self-signed certificate is never reloaded");
+        }
+    }
     let grpc = bind(SocketAddr::new(args.bind_address, args.grpc_port)).await?;
     let health = bind(SocketAddr::new(args.bind_address, args.grpc_health_port)).await?;
     let metrics = bind(SocketAddr::new(args.bind_address, args.metrics_port)).await?;
@@ -564,6 +587,7 @@ pub async fn run_until(
         metrics = args.metrics_port,
         tls = args.secure_serving,
         mtls = args.client_ca_path.is_some(),
+        cert_reload = args.enable_cert_reload,
         "kvpick listening"
     );
     let admin = match args.admin_port {

@@ -225,6 +225,35 @@ impl Collector for ImageFetchCollector {
     }
 }
 
+/// Renders [`crate::tls::ReloadStats`].
+#[derive(Debug)]
+struct TlsReloadCollector {
+    stats: Arc<crate::tls::ReloadStats>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReloadResultLabels {
+    result: &'static str,
+}
+
+impl Collector for TlsReloadCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut family = encoder.encode_descriptor(
+            "kvpick_tls_reloads",
+            "Changed ext_proc certificate files (--enable-cert-reload), by result: reloaded (new handshakes use them) or rejected (invalid or half-written; the current certificate was kept)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (result, n) in [
+            ("reloaded", self.stats.reloaded()),
+            ("rejected", self.stats.rejected()),
+        ] {
+            ConstCounter::new(n).encode(family.encode_family(&ReloadResultLabels { result })?)?;
+        }
+        Ok(())
+    }
+}
+
 /// Renders [`crate::multimodal::MmStats`] and the configured multimodal routing mode.
 #[derive(Debug)]
 struct MultimodalCollector {
@@ -533,6 +562,11 @@ impl Metrics {
     /// Exposes the remote image fetch counts (`kvpick_mm_fetch_total{outcome}`).
     pub fn register_image_fetch(&self, stats: Arc<crate::multimodal::remote::FetchStats>) {
         self.register(|r| r.register_collector(Box::new(ImageFetchCollector { stats })));
+    }
+
+    /// Exposes the ext_proc certificate reload counts (`kvpick_tls_reloads_total{result}`).
+    pub fn register_tls_reloads(&self, stats: Arc<crate::tls::ReloadStats>) {
+        self.register(|r| r.register_collector(Box::new(TlsReloadCollector { stats })));
     }
 
     /// Sets how old scraped load may be to count in the pool gauges (default 2 s).

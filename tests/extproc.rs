@@ -1,30 +1,31 @@
 //! Loopback tests of the ext_proc server, driven the way Envoy drives it.
 //!
-//! The client side here builds every message by hand from the Envoy protos and
-//! checks kvpick's answers against the ext_proc / GIE protocol, independently of
-//! kvpick's own message builders.
+//! The client side is `envoy-client`, which builds every message from the Envoy
+//! protos and reads kvpick's answers against the ext_proc / GIE protocol,
+//! independently of kvpick's own message builders.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_request, processing_response, CommonResponse, HttpBody, HttpHeaders,
-    ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+use envoy_client::message::{
+    request_body, request_trailers, response_body, response_headers, response_trailers,
+    string_list, subset_hint, RequestHeaders,
 };
-use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+use envoy_client::{
+    Answer, BodyChange, BodyMode, Changes, ClientError, EnvoyStream, Phase, ResponseOutcome,
+};
+use envoy_types::pb::envoy::config::core::v3::Metadata;
+use envoy_types::pb::google::protobuf::{value::Kind, ListValue};
 use kvpick::endpoints::{Endpoint, Role};
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
 use tonic::transport::Channel;
-use tonic::Streaming;
+
+#[allow(dead_code)] // each test binary uses a part of it
+mod support;
+use support::{changes, channel, immediate, post, routed_chat, ANSWER_TIMEOUT};
 
 /// A kvpick ext_proc server on loopback.
 struct Server {
@@ -39,9 +40,7 @@ async fn start(endpoints: Vec<Endpoint>) -> Server {
 async fn start_with(endpoints: Vec<Endpoint>, config: ExtProcConfig) -> Server {
     let app = App::new("test-pool");
     app.endpoints.replace(endpoints);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(serve_ext_proc(listener, app.ext_proc(config), None));
+    let port = support::serve(&app, config).await;
     Server { app, port }
 }
 
@@ -55,149 +54,6 @@ fn pool(n: usize) -> Vec<Endpoint> {
         .collect()
 }
 
-async fn channel(port: u16) -> Channel {
-    Channel::from_shared(format!("http://127.0.0.1:{port}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
-}
-
-/// One ext_proc stream, as Envoy opens it.
-struct EnvoyStream {
-    tx: mpsc::Sender<ProcessingRequest>,
-    rx: Streaming<ProcessingResponse>,
-}
-
-impl EnvoyStream {
-    async fn open(ch: &Channel) -> Self {
-        let (tx, rx) = mpsc::channel(64);
-        let rx = ExternalProcessorClient::new(ch.clone())
-            .process(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        EnvoyStream { tx, rx }
-    }
-
-    /// Opens a stream and sends POST request headers for `path`, not ending the stream.
-    async fn post(
-        ch: &Channel,
-        path: &str,
-        extra: &[(&str, &str)],
-        mode: Option<BodySendMode>,
-        metadata: Option<Metadata>,
-    ) -> Self {
-        let s = Self::open(ch).await;
-        s.send(req_headers(
-            &post_headers(path, extra),
-            false,
-            mode,
-            metadata,
-        ))
-        .await;
-        s
-    }
-
-    async fn send(&self, msg: ProcessingRequest) {
-        self.tx.send(msg).await.unwrap();
-    }
-
-    async fn recv(&mut self) -> ProcessingResponse {
-        tokio::time::timeout(Duration::from_secs(5), self.rx.next())
-            .await
-            .expect("kvpick did not answer within 5 s")
-            .expect("stream ended")
-            .expect("grpc error")
-    }
-
-    /// Nothing arrives within `ms`.
-    async fn silent_for(&mut self, ms: u64) -> bool {
-        tokio::time::timeout(Duration::from_millis(ms), self.rx.next())
-            .await
-            .is_err()
-    }
-}
-
-fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> HttpHeaders {
-    HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    value: String::new(),
-                    raw_value: v.as_bytes().to_vec(),
-                })
-                .collect(),
-        }),
-        end_of_stream,
-        ..Default::default()
-    }
-}
-
-fn post_headers(path: &str, extra: &[(&str, &str)]) -> Vec<(String, String)> {
-    let mut h = vec![
-        (":method".to_string(), "POST".to_string()),
-        (":path".to_string(), path.to_string()),
-        (":authority".to_string(), "gateway".to_string()),
-        ("content-type".to_string(), "application/json".to_string()),
-    ];
-    h.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-    h
-}
-
-fn req_headers(
-    pairs: &[(String, String)],
-    end_of_stream: bool,
-    mode: Option<BodySendMode>,
-    metadata: Option<Metadata>,
-) -> ProcessingRequest {
-    let refs: Vec<(&str, &str)> = pairs
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    ProcessingRequest {
-        request: Some(processing_request::Request::RequestHeaders(headers(
-            &refs,
-            end_of_stream,
-        ))),
-        protocol_config: mode.map(|m| ProtocolConfiguration {
-            request_body_mode: m as i32,
-            response_body_mode: m as i32,
-            ..Default::default()
-        }),
-        metadata_context: metadata,
-        ..Default::default()
-    }
-}
-
-fn body_msg(bytes: &[u8], end_of_stream: bool, response: bool) -> ProcessingRequest {
-    let b = HttpBody {
-        body: bytes.to_vec(),
-        end_of_stream,
-        ..Default::default()
-    };
-    ProcessingRequest {
-        request: Some(if response {
-            processing_request::Request::ResponseBody(b)
-        } else {
-            processing_request::Request::RequestBody(b)
-        }),
-        ..Default::default()
-    }
-}
-
-fn resp_headers(status: &str, end_of_stream: bool) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(processing_request::Request::ResponseHeaders(headers(
-            &[(":status", status)],
-            end_of_stream,
-        ))),
-        ..Default::default()
-    }
-}
-
 fn chat_body(text: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({
         "model": "llama",
@@ -207,105 +63,27 @@ fn chat_body(text: &str) -> Vec<u8> {
     .unwrap()
 }
 
-/// What a request-headers or request-body answer decided.
-#[derive(Debug, Default)]
-struct Routing {
-    set: Vec<(String, String)>,
-    removed: Vec<String>,
-    clear_route_cache: bool,
-    metadata_destination: Option<String>,
-}
-
-impl Routing {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.set
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-fn routing_of(common: Option<&CommonResponse>, msg: &ProcessingResponse) -> Routing {
-    let mut r = Routing::default();
-    if let Some(c) = common {
-        r.clear_route_cache = c.clear_route_cache;
-        if let Some(m) = &c.header_mutation {
-            for h in m.set_headers.iter().filter_map(|o| o.header.as_ref()) {
-                let v = if h.raw_value.is_empty() {
-                    h.value.clone()
-                } else {
-                    String::from_utf8(h.raw_value.clone()).unwrap()
-                };
-                r.set.push((h.key.clone(), v));
-            }
-            r.removed = m.remove_headers.clone();
-        }
-    }
-    r.metadata_destination = msg.dynamic_metadata.as_ref().and_then(|md| {
-        let Some(Kind::StructValue(lb)) = md.fields.get("envoy.lb")?.kind.as_ref() else {
-            return None;
-        };
-        match lb
-            .fields
-            .get("x-gateway-destination-endpoint")?
-            .kind
-            .as_ref()?
-        {
-            Kind::StringValue(s) => Some(s.clone()),
-            _ => None,
-        }
-    });
-    r
-}
-
-fn expect_request_headers(msg: &ProcessingResponse) -> Routing {
-    match &msg.response {
-        Some(processing_response::Response::RequestHeaders(h)) => {
-            routing_of(h.response.as_ref(), msg)
-        }
-        other => panic!("expected a request-headers answer, got {other:?}"),
-    }
-}
-
-fn expect_request_body(msg: &ProcessingResponse) -> (Routing, Option<body_mutation::Mutation>) {
-    match &msg.response {
-        Some(processing_response::Response::RequestBody(b)) => (
-            routing_of(b.response.as_ref(), msg),
-            b.response
-                .as_ref()
-                .and_then(|c| c.body_mutation.clone())
-                .and_then(|m| m.mutation),
-        ),
-        other => panic!("expected a request-body answer, got {other:?}"),
-    }
-}
-
-/// Collects streamed body chunks until end_of_stream; returns (bytes, chunk sizes).
-async fn collect_streamed(s: &mut EnvoyStream) -> (Vec<u8>, Vec<usize>) {
-    let mut bytes = Vec::new();
+/// Collects the body streamed back in `phase` answers until end_of_stream;
+/// returns (bytes, chunk sizes).
+async fn collect_streamed(s: &mut EnvoyStream, phase: Phase) -> (Vec<u8>, Vec<usize>) {
     let mut sizes = Vec::new();
-    loop {
-        let msg = s.recv().await;
-        let (_, mutation) = expect_request_body(&msg);
-        let Some(body_mutation::Mutation::StreamedResponse(chunk)) = mutation else {
-            panic!("expected a streamed body chunk, got {mutation:?}");
-        };
-        sizes.push(chunk.body.len());
-        bytes.extend_from_slice(&chunk.body);
-        if chunk.end_of_stream {
-            return (bytes, sizes);
-        }
-    }
+    let echo = s
+        .streamed_body(phase, &mut Changes::default(), &mut sizes)
+        .await
+        .unwrap()
+        .expect("a streamed body, not an immediate response");
+    (echo, sizes)
 }
 
-fn immediate_status(msg: &ProcessingResponse) -> (i32, serde_json::Value) {
-    match &msg.response {
-        Some(processing_response::Response::ImmediateResponse(ir)) => (
-            ir.status.as_ref().unwrap().code,
-            serde_json::from_slice(&ir.body).expect("error body is JSON"),
-        ),
-        other => panic!("expected an immediate response, got {other:?}"),
-    }
+/// (status, JSON body) of the next answer, an immediate response.
+async fn immediate_status(s: &mut EnvoyStream) -> (u16, serde_json::Value) {
+    let (i, json) = immediate(s).await;
+    (i.status, json)
+}
+
+/// Opens a stream with POST request headers for `path` announcing `mode`.
+async fn open_post(ch: &Channel, path: &str, mode: BodyMode) -> EnvoyStream {
+    post(ch, path, &[], Some(mode), None).await
 }
 
 /// Sends a full-duplex chat request; returns the routing and the echoed body.
@@ -314,23 +92,9 @@ async fn full_duplex(
     body: &[u8],
     extra_headers: &[(&str, &str)],
     metadata: Option<Metadata>,
-) -> (EnvoyStream, Routing, Vec<u8>) {
-    let mut s = EnvoyStream::post(
-        ch,
-        "/v1/chat/completions",
-        extra_headers,
-        Some(BodySendMode::FullDuplexStreamed),
-        metadata,
-    )
-    .await;
-    // Envoy streams the body in arbitrary chunks without waiting.
-    let chunks: Vec<&[u8]> = body.chunks(16 * 1024).collect();
-    for (i, c) in chunks.iter().enumerate() {
-        s.send(body_msg(c, i + 1 == chunks.len(), false)).await;
-    }
-    let routing = expect_request_headers(&s.recv().await);
-    let (echo, _) = collect_streamed(&mut s).await;
-    (s, routing, echo)
+) -> (EnvoyStream, Changes, Vec<u8>) {
+    let (s, r) = routed_chat(ch, body, extra_headers, metadata).await;
+    (s, r.changes, r.body.expect("the body streamed back"))
 }
 
 #[tokio::test]
@@ -338,22 +102,15 @@ async fn full_duplex_routes_after_body_and_echoes_it() {
     let srv = start(pool(3)).await;
     let ch = channel(srv.port).await;
     let body = chat_body("hello there");
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/chat/completions",
-        &[],
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    )
-    .await;
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
     // The headers answer is held until the body ends.
     assert!(
-        s.silent_for(300).await,
+        s.silent_for(Duration::from_millis(300)).await,
         "headers answered before the body ended"
     );
-    s.send(body_msg(&body[..5], false, false)).await;
-    s.send(body_msg(&body[5..], true, false)).await;
-    let r = expect_request_headers(&s.recv().await);
+    s.send(request_body(&body[..5], false)).await.unwrap();
+    s.send(request_body(&body[5..], true)).await.unwrap();
+    let r = changes(&mut s, Phase::RequestHeaders).await;
     assert!(r.clear_route_cache);
     let dest = r.get("x-gateway-destination-endpoint").unwrap().to_string();
     assert_eq!(r.metadata_destination.as_deref(), Some(dest.as_str()));
@@ -372,7 +129,7 @@ async fn full_duplex_routes_after_body_and_echoes_it() {
     );
     assert_eq!(r.get("x-dp-rank"), Some("0"));
     assert_eq!(r.get("x-prefill-instance-id"), None);
-    let (echo, sizes) = collect_streamed(&mut s).await;
+    let (echo, sizes) = collect_streamed(&mut s, Phase::RequestBody).await;
     assert_eq!(echo, body, "body must come back unchanged");
     assert_eq!(sizes.len(), 1);
 }
@@ -388,17 +145,10 @@ async fn large_prompt_is_echoed_in_62000_byte_chunks() {
     assert!(r.get("x-gateway-destination-endpoint").is_some());
     assert_eq!(echo, body);
     // Re-run to inspect chunk sizes.
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/chat/completions",
-        &[],
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    )
-    .await;
-    s.send(body_msg(&body, true, false)).await;
-    expect_request_headers(&s.recv().await);
-    let (echo, sizes) = collect_streamed(&mut s).await;
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
+    s.send(request_body(&body, true)).await.unwrap();
+    changes(&mut s, Phase::RequestHeaders).await;
+    let (echo, sizes) = collect_streamed(&mut s, Phase::RequestBody).await;
     assert_eq!(echo, body);
     assert_eq!(sizes.len(), body.len().div_ceil(62_000));
     assert!(sizes.iter().all(|n| *n <= 62_000));
@@ -409,25 +159,22 @@ async fn large_prompt_is_echoed_in_62000_byte_chunks() {
 async fn buffered_mode_answers_headers_then_decides_on_body() {
     let srv = start(pool(2)).await;
     let ch = channel(srv.port).await;
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodySendMode::Buffered),
-        None,
-    )
-    .await;
-    let r = expect_request_headers(&s.recv().await);
+    let mut s = post(&ch, "/v1/completions", &[], Some(BodyMode::Buffered), None).await;
+    let r = changes(&mut s, Phase::RequestHeaders).await;
     assert!(r.get("x-gateway-destination-endpoint").is_none());
-    s.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true, false))
-        .await;
-    let msg = s.recv().await;
-    let (r, mutation) = expect_request_body(&msg);
+    s.send(request_body(br#"{"model":"m","prompt":"hi"}"#, true))
+        .await
+        .unwrap();
+    let r = changes(&mut s, Phase::RequestBody).await;
     assert!(r.clear_route_cache);
     let dest = r.get("x-gateway-destination-endpoint").unwrap();
     assert_eq!(r.metadata_destination.as_deref(), Some(dest));
     assert!(r.get("x-worker-instance-id").is_some());
-    assert!(mutation.is_none(), "an unchanged body is not mutated");
+    assert_eq!(
+        r.body,
+        BodyChange::Unchanged,
+        "an unchanged body is not mutated"
+    );
 }
 
 #[tokio::test]
@@ -439,23 +186,25 @@ async fn mode_is_inferred_without_protocol_config() {
     let srv = start_with(pool(2), config).await;
     let ch = channel(srv.port).await;
     // Buffered Envoy: waits for the headers answer before sending the body.
-    let mut s = EnvoyStream::post(&ch, "/v1/completions", &[], None, None).await;
+    let mut s = post(&ch, "/v1/completions", &[], None, None).await;
     // The headers answer names a worker picked without the body (Envoy may
     // forward the headers on it); the body's answer re-decides.
-    let r = expect_request_headers(&s.recv().await);
+    let r = changes(&mut s, Phase::RequestHeaders).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
-    s.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true, false))
-        .await;
-    let (r, _) = expect_request_body(&s.recv().await);
+    s.send(request_body(br#"{"model":"m","prompt":"hi"}"#, true))
+        .await
+        .unwrap();
+    let r = changes(&mut s, Phase::RequestBody).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
 
     // Full-duplex Envoy: the body follows at once; kvpick holds the headers.
-    let mut s = EnvoyStream::post(&ch, "/v1/completions", &[], None, None).await;
-    s.send(body_msg(br#"{"model":"m","prompt":"hi"}"#, true, false))
-        .await;
-    let r = expect_request_headers(&s.recv().await);
+    let mut s = post(&ch, "/v1/completions", &[], None, None).await;
+    s.send(request_body(br#"{"model":"m","prompt":"hi"}"#, true))
+        .await
+        .unwrap();
+    let r = changes(&mut s, Phase::RequestHeaders).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
-    let (echo, _) = collect_streamed(&mut s).await;
+    let (echo, _) = collect_streamed(&mut s, Phase::RequestBody).await;
     assert_eq!(echo, br#"{"model":"m","prompt":"hi"}"#);
 }
 
@@ -463,19 +212,13 @@ async fn mode_is_inferred_without_protocol_config() {
 async fn header_only_request_is_routed_at_once() {
     let srv = start(pool(2)).await;
     let ch = channel(srv.port).await;
-    let mut s = EnvoyStream::open(&ch).await;
-    let h = vec![
-        (":method".to_string(), "GET".to_string()),
-        (":path".to_string(), "/v1/models".to_string()),
-    ];
-    s.send(req_headers(
-        &h,
-        true,
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    ))
-    .await;
-    let r = expect_request_headers(&s.recv().await);
+    let headers = RequestHeaders::from_pairs([(":method", "GET"), (":path", "/v1/models")])
+        .end_of_stream(true)
+        .mode(BodyMode::FullDuplex);
+    let mut s = EnvoyStream::open(&ch, headers.build(), ANSWER_TIMEOUT)
+        .await
+        .unwrap();
+    let r = changes(&mut s, Phase::RequestHeaders).await;
     assert!(r.clear_route_cache);
     assert!(r.get("x-gateway-destination-endpoint").is_some());
     assert_eq!(
@@ -525,15 +268,15 @@ async fn spoofed_routing_headers_are_overwritten_or_removed() {
 async fn buffered_mode_strips_spoofed_headers_on_the_headers_answer() {
     let srv = start(pool(1)).await;
     let ch = channel(srv.port).await;
-    let mut s = EnvoyStream::post(
+    let mut s = post(
         &ch,
         "/v1/completions",
         &[("x-prefill-instance-id", "1")],
-        Some(BodySendMode::Buffered),
+        Some(BodyMode::Buffered),
         None,
     )
     .await;
-    let r = expect_request_headers(&s.recv().await);
+    let r = changes(&mut s, Phase::RequestHeaders).await;
     assert_eq!(r.removed, vec!["x-prefill-instance-id".to_string()]);
 }
 
@@ -566,16 +309,9 @@ async fn bad_bodies_get_400_with_a_json_error_naming_the_field() {
         ),
     ];
     for (body, needle) in cases {
-        let mut s = EnvoyStream::post(
-            &ch,
-            "/v1/chat/completions",
-            &[],
-            Some(BodySendMode::FullDuplexStreamed),
-            None,
-        )
-        .await;
-        s.send(body_msg(body, true, false)).await;
-        let (code, err) = immediate_status(&s.recv().await);
+        let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
+        s.send(request_body(body, true)).await.unwrap();
+        let (code, err) = immediate_status(&mut s).await;
         assert_eq!(code, 400);
         let message = err["error"]["message"].as_str().unwrap();
         assert!(message.contains(needle), "{message:?} lacks {needle:?}");
@@ -589,16 +325,9 @@ async fn bad_bodies_get_400_with_a_json_error_naming_the_field() {
 async fn no_endpoint_is_503() {
     let srv = start(Vec::new()).await;
     let ch = channel(srv.port).await;
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/chat/completions",
-        &[],
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    )
-    .await;
-    s.send(body_msg(&chat_body("x"), true, false)).await;
-    let (code, err) = immediate_status(&s.recv().await);
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
+    s.send(request_body(&chat_body("x"), true)).await.unwrap();
+    let (code, err) = immediate_status(&mut s).await;
     assert_eq!(code, 503);
     assert!(err["error"]["message"]
         .as_str()
@@ -606,47 +335,19 @@ async fn no_endpoint_is_503() {
         .contains("no ready endpoint"));
 }
 
-fn subset_metadata(value: Kind) -> Metadata {
-    let mut md = Metadata::default();
-    md.filter_metadata.insert(
-        "envoy.lb.subset_hint".into(),
-        Struct {
-            fields: [(
-                "x-gateway-destination-endpoint-subset".to_string(),
-                Value { kind: Some(value) },
-            )]
-            .into_iter()
-            .collect(),
-        },
-    );
-    md
-}
-
 #[tokio::test]
 async fn subset_hint_restricts_candidates() {
     let srv = start(pool(4)).await;
     let ch = channel(srv.port).await;
-    let list = Kind::ListValue(ListValue {
-        values: ["10.0.0.2:8000", "10.0.0.3:8000"]
-            .iter()
-            .map(|a| Value {
-                kind: Some(Kind::StringValue(a.to_string())),
-            })
-            .collect(),
-    });
+    let list = string_list(["10.0.0.2:8000", "10.0.0.3:8000"]);
     for _ in 0..10 {
-        let (_, r, _) = full_duplex(
-            &ch,
-            &chat_body("x"),
-            &[],
-            Some(subset_metadata(list.clone())),
-        )
-        .await;
+        let (_, r, _) =
+            full_duplex(&ch, &chat_body("x"), &[], Some(subset_hint(list.clone()))).await;
         let dest = r.get("x-gateway-destination-endpoint").unwrap();
         assert!(dest == "10.0.0.2:8000" || dest == "10.0.0.3:8000", "{dest}");
     }
     let csv = Kind::StringValue("10.0.0.4:8000, 10.0.0.9:8000".into());
-    let (_, r, _) = full_duplex(&ch, &chat_body("x"), &[], Some(subset_metadata(csv))).await;
+    let (_, r, _) = full_duplex(&ch, &chat_body("x"), &[], Some(subset_hint(csv))).await;
     assert_eq!(
         r.get("x-gateway-destination-endpoint"),
         Some("10.0.0.4:8000")
@@ -656,16 +357,16 @@ async fn subset_hint_restricts_candidates() {
         Kind::StringValue("10.9.9.9:1".into()),
         Kind::ListValue(ListValue::default()),
     ] {
-        let mut s = EnvoyStream::post(
+        let mut s = post(
             &ch,
             "/v1/chat/completions",
             &[],
-            Some(BodySendMode::FullDuplexStreamed),
-            Some(subset_metadata(empty)),
+            Some(BodyMode::FullDuplex),
+            Some(subset_hint(empty)),
         )
         .await;
-        s.send(body_msg(&chat_body("x"), true, false)).await;
-        assert_eq!(immediate_status(&s.recv().await).0, 503);
+        s.send(request_body(&chat_body("x"), true)).await.unwrap();
+        assert_eq!(immediate_status(&mut s).await.0, 503);
     }
 }
 
@@ -731,30 +432,15 @@ async fn response_path_releases_in_flight() {
     let ch = channel(srv.port).await;
     let (mut s, _, _) = full_duplex(&ch, &chat_body("x"), &[], None).await;
     assert_eq!(total_in_flight(&srv.app), 1);
-    s.send(resp_headers("200", false)).await;
-    match s.recv().await.response {
-        Some(processing_response::Response::ResponseHeaders(_)) => {}
-        other => panic!("expected a response-headers answer, got {other:?}"),
-    }
+    s.send(response_headers("200", &[], false)).await.unwrap();
+    changes(&mut s, Phase::ResponseHeaders).await;
     let sse = b"data: {\"choices\":[]}\n\n";
-    s.send(body_msg(sse, false, true)).await;
-    s.send(body_msg(b"data: [DONE]\n\n", true, true)).await;
-    let mut echoed = Vec::new();
-    for _ in 0..2 {
-        match s.recv().await.response {
-            Some(processing_response::Response::ResponseBody(b)) => {
-                let Some(body_mutation::Mutation::StreamedResponse(c)) = b
-                    .response
-                    .and_then(|c| c.body_mutation)
-                    .and_then(|m| m.mutation)
-                else {
-                    panic!("full-duplex response body must be streamed back");
-                };
-                echoed.extend_from_slice(&c.body);
-            }
-            other => panic!("expected a response-body answer, got {other:?}"),
-        }
-    }
+    s.send(response_body(sse, false)).await.unwrap();
+    s.send(response_body(b"data: [DONE]\n\n", true))
+        .await
+        .unwrap();
+    let (echoed, sizes) = collect_streamed(&mut s, Phase::ResponseBody).await;
+    assert_eq!(sizes.len(), 2, "one answer per chunk");
     assert_eq!(echoed, [&sse[..], b"data: [DONE]\n\n"].concat());
     wait_in_flight(&srv.app, 0).await;
 
@@ -833,11 +519,13 @@ async fn tls_is_served_with_a_self_signed_certificate() {
         .connect()
         .await;
     if let Ok(plain) = plain {
-        let (_tx, rx) = mpsc::channel::<ProcessingRequest>(1);
-        assert!(ExternalProcessorClient::new(plain)
-            .process(ReceiverStream::new(rx))
-            .await
-            .is_err());
+        let opened = EnvoyStream::open(
+            &plain,
+            RequestHeaders::get("/v1/models").build(),
+            ANSWER_TIMEOUT,
+        )
+        .await;
+        assert!(matches!(opened, Err(ClientError::Status(_))));
     }
 }
 
@@ -853,8 +541,11 @@ fn chat_with_nvext(text: &str, nvext: serde_json::Value) -> Vec<u8> {
 
 /// Answers a routed stream's response with `status` and ends it.
 async fn complete(mut s: EnvoyStream, status: &str) {
-    s.send(resp_headers(status, true)).await;
-    let _ = s.recv().await;
+    let outcome = s
+        .respond(BodyMode::FullDuplex, status, &[], None, 0)
+        .await
+        .unwrap();
+    assert!(matches!(outcome, ResponseOutcome::Forwarded { .. }));
 }
 
 #[tokio::test]
@@ -992,16 +683,9 @@ async fn session_turn_with_a_u64_max_timeout_is_a_400_not_a_crash() {
         "y",
         serde_json::json!({"session_control": {"session_id": "big", "timeout": 18446744073709551615u64}}),
     );
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/chat/completions",
-        &[],
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    )
-    .await;
-    s.send(body_msg(&turn, true, false)).await;
-    let (code, err) = immediate_status(&s.recv().await);
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
+    s.send(request_body(&turn, true)).await.unwrap();
+    let (code, err) = immediate_status(&mut s).await;
     assert_eq!(code, 400, "{err}");
     assert!(err.to_string().contains("timeout"), "{err}");
     // The stream and the server keep working.
@@ -1026,51 +710,33 @@ async fn oversized_bodies_get_413_in_every_body_mode() {
     let over = big_body(cap + 1024);
 
     // Full duplex: chunks without waiting; the one crossing the cap gets 413.
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    )
-    .await;
+    let mut s = open_post(&ch, "/v1/completions", BodyMode::FullDuplex).await;
     let chunks: Vec<&[u8]> = over.chunks(1 << 20).collect();
     for (i, c) in chunks.iter().enumerate() {
-        s.send(body_msg(c, i + 1 == chunks.len(), false)).await;
+        s.send(request_body(c, i + 1 == chunks.len()))
+            .await
+            .unwrap();
     }
-    let (status, json) = immediate_status(&s.recv().await);
+    let (status, json) = immediate_status(&mut s).await;
     assert_eq!(status, 413);
     assert!(json["error"]["message"].as_str().unwrap().contains("limit"));
 
     // Buffered: one message above tonic's 4 MiB default still reaches kvpick.
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodySendMode::Buffered),
-        None,
-    )
-    .await;
-    expect_request_headers(&s.recv().await);
-    s.send(body_msg(&over, true, false)).await;
-    assert_eq!(immediate_status(&s.recv().await).0, 413);
+    let mut s = post(&ch, "/v1/completions", &[], Some(BodyMode::Buffered), None).await;
+    changes(&mut s, Phase::RequestHeaders).await;
+    s.send(request_body(&over, true)).await.unwrap();
+    assert_eq!(immediate_status(&mut s).await.0, 413);
 
     // Streamed: one answer per chunk until the cap is crossed.
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodySendMode::Streamed),
-        None,
-    )
-    .await;
-    expect_request_headers(&s.recv().await);
+    let mut s = post(&ch, "/v1/completions", &[], Some(BodyMode::Streamed), None).await;
+    changes(&mut s, Phase::RequestHeaders).await;
     let mut status = None;
     for (i, c) in chunks.iter().enumerate() {
-        s.send(body_msg(c, i + 1 == chunks.len(), false)).await;
-        let msg = s.recv().await;
-        if let Some(processing_response::Response::ImmediateResponse(_)) = &msg.response {
-            status = Some(immediate_status(&msg).0);
+        s.send(request_body(c, i + 1 == chunks.len()))
+            .await
+            .unwrap();
+        if let Answer::Immediate(i) = s.answer().await.unwrap() {
+            status = Some(i.status);
             break;
         }
     }
@@ -1078,17 +744,10 @@ async fn oversized_bodies_get_413_in_every_body_mode() {
 
     // A buffered body above 4 MiB but within the cap is routed, not a gRPC error.
     let fits = big_body(cap - 4096);
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodySendMode::Buffered),
-        None,
-    )
-    .await;
-    expect_request_headers(&s.recv().await);
-    s.send(body_msg(&fits, true, false)).await;
-    let (r, _) = expect_request_body(&s.recv().await);
+    let mut s = post(&ch, "/v1/completions", &[], Some(BodyMode::Buffered), None).await;
+    changes(&mut s, Phase::RequestHeaders).await;
+    s.send(request_body(&fits, true)).await.unwrap();
+    let r = changes(&mut s, Phase::RequestBody).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
 }
 
@@ -1102,27 +761,17 @@ async fn a_body_over_the_budget_gets_429_and_the_server_keeps_serving() {
     let ch = channel(srv.port).await;
     // A holds 768 KiB of an unfinished 900 KiB body.
     let held = big_body(900 << 10);
-    let mut a = EnvoyStream::post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    )
-    .await;
-    a.send(body_msg(&held[..768 << 10], false, false)).await;
-    assert!(a.silent_for(100).await);
+    let mut a = open_post(&ch, "/v1/completions", BodyMode::FullDuplex).await;
+    a.send(request_body(&held[..768 << 10], false))
+        .await
+        .unwrap();
+    assert!(a.silent_for(Duration::from_millis(100)).await);
     // B does not fit next to it.
-    let mut b = EnvoyStream::post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    )
-    .await;
-    b.send(body_msg(&big_body(512 << 10), true, false)).await;
-    let (status, json) = immediate_status(&b.recv().await);
+    let mut b = open_post(&ch, "/v1/completions", BodyMode::FullDuplex).await;
+    b.send(request_body(&big_body(512 << 10), true))
+        .await
+        .unwrap();
+    let (status, json) = immediate_status(&mut b).await;
     assert_eq!(status, 429);
     assert!(json["error"]["message"]
         .as_str()
@@ -1131,8 +780,10 @@ async fn a_body_over_the_budget_gets_429_and_the_server_keeps_serving() {
     // Small requests still route, and A finishes normally.
     let (_, r, _) = full_duplex(&ch, &chat_body("small"), &[], None).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
-    a.send(body_msg(&held[768 << 10..], true, false)).await;
-    let r = expect_request_headers(&a.recv().await);
+    a.send(request_body(&held[768 << 10..], true))
+        .await
+        .unwrap();
+    let r = changes(&mut a, Phase::RequestHeaders).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
     assert_eq!(srv.app.metrics.body_budget_rejections.get(), 1);
 }
@@ -1145,17 +796,11 @@ async fn a_body_that_stops_arriving_gets_408() {
     };
     let srv = start_with(pool(2), config).await;
     let ch = channel(srv.port).await;
-    let mut s = EnvoyStream::post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodySendMode::FullDuplexStreamed),
-        None,
-    )
-    .await;
-    s.send(body_msg(br#"{"model":"m","pro"#, false, false))
-        .await;
-    let (status, json) = immediate_status(&s.recv().await);
+    let mut s = open_post(&ch, "/v1/completions", BodyMode::FullDuplex).await;
+    s.send(request_body(br#"{"model":"m","pro"#, false))
+        .await
+        .unwrap();
+    let (status, json) = immediate_status(&mut s).await;
     assert_eq!(status, 408);
     assert_eq!(json["error"]["code"], 408);
     // The server still serves.
@@ -1171,16 +816,18 @@ async fn response_usage_and_sizes_feed_the_objective_metrics() {
     let ch = channel(srv.port).await;
     let body = chat_body("count my tokens");
     let (mut s, _, _) = full_duplex(&ch, &body, &[], None).await;
-    s.send(resp_headers("200", false)).await;
-    let _ = s.recv().await;
+    s.send(response_headers("200", &[], false)).await.unwrap();
+    s.recv().await.unwrap();
     let chunks: [&[u8]; 3] = [
         b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n",
         b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":21,\"completion_tokens\":5}}\n\n",
         b"data: [DONE]\n\n",
     ];
     for (i, c) in chunks.iter().enumerate() {
-        s.send(body_msg(c, i + 1 == chunks.len(), true)).await;
-        let _ = s.recv().await;
+        s.send(response_body(c, i + 1 == chunks.len()))
+            .await
+            .unwrap();
+        s.recv().await.unwrap();
     }
     wait_in_flight(&srv.app, 0).await;
     let text = srv.app.metrics.render(&srv.app.endpoints);
@@ -1197,4 +844,52 @@ async fn response_usage_and_sizes_feed_the_objective_metrics() {
         line("inference_objective_response_sizes_sum").ends_with(&format!(" {response_bytes}.0"))
     );
     assert!(line("inference_objective_request_sizes_sum").ends_with(&format!(" {}.0", body.len())));
+}
+
+/// Trailers end a body the way `end_of_stream` does: request trailers after an
+/// unfinished full-duplex body route the request, then the body streams back and
+/// the trailers are answered; response trailers end the response and the request.
+#[tokio::test]
+async fn trailers_end_the_request_and_the_response() {
+    let srv = start(pool(2)).await;
+    let ch = channel(srv.port).await;
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
+    let body = chat_body("with trailers");
+    s.send(request_body(&body, false)).await.unwrap();
+    assert!(s.silent_for(Duration::from_millis(200)).await);
+    s.send(request_trailers(&[("x-checksum", "1")]))
+        .await
+        .unwrap();
+    let r = changes(&mut s, Phase::RequestHeaders).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+    // The body comes back without `end_of_stream` (the trailers end it), then
+    // the trailers' answer.
+    let mut echo = Vec::new();
+    loop {
+        match s.answer().await.unwrap() {
+            Answer::Continue(Phase::RequestBody, c) => match c.body {
+                BodyChange::Streamed {
+                    body,
+                    end_of_stream: false,
+                } => echo.extend_from_slice(&body),
+                other => panic!("expected a streamed chunk, got {other:?}"),
+            },
+            Answer::Continue(Phase::RequestTrailers, _) => break,
+            other => panic!("expected the body or the trailers' answer, got {other:?}"),
+        }
+    }
+    assert_eq!(echo, body);
+    assert_eq!(total_in_flight(&srv.app), 1);
+
+    s.send(response_headers("200", &[], false)).await.unwrap();
+    changes(&mut s, Phase::ResponseHeaders).await;
+    s.send(response_body(b"data: [DONE]\n\n", false))
+        .await
+        .unwrap();
+    changes(&mut s, Phase::ResponseBody).await;
+    s.send(response_trailers(&[("grpc-status", "0")]))
+        .await
+        .unwrap();
+    changes(&mut s, Phase::ResponseTrailers).await;
+    wait_in_flight(&srv.app, 0).await;
 }

@@ -4,73 +4,16 @@
 
 use std::time::Duration;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request::Request, HttpHeaders, ProcessingRequest,
-};
+#[allow(dead_code)] // each test binary uses a part of it
+mod support;
+
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc_until, App};
+use support::{finish_stream, free_port, open_routed_stream, Child};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
-
-fn headers(pairs: &[(&str, &str)]) -> ProcessingRequest {
-    let headers = HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    value: String::new(),
-                    raw_value: v.as_bytes().to_vec(),
-                })
-                .collect(),
-        }),
-        end_of_stream: true,
-        ..Default::default()
-    };
-    ProcessingRequest {
-        request: Some(if pairs[0].0 == ":status" {
-            Request::ResponseHeaders(headers)
-        } else {
-            Request::RequestHeaders(headers)
-        }),
-        ..Default::default()
-    }
-}
-
-type Answers = tonic::Streaming<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse>;
-
-/// Opens an ext_proc stream and has its request headers routed.
-async fn open_routed_stream(
-    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
-) -> (mpsc::Sender<ProcessingRequest>, Answers) {
-    let (tx, rx) = mpsc::channel(4);
-    let mut answers = client
-        .process(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(headers(&[(":method", "GET"), (":path", "/v1/models")]))
-        .await
-        .unwrap();
-    assert!(answers.next().await.unwrap().is_ok(), "routed");
-    (tx, answers)
-}
-
-/// Sends the response headers, expects their answer, and closes the stream.
-async fn finish_stream(tx: mpsc::Sender<ProcessingRequest>, mut answers: Answers) {
-    tx.send(headers(&[(":status", "200")])).await.unwrap();
-    assert!(
-        answers.next().await.unwrap().is_ok(),
-        "response headers answered"
-    );
-    drop(tx);
-    assert!(answers.next().await.is_none());
-}
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
 
 #[tokio::test]
 async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
@@ -88,10 +31,8 @@ async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
             let _ = stopped.await;
         },
     ));
-    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let (tx, answers) = open_routed_stream(&mut client).await;
+    let ch = support::channel(addr.port()).await;
+    let stream = open_routed_stream(&ch).await;
     // Mid-stream (the response path is still to come): shut down.
     stop.send(()).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -103,28 +44,9 @@ async fn shutdown_refuses_new_connections_and_lets_the_open_stream_finish() {
         !server.is_finished(),
         "the server stopped before the stream ended"
     );
-    finish_stream(tx, answers).await;
+    finish_stream(stream).await;
     let done = tokio::time::timeout(Duration::from_secs(5), server).await;
     assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
-}
-
-/// A free local port (bound and released; the binary binds it again).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Kills the child if the test fails before it exits.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[tokio::test]
@@ -154,8 +76,8 @@ async fn the_binary_drains_on_sigterm_and_exits_zero_before_the_deadline() {
     );
     let addr = format!("http://127.0.0.1:{grpc}");
     let started = std::time::Instant::now();
-    let mut client = loop {
-        match ExternalProcessorClient::connect(addr.clone()).await {
+    let ch = loop {
+        match Channel::from_shared(addr.clone()).unwrap().connect().await {
             Ok(c) => break c,
             Err(e) => {
                 assert!(
@@ -167,7 +89,7 @@ async fn the_binary_drains_on_sigterm_and_exits_zero_before_the_deadline() {
             }
         }
     };
-    let (tx, answers) = open_routed_stream(&mut client).await;
+    let stream = open_routed_stream(&ch).await;
 
     // Mid-stream: SIGTERM.
     let status = std::process::Command::new("kill")
@@ -185,7 +107,7 @@ async fn the_binary_drains_on_sigterm_and_exits_zero_before_the_deadline() {
         child.0.try_wait().unwrap().is_none(),
         "kvpick exited with a stream still open"
     );
-    finish_stream(tx, answers).await;
+    finish_stream(stream).await;
     let exit = loop {
         if let Some(s) = child.0.try_wait().unwrap() {
             break s;

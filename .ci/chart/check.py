@@ -232,6 +232,84 @@ def check_promises(objs: list[tuple[str, dict[str, Any]]], kvpick: str | None) -
                 raise CheckFailed(f"kvpick rejects the chart's args {run_args}: {errors or done.stderr}")
 
 
+def effective(chart_dir: pathlib.Path, values: dict[str, Any]) -> dict[str, Any]:
+    """The values a template sees: the chart's values.yaml under the overlay."""
+    return merge(yaml.safe_load((chart_dir / "values.yaml").read_text()), values)
+
+
+def check_network_policy(objs: list[tuple[str, dict[str, Any]]], values: dict[str, Any]) -> None:
+    """`values` are the effective values. networkPolicy.enabled: a NetworkPolicy
+    selects kvpick's pods, admits the ext_proc port only from selected
+    namespaces (never everyone, never an IP block), and leaves the plaintext
+    gRPC health port closed to pods; disabled: no NetworkPolicy."""
+    policies = [o for _, o in objs if o["kind"] == "NetworkPolicy"]
+    if not values["networkPolicy"]["enabled"]:
+        if policies:
+            raise CheckFailed(f"networkPolicy.enabled=false renders {len(policies)} NetworkPolicies")
+        return
+    if len(policies) != 1:
+        raise CheckFailed(f"networkPolicy.enabled renders {len(policies)} NetworkPolicies, not 1")
+    policy = policies[0]["spec"]
+    deployment = next(o for _, o in objs if o["kind"] == "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selected = policy.get("podSelector", {}).get("matchLabels", {})
+    if not selected or any(pod_labels.get(k) != v for k, v in selected.items()):
+        raise CheckFailed(f"NetworkPolicy selects {selected}, not kvpick's pods {pod_labels}")
+    if "Ingress" not in policy.get("policyTypes", []):
+        raise CheckFailed("NetworkPolicy does not restrict Ingress")
+    ports = {p["name"]: p["containerPort"] for p in kvpick_container(objs)["ports"]}
+    for rule in policy.get("ingress", []):
+        # A rule without ports admits every port; one without `from` admits everyone.
+        opened = {p["port"] for p in rule.get("ports", [])} or set(ports.values())
+        if ports["grpc-health"] in opened:
+            raise CheckFailed(f"NetworkPolicy opens the plaintext health port: {rule}")
+        if ports["grpc"] not in opened:
+            continue
+        peers = rule.get("from", [])
+        if not peers:
+            raise CheckFailed(f"NetworkPolicy admits everyone to the ext_proc port: {rule}")
+        for peer in peers:
+            ns = peer.get("namespaceSelector", {})
+            if "ipBlock" in peer or not (ns.get("matchLabels") or ns.get("matchExpressions")):
+                raise CheckFailed(f"NetworkPolicy admits more than the gateway's namespace: {peer}")
+
+
+# The labels Envoy Gateway puts on every proxy pod it runs (EnvoyAppLabel in
+# envoyproxy/gateway internal/infrastructure/kubernetes/proxy/resource.go), in
+# the namespace it runs them in by default.
+ENVOY_GATEWAY_PROXY_NAMESPACE = "envoy-gateway-system"
+ENVOY_GATEWAY_PROXY_LABELS = {
+    "app.kubernetes.io/name": "envoy",
+    "app.kubernetes.io/component": "proxy",
+    "app.kubernetes.io/managed-by": "envoy-gateway",
+}
+
+
+def check_default_network_policy(chart_dir: pathlib.Path) -> None:
+    """Only the required values (provider.name=none, next to Envoy Gateway):
+    the NetworkPolicy is on and admits the ext_proc port to Envoy Gateway's
+    proxies in envoy-gateway-system, and to nothing else."""
+    values = yaml.safe_load((chart_dir / "ci" / "minimal-values.yaml").read_text())
+    objs = objects(render(chart_dir, values))
+    policies = [o for _, o in objs if o["kind"] == "NetworkPolicy"]
+    if len(policies) != 1:
+        raise CheckFailed(f"the default render makes {len(policies)} NetworkPolicies, not 1")
+    check_network_policy(objs, effective(chart_dir, values))
+    grpc = next(p["containerPort"] for p in kvpick_container(objs)["ports"] if p["name"] == "grpc")
+    want = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ENVOY_GATEWAY_PROXY_NAMESPACE}},
+        "podSelector": {"matchLabels": ENVOY_GATEWAY_PROXY_LABELS},
+    }
+    peers = [
+        peer
+        for rule in policies[0]["spec"]["ingress"]
+        if grpc in {p["port"] for p in rule.get("ports", [])}
+        for peer in rule.get("from", [])
+    ]
+    if peers != [want]:
+        raise CheckFailed(f"the default NetworkPolicy admits {peers} to the ext_proc port, not Envoy Gateway's proxies {want}")
+
+
 # (name, overlay on minimal-values.yaml or None for the bare defaults, message the render must fail with)
 MUST_FAIL: list[tuple[str, dict[str, Any] | None, str]] = [
     ("no values", None, "inferencePool.selector is required"),
@@ -258,6 +336,11 @@ MUST_FAIL: list[tuple[str, dict[str, Any] | None, str]] = [
         "terminationGracePeriodSeconds (10) must exceed preStopSleepSeconds (5)",
     ),
     ("unknown provider", {"provider": {"name": "linkerd"}}, "/provider/name"),
+    (
+        "istio with the default NetworkPolicy and no gateway namespace",
+        {"provider": {"name": "istio"}},
+        "networkPolicy.gatewayNamespace is required with provider.name=istio",
+    ),
 ]
 
 
@@ -285,11 +368,18 @@ def check_chart(
                 validate_object(obj, kube, schemas)
             lint(chart_dir, values, kube)
             check_promises(objs, kvpick)
+            check_network_policy(objs, effective(chart_dir, values))
             kinds = sorted(f"{o['kind']}" for _, o in objs)
             print(f"ok   {path.name}: {len(objs)} objects valid for Kubernetes {kube}: {' '.join(kinds)}")
         except (CheckFailed, helm.HelmError) as e:
             failures.append(f"{path.name}: {e}")
             print(f"FAIL {path.name}: {e}")
+    try:
+        check_default_network_policy(chart_dir)
+        print(f"ok   default NetworkPolicy: admits {ENVOY_GATEWAY_PROXY_NAMESPACE} pods labelled {ENVOY_GATEWAY_PROXY_LABELS}")
+    except (CheckFailed, helm.HelmError) as e:
+        failures.append(f"default NetworkPolicy: {e}")
+        print(f"FAIL default NetworkPolicy: {e}")
     minimal = yaml.safe_load((chart_dir / "ci" / "minimal-values.yaml").read_text())
     for name, overlay, message in MUST_FAIL:
         values = {} if overlay is None else merge(minimal, overlay)
@@ -321,10 +411,22 @@ def broken_copy(tmp: pathlib.Path, mutate: Callable[[str], str], template: str) 
 def self_test(schemas: dict[tuple[str, str], dict[str, Any]], kvpick: str | None) -> list[str]:
     """Broken templates must make the check fail."""
     breaks = [
-        ("deployment.yaml", lambda s: s.replace("containerPort:", "containerPorts:", 1)),
-        ("service.yaml", lambda s: s.replace("port: {{ .Values.ports.grpc }}", "port: \"{{ .Values.ports.grpc }}\"", 1)),
-        ("inferencepool.yaml", lambda s: s.replace("failureMode:", "failMode:", 1)),
-        ("rbac.yaml", lambda s: s.replace('verbs: ["get", "list", "watch"]', 'verbs: ["get", "list", "watch", "delete"]', 1)),
+        ("deployment.yaml", lambda s: s.replace("containerPort:", "containerPorts:", 1), "minimal"),
+        ("service.yaml", lambda s: s.replace("port: {{ .Values.ports.grpc }}", "port: \"{{ .Values.ports.grpc }}\"", 1), "minimal"),
+        ("inferencepool.yaml", lambda s: s.replace("failureMode:", "failMode:", 1), "minimal"),
+        ("rbac.yaml", lambda s: s.replace('verbs: ["get", "list", "watch"]', 'verbs: ["get", "list", "watch", "delete"]', 1), "minimal"),
+        # Every namespace's pods with the gateway's labels, not the gateway's namespace.
+        (
+            "networkpolicy.yaml",
+            lambda s: re.sub(r"namespaceSelector:\n\s+matchLabels:\n\s+kubernetes.io/metadata.name: [^\n]+", "namespaceSelector: {}", s, count=1),
+            "mtls",
+        ),
+        # The policy rendered only when asked for: off by default again.
+        (
+            "networkpolicy.yaml",
+            lambda s: s.replace("if .Values.networkPolicy.enabled", "if and .Values.networkPolicy.enabled false", 1),
+            "minimal",
+        ),
     ]
     failures = []
     if kvpick:
@@ -339,14 +441,15 @@ def self_test(schemas: dict[tuple[str, str], dict[str, Any]], kvpick: str | None
         except CheckFailed as e:
             print(f"ok   self-test: an unknown flag caught: {e}")
     with tempfile.TemporaryDirectory() as tmp:
-        for template, mutate in breaks:
+        for template, mutate, case in breaks:
             chart = broken_copy(pathlib.Path(tmp), mutate, template)
-            values = yaml.safe_load((chart / "ci" / "minimal-values.yaml").read_text())
+            values = yaml.safe_load((chart / "ci" / f"{case}-values.yaml").read_text())
             try:
                 objs = objects(render(chart, values))
                 for _, obj in objs:
                     validate_object(obj, min_kube_version(yaml.safe_load((chart / "Chart.yaml").read_text())), schemas)
                 check_promises(objs, None)
+                check_network_policy(objs, effective(chart, values))
                 failures.append(f"self-test: a broken {template} passed")
                 print(f"FAIL self-test: a broken {template} passed")
             except CheckFailed as e:
@@ -376,7 +479,7 @@ def main() -> int:
     print(f"Helm SDK {helm.helm_sdk_version()} (helm-python-sdk {helm.__version__}), kubernetes-validate {kubernetes_validate.__version__}")
     schemas = load_schemas()
     failures = check_chart(CHART, args.kvpick, schemas) + self_test(schemas, args.kvpick)
-    passed = len(list((CHART / "ci").glob("*-values.yaml"))) + len(MUST_FAIL) + 4 + bool(args.kvpick) - len(failures)
+    passed = len(list((CHART / "ci").glob("*-values.yaml"))) + 1 + len(MUST_FAIL) + 6 + bool(args.kvpick) - len(failures)
     print(f"chart: {passed} passed, {len(failures)} failed")
     return 1 if failures else 0
 

@@ -30,8 +30,15 @@
 //!   32-block chains (about 1 M entries in all); the main thread removes each
 //!   worker's oldest chain and stores a new one, round robin, for
 //!   `--churn-blocks` blocks at full speed, while a second thread looks up prompts
-//!   (prefix + a chain + 64 fresh blocks) and records the latency of each.
-//!   `dynamo-radix` is not concurrent and sits this one out.
+//!   (prefix + a chain + 64 fresh blocks) and records the latency of each. The
+//!   lookups are paced, the same for every index (`--churn-lookup-every-us`, 100:
+//!   10,000 lookups a second, sleeping in between; an index slower than that
+//!   runs them back to back): a lookup thread looping flat out would offer each
+//!   index a different load (one 50 times faster at lookups took 50 times more
+//!   turns at its lock and at the 2 cores, and its ingest figure measured that).
+//!   Dynamo applies events on its `ThreadPoolIndexer`'s 2 threads (the main
+//!   thread only enqueues); kvpick applies them on the main thread, as its
+//!   event subscriber does. `dynamo-radix` is not concurrent and sits this one out.
 //!
 //! Every cell reports a digest of each query's nonzero overlaps per (worker, rank);
 //! the parent asserts kvpick's equal Dynamo's on every query (churn: on queries
@@ -55,7 +62,7 @@ use kvpick::endpoints::WorkerKey;
 use kvpick::kv::index::{IndexConfig, PrefixIndex};
 use serde::{Deserialize, Serialize};
 
-use crate::measure::{mix, quantile_us, rss_bytes, SplitMix64};
+use crate::measure::{mix, process_cpu_ns, quantile_us, rss_bytes, thread_cpu_ns, SplitMix64};
 
 /// Blocks of the shared system prompt (`shared`).
 const SYSTEM_BLOCKS: usize = 128;
@@ -97,6 +104,9 @@ pub struct IndexArgs {
     /// Blocks stored plus removed during `churn`.
     #[arg(long, default_value_t = 2_000_000)]
     churn_blocks: usize,
+    /// One lookup every this many microseconds during `churn` (0: back to back).
+    #[arg(long, default_value_t = 100)]
+    churn_lookup_every_us: u64,
     /// Dynamo's `RadixTree` (one node per block) runs only below this many workers.
     #[arg(long, default_value_t = 10_000)]
     radix_below: usize,
@@ -591,10 +601,14 @@ struct CellReport {
     entries: usize,
     fill_blocks: usize,
     ingest_blocks_per_s: f64,
+    /// Blocks ingested per second of CPU time of the threads that ingested.
+    ingest_blocks_per_cpu_s: f64,
     rss_growth_bytes: u64,
     lookup_p50_us: f64,
     lookup_p99_us: f64,
     churn_blocks_per_s: f64,
+    /// Churned blocks per second of CPU time of every thread but the lookup thread.
+    churn_blocks_per_cpu_s: f64,
     churn_lookups: usize,
     churn_lookup_p50_us: f64,
     churn_lookup_p99_us: f64,
@@ -642,12 +656,14 @@ fn run_cell(
         Impl::DynamoRadix => Box::new(Radix(std::cell::RefCell::new(RadixTree::new()))),
     };
     let fill_blocks: usize = workload.fill.iter().map(|s| s.blocks.len()).sum();
+    let cpu0 = process_cpu_ns();
     let t = Instant::now();
     for s in &workload.fill {
         subject.store(s);
     }
     subject.settle();
     let fill_s = t.elapsed().as_secs_f64();
+    let fill_cpu_s = process_cpu_ns().saturating_sub(cpu0) as f64 / 1e9;
     let rss_growth = rss_bytes().saturating_sub(rss0);
     let mut report = CellReport {
         index: which.name().into(),
@@ -657,6 +673,7 @@ fn run_cell(
         entries: subject.entries(),
         fill_blocks,
         ingest_blocks_per_s: fill_blocks as f64 / fill_s,
+        ingest_blocks_per_cpu_s: fill_blocks as f64 / fill_cpu_s,
         rss_growth_bytes: rss_growth,
         ..Default::default()
     };
@@ -670,16 +687,25 @@ fn run_cell(
             .iter()
             .map(|s| s.removed.len() + s.stored.blocks.len())
             .sum();
-        let (elapsed, mut times) = std::thread::scope(|scope| {
+        let cpu0 = process_cpu_ns();
+        let (elapsed, (mut times, looker_cpu_ns)) = std::thread::scope(|scope| {
             let looker = scope.spawn(|| {
+                let cpu0 = thread_cpu_ns();
+                let every = Duration::from_micros(args.churn_lookup_every_us);
+                let start = Instant::now();
                 let mut times = Vec::new();
                 let mut i = 0;
                 while !done.load(Ordering::Relaxed) {
                     let q = &workload.churn_queries[i % workload.churn_queries.len()];
                     times.push(subject.time_lookup(q));
                     i += 1;
+                    // Sleep until the next lookup is due (none when behind).
+                    let due = start + every * i as u32;
+                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
                 }
-                times
+                (times, thread_cpu_ns().saturating_sub(cpu0))
             });
             let t = Instant::now();
             for s in &workload.churn {
@@ -691,7 +717,11 @@ fn run_cell(
             done.store(true, Ordering::Relaxed);
             (elapsed, looker.join().expect("lookup thread"))
         });
+        let churn_cpu_ns = process_cpu_ns()
+            .saturating_sub(cpu0)
+            .saturating_sub(looker_cpu_ns);
         report.churn_blocks_per_s = churned as f64 / elapsed.as_secs_f64();
+        report.churn_blocks_per_cpu_s = churned as f64 / (churn_cpu_ns as f64 / 1e9);
         report.churn_lookups = times.len();
         report.churn_lookup_p50_us = quantile_us(&mut times, 0.5);
         report.churn_lookup_p99_us = quantile_us(&mut times, 0.99);
@@ -733,6 +763,10 @@ fn spawn_cell(
         .args(["--max-entries", &args.max_entries.to_string()])
         .args(["--queries", &args.queries.to_string()])
         .args(["--churn-blocks", &args.churn_blocks.to_string()])
+        .args([
+            "--churn-lookup-every-us",
+            &args.churn_lookup_every_us.to_string(),
+        ])
         .args(["--workers", &list(&args.workers)])
         .arg("--trace")
         .arg(&args.trace)
@@ -780,15 +814,15 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut md = String::new();
-    md.push_str("Ratios are to Dynamo's `ConcurrentRadixTreeCompressed` (ThreadPoolIndexer, 2 threads) in the same run; below 1× is better for latency and bytes, above 1× for ingest.\n");
+    md.push_str("Ratios are to Dynamo's `ConcurrentRadixTreeCompressed` (ThreadPoolIndexer, 2 threads) in the same run; below 1× is better for latency and bytes, above 1× for ingest. Ingest per CPU-second divides by the CPU time of the threads that ingested (Dynamo: its 2 event threads and the enqueuing thread; kvpick: the caller's thread), which does not depend on how many cores each side got on a shared machine.\n");
     let mut mismatches = 0usize;
     for kind in &args.workloads {
         let mut notes = Vec::new();
         md.push_str(&format!("\n### {kind:?}\n\n"));
         if *kind == Kind::Churn {
-            md.push_str("| workers | index | entries | churn blocks/s | lookup p50 / p99 during churn (µs) | ratio ingest | ratio p50 / p99 | quiet p50 / p99 (µs) | overlaps = Dynamo |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+            md.push_str("| workers | index | entries | churn blocks/s | ratio | blocks per CPU-s | ratio | lookups during churn | lookup p50 / p99 during churn (µs) | ratio p50 / p99 | quiet p50 / p99 (µs) | overlaps = Dynamo |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
         } else {
-            md.push_str("| workers | index | entries | lookup p50 / p99 (µs) | ingest blocks/s | bytes per entry (RSS) | ratio p50 / p99 | ratio ingest | ratio bytes | overlaps = Dynamo |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+            md.push_str("| workers | index | entries | lookup p50 / p99 (µs) | ingest blocks/s | bytes per entry (RSS) | ratio p50 / p99 | ratio ingest | ingest blocks per CPU-s | ratio | ratio bytes | overlaps = Dynamo |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
         }
         for &workers in &args.workers {
             let mut cells: Vec<CellReport> = Vec::new();
@@ -826,12 +860,15 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
                 let a_bytes = a.rss_growth_bytes as f64 / entries as f64;
                 if *kind == Kind::Churn {
                     md.push_str(&format!(
-                        "| {workers} | {} | {entries} | {:.2} M | {:.1} / {:.1} | {} | {} / {} | {:.1} / {:.1} | {same} |\n",
+                        "| {workers} | {} | {entries} | {:.2} M | {} | {:.2} M | {} | {} | {:.1} / {:.1} | {} / {} | {:.1} / {:.1} | {same} |\n",
                         c.index,
                         c.churn_blocks_per_s / 1e6,
+                        ratio(c.churn_blocks_per_s, a.churn_blocks_per_s),
+                        c.churn_blocks_per_cpu_s / 1e6,
+                        ratio(c.churn_blocks_per_cpu_s, a.churn_blocks_per_cpu_s),
+                        c.churn_lookups,
                         c.churn_lookup_p50_us,
                         c.churn_lookup_p99_us,
-                        ratio(c.churn_blocks_per_s, a.churn_blocks_per_s),
                         ratio(c.churn_lookup_p50_us, a.churn_lookup_p50_us),
                         ratio(c.churn_lookup_p99_us, a.churn_lookup_p99_us),
                         c.lookup_p50_us,
@@ -839,7 +876,7 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
                     ));
                 } else {
                     md.push_str(&format!(
-                        "| {workers} | {} | {entries} | {:.1} / {:.1} | {:.2} M | {bytes:.0} | {} / {} | {} | {} | {same} |\n",
+                        "| {workers} | {} | {entries} | {:.1} / {:.1} | {:.2} M | {bytes:.0} | {} / {} | {} | {:.2} M | {} | {} | {same} |\n",
                         c.index,
                         c.lookup_p50_us,
                         c.lookup_p99_us,
@@ -847,6 +884,8 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
                         ratio(c.lookup_p50_us, a.lookup_p50_us),
                         ratio(c.lookup_p99_us, a.lookup_p99_us),
                         ratio(c.ingest_blocks_per_s, a.ingest_blocks_per_s),
+                        c.ingest_blocks_per_cpu_s / 1e6,
+                        ratio(c.ingest_blocks_per_cpu_s, a.ingest_blocks_per_cpu_s),
                         ratio(bytes, a_bytes),
                     ));
                 }

@@ -4,12 +4,13 @@
 //! Per request it opens one ext_proc stream, sends the request headers (with
 //! `:method`, `:path`, `:authority`, `:scheme`, `x-request-id` and
 //! `metadata_context`) and the body (FULL_DUPLEX_STREAMED: chunks sent without
-//! waiting, `protocol_config` on the first message; or BUFFERED), applies header
-//! mutations, body mutations and immediate responses, forwards to the endpoint
-//! named by the `envoy.lb` dynamic metadata `x-gateway-destination-endpoint`
-//! (ORIGINAL_DST; the header of the same name is the fallback), streams the
-//! response back through ext_proc and on to the client, and fails open or closed
-//! when the picker is unreachable. `e2e/README.md` lists what it does not do.
+//! waiting, `protocol_config` on the first message; or BUFFERED, or STREAMED),
+//! applies header mutations, body mutations and immediate responses, forwards to
+//! the endpoint named by the `envoy.lb` dynamic metadata
+//! `x-gateway-destination-endpoint` (ORIGINAL_DST; the header of the same name is
+//! the fallback), streams the response back through ext_proc and on to the client,
+//! and fails open or closed when the picker is unreachable. The ext_proc side is
+//! `envoy-client`. `e2e/README.md` lists what it does not do.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -20,39 +21,25 @@ use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use axum::Router;
 use bytes::Bytes;
-use envoy_types::pb::envoy::config::core::v3::{
-    HeaderMap as PbHeaderMap, HeaderValue as PbHeaderValue, Metadata,
+use envoy_client::answer::{BodyChange, Changes, Immediate, Phase, SetHeader};
+use envoy_client::message::{
+    request_body, response_body, response_headers, string_list, subset_hint, RequestHeaders,
 };
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation::Mutation, processing_request, processing_response, CommonResponse,
-    HeaderMutation, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest,
-    ProcessingResponse, ProtocolConfiguration,
-};
-use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
-use futures::StreamExt;
+use envoy_client::{Answers, ClientError, Decision, EnvoyStream, RequestBody, ResponseOutcome};
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
-use tonic::Streaming;
 use tracing::{debug, warn};
 
 use crate::serve::Server;
 
-/// Dynamic-metadata namespace of the ORIGINAL_DST load balancer.
-pub const LB_NAMESPACE: &str = "envoy.lb";
-/// Key naming the destination (metadata key and header).
-pub const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
-/// Metadata namespace of the subset hint.
-pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
-/// Key of the subset hint.
-pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+pub use envoy_client::{DESTINATION_KEY, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE};
 
 /// How request and response bodies go to the picker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -61,6 +48,18 @@ pub enum BodyMode {
     FullDuplex,
     /// BUFFERED in both directions.
     Buffered,
+    /// STREAMED in both directions (the body in chunks, an answer each).
+    Streamed,
+}
+
+impl BodyMode {
+    fn client(self) -> envoy_client::BodyMode {
+        match self {
+            BodyMode::FullDuplex => envoy_client::BodyMode::FullDuplex,
+            BodyMode::Buffered => envoy_client::BodyMode::Buffered,
+            BodyMode::Streamed => envoy_client::BodyMode::Streamed,
+        }
+    }
 }
 
 /// What to do when the picker cannot be reached or fails.
@@ -129,14 +128,21 @@ pub enum GatewayError {
 /// Why a request could not be processed by the picker.
 #[derive(Debug, thiserror::Error)]
 enum PickerFailure {
-    #[error("ext_proc call failed: {0}")]
-    Status(#[from] tonic::Status),
-    #[error("ext_proc stream closed early")]
-    Closed,
-    #[error("ext_proc answer timed out")]
-    Timeout,
-    #[error("ext_proc protocol error: {0}")]
-    Protocol(String),
+    #[error("ext_proc stream")]
+    Stream(#[from] ClientError),
+    #[error("upstream body")]
+    UpstreamBody(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// An error and its sources, `: `-separated.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(&format!(": {s}"));
+        next = s.source();
+    }
+    out
 }
 
 /// Live counters, for tests.
@@ -156,7 +162,7 @@ pub struct GatewayStats {
 
 struct Gateway {
     config: GatewayConfig,
-    ext_proc: ExternalProcessorClient<Channel>,
+    channel: Channel,
     http: Client<HttpConnector, Full<Bytes>>,
     next_id: AtomicU64,
     next_fallback: AtomicUsize,
@@ -202,7 +208,7 @@ impl GatewayHandle {
         let stats = Arc::new(GatewayStats::default());
         let gw = Arc::new(Gateway {
             config,
-            ext_proc: ExternalProcessorClient::new(channel),
+            channel,
             http: Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
                 .build(crate::serve::nodelay_connector()),
@@ -261,28 +267,6 @@ enum Verdict {
     },
 }
 
-/// The open ext_proc stream of one request.
-struct ExtProcStream {
-    tx: mpsc::Sender<ProcessingRequest>,
-    rx: Streaming<ProcessingResponse>,
-    timeout: Duration,
-}
-
-impl ExtProcStream {
-    async fn send(&self, msg: ProcessingRequest) -> Result<(), PickerFailure> {
-        self.tx.send(msg).await.map_err(|_| PickerFailure::Closed)
-    }
-
-    async fn recv(&mut self) -> Result<ProcessingResponse, PickerFailure> {
-        match tokio::time::timeout(self.timeout, self.rx.next()).await {
-            Err(_) => Err(PickerFailure::Timeout),
-            Ok(None) => Err(PickerFailure::Closed),
-            Ok(Some(Err(status))) => Err(status.into()),
-            Ok(Some(Ok(msg))) => Ok(msg),
-        }
-    }
-}
-
 fn error_response(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
     let body =
         serde_json::json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
@@ -293,65 +277,38 @@ fn error_response(status: StatusCode, kind: &str, message: &str) -> Response<Bod
         .expect("static response parts are valid")
 }
 
-fn pb_headers(pairs: impl IntoIterator<Item = (String, Vec<u8>)>) -> PbHeaderMap {
-    PbHeaderMap {
-        headers: pairs
-            .into_iter()
-            .map(|(key, raw_value)| PbHeaderValue {
-                key,
-                value: String::new(),
-                raw_value,
-            })
-            .collect(),
-    }
+fn header_pairs(headers: &HeaderMap) -> impl Iterator<Item = (&str, &[u8])> {
+    headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes()))
 }
 
-fn header_pairs(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
-    headers
-        .iter()
-        .map(|(k, v)| (k.as_str().to_string(), v.as_bytes().to_vec()))
-        .collect()
-}
-
-fn pb_value(h: &PbHeaderValue) -> Vec<u8> {
-    if h.raw_value.is_empty() {
-        h.value.as_bytes().to_vec()
-    } else {
-        h.raw_value.clone()
-    }
-}
-
-/// Applies a header mutation to a request (`path` is `:path`) or response.
-fn apply_mutation(m: &HeaderMutation, headers: &mut HeaderMap, path: Option<&mut String>) {
+/// Applies a processor's header changes to a request (`path` is `:path`) or response.
+fn apply_changes(c: &Changes, headers: &mut HeaderMap, path: Option<&mut String>) {
     let mut path = path;
-    for name in &m.remove_headers {
+    for name in &c.removed {
         if !name.starts_with(':') {
             headers.remove(name.as_str());
         }
     }
-    for opt in &m.set_headers {
-        let Some(h) = &opt.header else { continue };
-        let value = pb_value(h);
-        if h.key == ":path" {
+    for SetHeader { key, value, action } in &c.set {
+        if key == ":path" {
             if let Some(p) = path.as_deref_mut() {
-                *p = String::from_utf8_lossy(&value).into_owned();
+                *p = String::from_utf8_lossy(value).into_owned();
             }
             continue;
         }
-        if h.key.starts_with(':') {
+        if key.starts_with(':') {
             continue;
         }
         let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(h.key.as_bytes()),
-            HeaderValue::from_bytes(&value),
+            HeaderName::from_bytes(key.as_bytes()),
+            HeaderValue::from_bytes(value),
         ) else {
             continue;
         };
-        // 0 APPEND_IF_EXISTS_OR_ADD, 1 ADD_IF_ABSENT, 2 OVERWRITE_IF_EXISTS_OR_ADD, 3 OVERWRITE_IF_EXISTS.
-        match opt.append_action {
-            1 if headers.contains_key(&name) => {}
-            3 if !headers.contains_key(&name) => {}
-            0 => {
+        match action {
+            HeaderAppendAction::AddIfAbsent if headers.contains_key(&name) => {}
+            HeaderAppendAction::OverwriteIfExists if !headers.contains_key(&name) => {}
+            HeaderAppendAction::AppendIfExistsOrAdd => {
                 headers.append(name, value);
             }
             _ => {
@@ -361,27 +318,17 @@ fn apply_mutation(m: &HeaderMutation, headers: &mut HeaderMap, path: Option<&mut
     }
 }
 
-fn destination_from(metadata: Option<&Struct>) -> Option<String> {
-    let lb = metadata?.fields.get(LB_NAMESPACE)?;
-    let Some(Kind::StructValue(inner)) = &lb.kind else {
-        return None;
-    };
-    match &inner.fields.get(DESTINATION_KEY)?.kind {
-        // GIE allows a comma-separated list of fallbacks; Envoy tries the first.
-        Some(Kind::StringValue(s)) => s.split(',').next().map(|s| s.trim().to_string()),
-        _ => None,
-    }
+/// Where ORIGINAL_DST sends the request: the first endpoint of the `envoy.lb`
+/// metadata's list, else of the header of the same name (GIE's fallback).
+fn destination(metadata: Option<&str>, headers: &HeaderMap) -> Option<String> {
+    let list = metadata.or_else(|| headers.get(DESTINATION_KEY)?.to_str().ok())?;
+    Some(list.split(',').next().unwrap_or(list).trim().to_string())
 }
 
-fn immediate(r: ImmediateResponse) -> Response<Body> {
-    let status = r
-        .status
-        .and_then(|s| StatusCode::from_u16(s.code as u16).ok())
-        .unwrap_or(StatusCode::OK);
+fn immediate(r: Immediate) -> Response<Body> {
+    let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::OK);
     let mut headers = HeaderMap::new();
-    if let Some(m) = &r.headers {
-        apply_mutation(m, &mut headers, None);
-    }
+    apply_changes(&r.headers, &mut headers, None);
     let mut resp = Response::builder()
         .status(status)
         .body(Body::from(r.body))
@@ -446,11 +393,7 @@ impl Gateway {
             body,
             header_only,
         };
-        let opened = match self.open_stream().await {
-            Ok(mut s) => self.send_request_headers(&mut s, &down).await.map(|_| s),
-            Err(e) => Err(e),
-        };
-        let mut stream = match opened {
+        let mut stream = match self.open_stream(&down).await {
             Ok(s) => s,
             Err(e) => {
                 if let Some(b) = client_body {
@@ -465,20 +408,40 @@ impl Gateway {
                         }
                     }
                 }
-                return self.picker_failed(&down, e).await;
+                return self.picker_failed(&down, e.into()).await;
             }
         };
-        let pump = client_body.map(|b| {
-            tokio::spawn(pump_request_body(
-                b,
-                stream.tx.clone(),
-                self.config.chunk_size.max(1),
-            ))
-        });
-        let verdict = self.request_answers(&mut stream, &down).await;
-        let verdict = match verdict {
-            Ok(v) => v,
-            Err(e) => {
+        let chunk = self.config.chunk_size.max(1);
+        let pump = match (client_body, stream.sender()) {
+            (Some(b), Some(tx)) => Some(tokio::spawn(pump_request_body(b, tx, chunk))),
+            _ => None,
+        };
+        let body = if down.header_only {
+            RequestBody::None
+        } else if pump.is_some() {
+            RequestBody::Pumped
+        } else {
+            RequestBody::Whole {
+                bytes: &down.body,
+                chunk,
+            }
+        };
+        let decided = stream.decide(self.config.body_mode.client(), body).await;
+        let verdict = match (decided, pump) {
+            (Ok(d), pump) => {
+                // The pump is done once the picker routed on the whole body; an
+                // immediate answer leaves the rest of the client body unread.
+                if let Some(p) = pump {
+                    match &d {
+                        Decision::Routed(_) => {
+                            let _ = p.await;
+                        }
+                        Decision::Immediate(_) => p.abort(),
+                    }
+                }
+                verdict(d, &down)
+            }
+            (Err(e), pump) => {
                 if let Some(p) = pump {
                     match p.await {
                         Ok(Ok(b)) => down.body = b,
@@ -491,7 +454,7 @@ impl Gateway {
                         }
                     }
                 }
-                return self.picker_failed(&down, e).await;
+                return self.picker_failed(&down, e.into()).await;
             }
         };
         match verdict {
@@ -520,174 +483,31 @@ impl Gateway {
         }
     }
 
-    async fn open_stream(&self) -> Result<ExtProcStream, PickerFailure> {
-        let (tx, rx) = mpsc::channel::<ProcessingRequest>(64);
-        let mut client = self.ext_proc.clone();
-        let call = client.process(ReceiverStream::new(rx));
-        let resp = tokio::time::timeout(self.config.message_timeout, call)
-            .await
-            .map_err(|_| PickerFailure::Timeout)??;
-        Ok(ExtProcStream {
-            tx,
-            rx: resp.into_inner(),
-            timeout: self.config.message_timeout,
-        })
-    }
-
-    fn protocol_config(&self) -> ProtocolConfiguration {
-        let mode = match self.config.body_mode {
-            BodyMode::FullDuplex => BodySendMode::FullDuplexStreamed,
-            BodyMode::Buffered => BodySendMode::Buffered,
-        };
-        ProtocolConfiguration {
-            request_body_mode: mode as i32,
-            response_body_mode: mode as i32,
-            send_body_without_waiting_for_header_response: false,
-        }
-    }
-
-    fn metadata_context(&self) -> Metadata {
-        let mut md = Metadata::default();
-        if let Some(subset) = &self.config.subset {
-            let list = Value {
-                kind: Some(Kind::ListValue(ListValue {
-                    values: subset
-                        .iter()
-                        .map(|s| Value {
-                            kind: Some(Kind::StringValue(s.clone())),
-                        })
-                        .collect(),
-                })),
-            };
-            md.filter_metadata.insert(
-                SUBSET_NAMESPACE.into(),
-                Struct {
-                    fields: [(SUBSET_KEY.to_string(), list)].into_iter().collect(),
-                },
-            );
-        }
-        md
-    }
-
-    /// Sends the request headers (the first message of the stream).
-    async fn send_request_headers(
-        &self,
-        s: &mut ExtProcStream,
-        down: &Downstream,
-    ) -> Result<(), PickerFailure> {
-        let mut pairs = vec![
-            (
-                ":method".to_string(),
-                down.method.as_str().as_bytes().to_vec(),
-            ),
-            (":path".to_string(), down.path.as_bytes().to_vec()),
-            (":authority".to_string(), down.authority.as_bytes().to_vec()),
-            (":scheme".to_string(), b"http".to_vec()),
+    /// Opens the request's ext_proc stream with its headers as Envoy sends them
+    /// (pseudo-headers first, `protocol_config`, the subset hint).
+    async fn open_stream(&self, down: &Downstream) -> Result<EnvoyStream, ClientError> {
+        let pseudo: [(&str, &[u8]); 4] = [
+            (":method", down.method.as_str().as_bytes()),
+            (":path", down.path.as_bytes()),
+            (":authority", down.authority.as_bytes()),
+            (":scheme", b"http"),
         ];
-        pairs.extend(
-            header_pairs(&down.headers)
-                .into_iter()
-                .filter(|(k, _)| k != "host"),
-        );
-        s.send(ProcessingRequest {
-            request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-                headers: Some(pb_headers(pairs)),
-                end_of_stream: down.header_only,
-                ..Default::default()
-            })),
-            metadata_context: Some(self.metadata_context()),
-            protocol_config: Some(self.protocol_config()),
-            ..Default::default()
-        })
-        .await
-    }
-
-    /// Reads the picker's answers on the request path (sending the body first in
-    /// buffered mode) and returns the verdict.
-    async fn request_answers(
-        &self,
-        s: &mut ExtProcStream,
-        down: &Downstream,
-    ) -> Result<Verdict, PickerFailure> {
-        let header_only = down.header_only;
-        let mut headers = down.headers.clone();
-        let mut path = down.path.clone();
-        let mut destination = None;
-        let full_duplex = self.config.body_mode == BodyMode::FullDuplex;
-        // The headers answer.
-        let msg = s.recv().await?;
-        merge_destination(&mut destination, msg.dynamic_metadata.as_ref());
-        match msg.response {
-            Some(processing_response::Response::ImmediateResponse(r)) => {
-                return Ok(Verdict::Immediate(immediate(r)))
-            }
-            Some(processing_response::Response::RequestHeaders(h)) => {
-                apply_common(h.response.as_ref(), &mut headers, &mut path);
-            }
-            other => {
-                return Err(PickerFailure::Protocol(format!(
-                    "expected a request headers answer, got {other:?}"
-                )))
-            }
+        let pairs = pseudo
+            .into_iter()
+            .chain(header_pairs(&down.headers).filter(|(k, _)| *k != "host"));
+        let mut headers = RequestHeaders::from_pairs(pairs)
+            .end_of_stream(down.header_only)
+            .mode(self.config.body_mode.client());
+        if let Some(subset) = &self.config.subset {
+            headers = headers.metadata(subset_hint(string_list(subset)));
         }
-        if header_only {
-            return Ok(forward_verdict(headers, path, Bytes::new(), destination));
-        }
-        if !full_duplex {
-            s.send(request_body_msg(&down.body, true)).await?;
-        }
-        // Body answers until the body is complete.
-        let mut body: Option<Vec<u8>> = None;
-        loop {
-            let msg = s.recv().await?;
-            merge_destination(&mut destination, msg.dynamic_metadata.as_ref());
-            let common = match msg.response {
-                Some(processing_response::Response::ImmediateResponse(r)) => {
-                    return Ok(Verdict::Immediate(immediate(r)))
-                }
-                Some(processing_response::Response::RequestBody(b)) => b.response,
-                other => {
-                    return Err(PickerFailure::Protocol(format!(
-                        "expected a request body answer, got {other:?}"
-                    )))
-                }
-            };
-            apply_common(common.as_ref(), &mut headers, &mut path);
-            let mutation = common
-                .and_then(|c| c.body_mutation)
-                .and_then(|m| m.mutation);
-            match mutation {
-                Some(Mutation::StreamedResponse(chunk)) => {
-                    body.get_or_insert_with(Vec::new)
-                        .extend_from_slice(&chunk.body);
-                    if chunk.end_of_stream {
-                        break;
-                    }
-                }
-                Some(Mutation::Body(b)) => {
-                    body = Some(b);
-                    break;
-                }
-                Some(Mutation::ClearBody(true)) => {
-                    body = Some(Vec::new());
-                    break;
-                }
-                _ if full_duplex => {
-                    return Err(PickerFailure::Protocol(
-                        "full-duplex body answer without a streamed body".into(),
-                    ))
-                }
-                _ => break,
-            }
-        }
-        let body = body.map(Bytes::from).unwrap_or_else(|| down.body.clone());
-        Ok(forward_verdict(headers, path, body, destination))
+        EnvoyStream::open(&self.channel, headers.build(), self.config.message_timeout).await
     }
 
     /// Sends the request upstream and runs the response path.
     async fn forward(
         &self,
-        s: ExtProcStream,
+        s: EnvoyStream,
         method: &http::Method,
         dest: &str,
         path: &str,
@@ -725,7 +545,7 @@ impl Gateway {
                 return match self.response_path(s, parts, body).await {
                     Ok(r) => r,
                     Err(e) => {
-                        error_response(StatusCode::BAD_GATEWAY, "ext_proc_error", &e.to_string())
+                        error_response(StatusCode::BAD_GATEWAY, "ext_proc_error", &error_chain(&e))
                     }
                 };
             }
@@ -735,56 +555,29 @@ impl Gateway {
             Ok(r) => r,
             Err(e) => {
                 // Envoy resets the downstream when ext_proc fails mid-response.
+                let e = error_chain(&e);
                 warn!(error = %e, "ext_proc failed on the response path");
-                error_response(StatusCode::BAD_GATEWAY, "ext_proc_error", &e.to_string())
+                error_response(StatusCode::BAD_GATEWAY, "ext_proc_error", &e)
             }
         }
     }
 
     async fn response_path<B>(
         &self,
-        mut s: ExtProcStream,
+        mut s: EnvoyStream,
         parts: http::response::Parts,
         upstream: B,
     ) -> Result<Response<Body>, PickerFailure>
     where
         B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
-        B::Error: std::fmt::Display,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let mut headers = parts.headers;
         for h in HOP_BY_HOP {
             headers.remove(*h);
         }
-        let mut pairs = vec![(
-            ":status".to_string(),
-            parts.status.as_str().as_bytes().to_vec(),
-        )];
-        pairs.extend(header_pairs(&headers));
-        let full_duplex = self.config.body_mode == BodyMode::FullDuplex;
-        s.send(ProcessingRequest {
-            request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
-                headers: Some(pb_headers(pairs)),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        })
-        .await?;
-        let answer = s.recv().await?;
-        match answer.response {
-            Some(processing_response::Response::ResponseHeaders(h)) => {
-                let mut ignored = String::new();
-                apply_common(h.response.as_ref(), &mut headers, &mut ignored);
-            }
-            Some(processing_response::Response::ImmediateResponse(r)) => return Ok(immediate(r)),
-            other => {
-                return Err(PickerFailure::Protocol(format!(
-                    "expected a response headers answer, got {other:?}"
-                )))
-            }
-        }
-        headers.remove(http::header::CONTENT_LENGTH);
-        let builder = |headers: HeaderMap, body: Body| {
+        let builder = |mut headers: HeaderMap, body: Body| {
+            headers.remove(http::header::CONTENT_LENGTH);
             let mut r = Response::builder()
                 .status(parts.status)
                 .body(body)
@@ -792,131 +585,57 @@ impl Gateway {
             *r.headers_mut() = headers;
             r
         };
-        if !full_duplex {
+        let mode = self.config.body_mode;
+        if mode != BodyMode::FullDuplex {
+            // Buffered and streamed: Envoy has the whole body before the picker sees it.
             let whole = upstream
                 .collect()
                 .await
-                .map(|b| b.to_bytes())
-                .map_err(|e| PickerFailure::Protocol(format!("upstream body: {e}")))?;
-            s.send(ProcessingRequest {
-                request: Some(processing_request::Request::ResponseBody(HttpBody {
-                    body: whole.to_vec(),
-                    end_of_stream: true,
-                    ..Default::default()
-                })),
-                ..Default::default()
-            })
-            .await?;
-            let answer = s.recv().await?;
-            let body = match answer.response {
-                Some(processing_response::Response::ResponseBody(b)) => {
-                    apply_common(b.response.as_ref(), &mut headers, &mut String::new());
-                    match b
-                        .response
-                        .and_then(|c| c.body_mutation)
-                        .and_then(|m| m.mutation)
-                    {
-                        Some(Mutation::Body(b)) => Bytes::from(b),
-                        Some(Mutation::ClearBody(true)) => Bytes::new(),
-                        _ => whole,
-                    }
+                .map_err(|e| PickerFailure::UpstreamBody(e.into()))?
+                .to_bytes();
+            let pairs: Vec<_> = header_pairs(&headers).collect();
+            let outcome = s
+                .respond(
+                    mode.client(),
+                    parts.status.as_str(),
+                    &pairs,
+                    Some(&whole),
+                    self.config.chunk_size.max(1),
+                )
+                .await?;
+            return Ok(match outcome {
+                ResponseOutcome::Immediate(i) => immediate(i),
+                ResponseOutcome::Forwarded { changes, body } => {
+                    apply_changes(&changes, &mut headers, None);
+                    builder(headers, Body::from(body))
                 }
-                Some(processing_response::Response::ImmediateResponse(r)) => {
-                    return Ok(immediate(r))
-                }
-                other => {
-                    return Err(PickerFailure::Protocol(format!(
-                        "expected a response body answer, got {other:?}"
-                    )))
-                }
-            };
-            return Ok(builder(headers, Body::from(body)));
+            });
         }
-        // Full duplex: pump upstream chunks to the picker, stream its answers to the client.
-        let ExtProcStream {
-            tx,
-            mut rx,
-            timeout,
-        } = s;
-        let keep_tx = tx.clone();
-        tokio::spawn(async move {
-            let mut upstream = upstream;
-            loop {
-                let (chunk, eos) = match upstream.frame().await {
-                    Some(Ok(frame)) => match frame.into_data() {
-                        Ok(data) => (data, false),
-                        Err(_) => continue, // trailers are not forwarded
-                    },
-                    Some(Err(e)) => {
-                        debug!(error = %e, "upstream body failed");
-                        return;
-                    }
-                    None => (Bytes::new(), true),
-                };
-                let msg = ProcessingRequest {
-                    request: Some(processing_request::Request::ResponseBody(HttpBody {
-                        body: chunk.to_vec(),
-                        end_of_stream: eos,
-                        ..Default::default()
-                    })),
-                    ..Default::default()
-                };
-                if tx.send(msg).await.is_err() || eos {
-                    return;
-                }
-            }
-        });
-        let (out_tx, out_rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
-        tokio::spawn(async move {
-            let _keep_open = keep_tx;
-            loop {
-                let next = match tokio::time::timeout(timeout, rx.next()).await {
-                    Ok(Some(Ok(msg))) => msg,
-                    Ok(Some(Err(e))) => {
-                        let _ = out_tx.send(Err(std::io::Error::other(e.to_string()))).await;
-                        return;
-                    }
-                    Ok(None) | Err(_) => {
-                        let _ = out_tx
-                            .send(Err(std::io::Error::other("ext_proc stream ended early")))
-                            .await;
-                        return;
-                    }
-                };
-                let Some(processing_response::Response::ResponseBody(b)) = next.response else {
-                    continue;
-                };
-                let Some(Mutation::StreamedResponse(chunk)) = b
-                    .response
-                    .and_then(|c| c.body_mutation)
-                    .and_then(|m| m.mutation)
-                else {
-                    continue;
-                };
-                if !chunk.body.is_empty() && out_tx.send(Ok(Bytes::from(chunk.body))).await.is_err()
-                {
-                    return;
-                }
-                if chunk.end_of_stream {
-                    return;
-                }
-            }
-        });
+        let pairs: Vec<_> = header_pairs(&headers).collect();
+        s.send(response_headers(parts.status.as_str(), &pairs, false))
+            .await?;
+        match s.phase(Phase::ResponseHeaders).await? {
+            Ok(c) => apply_changes(&c, &mut headers, None),
+            Err(i) => return Ok(immediate(i)),
+        }
+        // Full duplex: upstream chunks go to the picker while its answers stream to the client.
+        let (tx, answers) = s.into_parts();
+        let tx = tx.ok_or(ClientError::Closed)?;
         Ok(builder(
             headers,
-            Body::from_stream(ReceiverStream::new(out_rx)),
+            Body::from_stream(streamed_response(upstream, tx, answers)),
         ))
     }
 
     /// The picker failed: forward unchanged to a fallback (fail-open) or refuse (fail-close).
     async fn picker_failed(&self, down: &Downstream, e: PickerFailure) -> Response<Body> {
-        warn!(error = %e, mode = ?self.config.failure_mode, "endpoint picker unavailable");
+        warn!(error = %error_chain(&e), mode = ?self.config.failure_mode, "endpoint picker unavailable");
         if self.config.failure_mode == FailureMode::Close || self.config.fallback.is_empty() {
             self.stats.failed_closed.fetch_add(1, Ordering::Relaxed);
             return error_response(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "ext_proc_unavailable",
-                &format!("endpoint picker unavailable: {e}"),
+                &format!("endpoint picker unavailable: {}", error_chain(&e)),
             );
         }
         self.stats.failed_open.fetch_add(1, Ordering::Relaxed);
@@ -948,17 +667,6 @@ impl Gateway {
     }
 }
 
-fn request_body_msg(body: &[u8], end_of_stream: bool) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(processing_request::Request::RequestBody(HttpBody {
-            body: body.to_vec(),
-            end_of_stream,
-            ..Default::default()
-        })),
-        ..Default::default()
-    }
-}
-
 /// Streams the client body to the picker as it arrives (chunks of at most
 /// `chunk` bytes, then an empty end-of-stream chunk, as Envoy sends), and returns
 /// the whole body.
@@ -966,7 +674,7 @@ async fn pump_request_body(
     mut body: Body,
     tx: mpsc::Sender<ProcessingRequest>,
     chunk: usize,
-) -> Result<Bytes, String> {
+) -> Result<Bytes, axum::Error> {
     let mut whole = bytes::BytesMut::new();
     loop {
         match body.frame().await {
@@ -976,49 +684,111 @@ async fn pump_request_body(
                 };
                 for piece in data.chunks(chunk) {
                     // A closed stream means the picker already answered or failed.
-                    let _ = tx.send(request_body_msg(piece, false)).await;
+                    let _ = tx.send(request_body(piece, false)).await;
                 }
                 whole.extend_from_slice(&data);
             }
-            Some(Err(e)) => return Err(e.to_string()),
+            Some(Err(e)) => return Err(e),
             None => {
-                let _ = tx.send(request_body_msg(&[], true)).await;
+                let _ = tx.send(request_body(&[], true)).await;
                 return Ok(whole.freeze());
             }
         }
     }
 }
 
-fn merge_destination(dest: &mut Option<String>, metadata: Option<&Struct>) {
-    if let Some(d) = destination_from(metadata) {
-        *dest = Some(d);
+/// Sends the upstream response body to the picker as it arrives (then an empty
+/// end-of-stream chunk); stops when the picker's side closes.
+async fn pump_response_body<B>(mut upstream: B, tx: mpsc::Sender<ProcessingRequest>)
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    loop {
+        let (chunk, eos) = match upstream.frame().await {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => (data, false),
+                Err(_) => continue, // trailers are not forwarded
+            },
+            Some(Err(e)) => {
+                debug!(error = %e.into(), "upstream body failed");
+                return;
+            }
+            None => (Bytes::new(), true),
+        };
+        if tx.send(response_body(&chunk, eos)).await.is_err() || eos {
+            return;
+        }
     }
 }
 
-fn apply_common(common: Option<&CommonResponse>, headers: &mut HeaderMap, path: &mut String) {
-    if let Some(m) = common.and_then(|c| c.header_mutation.as_ref()) {
-        apply_mutation(m, headers, Some(path));
-    }
+/// The response body the picker streams back, while `upstream` is pumped to
+/// it: one stream owning both, so both stop when the client goes away.
+fn streamed_response<B>(
+    upstream: B,
+    tx: mpsc::Sender<ProcessingRequest>,
+    answers: Answers,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send
+where
+    B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    use futures::future::FusedFuture;
+    use futures::FutureExt;
+    let pump = Box::pin(pump_response_body(upstream, tx).fuse());
+    futures::stream::unfold(Some((answers, pump)), |state| async move {
+        let (mut answers, mut pump) = state?;
+        loop {
+            let answer = tokio::select! {
+                () = &mut pump, if !pump.is_terminated() => continue,
+                a = answers.phase(Phase::ResponseBody) => a,
+            };
+            let (body, end_of_stream) = match answer {
+                Ok(Ok(Changes {
+                    body:
+                        BodyChange::Streamed {
+                            body,
+                            end_of_stream,
+                        },
+                    ..
+                })) => (body, end_of_stream),
+                Ok(Ok(c)) => {
+                    let e = format!("full-duplex response answer without a streamed body: {c:?}");
+                    return Some((Err(std::io::Error::other(e)), None));
+                }
+                Ok(Err(i)) => {
+                    let e = format!("immediate response {} mid-body", i.status);
+                    return Some((Err(std::io::Error::other(e)), None));
+                }
+                Err(e) => return Some((Err(std::io::Error::other(e)), None)),
+            };
+            let next = (!end_of_stream).then_some((answers, pump));
+            if !body.is_empty() {
+                return Some((Ok(Bytes::from(body)), next));
+            }
+            let (a, p) = next?;
+            answers = a;
+            pump = p;
+        }
+    })
 }
 
-fn forward_verdict(
-    headers: HeaderMap,
-    path: String,
-    body: Bytes,
-    destination: Option<String>,
-) -> Verdict {
-    // ORIGINAL_DST reads the metadata; the header of the same name is GIE's fallback.
-    let destination = destination.or_else(|| {
-        headers
-            .get(DESTINATION_KEY)
-            .and_then(|v| v.to_str().ok())
-            .map(|s| s.split(',').next().unwrap_or(s).trim().to_string())
-    });
-    Verdict::Forward {
-        headers,
-        path,
-        body,
-        destination,
+/// Where the picker's decision sends the request.
+fn verdict(decision: Decision, down: &Downstream) -> Verdict {
+    match decision {
+        Decision::Immediate(i) => Verdict::Immediate(immediate(i)),
+        Decision::Routed(r) => {
+            let mut headers = down.headers.clone();
+            let mut path = down.path.clone();
+            apply_changes(&r.changes, &mut headers, Some(&mut path));
+            let destination = destination(r.changes.metadata_destination.as_deref(), &headers);
+            Verdict::Forward {
+                headers,
+                path,
+                body: r.body.map(Bytes::from).unwrap_or_else(|| down.body.clone()),
+                destination,
+            }
+        }
     }
 }
 
@@ -1123,17 +893,12 @@ mod insecure_tls {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::envoy::config::core::v3::HeaderValueOption;
 
-    fn opt(key: &str, value: &str, action: i32) -> HeaderValueOption {
-        HeaderValueOption {
-            header: Some(PbHeaderValue {
-                key: key.into(),
-                value: String::new(),
-                raw_value: value.as_bytes().to_vec(),
-            }),
-            append_action: action,
-            ..Default::default()
+    fn set(key: &str, value: &str, action: HeaderAppendAction) -> SetHeader {
+        SetHeader {
+            key: key.into(),
+            value: value.as_bytes().to_vec(),
+            action,
         }
     }
 
@@ -1143,16 +908,21 @@ mod tests {
         h.insert("x-worker-instance-id", HeaderValue::from_static("666"));
         h.insert("x-spoof", HeaderValue::from_static("1"));
         h.insert("keep", HeaderValue::from_static("a"));
-        let m = HeaderMutation {
-            set_headers: vec![
-                opt("x-worker-instance-id", "42", 2),
-                opt("keep", "b", 1),
-                opt(":path", "/v2", 2),
+        let c = Changes {
+            set: vec![
+                set(
+                    "x-worker-instance-id",
+                    "42",
+                    HeaderAppendAction::OverwriteIfExistsOrAdd,
+                ),
+                set("keep", "b", HeaderAppendAction::AddIfAbsent),
+                set(":path", "/v2", HeaderAppendAction::OverwriteIfExistsOrAdd),
             ],
-            remove_headers: vec!["x-spoof".into(), ":method".into()],
+            removed: vec!["x-spoof".into(), ":method".into()],
+            ..Default::default()
         };
         let mut path = "/v1".to_string();
-        apply_mutation(&m, &mut h, Some(&mut path));
+        apply_changes(&c, &mut h, Some(&mut path));
         assert_eq!(h.get("x-worker-instance-id").unwrap(), "42");
         assert_eq!(h.get_all("x-worker-instance-id").iter().count(), 1);
         assert_eq!(h.get("keep").unwrap(), "a", "ADD_IF_ABSENT keeps the value");
@@ -1161,31 +931,21 @@ mod tests {
     }
 
     #[test]
-    fn destination_comes_from_envoy_lb_metadata() {
-        let inner = Struct {
-            fields: [(
-                DESTINATION_KEY.to_string(),
-                Value {
-                    kind: Some(Kind::StringValue("10.0.0.1:8000,10.0.0.2:8000".into())),
-                },
-            )]
-            .into_iter()
-            .collect(),
-        };
-        let md = Struct {
-            fields: [(
-                LB_NAMESPACE.to_string(),
-                Value {
-                    kind: Some(Kind::StructValue(inner)),
-                },
-            )]
-            .into_iter()
-            .collect(),
-        };
+    fn destination_comes_from_envoy_lb_metadata_then_the_header() {
+        let mut h = HeaderMap::new();
         assert_eq!(
-            destination_from(Some(&md)).as_deref(),
+            destination(Some("10.0.0.1:8000,10.0.0.2:8000"), &h).as_deref(),
             Some("10.0.0.1:8000")
         );
-        assert_eq!(destination_from(Some(&Struct::default())), None);
+        assert_eq!(destination(None, &h), None);
+        h.insert(
+            DESTINATION_KEY,
+            HeaderValue::from_static("10.0.0.3:8000, 10.0.0.4:8000"),
+        );
+        assert_eq!(destination(None, &h).as_deref(), Some("10.0.0.3:8000"));
+        assert_eq!(
+            destination(Some("10.0.0.1:8000"), &h).as_deref(),
+            Some("10.0.0.1:8000")
+        );
     }
 }

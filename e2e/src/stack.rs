@@ -13,7 +13,6 @@ use kvpick::extproc::ExtProcConfig;
 use kvpick::server::App;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
-use tonic::transport::ServerTlsConfig;
 
 use crate::gateway::{BodyMode, FailureMode, GatewayConfig, GatewayHandle};
 use crate::mock_worker::{WorkerConfig, WorkerHandle};
@@ -130,7 +129,7 @@ pub async fn start_workers_on_one_port(
 /// with fresh state.
 pub struct Kvpick {
     addr: SocketAddr,
-    tls: Option<ServerTlsConfig>,
+    tls: Option<kvpick::tls::ServerTls>,
     precise: Option<Precise>,
     endpoints_file: PathBuf,
     poll: Duration,
@@ -145,7 +144,7 @@ impl Kvpick {
         addr: SocketAddr,
         endpoints_file: PathBuf,
         poll: Duration,
-        tls: Option<ServerTlsConfig>,
+        tls: Option<kvpick::tls::ServerTls>,
     ) -> Result<Kvpick, StackError> {
         Self::start_with(addr, endpoints_file, poll, tls, None).await
     }
@@ -155,7 +154,7 @@ impl Kvpick {
         addr: SocketAddr,
         endpoints_file: PathBuf,
         poll: Duration,
-        tls: Option<ServerTlsConfig>,
+        tls: Option<kvpick::tls::ServerTls>,
         precise: Option<Precise>,
     ) -> Result<Kvpick, StackError> {
         let front = TcpListener::bind(addr).await?;
@@ -177,7 +176,7 @@ impl Kvpick {
         front: TcpListener,
         endpoints_file: &Path,
         poll: Duration,
-        tls: Option<ServerTlsConfig>,
+        tls: Option<kvpick::tls::ServerTls>,
         precise: Option<&Precise>,
     ) -> Result<(App, Vec<JoinHandle<()>>), StackError> {
         let mut app = App::new("e2e");

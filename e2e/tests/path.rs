@@ -91,6 +91,11 @@ async fn routing_headers_reach_the_worker_buffered() {
     routing_headers_reach_the_worker(BodyMode::Buffered).await;
 }
 
+#[tokio::test]
+async fn routing_headers_reach_the_worker_streamed() {
+    routing_headers_reach_the_worker(BodyMode::Streamed).await;
+}
+
 async fn ext_proc_over_tls(insecure: bool) {
     let s = stack(StackOptions {
         tls: true,

@@ -206,7 +206,19 @@ struct RankLoad {
     /// Requests routed there that have not finished.
     in_flight: AtomicU32,
     /// Blocks those requests booked (prompt and expected output).
-    booked: AtomicU64,
+    blocks: AtomicU64,
+    /// Of them, the prompt blocks they had left to prefill when routed.
+    uncached: AtomicU64,
+}
+
+/// A rank's active load in blocks: what its unfinished requests booked, and
+/// what of their prompts they had left to prefill when routed there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ActiveLoad {
+    /// Booked blocks (prompt and expected output).
+    pub blocks: u64,
+    /// Prompt blocks left to prefill.
+    pub uncached: u64,
 }
 
 /// What the scheduler knows of a worker's scraped load.
@@ -260,28 +272,30 @@ impl EndpointState {
             .sum()
     }
 
-    /// Blocks of load booked on `rank` by unfinished requests kvpick routed there.
-    pub fn booked_blocks(&self, rank: u32) -> u64 {
-        self.ranks
-            .get(rank)
-            .map_or(0, |r| r.booked.load(Ordering::Relaxed))
+    /// The load booked on `rank` by unfinished requests kvpick routed there.
+    pub fn active_load(&self, rank: u32) -> ActiveLoad {
+        self.ranks.get(rank).map_or(ActiveLoad::default(), |r| ActiveLoad {
+            blocks: r.blocks.load(Ordering::Relaxed),
+            uncached: r.uncached.load(Ordering::Relaxed),
+        })
     }
 
-    /// Books `blocks` of load on `rank`.
-    pub fn book(&self, rank: u32, blocks: u64) {
+    /// Books `load` on `rank`.
+    pub fn book(&self, rank: u32, load: ActiveLoad) {
         if let Some(r) = self.ranks.get(rank) {
-            r.booked.fetch_add(blocks, Ordering::Relaxed);
+            r.blocks.fetch_add(load.blocks, Ordering::Relaxed);
+            r.uncached.fetch_add(load.uncached, Ordering::Relaxed);
         }
     }
 
-    /// Releases `blocks` of load booked on `rank` (never below zero).
-    pub fn release(&self, rank: u32, blocks: u64) {
+    /// Releases `load` booked on `rank` (each figure never below zero).
+    pub fn release(&self, rank: u32, load: ActiveLoad) {
         if let Some(r) = self.ranks.get(rank) {
-            let _ = r
-                .booked
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                    Some(v.saturating_sub(blocks))
+            for (counter, n) in [(&r.blocks, load.blocks), (&r.uncached, load.uncached)] {
+                let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(n))
                 });
+            }
         }
     }
 

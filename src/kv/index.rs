@@ -44,7 +44,9 @@
 //! purges are cut into chunks), so a lookup waits behind ingest for at most one
 //! chunk, a few microseconds. Waiting lookups spin rather than sleep (waking a
 //! sleeper costs more than a chunk) and say so: a writer lets them in before
-//! taking the lock for its next chunk.
+//! taking the lock for its next chunk. A writer first loads the table slots its
+//! chunk will touch under the read lock, so the cache misses,
+//! most of a write's cost, are not taken while lookups wait.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -199,6 +201,11 @@ pub struct PrefixIndex {
     precise_dropped: AtomicU64,
     /// Lookups spinning for the lock; writers let them in before their next chunk.
     lookups_waiting: AtomicUsize,
+    /// Lookups that ever spun for the lock (a writer waits for each at most once).
+    lookups_announced: AtomicU64,
+    /// `lookups_announced` when a writer last stopped waiting for a lookup that
+    /// did not take the lock within [`YIELD`] (descheduled while spinning).
+    writers_gave_up_at: AtomicU64,
 }
 
 impl Default for PrefixIndex {
@@ -217,6 +224,8 @@ impl PrefixIndex {
             entries: AtomicUsize::new(0),
             precise_dropped: AtomicU64::new(0),
             lookups_waiting: AtomicUsize::new(0),
+            lookups_announced: AtomicU64::new(0),
+            writers_gave_up_at: AtomicU64::new(0),
         }
     }
 
@@ -230,15 +239,24 @@ impl PrefixIndex {
     }
 
     /// The write lock, taken once no lookup is spinning for the lock and released
-    /// fairly (a lookup asleep on it goes before this writer's next chunk).
+    /// fairly (a lookup asleep on it goes before this writer's next chunk). A
+    /// lookup that does not take the lock within [`YIELD`] was descheduled while
+    /// spinning: the writer goes on, and does not wait for that one again (waiting
+    /// for it on every chunk burned the writer's CPU until it ran again).
     fn write(&self) -> FairWrite<'_> {
-        let spun = spin_for(|| {
-            if self.lookups_waiting.load(Ordering::SeqCst) == 0 {
-                self.inner.try_write()
-            } else {
-                None
+        let announced = self.lookups_announced.load(Ordering::SeqCst);
+        if self.lookups_waiting.load(Ordering::SeqCst) > 0
+            && announced > self.writers_gave_up_at.load(Ordering::Relaxed)
+        {
+            let let_in = spin_for(YIELD, || {
+                (self.lookups_waiting.load(Ordering::SeqCst) == 0).then_some(())
+            });
+            if let_in.is_none() {
+                self.writers_gave_up_at
+                    .fetch_max(announced, Ordering::Relaxed);
             }
-        });
+        }
+        let spun = spin_for(SPIN, || self.inner.try_write());
         FairWrite(Some(spun.unwrap_or_else(|| self.inner.write())))
     }
 
@@ -250,7 +268,8 @@ impl PrefixIndex {
             return g;
         }
         self.lookups_waiting.fetch_add(1, Ordering::SeqCst);
-        let g = spin_for(|| self.inner.try_read()).unwrap_or_else(|| self.inner.read());
+        self.lookups_announced.fetch_add(1, Ordering::SeqCst);
+        let g = spin_for(SPIN, || self.inner.try_read()).unwrap_or_else(|| self.inner.read());
         self.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
         g
     }
@@ -284,6 +303,7 @@ impl PrefixIndex {
         let stamp = self.stamp(now);
         let mut after = None;
         for chunk in hashes.chunks(WRITE_CHUNK) {
+            self.inner.read().warm(worker, [], chunk);
             let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
@@ -382,6 +402,11 @@ impl PrefixIndex {
         let _ = now;
         let mut after = None;
         for chunk in blocks.chunks(WRITE_CHUNK) {
+            self.inner.read().warm(
+                worker,
+                chunk.iter().map(|(e, _)| e),
+                chunk.iter().map(|(_, h)| h),
+            );
             let mut g = self.write();
             let slot = g.slot(worker);
             let limit = g.workers[slot as usize]
@@ -441,6 +466,16 @@ impl PrefixIndex {
     /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones are ignored.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
         for chunk in engine_hashes.chunks(WRITE_CHUNK) {
+            {
+                let g = self.inner.read();
+                let Some(&slot) = g.slots.get(&worker) else {
+                    return;
+                };
+                let w = &g.workers[slot as usize];
+                w.engine.prefetch(chunk);
+                let hashes: Vec<u64> = chunk.iter().filter_map(|e| w.engine.get(*e)).collect();
+                g.blocks.prefetch(&hashes);
+            }
             let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
@@ -709,8 +744,12 @@ impl PrefixIndex {
 /// while waking a sleeping thread costs tens of microseconds on a busy machine.
 const SPIN: Duration = Duration::from_micros(50);
 
-/// Polls `f` until it yields or [`SPIN`] has passed.
-fn spin_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
+/// How long a writer waits for a lookup spinning for the lock to take it: a
+/// running lookup takes it within nanoseconds of the writer's last chunk.
+const YIELD: Duration = Duration::from_micros(5);
+
+/// Polls `f` until it yields or `limit` has passed.
+fn spin_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     if let Some(t) = f() {
         return Some(t);
     }
@@ -722,7 +761,7 @@ fn spin_for<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
             }
             std::hint::spin_loop();
         }
-        if start.elapsed() >= SPIN {
+        if start.elapsed() >= limit {
             return None;
         }
     }
@@ -788,6 +827,21 @@ impl Inner {
             self.expiring.insert((oldest, slot));
         }
         w.oldest = oldest;
+    }
+
+    /// Loads the table slots a write of these blocks by `worker` will touch, under
+    /// the read lock: the cache misses are then taken while lookups can still
+    /// run, and the write lock is held for less.
+    fn warm<'a>(
+        &self,
+        worker: WorkerKey,
+        engine: impl IntoIterator<Item = &'a u64>,
+        hashes: impl IntoIterator<Item = &'a u64>,
+    ) {
+        if let Some(&slot) = self.slots.get(&worker) {
+            self.workers[slot as usize].engine.prefetch(engine);
+        }
+        self.blocks.prefetch(hashes);
     }
 
     /// Whether `slot` holds block `hash` (through any entry).
@@ -1025,6 +1079,7 @@ impl Inner {
             entries.fetch_sub(n, Ordering::Relaxed);
             if r.holders.is_empty() {
                 let r = std::mem::take(r);
+                self.blocks.prefetch(&r.hashes);
                 for h in &r.hashes {
                     self.blocks.remove(*h);
                 }
@@ -1215,6 +1270,29 @@ mod tests {
         assert!(idx.is_empty());
         assert!(!idx.is_precise(wk(1)));
         assert_eq!(idx.lookup(&[1], &[wk(1)], t), vec![0]);
+    }
+
+    /// A lookup announced as spinning for the lock but never taking it (it was
+    /// descheduled) is waited for once, not on every chunk after.
+    #[test]
+    fn writers_wait_once_for_a_lookup_that_does_not_come() {
+        let (idx, t) = index(100, None);
+        idx.lookups_waiting.fetch_add(1, Ordering::SeqCst);
+        idx.lookups_announced.fetch_add(1, Ordering::SeqCst);
+        idx.insert(wk(1), &[1], t);
+        assert_eq!(idx.writers_gave_up_at.load(Ordering::SeqCst), 1);
+        // Still announced: the next writes go on without waiting (nothing to
+        // observe but that they finish and keep the mark).
+        for h in 2..100 {
+            idx.insert(wk(1), &[h], t);
+        }
+        assert_eq!(idx.writers_gave_up_at.load(Ordering::SeqCst), 1);
+        // A new lookup spinning for the lock is waited for again.
+        idx.lookups_announced.fetch_add(1, Ordering::SeqCst);
+        idx.insert(wk(1), &[100], t);
+        assert_eq!(idx.writers_gave_up_at.load(Ordering::SeqCst), 2);
+        idx.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
+        assert_eq!(idx.lookup(&[1], &[wk(1)], t), vec![1]);
     }
 
     #[test]

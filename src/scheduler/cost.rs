@@ -14,6 +14,10 @@ use crate::endpoints::{EndpointState, LoadView, WorkerKey};
 use crate::kv::hash::PromptBlocks;
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
+/// The defaults (1, 0.1, 0.25, 1) come from replaying the public synthetic
+/// Mooncake trace (BENCHMARKS.md §2): a full active load or queue at weight 1
+/// outweighs any prefix saving once workers queue, and routing collapses at 2×
+/// load.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Weights {
     /// Per block of the prompt the candidate must still prefill (after its overlap).
@@ -33,8 +37,8 @@ impl Default for Weights {
     fn default() -> Self {
         Weights {
             prefill: 1.0,
-            decode: 1.0,
-            queue: 1.0,
+            decode: 0.1,
+            queue: 0.25,
             kv_usage: 1.0,
             prefill_overlap: 2.0,
         }
@@ -79,9 +83,21 @@ impl CostTerms {
     }
 }
 
+/// KV-cache usage from which a worker counts as saturated (the Inference
+/// Extension's saturation detector default, `kvCacheUtilThreshold` 0.8).
+pub const SATURATION_KV_USAGE: f64 = 0.8;
+
 impl Scheduler {
     /// The cost of sending a request of `size` blocks, `new_blocks` of which the
     /// candidate must still prefill, to candidate `c`, term by term.
+    ///
+    /// Sticky until saturated: a candidate whose fresh scrape shows headroom (no
+    /// queued request, KV usage under [`SATURATION_KV_USAGE`]) can start the
+    /// request now, so its running requests add no decode cost and the prefill
+    /// saving decides; once it queues or its KV fills, its load counts in full.
+    /// Queued requests count at the blocks they have left to prefill (the mean
+    /// uncached blocks of the requests kvpick has in flight there), the work
+    /// this request waits behind.
     pub(super) fn cost_terms(
         &self,
         c: &Cand<'_>,
@@ -92,7 +108,8 @@ impl Scheduler {
     ) -> CostTerms {
         let w = &self.config.weights;
         let size = size as f64;
-        let active = c.ep.booked_blocks(c.rank) as f64;
+        let load = c.ep.active_load(c.rank);
+        let active = load.blocks as f64;
         let mut decode = active;
         let mut queue = 0.0;
         let mut kv = 0.0;
@@ -104,15 +121,20 @@ impl Scheduler {
         };
         if let Some(s) = scraped {
             let in_flight = f64::from(c.ep.in_flight(c.rank));
-            let per_request = if in_flight > 0.0 {
-                active / in_flight
+            let (per_request, per_queued) = if in_flight > 0.0 {
+                (active / in_flight, load.uncached as f64 / in_flight)
             } else {
-                size
+                (size, size)
             };
             // Running requests kvpick did not route (other replicas, direct traffic).
             decode += (s.running / ranks - in_flight).max(0.0) * per_request;
-            queue = s.queue / ranks * size;
-            kv = s.kv_usage.clamp(0.0, 1.0) * size;
+            let waiting = s.queue / ranks;
+            let usage = s.kv_usage.clamp(0.0, 1.0);
+            queue = waiting * per_queued;
+            kv = usage * size;
+            if matches!(view, LoadView::Fresh(_)) && waiting < 1.0 && usage < SATURATION_KV_USAGE {
+                decode = 0.0;
+            }
         }
         if let LoadView::Suspect(_) = view {
             // A stale or failing scrape never makes a worker cheaper: its last

@@ -50,7 +50,7 @@ impl Target {
 
     /// Blocks of load booked on this rank by unfinished requests.
     pub fn booked_blocks(&self) -> u64 {
-        self.endpoint.booked_blocks(self.rank)
+        self.endpoint.active_load(self.rank).blocks
     }
 }
 
@@ -74,6 +74,9 @@ pub struct Decision {
     pub overlap_blocks: usize,
     /// Blocks this request adds to its targets' active load until it finishes.
     pub load_blocks: u64,
+    /// Of `load_blocks`, those the decode target had left to prefill (not
+    /// cached there when routed): its queued work while it waits.
+    pub uncached_blocks: u64,
     /// Expected output blocks (`agent_hints.osl` or the default) added to the
     /// decode rank's load on top of `load_blocks`.
     pub decode_blocks: u64,

@@ -120,8 +120,7 @@ impl Scheduler {
 
         let (prompt, load_blocks) = self.prompt_and_size(req.body);
         let load_blocks = load_blocks.min(self.config.max_request_load_blocks);
-        let overlaps =
-            (!prompt.hashes.is_empty()).then(|| self.index.overlaps(&prompt.hashes, now));
+        let overlaps = self.overlaps(&prompt.hashes, now);
         let session = crate::sessions::SessionTurn::of(req.body, req.session_id);
         let bound = session.as_ref().and_then(|t| {
             let b = self.sessions.binding(&t.id)?;

@@ -1,22 +1,32 @@
 //! Passive health and load staleness as the pick sees them.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cost::pick_index;
 use super::*;
 use crate::endpoints::{Endpoint, EndpointTable, ScrapedLoad};
 
-fn two() -> EndpointTable {
+/// A snapshot of two endpoints, 10.0.0.1:80 and 10.0.0.2:80.
+fn two() -> Arc<Snapshot> {
     let t = EndpointTable::new();
     t.replace(vec![
         Endpoint::new("10.0.0.1:80".parse().unwrap()),
         Endpoint::new("10.0.0.2:80".parse().unwrap()),
     ]);
-    t
+    t.snapshot()
 }
 
 fn prompt() -> InferenceRequest {
     crate::request::parse(br#"{"model": "m", "prompt": "hello there"}"#, None).unwrap()
+}
+
+/// A request with `body` and nothing else.
+fn with_body(body: &InferenceRequest) -> PickRequest<'_> {
+    PickRequest {
+        body: Some(body),
+        ..Default::default()
+    }
 }
 
 /// A pick forced onto endpoint `i` with a subset hint.
@@ -41,14 +51,8 @@ fn addr(d: &Decision) -> String {
 
 #[test]
 fn an_endpoint_failing_responses_sits_out_a_growing_backoff() {
-    let s = Scheduler::default();
-    let t = two();
-    let snap = t.snapshot();
-    let body = prompt();
-    let req = PickRequest {
-        body: Some(&body),
-        ..Default::default()
-    };
+    let (s, snap, body) = (Scheduler::default(), two(), prompt());
+    let req = with_body(&body);
     let t0 = Instant::now();
     let mut ejected = 0;
     for _ in 0..HealthConfig::default().failures {
@@ -88,14 +92,8 @@ fn an_endpoint_failing_responses_sits_out_a_growing_backoff() {
 
 #[test]
 fn failed_requests_do_not_make_a_worker_look_idle() {
-    let s = Scheduler::default();
-    let t = two();
-    let snap = t.snapshot();
-    let body = prompt();
-    let req = PickRequest {
-        body: Some(&body),
-        ..Default::default()
-    };
+    let (s, snap, body) = (Scheduler::default(), two(), prompt());
+    let req = with_body(&body);
     let now = Instant::now();
     // One failure (below the ejection threshold) on the first endpoint.
     let failed = pick_on(&s, &req, &snap, 0, now);
@@ -112,14 +110,8 @@ fn failed_requests_do_not_make_a_worker_look_idle() {
 
 #[test]
 fn a_stale_or_failing_scrape_makes_an_endpoint_more_expensive() {
-    let s = Scheduler::default();
-    let t = two();
-    let snap = t.snapshot();
-    let body = prompt();
-    let req = PickRequest {
-        body: Some(&body),
-        ..Default::default()
-    };
+    let (s, snap, body) = (Scheduler::default(), two(), prompt());
+    let req = with_body(&body);
     let t0 = Instant::now();
     let load = |queue: f64, kv_usage: f64, at: Instant| ScrapedLoad {
         queue,
@@ -170,8 +162,7 @@ fn one_request_books_at_most_the_per_request_cap() {
         max_request_load_blocks: cap,
         ..Default::default()
     });
-    let t = two();
-    let snap = t.snapshot();
+    let snap = two();
     // An output-length hint of u32::MAX tokens: uncapped, ~268M blocks booked on
     // one worker by one request.
     let hinted = crate::request::parse(
@@ -180,30 +171,14 @@ fn one_request_books_at_most_the_per_request_cap() {
     )
     .unwrap();
     let d = s
-        .pick_at(
-            &PickRequest {
-                body: Some(&hinted),
-                ..Default::default()
-            },
-            &snap,
-            Instant::now(),
-        )
+        .pick_at(&with_body(&hinted), &snap, Instant::now())
         .unwrap();
     assert_eq!(d.load_blocks + d.decode_blocks, cap);
     assert_eq!(d.decode.booked_blocks(), cap);
     // A prompt larger than the cap books the cap, and no output on top.
     let long = format!(r#"{{"model": "m", "prompt": "{}"}}"#, "y".repeat(64 * 1000));
     let long = crate::request::parse(long.as_bytes(), None).unwrap();
-    let d2 = pick_on(
-        &s,
-        &PickRequest {
-            body: Some(&long),
-            ..Default::default()
-        },
-        &snap,
-        0,
-        Instant::now(),
-    );
+    let d2 = pick_on(&s, &with_body(&long), &snap, 0, Instant::now());
     assert_eq!((d2.load_blocks, d2.decode_blocks), (cap, 0));
     s.finish(&d, Some(200));
     s.finish(&d2, Some(200));
@@ -214,8 +189,7 @@ fn one_request_books_at_most_the_per_request_cap() {
 #[test]
 fn a_subset_hint_cannot_move_or_rebind_another_callers_session() {
     let s = Scheduler::default();
-    let t = two();
-    let snap = t.snapshot();
+    let snap = two();
     let t0 = Instant::now();
     let body = |action: &str| {
         let mut sc = serde_json::json!({"session_id": "victim"});
@@ -227,11 +201,7 @@ fn a_subset_hint_cannot_move_or_rebind_another_callers_session() {
         crate::request::parse(json.to_string().as_bytes(), None).unwrap()
     };
     let open = body("open");
-    let req = PickRequest {
-        body: Some(&open),
-        ..Default::default()
-    };
-    let home = pick_on(&s, &req, &snap, 0, t0);
+    let home = pick_on(&s, &with_body(&open), &snap, 0, t0);
     s.finish_at(&home, Some(200), t0);
     assert_eq!(s.sessions().get("victim", t0), Some(home.decode.key()));
 
@@ -239,11 +209,7 @@ fn a_subset_hint_cannot_move_or_rebind_another_callers_session() {
     // session id, and forges a successful response.
     for action in ["open", ""] {
         let turn = body(action);
-        let req = PickRequest {
-            body: Some(&turn),
-            ..Default::default()
-        };
-        let d = pick_on(&s, &req, &snap, 1, t0);
+        let d = pick_on(&s, &with_body(&turn), &snap, 1, t0);
         assert_ne!(d.decode.key(), home.decode.key());
         assert!(d.session.is_none(), "the turn went without the session");
         assert!(

@@ -23,6 +23,7 @@ mod decision;
 mod explain;
 #[cfg(test)]
 mod health_tests;
+mod overlap;
 mod pick;
 #[cfg(test)]
 mod prop_tests;
@@ -30,6 +31,7 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
+use crate::endpoints::ActiveLoad;
 pub use cost::{CostTerms, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation, FilteredOut};
@@ -71,6 +73,9 @@ pub struct SchedulerConfig {
     pub scrape_max_age: Duration,
     /// Prefix index settings.
     pub index: IndexConfig,
+    /// How long a prompt routed to a precise worker counts as held there
+    /// (provisional entries) while its KV events have not said so.
+    pub provisional_ttl: Duration,
     /// Response header carrying the signed session token.
     pub session_token_header: String,
     /// HMAC key for session tokens (empty: a random per-process key).
@@ -113,6 +118,7 @@ impl Default for SchedulerConfig {
             temperature: 0.0,
             scrape_max_age: Duration::from_secs(5),
             index: IndexConfig::default(),
+            provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             session_token_header: "x-kvpick-session".into(),
             session_key: Vec::new(),
             vision: None,
@@ -130,6 +136,10 @@ impl Default for SchedulerConfig {
 /// Router's `maxPrefixTokensToMatch` default, one context window of large models).
 pub const DEFAULT_MAX_PREFIX_TOKENS: usize = 131_072;
 
+/// Default [`SchedulerConfig::provisional_ttl`]: long enough for a queued
+/// prefill to complete and its KV event to arrive under load.
+pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(10);
+
 /// Default [`SchedulerConfig::max_request_load_blocks`]: 16384 blocks, about
 /// 256k tokens (16-token blocks) or 1 MiB of text (64-byte blocks).
 pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
@@ -139,6 +149,8 @@ pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
 pub struct Scheduler {
     config: SchedulerConfig,
     index: Arc<PrefixIndex>,
+    /// Prompts routed to precise workers, until their TTL (see `overlap.rs`).
+    provisional: PrefixIndex,
     sessions: SessionStore,
     stats: SchedulerStats,
 }
@@ -154,6 +166,10 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
+            provisional: PrefixIndex::new(IndexConfig {
+                ttl: Some(config.provisional_ttl),
+                ..config.index
+            }),
             sessions: SessionStore::with_config(SessionConfig {
                 key: config.session_key.clone(),
                 max_entries: config.session_max_entries,
@@ -244,19 +260,31 @@ impl Scheduler {
     /// booked load is released; its session turn is neither settled nor bound.
     pub fn cancel(&self, decision: &Decision) {
         let d = &decision.decode;
-        d.endpoint
-            .release(d.rank, decision.load_blocks + decision.decode_blocks);
+        d.endpoint.release(
+            d.rank,
+            ActiveLoad {
+                blocks: decision.load_blocks + decision.decode_blocks,
+                uncached: decision.uncached_blocks,
+            },
+        );
         if let Some(p) = &decision.prefill {
-            p.endpoint.release(p.rank, decision.load_blocks);
+            p.endpoint.release(
+                p.rank,
+                ActiveLoad {
+                    blocks: decision.load_blocks,
+                    uncached: decision.load_blocks,
+                },
+            );
         }
     }
 
     /// Periodic upkeep: reaps expired sessions, purges expired index entries, and
-    /// forgets the approximate index entries and idle load of ranks no longer in
+    /// forgets the approximate and provisional index entries and idle load of ranks no longer in
     /// `snapshot` (precise workers are left to the KV-event subscriber).
     pub fn maintain(&self, snapshot: &Snapshot, now: Instant) -> usize {
         let reaped = self.sessions.reap(now);
         self.index.purge_expired(now);
+        self.provisional.purge_expired(now);
         let live: HashSet<WorkerKey> = snapshot
             .endpoints
             .iter()
@@ -265,6 +293,11 @@ impl Scheduler {
         for w in self.index.workers() {
             if !live.contains(&w) && !self.index.is_precise(w) {
                 self.index.clear_worker(w);
+            }
+        }
+        for w in self.provisional.workers() {
+            if !live.contains(&w) {
+                self.provisional.clear_worker(w);
             }
         }
         reaped

@@ -8,7 +8,7 @@ use rand::Rng;
 
 use super::cost::Cand;
 use super::{Decision, PickError, PickRequest, Scheduler, Stage};
-use crate::endpoints::{Engine, Snapshot, WorkerKey};
+use crate::endpoints::{ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -80,7 +80,7 @@ impl Scheduler {
 
         let overlaps = {
             let _t = self.stats.time(Stage::Lookup);
-            (!hashes.is_empty()).then(|| self.index.overlaps(hashes, now))
+            self.overlaps(hashes, now)
         };
         let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c.key));
 
@@ -116,9 +116,22 @@ impl Scheduler {
             .body
             .map_or(0, |b| self.expected_decode_blocks(b))
             .min(cap - load_blocks);
-        self.record(&decode[di], hashes, load_blocks + decode_blocks, now);
+        let uncached_blocks = (prompt.uncached(overlap) as u64).min(load_blocks);
+        self.record(
+            &decode[di],
+            hashes,
+            ActiveLoad {
+                blocks: load_blocks + decode_blocks,
+                uncached: uncached_blocks,
+            },
+            now,
+        );
         if let Some(pi) = pi {
-            self.record(&prefill[pi], hashes, load_blocks, now);
+            let load = ActiveLoad {
+                blocks: load_blocks,
+                uncached: load_blocks,
+            };
+            self.record(&prefill[pi], hashes, load, now);
         }
         let prefill = pi.map(|i| prefill[i].target());
         let bootstrap_port = prefill.as_ref().and_then(|p| {
@@ -139,6 +152,7 @@ impl Scheduler {
             prompt_blocks: hashes.len(),
             overlap_blocks: overlap,
             load_blocks,
+            uncached_blocks,
             decode_blocks,
         })
     }
@@ -267,9 +281,10 @@ impl Scheduler {
         Ok((decode, prefill))
     }
 
-    /// Approximate mode: the target now holds the prompt's blocks; it carries the
-    /// request's load until it finishes.
-    fn record(&self, c: &Cand<'_>, hashes: &[u64], size: u64, now: Instant) {
+    /// The target now holds the prompt's blocks (approximate entries, or
+    /// provisional ones on a precise worker); it carries the request's load (and
+    /// its uncached part) until it finishes.
+    fn record(&self, c: &Cand<'_>, hashes: &[u64], load: ActiveLoad, now: Instant) {
         if !hashes.is_empty() {
             if let Some(s) = c.ep.scraped(now, self.config.scrape_max_age) {
                 if let Some(n) = s.num_blocks {
@@ -281,8 +296,8 @@ impl Scheduler {
                     self.index.set_engine_blocks(c.key, n);
                 }
             }
-            self.index.insert(c.key, hashes, now);
+            self.record_prompt(c.key, hashes, now);
         }
-        c.ep.book(c.rank, size);
+        c.ep.book(c.rank, load);
     }
 }

@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::cost::pick_index;
+use crate::endpoints::ActiveLoad;
 use super::*;
 use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
 
@@ -127,16 +128,120 @@ fn load_outweighs_overlap_when_the_holder_is_busy() {
     let t = both(2);
     let snap = t.snapshot();
     let long = prompt(&"x".repeat(64 * 100));
-    let first = s.pick(&with_body(&long), &snap).unwrap();
-    // While the first copy is in flight, the holder costs 100 blocks of load and
-    // the other 100 blocks of prefill: a tie. Two more in flight tip it.
-    let second = s.pick(&with_body(&long), &snap).unwrap();
-    let third = s.pick(&with_body(&long), &snap).unwrap();
-    let keys: HashSet<_> = [&first, &second, &third]
-        .iter()
-        .map(|d| d.decode.key())
+    // Without scrapes the active load counts: each copy in flight costs the
+    // holder 0.1 × 100 blocks against the other's 100 blocks of prefill, a tie
+    // at ten copies; the twelfth goes elsewhere.
+    let held: Vec<Decision> = (0..12)
+        .map(|_| s.pick(&with_body(&long), &snap).unwrap())
         .collect();
+    let keys: HashSet<_> = held.iter().map(|d| d.decode.key()).collect();
     assert_eq!(keys.len(), 2, "the busy holder does not get everything");
+}
+
+fn scrape(
+    ep: &crate::endpoints::EndpointState,
+    queue: f64,
+    running: f64,
+    kv_usage: f64,
+    at: Instant,
+) {
+    ep.set_scraped(ScrapedLoad {
+        queue,
+        running,
+        kv_usage,
+        block_size: None,
+        num_blocks: None,
+        at,
+    });
+}
+
+/// A scheduler with these decode and queue weights over two workers, and a clock.
+fn load_weighted(decode: f64, queue: f64) -> (Scheduler, EndpointTable, Instant) {
+    let s = Scheduler::new(SchedulerConfig {
+        weights: Weights {
+            decode,
+            queue,
+            ..Weights::default()
+        },
+        ..Default::default()
+    });
+    (s, both(2), Instant::now())
+}
+
+#[test]
+fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
+    // Unit weights: load and queue at full weight, so only the gating holds them.
+    let (s, t, now) = load_weighted(1.0, 1.0);
+    let snap = t.snapshot();
+    let long = prompt(&"x".repeat(64 * 100));
+    let mut held = Vec::new();
+    for i in 0..4 {
+        // Fresh scrapes: the holder runs what it was sent, nothing waits.
+        for e in snap.endpoints.iter() {
+            let running = held
+                .iter()
+                .filter(|h: &&Decision| h.decode.key() == e.key(0))
+                .count() as f64;
+            scrape(e, 0.0, running, 0.1 * running, now);
+        }
+        let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
+        if i > 0 {
+            assert_eq!(d.decode.key(), held[0].decode.key(), "pick {i}");
+            assert_eq!(d.overlap_blocks, 100);
+        }
+        held.push(d);
+    }
+    // Once the holder has a queue it is saturated: its 400 blocks of load count
+    // against the other worker's 100 blocks of prefill.
+    let holder = held[0].decode.key();
+    for e in snap.endpoints.iter() {
+        let busy = e.key(0) == holder;
+        scrape(
+            e,
+            f64::from(u8::from(busy)),
+            if busy { 3.0 } else { 0.0 },
+            0.1,
+            now,
+        );
+    }
+    let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    assert_ne!(d.decode.key(), holder);
+}
+
+#[test]
+fn queued_requests_count_at_their_uncached_size() {
+    let (s, t, now) = load_weighted(0.0, 1.0);
+    let snap = t.snapshot();
+    let long = prompt(&"x".repeat(64 * 100));
+    let held: Vec<Decision> = (0..4)
+        .map(|_| s.pick_at(&with_body(&long), &snap, now).unwrap())
+        .collect();
+    let _in_flight: Vec<_> = held.iter().map(Decision::begin).collect();
+    let holder = held[0].decode.key();
+    assert!(held.iter().all(|d| d.decode.key() == holder));
+    assert_eq!(
+        held.iter().map(|d| d.uncached_blocks).collect::<Vec<_>>(),
+        [100, 0, 0, 0]
+    );
+    // Two of the holder's four wait, but they are cached there: 2 × 25 blocks of
+    // prefill ahead, not 2 × 100. The other worker waits behind one request it
+    // knows nothing of (counted at this request's size) and must prefill all 100.
+    for e in snap.endpoints.iter() {
+        match e.key(0) == holder {
+            true => scrape(e, 2.0, 2.0, 0.3, now),
+            false => scrape(e, 1.0, 0.0, 0.0, now),
+        }
+    }
+    let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    assert_eq!(d.decode.key(), holder);
+    for d in &held {
+        s.finish_at(d, Some(200), now);
+    }
+    let left = ActiveLoad {
+        blocks: d.load_blocks,
+        uncached: 0,
+    };
+    assert_eq!(d.decode.endpoint.active_load(d.decode.rank), left);
 }
 
 #[test]
@@ -219,14 +324,7 @@ fn scraped_load_counts_only_while_fresh() {
     let snap = t.snapshot();
     let now = Instant::now();
     let busy = &snap.endpoints[0];
-    busy.set_scraped(ScrapedLoad {
-        queue: 20.0,
-        running: 30.0,
-        kv_usage: 0.9,
-        block_size: None,
-        num_blocks: None,
-        at: now,
-    });
+    scrape(busy, 20.0, 30.0, 0.9, now);
     for _ in 0..10 {
         let d = s.pick_at(&PickRequest::default(), &snap, now).unwrap();
         assert_eq!(d.decode.key(), snap.endpoints[1].key(0));
@@ -679,6 +777,38 @@ fn precise_workers_get_no_approximate_entries() {
     let d = s.pick(&with_body(&long), &snap).unwrap();
     s.finish(&d, Some(200));
     assert!(s.index().is_empty());
+}
+
+#[test]
+fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
+    let s = Scheduler::new(SchedulerConfig {
+        provisional_ttl: Duration::from_secs(10),
+        ..Default::default()
+    });
+    let t = both(8);
+    let snap = t.snapshot();
+    for e in &snap.endpoints {
+        s.index().set_precise(e.key(0), true);
+    }
+    let now = Instant::now();
+    let long = prompt(&"q".repeat(64 * 10));
+    let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    s.finish_at(&first, Some(200), now);
+    // No KV event yet: the worker it went to is still credited with the prompt.
+    for i in 1..5 {
+        let at = now + Duration::from_secs(i);
+        let d = s.pick_at(&with_body(&long), &snap, at).unwrap();
+        assert_eq!(d.decode.key(), first.decode.key());
+        assert_eq!(d.overlap_blocks, 10);
+        s.finish_at(&d, Some(200), at);
+    }
+    assert!(s.index().is_empty(), "the precise index holds only events");
+    // Its events never came (or said it evicted the prompt): after the TTL of
+    // the last routing, nobody holds it.
+    let later = now + Duration::from_secs(20);
+    s.maintain(&snap, later);
+    let d = s.pick_at(&with_body(&long), &snap, later).unwrap();
+    assert_eq!(d.overlap_blocks, 0);
 }
 
 #[test]

@@ -66,6 +66,36 @@ app.kubernetes.io/component: endpoint-picker
 {{- default .Release.Namespace .Values.envoyGateway.gateway.namespace }}
 {{- end }}
 
+{{/*
+Namespace of the gateway's pods the NetworkPolicy admits: networkPolicy.gatewayNamespace,
+else Envoy Gateway's default (provider none); empty with provider istio, which
+kvpick.validate rejects.
+*/}}
+{{- define "kvpick.networkPolicy.gatewayNamespace" -}}
+{{- if .Values.networkPolicy.gatewayNamespace }}
+{{- .Values.networkPolicy.gatewayNamespace }}
+{{- else if eq .Values.provider.name "none" }}
+{{- "envoy-gateway-system" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels of the gateway's pods the NetworkPolicy admits (YAML): networkPolicy.gatewayPodLabels,
+else the labels the provider puts on every gateway pod it runs: Envoy Gateway's
+proxies (its EnvoyAppLabel) or Istio's Gateway API deployments.
+*/}}
+{{- define "kvpick.networkPolicy.gatewayPodLabels" -}}
+{{- if .Values.networkPolicy.gatewayPodLabels }}
+{{- toYaml .Values.networkPolicy.gatewayPodLabels }}
+{{- else if eq .Values.provider.name "istio" }}
+gateway.istio.io/managed: istio.io-gateway-controller
+{{- else }}
+app.kubernetes.io/name: envoy
+app.kubernetes.io/component: proxy
+app.kubernetes.io/managed-by: envoy-gateway
+{{- end }}
+{{- end }}
+
 {{/* The pool's matchLabels as a kubectl label selector: k1=v1,k2=v2. */}}
 {{- define "kvpick.poolSelector" -}}
 {{- $pairs := list }}

@@ -23,6 +23,9 @@ message naming the value to set. Included from deployment.yaml.
 {{- if and (eq .Values.provider.name "istio") .Values.mtls.enabled (not .Values.provider.istio.destinationRule.clientCertSecret) }}
 {{- fail "provider.name=istio with mtls.enabled needs provider.istio.destinationRule.clientCertSecret: the Secret with the client certificate Istio's gateway presents to kvpick." }}
 {{- end }}
+{{- if and .Values.networkPolicy.enabled (not (include "kvpick.networkPolicy.gatewayNamespace" .)) }}
+{{- fail (printf "networkPolicy.gatewayNamespace is required with provider.name=%s: Istio runs a Gateway's pods in the Gateway's own namespace, which the chart cannot know, and the NetworkPolicy (on by default) admits only that namespace to the ext_proc port. Set it, e.g. --set networkPolicy.gatewayNamespace=<the Gateway's namespace>, or --set networkPolicy.enabled=false to admit every pod." .Values.provider.name) }}
+{{- end }}
 {{- if le (int .Values.terminationGracePeriodSeconds) (add (int .Values.preStopSleepSeconds) 5 | int) }}
 {{- fail (printf "terminationGracePeriodSeconds (%d) must exceed preStopSleepSeconds (%d) by more than 5 s: kvpick drains open streams for the difference minus 5 s (--drain-timeout-ms)." (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds)) }}
 {{- end }}

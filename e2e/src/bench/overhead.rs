@@ -7,7 +7,8 @@
 //! streamed back, sends response headers and a response body with
 //! `end_of_stream`, and reads their answers, so the request finishes on the server.
 //! Decision latency is the time from sending the last body chunk to receiving the
-//! headers answer. Many streams run at once over a few HTTP/2 connections.
+//! headers answer. Many streams run at once over a few HTTP/2 connections. The
+//! Envoy side is `envoy-client`, as in the loopback tests and the test gateway.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -15,15 +16,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context};
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_request, processing_response, HttpBody, HttpHeaders,
-    ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
-};
-use futures::StreamExt;
+use anyhow::{bail, Context};
+use envoy_client::message::{body_chunks, RequestHeaders};
+use envoy_client::{BodyMode, EnvoyStream, Phase, ResponseOutcome};
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
@@ -31,10 +26,7 @@ use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
-use tonic::Streaming;
 
 use super::{micros, quantile, sorted, table_of, SplitMix64};
 
@@ -172,79 +164,9 @@ pub fn chat_body(bytes: usize, variant: u64) -> Vec<u8> {
     serde_json::to_vec(&body).expect("a JSON value serialises")
 }
 
-fn header(key: &str, value: &str) -> HeaderValue {
-    HeaderValue {
-        key: key.to_string(),
-        raw_value: value.as_bytes().to_vec(),
-        ..Default::default()
-    }
-}
-
-/// Request headers as Envoy forwards them (with the client's `content-length`).
-fn request_headers(path: &str, content_length: usize) -> ProcessingRequest {
-    let content_length = content_length.to_string();
-    let headers = [
-        (":method", "POST"),
-        (":path", path),
-        (":authority", "gateway"),
-        ("content-type", "application/json"),
-        ("content-length", &content_length),
-    ]
-    .iter()
-    .map(|(k, v)| header(k, v))
-    .collect();
-    ProcessingRequest {
-        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap { headers }),
-            ..Default::default()
-        })),
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: BodySendMode::FullDuplexStreamed as i32,
-            response_body_mode: BodySendMode::FullDuplexStreamed as i32,
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn body_msg(bytes: &[u8], end_of_stream: bool, response: bool) -> ProcessingRequest {
-    let b = HttpBody {
-        body: bytes.to_vec(),
-        end_of_stream,
-        ..Default::default()
-    };
-    ProcessingRequest {
-        request: Some(if response {
-            processing_request::Request::ResponseBody(b)
-        } else {
-            processing_request::Request::RequestBody(b)
-        }),
-        ..Default::default()
-    }
-}
-
-/// Whether `msg` is a streamed body answer with `end_of_stream`.
-fn ends_body(msg: &ProcessingResponse) -> bool {
-    let common = match &msg.response {
-        Some(processing_response::Response::RequestBody(b))
-        | Some(processing_response::Response::ResponseBody(b)) => b.response.as_ref(),
-        _ => None,
-    };
-    matches!(
-        common
-            .and_then(|c| c.body_mutation.as_ref())
-            .and_then(|m| m.mutation.as_ref()),
-        Some(body_mutation::Mutation::StreamedResponse(s)) if s.end_of_stream
-    )
-}
-
-async fn next(responses: &mut Streaming<ProcessingResponse>) -> anyhow::Result<ProcessingResponse> {
-    responses
-        .next()
-        .await
-        .ok_or_else(|| anyhow!("server closed the stream early"))?
-        .context("server answered with an error status")
-}
+/// How long the load generator waits for each answer (a large body under load
+/// takes seconds; this only keeps a stuck server from hanging the run).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Runs one Envoy-style chat request to completion; returns the decision latency.
 pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> {
@@ -253,46 +175,33 @@ pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> 
 
 /// [`one_request`] to `path`.
 pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Result<Duration> {
-    let (tx, rx) = mpsc::channel(64);
-    let send = |m| {
-        let tx = tx.clone();
-        async move {
-            tx.send(m)
-                .await
-                .map_err(|_| anyhow!("request stream closed"))
-        }
-    };
-    send(request_headers(path, body.len())).await?;
-    let mut responses = ExternalProcessorClient::new(ch.clone())
-        .process(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
-    let chunks: Vec<&[u8]> = body.chunks(CHUNK).collect();
-    for (i, c) in chunks.iter().enumerate() {
-        send(body_msg(c, i + 1 == chunks.len(), false)).await?;
-    }
+    // Request headers as Envoy forwards them (with the client's `content-length`).
+    let headers = RequestHeaders::post(path)
+        .content_length(body.len())
+        .mode(BodyMode::FullDuplex)
+        .build();
+    let mut s = EnvoyStream::open(ch, headers, ANSWER_TIMEOUT).await?;
+    s.send_all(body_chunks(body, CHUNK, false)).await?;
     let sent = Instant::now();
-    let first = next(&mut responses).await?;
+    let mut changes = match s.phase(Phase::RequestHeaders).await? {
+        Ok(c) => c,
+        Err(i) => bail!("expected the headers answer first, got {i:?}"),
+    };
     let latency = sent.elapsed();
-    match first.response {
-        Some(processing_response::Response::RequestHeaders(_)) => {}
-        other => bail!("expected the headers answer first, got {other:?}"),
+    if let Err(i) = s
+        .streamed_body(Phase::RequestBody, &mut changes, &mut Vec::new())
+        .await?
+    {
+        bail!("expected the body streamed back, got {i:?}");
     }
-    while !ends_body(&next(&mut responses).await?) {}
-    send(ProcessingRequest {
-        request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![header(":status", "200")],
-            }),
-            ..Default::default()
-        })),
-        ..Default::default()
-    })
-    .await?;
-    send(body_msg(b"data: [DONE]\n\n", true, true)).await?;
-    drop(tx);
-    while !ends_body(&next(&mut responses).await?) {}
-    Ok(latency)
+    let sse = b"data: [DONE]\n\n";
+    match s
+        .respond(BodyMode::FullDuplex, "200", &[], Some(sse), CHUNK)
+        .await?
+    {
+        ResponseOutcome::Forwarded { .. } => Ok(latency),
+        ResponseOutcome::Immediate(i) => bail!("the response path ended with {i:?}"),
+    }
 }
 
 fn endpoints(n: usize) -> Vec<Endpoint> {

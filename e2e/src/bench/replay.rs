@@ -135,8 +135,11 @@ impl Default for ReplayConfig {
 /// Flags of a replay, shared by `kvpick-bench replay` and `kvpick-anchors replay`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayArgs {
-    /// The trace (JSON lines with timestamp, input_length, output_length, hash_ids).
-    #[arg(long, default_value = "../shared/data/mooncake_synthetic_trace.jsonl")]
+    /// The trace (JSON lines with timestamp, input_length, output_length,
+    /// hash_ids; `.gz` read gunzipped): a path, or `synthetic` (the public
+    /// synthetic Mooncake trace, for tuning) or `conversation` (the held-out
+    /// Mooncake conversation trace in `e2e/data`, never tuned on).
+    #[arg(long, default_value = "synthetic")]
     pub trace: PathBuf,
     /// Simulated workers.
     #[arg(long, default_value_t = 8)]
@@ -177,12 +180,12 @@ pub struct ReplayArgs {
 impl ReplayArgs {
     /// The trace (cut to `--requests`) and its file name.
     pub fn load(&self) -> anyhow::Result<(String, Vec<TraceRequest>)> {
-        let mut requests = trace::load(&self.trace)?;
+        let path = trace::resolve(&self.trace);
+        let mut requests = trace::load(path)?;
         if let Some(n) = self.requests {
             requests.truncate(n);
         }
-        let name = self
-            .trace
+        let name = path
             .file_name()
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or_default();

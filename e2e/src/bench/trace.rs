@@ -6,6 +6,7 @@
 //! drawn from a PRNG seeded with the id, concatenating them, and cutting to
 //! `input_length`, so requests share exactly the prefixes the trace says.
 
+use std::io::Read;
 use std::path::Path;
 
 use anyhow::Context;
@@ -36,10 +37,38 @@ pub struct TraceRequest {
     pub hash_ids: Vec<u64>,
 }
 
-/// Reads a trace file; requests are returned in arrival order.
+/// The public synthetic Mooncake trace (tuning trace), relative to the repo root.
+pub const SYNTHETIC: &str = "../shared/data/mooncake_synthetic_trace.jsonl";
+
+/// The held-out Mooncake conversation trace, gzipped in this crate (see
+/// `e2e/data/README.md`): results on it count, never tune on it.
+pub const CONVERSATION: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/data/mooncake_conversation_trace.jsonl.gz"
+);
+
+/// The trace file a `--trace` value names: `synthetic` or `conversation`, else a path.
+pub fn resolve(choice: &Path) -> &Path {
+    match choice.to_str() {
+        Some("synthetic") => Path::new(SYNTHETIC),
+        Some("conversation") => Path::new(CONVERSATION),
+        _ => choice,
+    }
+}
+
+/// Reads a trace file (gunzipped when its name ends in `.gz`); requests are
+/// returned in arrival order.
 pub fn load(path: &Path) -> anyhow::Result<Vec<TraceRequest>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let read = || -> std::io::Result<String> {
+        let file = std::fs::File::open(path)?;
+        let mut text = String::new();
+        match path.extension().is_some_and(|e| e == "gz") {
+            true => flate2::read::GzDecoder::new(file).read_to_string(&mut text)?,
+            false => std::io::BufReader::new(file).read_to_string(&mut text)?,
+        };
+        Ok(text)
+    };
+    let text = read().with_context(|| format!("reading {}", path.display()))?;
     parse(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
@@ -105,6 +134,14 @@ mod tests {
         assert_eq!(t[0].timestamp, 1);
         assert_eq!(t[1].hash_ids, vec![1, 2]);
         assert!(parse("{\"timestamp\": 1}").is_err());
+    }
+
+    #[test]
+    fn the_held_out_trace_loads_gunzipped() {
+        let t = load(resolve(Path::new("conversation"))).unwrap();
+        assert_eq!(t.len(), 12_031);
+        assert!(t.iter().all(|r| r.hash_ids.first() == Some(&0)));
+        assert_eq!(resolve(Path::new("x.jsonl")), Path::new("x.jsonl"));
     }
 
     #[test]

@@ -1,0 +1,54 @@
+//! What each candidate holds of a prompt: the prefix index's answer and, for
+//! precise workers, the prompts routed there whose KV events have not arrived.
+//!
+//! A precise worker's index entries come only from its KV events, which it
+//! publishes once a prefill completes: a burst of requests sharing a prefix
+//! would otherwise see no worker holding it until the first one's prefill ends,
+//! and scatter. So a prompt routed to a precise worker is recorded as
+//! provisional (approximate) entries in a second index whose entries live
+//! [`SchedulerConfig::provisional_ttl`](super::SchedulerConfig::provisional_ttl);
+//! a candidate's overlap is the larger of the two answers, so the KV events
+//! take over once they arrive.
+
+use std::time::Instant;
+
+use super::Scheduler;
+use crate::endpoints::WorkerKey;
+use crate::kv::index::Overlaps;
+
+/// Every worker's overlap with one prompt.
+pub(super) struct PromptOverlaps {
+    index: Overlaps,
+    /// Provisional entries (`None` while there are none).
+    provisional: Option<Overlaps>,
+}
+
+impl PromptOverlaps {
+    /// Leading prompt blocks `worker` holds or is provisionally credited with.
+    pub(super) fn get(&self, worker: WorkerKey) -> usize {
+        let held = self.index.get(worker);
+        self.provisional
+            .as_ref()
+            .map_or(held, |p| held.max(p.get(worker)))
+    }
+}
+
+impl Scheduler {
+    /// The overlaps of a prompt's `hashes` (`None` for an empty prompt).
+    pub(super) fn overlaps(&self, hashes: &[u64], now: Instant) -> Option<PromptOverlaps> {
+        (!hashes.is_empty()).then(|| PromptOverlaps {
+            index: self.index.overlaps(hashes, now),
+            provisional: (!self.provisional.is_empty())
+                .then(|| self.provisional.overlaps(hashes, now)),
+        })
+    }
+
+    /// `worker` was sent a prompt of `hashes`: approximate entries for an
+    /// approximate worker, provisional ones for a precise worker.
+    pub(super) fn record_prompt(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
+        match self.index.is_precise(worker) {
+            true => self.provisional.insert(worker, hashes, now),
+            false => self.index.insert(worker, hashes, now),
+        }
+    }
+}
