@@ -274,10 +274,12 @@ impl EndpointState {
 
     /// The load booked on `rank` by unfinished requests kvpick routed there.
     pub fn active_load(&self, rank: u32) -> ActiveLoad {
-        self.ranks.get(rank).map_or(ActiveLoad::default(), |r| ActiveLoad {
-            blocks: r.blocks.load(Ordering::Relaxed),
-            uncached: r.uncached.load(Ordering::Relaxed),
-        })
+        self.ranks
+            .get(rank)
+            .map_or(ActiveLoad::default(), |r| ActiveLoad {
+                blocks: r.blocks.load(Ordering::Relaxed),
+                uncached: r.uncached.load(Ordering::Relaxed),
+            })
     }
 
     /// Books `load` on `rank`.

@@ -5,8 +5,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::cost::pick_index;
-use crate::endpoints::ActiveLoad;
 use super::*;
+use crate::endpoints::ActiveLoad;
 use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
 
 fn table(specs: &[(&str, u32, Role)]) -> EndpointTable {
