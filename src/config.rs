@@ -268,12 +268,14 @@ pub struct Args {
     #[arg(long, env = "KVPICK_WEIGHT_PREFILL", default_value_t = 1.0)]
     pub weight_prefill: f64,
 
-    /// Cost weight per block of active load on the candidate.
-    #[arg(long, env = "KVPICK_WEIGHT_DECODE", default_value_t = 1.0)]
+    /// Cost weight per block of active load on the candidate (counted while it
+    /// is saturated, or has no fresh scrape).
+    #[arg(long, env = "KVPICK_WEIGHT_DECODE", default_value_t = 0.1)]
     pub weight_decode: f64,
 
-    /// Cost weight per scraped queued request (counted at the request's size).
-    #[arg(long, env = "KVPICK_WEIGHT_QUEUE", default_value_t = 1.0)]
+    /// Cost weight per block of scraped queued work (queued requests at their
+    /// uncached size).
+    #[arg(long, env = "KVPICK_WEIGHT_QUEUE", default_value_t = 0.25)]
     pub weight_queue: f64,
 
     /// Cost weight of scraped KV-cache usage (0..1, counted at the request's size).
@@ -1200,7 +1202,8 @@ mod tests {
         assert_eq!(mapping.mapped.len(), 3, "{mapping:?}");
         let w = a.scheduler(Vec::new()).weights;
         assert_eq!((w.prefill, w.decode), (1.0, 0.0));
-        assert!((w.queue - 2.0 / 3.0).abs() < 1e-9 && (w.kv_usage - 2.0 / 3.0).abs() < 1e-9);
+        // The flag weights scaled by the scorers' ratios (queue flag default 0.25).
+        assert!((w.queue - 0.25 * 2.0 / 3.0).abs() < 1e-9 && (w.kv_usage - 2.0 / 3.0).abs() < 1e-9);
         assert_eq!(a.log_format(), LogFormat::Json);
         // Standalone mode (router.inferencePool.create=false).
         let a = Args::try_parse_from([

@@ -340,6 +340,17 @@ mod tests {
         std::fs::read_to_string(format!("{UPSTREAM}/{name}")).unwrap()
     }
 
+    /// Unit flag weights (prefill overlap 2): the tests check the mapped ratios.
+    fn unit() -> Weights {
+        Weights {
+            prefill: 1.0,
+            decode: 1.0,
+            queue: 1.0,
+            kv_usage: 1.0,
+            prefill_overlap: 2.0,
+        }
+    }
+
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-9
     }
@@ -347,7 +358,7 @@ mod tests {
     #[test]
     fn llm_d_chart_default_profile_maps_queue_kv_and_prefix_weights() {
         // llm-d v0.10.0's chart default: queue 2, kv-cache-utilization 2, prefix 3.
-        let m = map(&upstream("chart-default-plugins.yaml"), Weights::default()).unwrap();
+        let m = map(&upstream("chart-default-plugins.yaml"), unit()).unwrap();
         assert!(close(m.weights.prefill, 1.0), "{m:?}");
         assert!(close(m.weights.queue, 2.0 / 3.0), "{m:?}");
         assert!(close(m.weights.kv_usage, 2.0 / 3.0), "{m:?}");
@@ -362,7 +373,7 @@ mod tests {
         let base = Weights {
             prefill: 2.0,
             queue: 4.0,
-            ..Weights::default()
+            ..unit()
         };
         let m = map(&upstream("chart-default-plugins.yaml"), base).unwrap();
         assert!(close(m.weights.prefill, 2.0));
@@ -373,7 +384,7 @@ mod tests {
     fn payload_agnostic_profile_maps_load_and_keeps_sessions() {
         // active-request-scorer 1, session-affinity-scorer 1: no prefix scorer,
         // so the load weight is the unit and prefix routing is off.
-        let m = map(&upstream("chart-payload-agnostic.yaml"), Weights::default()).unwrap();
+        let m = map(&upstream("chart-payload-agnostic.yaml"), unit()).unwrap();
         assert!(close(m.weights.decode, 1.0), "{m:?}");
         assert!(close(m.weights.prefill, 0.0), "{m:?}");
         assert!(m.warnings.is_empty(), "{:?}", m.warnings);
@@ -381,11 +392,7 @@ mod tests {
 
     #[test]
     fn pd_profiles_set_the_prefill_overlap_weight() {
-        let m = map(
-            &upstream("deploy-config/pd-epp-config.yaml"),
-            Weights::default(),
-        )
-        .unwrap();
+        let m = map(&upstream("deploy-config/pd-epp-config.yaml"), unit()).unwrap();
         // decode profile: prefix 2, queue 1.
         assert!(
             close(m.weights.prefill, 1.0) && close(m.weights.queue, 0.5),
@@ -407,8 +414,7 @@ mod tests {
         let mut warned = 0;
         for path in files {
             let text = std::fs::read_to_string(&path).unwrap();
-            let m = map(&text, Weights::default())
-                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let m = map(&text, unit()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let w = m.weights;
             for x in [w.prefill, w.decode, w.queue, w.kv_usage, w.prefill_overlap] {
                 assert!(x.is_finite() && x >= 0.0, "{}: {w:?}", path.display());
@@ -433,7 +439,7 @@ mod tests {
     #[test]
     fn precise_prefix_example_maps_all_three_scorers() {
         let text = upstream("deploy-config/epp-precise-prefix-cache-config.yaml");
-        let m = map(&text, Weights::default()).unwrap();
+        let m = map(&text, unit()).unwrap();
         assert!(close(m.weights.prefill, 1.0));
         assert!(
             close(m.weights.kv_usage, 0.5) && close(m.weights.queue, 0.5),
@@ -447,17 +453,13 @@ mod tests {
         let gie = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gie-v1.5.0");
         let read = |name: &str| std::fs::read_to_string(format!("{gie}/{name}")).unwrap();
         // GIE's chart passes its default config to every EPP it runs.
-        let m = map(&read("chart-default-plugins.yaml"), Weights::default()).unwrap();
-        let llm_d = map(&upstream("chart-default-plugins.yaml"), Weights::default()).unwrap();
+        let m = map(&read("chart-default-plugins.yaml"), unit()).unwrap();
+        let llm_d = map(&upstream("chart-default-plugins.yaml"), unit()).unwrap();
         assert_eq!(m, llm_d);
         // The latency-predictor profile has no scorer kvpick maps: weights stay,
         // each plugin kvpick lacks is named.
-        let m = map(
-            &read("chart-latency-predictor-plugins.yaml"),
-            Weights::default(),
-        )
-        .unwrap();
-        assert_eq!(m.weights, Weights::default());
+        let m = map(&read("chart-latency-predictor-plugins.yaml"), unit()).unwrap();
+        assert_eq!(m.weights, unit());
         for missing in [
             "latency-scorer",
             "weighted-random-picker",
@@ -474,28 +476,28 @@ mod tests {
     #[test]
     fn gie_api_version_is_read_too() {
         let text = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n";
-        let m = map(text, Weights::default()).unwrap();
+        let m = map(text, unit()).unwrap();
         assert!(close(m.weights.queue, 1.0) && close(m.weights.prefill, 0.0));
     }
 
     #[test]
     fn wrong_kind_and_undefined_refs_are_errors() {
-        let e = map("apiVersion: v1\nkind: ConfigMap\n", Weights::default()).unwrap_err();
+        let e = map("apiVersion: v1\nkind: ConfigMap\n", unit()).unwrap_err();
         assert!(matches!(e, EndpointPickerConfigError::Kind { .. }), "{e}");
         let text = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: []\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n";
-        let e = map(text, Weights::default()).unwrap_err();
+        let e = map(text, unit()).unwrap_err();
         assert!(
             matches!(e, EndpointPickerConfigError::UndefinedPlugin { .. }),
             "{e}"
         );
-        let e = map("plugins: [", Weights::default()).unwrap_err();
+        let e = map("plugins: [", unit()).unwrap_err();
         assert!(matches!(e, EndpointPickerConfigError::Yaml(_)), "{e}");
     }
 
     #[test]
     fn unused_sections_and_profiles_warn() {
         let text = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nflowControl: {}\nplugins:\n- type: queue-scorer\n- type: lora-affinity-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n  - pluginRef: lora-affinity-scorer\n- name: batch\n  plugins: []\n";
-        let m = map(text, Weights::default()).unwrap();
+        let m = map(text, unit()).unwrap();
         let all = m.warnings.join("\n");
         assert!(all.contains("\"flowControl\""), "{all}");
         assert!(all.contains("type lora-affinity-scorer"), "{all}");

@@ -12,8 +12,7 @@ use envoy_client::message::{
     request_body, response_body, response_headers, string_list, subset_hint, RequestHeaders,
 };
 use envoy_client::{
-    Answer, BodyChange, BodyMode, Changes, ClientError, Decision, EnvoyStream, Phase, RequestBody,
-    ResponseOutcome,
+    Answer, BodyChange, BodyMode, Changes, ClientError, EnvoyStream, Phase, ResponseOutcome,
 };
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue};
@@ -25,7 +24,7 @@ use tonic::transport::Channel;
 
 #[allow(dead_code)] // each test binary uses a part of it
 mod support;
-use support::{changes, channel, immediate, post, ANSWER_TIMEOUT};
+use support::{changes, channel, immediate, post, routed_chat, ANSWER_TIMEOUT};
 
 /// A kvpick ext_proc server on loopback.
 struct Server {
@@ -88,23 +87,8 @@ async fn full_duplex(
     extra_headers: &[(&str, &str)],
     metadata: Option<Metadata>,
 ) -> (EnvoyStream, Changes, Vec<u8>) {
-    let mut s = post(
-        ch,
-        "/v1/chat/completions",
-        extra_headers,
-        Some(BodyMode::FullDuplex),
-        metadata,
-    )
-    .await;
-    // Envoy streams the body in arbitrary chunks without waiting.
-    let whole = RequestBody::Whole {
-        bytes: body,
-        chunk: 16 * 1024,
-    };
-    match s.decide(BodyMode::FullDuplex, whole).await.unwrap() {
-        Decision::Routed(r) => (s, r.changes, r.body.expect("the body streamed back")),
-        Decision::Immediate(i) => panic!("expected a routed request, got {i:?}"),
-    }
+    let (s, r) = routed_chat(ch, body, extra_headers, metadata).await;
+    (s, r.changes, r.body.expect("the body streamed back"))
 }
 
 #[tokio::test]

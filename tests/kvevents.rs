@@ -17,6 +17,9 @@ use parking_lot::Mutex;
 use rmpv::Value;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
+#[allow(dead_code)] // each test binary uses a part of it
+mod support;
+
 // ---------------------------------------------------------------------------
 // An in-memory sink: the prefix index as far as events are concerned.
 
@@ -1134,16 +1137,7 @@ mod routing {
     /// KV events hold those tokens.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_tokenized_chat_request_follows_the_events_through_ext_proc() {
-        use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-        use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-        use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-        use envoy_types::pb::envoy::service::ext_proc::v3::{
-            processing_request, processing_response, HttpBody, HttpHeaders, ProcessingRequest,
-            ProtocolConfiguration,
-        };
-        use kvpick::extproc::messages::header_value;
         use kvpick::extproc::ExtProcConfig;
-        use kvpick::server::serve_ext_proc;
 
         let mut pub_socket = PubSocket::new();
         let port = match pub_socket.bind("tcp://127.0.0.3:0").await.unwrap() {
@@ -1206,77 +1200,18 @@ mod routing {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
 
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(serve_ext_proc(
-            listener,
-            app.ext_proc(ExtProcConfig::default()),
-            None,
-        ));
-        let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
-            .await
-            .unwrap();
-        let header = |k: &str, v: &str| HeaderValue {
-            key: k.into(),
-            raw_value: v.as_bytes().to_vec(),
-            ..Default::default()
-        };
+        let ch =
+            crate::support::channel(crate::support::serve(&app, ExtProcConfig::default()).await)
+                .await;
+        let bytes = serde_json::to_vec(&body).unwrap();
         for _ in 0..3 {
-            let (tx, rx) = tokio::sync::mpsc::channel(4);
-            let mut answers = client
-                .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-                .await
-                .unwrap()
-                .into_inner();
-            let mode = BodySendMode::FullDuplexStreamed as i32;
-            tx.send(ProcessingRequest {
-                request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-                    headers: Some(HeaderMap {
-                        headers: vec![
-                            header(":method", "POST"),
-                            header(":path", "/v1/chat/completions"),
-                        ],
-                    }),
-                    ..Default::default()
-                })),
-                protocol_config: Some(ProtocolConfiguration {
-                    request_body_mode: mode,
-                    response_body_mode: mode,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-            tx.send(ProcessingRequest {
-                request: Some(processing_request::Request::RequestBody(HttpBody {
-                    body: serde_json::to_vec(&body).unwrap(),
-                    end_of_stream: true,
-                    ..Default::default()
-                })),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-            let answer = tokio::time::timeout(Duration::from_secs(10), answers.message())
-                .await
-                .unwrap()
-                .unwrap()
+            let (_, r) = crate::support::routed_chat(&ch, &bytes, &[], None).await;
+            let worker: u64 = r
+                .changes
+                .get("x-worker-instance-id")
+                .expect("routing header")
+                .parse()
                 .unwrap();
-            let Some(processing_response::Response::RequestHeaders(h)) = answer.response else {
-                panic!("expected a headers answer, got {answer:?}");
-            };
-            let worker: u64 = h
-                .response
-                .unwrap()
-                .header_mutation
-                .unwrap()
-                .set_headers
-                .iter()
-                .filter_map(|o| o.header.as_ref())
-                .find(|v| v.key == "x-worker-instance-id")
-                .map(|v| header_value(v).parse().unwrap())
-                .expect("routing header");
             assert_eq!(worker, target.instance_id);
         }
     }

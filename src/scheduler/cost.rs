@@ -14,6 +14,10 @@ use crate::endpoints::{EndpointState, LoadView, WorkerKey};
 use crate::kv::hash::PromptBlocks;
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
+/// The defaults (1, 0.1, 0.25, 1) come from replaying the public synthetic
+/// Mooncake trace (BENCHMARKS.md §2): a full active load or queue at weight 1
+/// outweighs any prefix saving once workers queue, and routing collapses at 2×
+/// load.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Weights {
     /// Per block of the prompt the candidate must still prefill (after its overlap).
@@ -33,8 +37,8 @@ impl Default for Weights {
     fn default() -> Self {
         Weights {
             prefill: 1.0,
-            decode: 1.0,
-            queue: 1.0,
+            decode: 0.1,
+            queue: 0.25,
             kv_usage: 1.0,
             prefill_overlap: 2.0,
         }

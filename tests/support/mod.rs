@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use envoy_client::message::RequestHeaders;
 use envoy_client::{
-    Answer, BodyMode, Changes, ClientError, EnvoyStream, Immediate, Phase, ResponseOutcome,
+    Answer, BodyMode, Changes, ClientError, Decision, EnvoyStream, Immediate, Phase, RequestBody,
+    ResponseOutcome, Routed,
 };
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 use kvpick::extproc::ExtProcConfig;
@@ -54,6 +55,33 @@ pub async fn post(
     EnvoyStream::open(ch, h.build(), ANSWER_TIMEOUT)
         .await
         .unwrap()
+}
+
+/// Sends a chat request in full-duplex mode (the body in 16 KiB chunks without
+/// waiting, as Envoy streams it); returns the stream and its routing, which it
+/// must be.
+pub async fn routed_chat(
+    ch: &Channel,
+    body: &[u8],
+    extra: &[(&str, &str)],
+    metadata: Option<Metadata>,
+) -> (EnvoyStream, Routed) {
+    let mut s = post(
+        ch,
+        "/v1/chat/completions",
+        extra,
+        Some(BodyMode::FullDuplex),
+        metadata,
+    )
+    .await;
+    let whole = RequestBody::Whole {
+        bytes: body,
+        chunk: 16 * 1024,
+    };
+    match s.decide(BodyMode::FullDuplex, whole).await.unwrap() {
+        Decision::Routed(r) => (s, r),
+        Decision::Immediate(i) => panic!("expected a routed request, got {i:?}"),
+    }
 }
 
 /// The next answer's changes, which must be for `phase`.
