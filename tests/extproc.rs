@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_client::message::{
-    request_body, response_body, response_headers, string_list, subset_hint, RequestHeaders,
+    request_body, request_trailers, response_body, response_headers, response_trailers,
+    string_list, subset_hint, RequestHeaders,
 };
 use envoy_client::{
     Answer, BodyChange, BodyMode, Changes, ClientError, EnvoyStream, Phase, ResponseOutcome,
@@ -80,6 +81,11 @@ async fn immediate_status(s: &mut EnvoyStream) -> (u16, serde_json::Value) {
     (i.status, json)
 }
 
+/// Opens a stream with POST request headers for `path` announcing `mode`.
+async fn open_post(ch: &Channel, path: &str, mode: BodyMode) -> EnvoyStream {
+    post(ch, path, &[], Some(mode), None).await
+}
+
 /// Sends a full-duplex chat request; returns the routing and the echoed body.
 async fn full_duplex(
     ch: &Channel,
@@ -96,14 +102,7 @@ async fn full_duplex_routes_after_body_and_echoes_it() {
     let srv = start(pool(3)).await;
     let ch = channel(srv.port).await;
     let body = chat_body("hello there");
-    let mut s = post(
-        &ch,
-        "/v1/chat/completions",
-        &[],
-        Some(BodyMode::FullDuplex),
-        None,
-    )
-    .await;
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
     // The headers answer is held until the body ends.
     assert!(
         s.silent_for(Duration::from_millis(300)).await,
@@ -146,14 +145,7 @@ async fn large_prompt_is_echoed_in_62000_byte_chunks() {
     assert!(r.get("x-gateway-destination-endpoint").is_some());
     assert_eq!(echo, body);
     // Re-run to inspect chunk sizes.
-    let mut s = post(
-        &ch,
-        "/v1/chat/completions",
-        &[],
-        Some(BodyMode::FullDuplex),
-        None,
-    )
-    .await;
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
     s.send(request_body(&body, true)).await.unwrap();
     changes(&mut s, Phase::RequestHeaders).await;
     let (echo, sizes) = collect_streamed(&mut s, Phase::RequestBody).await;
@@ -317,14 +309,7 @@ async fn bad_bodies_get_400_with_a_json_error_naming_the_field() {
         ),
     ];
     for (body, needle) in cases {
-        let mut s = post(
-            &ch,
-            "/v1/chat/completions",
-            &[],
-            Some(BodyMode::FullDuplex),
-            None,
-        )
-        .await;
+        let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
         s.send(request_body(body, true)).await.unwrap();
         let (code, err) = immediate_status(&mut s).await;
         assert_eq!(code, 400);
@@ -340,14 +325,7 @@ async fn bad_bodies_get_400_with_a_json_error_naming_the_field() {
 async fn no_endpoint_is_503() {
     let srv = start(Vec::new()).await;
     let ch = channel(srv.port).await;
-    let mut s = post(
-        &ch,
-        "/v1/chat/completions",
-        &[],
-        Some(BodyMode::FullDuplex),
-        None,
-    )
-    .await;
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
     s.send(request_body(&chat_body("x"), true)).await.unwrap();
     let (code, err) = immediate_status(&mut s).await;
     assert_eq!(code, 503);
@@ -705,14 +683,7 @@ async fn session_turn_with_a_u64_max_timeout_is_a_400_not_a_crash() {
         "y",
         serde_json::json!({"session_control": {"session_id": "big", "timeout": 18446744073709551615u64}}),
     );
-    let mut s = post(
-        &ch,
-        "/v1/chat/completions",
-        &[],
-        Some(BodyMode::FullDuplex),
-        None,
-    )
-    .await;
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
     s.send(request_body(&turn, true)).await.unwrap();
     let (code, err) = immediate_status(&mut s).await;
     assert_eq!(code, 400, "{err}");
@@ -739,14 +710,7 @@ async fn oversized_bodies_get_413_in_every_body_mode() {
     let over = big_body(cap + 1024);
 
     // Full duplex: chunks without waiting; the one crossing the cap gets 413.
-    let mut s = post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodyMode::FullDuplex),
-        None,
-    )
-    .await;
+    let mut s = open_post(&ch, "/v1/completions", BodyMode::FullDuplex).await;
     let chunks: Vec<&[u8]> = over.chunks(1 << 20).collect();
     for (i, c) in chunks.iter().enumerate() {
         s.send(request_body(c, i + 1 == chunks.len()))
@@ -797,27 +761,13 @@ async fn a_body_over_the_budget_gets_429_and_the_server_keeps_serving() {
     let ch = channel(srv.port).await;
     // A holds 768 KiB of an unfinished 900 KiB body.
     let held = big_body(900 << 10);
-    let mut a = post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodyMode::FullDuplex),
-        None,
-    )
-    .await;
+    let mut a = open_post(&ch, "/v1/completions", BodyMode::FullDuplex).await;
     a.send(request_body(&held[..768 << 10], false))
         .await
         .unwrap();
     assert!(a.silent_for(Duration::from_millis(100)).await);
     // B does not fit next to it.
-    let mut b = post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodyMode::FullDuplex),
-        None,
-    )
-    .await;
+    let mut b = open_post(&ch, "/v1/completions", BodyMode::FullDuplex).await;
     b.send(request_body(&big_body(512 << 10), true))
         .await
         .unwrap();
@@ -846,14 +796,7 @@ async fn a_body_that_stops_arriving_gets_408() {
     };
     let srv = start_with(pool(2), config).await;
     let ch = channel(srv.port).await;
-    let mut s = post(
-        &ch,
-        "/v1/completions",
-        &[],
-        Some(BodyMode::FullDuplex),
-        None,
-    )
-    .await;
+    let mut s = open_post(&ch, "/v1/completions", BodyMode::FullDuplex).await;
     s.send(request_body(br#"{"model":"m","pro"#, false))
         .await
         .unwrap();
@@ -901,4 +844,52 @@ async fn response_usage_and_sizes_feed_the_objective_metrics() {
         line("inference_objective_response_sizes_sum").ends_with(&format!(" {response_bytes}.0"))
     );
     assert!(line("inference_objective_request_sizes_sum").ends_with(&format!(" {}.0", body.len())));
+}
+
+/// Trailers end a body the way `end_of_stream` does: request trailers after an
+/// unfinished full-duplex body route the request, then the body streams back and
+/// the trailers are answered; response trailers end the response and the request.
+#[tokio::test]
+async fn trailers_end_the_request_and_the_response() {
+    let srv = start(pool(2)).await;
+    let ch = channel(srv.port).await;
+    let mut s = open_post(&ch, "/v1/chat/completions", BodyMode::FullDuplex).await;
+    let body = chat_body("with trailers");
+    s.send(request_body(&body, false)).await.unwrap();
+    assert!(s.silent_for(Duration::from_millis(200)).await);
+    s.send(request_trailers(&[("x-checksum", "1")]))
+        .await
+        .unwrap();
+    let r = changes(&mut s, Phase::RequestHeaders).await;
+    assert!(r.get("x-gateway-destination-endpoint").is_some());
+    // The body comes back without `end_of_stream` (the trailers end it), then
+    // the trailers' answer.
+    let mut echo = Vec::new();
+    loop {
+        match s.answer().await.unwrap() {
+            Answer::Continue(Phase::RequestBody, c) => match c.body {
+                BodyChange::Streamed {
+                    body,
+                    end_of_stream: false,
+                } => echo.extend_from_slice(&body),
+                other => panic!("expected a streamed chunk, got {other:?}"),
+            },
+            Answer::Continue(Phase::RequestTrailers, _) => break,
+            other => panic!("expected the body or the trailers' answer, got {other:?}"),
+        }
+    }
+    assert_eq!(echo, body);
+    assert_eq!(total_in_flight(&srv.app), 1);
+
+    s.send(response_headers("200", &[], false)).await.unwrap();
+    changes(&mut s, Phase::ResponseHeaders).await;
+    s.send(response_body(b"data: [DONE]\n\n", false))
+        .await
+        .unwrap();
+    changes(&mut s, Phase::ResponseBody).await;
+    s.send(response_trailers(&[("grpc-status", "0")]))
+        .await
+        .unwrap();
+    changes(&mut s, Phase::ResponseTrailers).await;
+    wait_in_flight(&srv.app, 0).await;
 }

@@ -4,12 +4,13 @@
 //! Per request it opens one ext_proc stream, sends the request headers (with
 //! `:method`, `:path`, `:authority`, `:scheme`, `x-request-id` and
 //! `metadata_context`) and the body (FULL_DUPLEX_STREAMED: chunks sent without
-//! waiting, `protocol_config` on the first message; or BUFFERED), applies header
-//! mutations, body mutations and immediate responses, forwards to the endpoint
-//! named by the `envoy.lb` dynamic metadata `x-gateway-destination-endpoint`
-//! (ORIGINAL_DST; the header of the same name is the fallback), streams the
-//! response back through ext_proc and on to the client, and fails open or closed
-//! when the picker is unreachable. `e2e/README.md` lists what it does not do.
+//! waiting, `protocol_config` on the first message; or BUFFERED, or STREAMED),
+//! applies header mutations, body mutations and immediate responses, forwards to
+//! the endpoint named by the `envoy.lb` dynamic metadata
+//! `x-gateway-destination-endpoint` (ORIGINAL_DST; the header of the same name is
+//! the fallback), streams the response back through ext_proc and on to the client,
+//! and fails open or closed when the picker is unreachable. The ext_proc side is
+//! `envoy-client`. `e2e/README.md` lists what it does not do.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

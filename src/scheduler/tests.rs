@@ -154,20 +154,24 @@ fn scrape(
     });
 }
 
-#[test]
-fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
-    // Unit weights: load and queue at full weight, so only the gating holds them.
+/// A scheduler with these decode and queue weights over two workers, and a clock.
+fn load_weighted(decode: f64, queue: f64) -> (Scheduler, EndpointTable, Instant) {
     let s = Scheduler::new(SchedulerConfig {
         weights: Weights {
-            decode: 1.0,
-            queue: 1.0,
+            decode,
+            queue,
             ..Weights::default()
         },
         ..Default::default()
     });
-    let t = both(2);
+    (s, both(2), Instant::now())
+}
+
+#[test]
+fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
+    // Unit weights: load and queue at full weight, so only the gating holds them.
+    let (s, t, now) = load_weighted(1.0, 1.0);
     let snap = t.snapshot();
-    let now = Instant::now();
     let long = prompt(&"x".repeat(64 * 100));
     let mut held = Vec::new();
     for i in 0..4 {
@@ -205,17 +209,8 @@ fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
 
 #[test]
 fn queued_requests_count_at_their_uncached_size() {
-    let s = Scheduler::new(SchedulerConfig {
-        weights: Weights {
-            decode: 0.0,
-            queue: 1.0,
-            ..Weights::default()
-        },
-        ..Default::default()
-    });
-    let t = both(2);
+    let (s, t, now) = load_weighted(0.0, 1.0);
     let snap = t.snapshot();
-    let now = Instant::now();
     let long = prompt(&"x".repeat(64 * 100));
     let held: Vec<Decision> = (0..4)
         .map(|_| s.pick_at(&with_body(&long), &snap, now).unwrap())

@@ -7,7 +7,8 @@
 //! streamed back, sends response headers and a response body with
 //! `end_of_stream`, and reads their answers, so the request finishes on the server.
 //! Decision latency is the time from sending the last body chunk to receiving the
-//! headers answer. Many streams run at once over a few HTTP/2 connections.
+//! headers answer. Many streams run at once over a few HTTP/2 connections. The
+//! Envoy side is `envoy-client`, as in the loopback tests and the test gateway.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
