@@ -629,6 +629,66 @@ mod tests {
     }
 
     #[test]
+    fn the_template_input_is_kept_only_when_asked() {
+        let keep = ParseOptions {
+            token_limit: usize::MAX,
+            template: true,
+        };
+        let chat = br#"{"model":"m","chat_template_kwargs":{"t":1},"tools":[1],"messages":[{"role":"user","content":[{"type":"image_url","image_url":"u"},{"type":"input_audio","input_audio":{}}],"name":"n"}]}"#;
+        assert_eq!(parse(chat, None).unwrap().template, None);
+        let r = parse_with(chat, None, keep).unwrap();
+        assert_eq!(
+            r.template,
+            Some(TemplateInput::Chat(ChatInput {
+                messages: vec![TemplateMessage {
+                    fields: vec![
+                        ("role".into(), MessageField::Text("user".into())),
+                        (
+                            "content".into(),
+                            MessageField::Parts(vec![
+                                ContentPart::Image("u".into()),
+                                ContentPart::Text(String::new())
+                            ])
+                        ),
+                        ("name".into(), MessageField::Json(r#""n""#.into())),
+                    ]
+                }],
+                tools: Some("[1]".into()),
+                chat_template_kwargs: Some(r#"{"t":1}"#.into()),
+            }))
+        );
+        // Responses: instructions first, a string input as a user turn, no kwargs.
+        let resp = br#"{"model":"m","input":"hi","chat_template_kwargs":{},"instructions":"sys"}"#;
+        let msg = |role: &str, content: &str| TemplateMessage {
+            fields: vec![
+                ("role".into(), MessageField::Text(role.into())),
+                ("content".into(), MessageField::Text(content.into())),
+            ],
+        };
+        assert_eq!(
+            parse_with(resp, Some(ApiKind::Responses), keep)
+                .unwrap()
+                .template,
+            Some(TemplateInput::Chat(ChatInput {
+                messages: vec![msg("system", "sys"), msg("user", "hi")],
+                tools: None,
+                chat_template_kwargs: None,
+            }))
+        );
+        // Completions: strings stay apart (the routing text joins them).
+        let r = parse_with(br#"{"model":"m","prompt":["a","b",[1],[2]]}"#, None, keep).unwrap();
+        assert_eq!(r.segments[0], Segment::Text("ab".into()));
+        assert_eq!(
+            r.template,
+            Some(TemplateInput::Prompt(vec![
+                PromptPart::Text("a".into()),
+                PromptPart::Text("b".into()),
+                PromptPart::Tokens(vec![1, 2])
+            ]))
+        );
+    }
+
+    #[test]
     fn a_capped_parse_keeps_the_leading_token_ids_and_counts_the_rest() {
         let ids: Vec<u32> = (0..100).collect();
         let flat = serde_json::json!({"model": "m", "prompt": ids}).to_string();
