@@ -585,7 +585,7 @@ impl StreamState {
             .segments
             .iter()
             .any(|s| matches!(s, Segment::Text(_)));
-        if self.shared.tokenizer.is_some() && has_text {
+        if self.shared.tokenizer.is_some() && has_text && parsed.template.is_some() {
             self.tokenizing = Some((parsed, via));
             return Vec::new();
         }
