@@ -439,7 +439,11 @@ mod tests {
         // Nothing was booked or indexed: the same question, the same answer,
         // no load anywhere, and a new prompt still matches nowhere.
         assert_eq!(ask(chat(&longer), "", Vec::new()).await.unwrap(), a);
-        assert!((0..3).all(|i| app.scheduler.active_blocks(key(i)) == 0));
+        let snapshot = app.endpoints.snapshot();
+        assert!(snapshot
+            .endpoints
+            .iter()
+            .all(|e| e.active_load(0).blocks == 0));
         let fresh = chat(&"an unseen prompt about something else. ".repeat(8));
         for _ in 0..2 {
             let b = ask(fresh.clone(), "", Vec::new()).await.unwrap();

@@ -16,6 +16,7 @@
 //! not) each recent failure also counts as load in its cost, so failed requests,
 //! which release their load immediately, never make it look idle.
 
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -82,10 +83,28 @@ struct Record {
     ejected_until: Option<Instant>,
 }
 
-/// The passive health record of one endpoint.
-#[derive(Debug, Default)]
+/// The passive health record of one endpoint. Responses update it under a lock;
+/// every pick reads it lock-free (two atomics).
+#[derive(Debug)]
 pub struct PassiveHealth {
     record: Mutex<Record>,
+    /// `record.consecutive`, for readers.
+    failures: AtomicU32,
+    /// End of the current (or last) ejection in nanoseconds after `born`, plus
+    /// one; 0 when never ejected.
+    ejected_until: AtomicU64,
+    born: Instant,
+}
+
+impl Default for PassiveHealth {
+    fn default() -> Self {
+        PassiveHealth {
+            record: Mutex::default(),
+            failures: AtomicU32::new(0),
+            ejected_until: AtomicU64::new(0),
+            born: Instant::now(),
+        }
+    }
 }
 
 impl PassiveHealth {
@@ -93,7 +112,7 @@ impl PassiveHealth {
     /// ejected the endpoint.
     pub fn record(&self, outcome: Outcome, now: Instant, config: &HealthConfig) -> bool {
         let mut r = self.record.lock();
-        match outcome {
+        let ejected = match outcome {
             Outcome::Success => {
                 *r = Record::default();
                 false
@@ -103,27 +122,40 @@ impl PassiveHealth {
                 let ejected = r.ejected_until.is_some_and(|t| now < t);
                 // On probation after an ejection, one more failure is enough.
                 let due = r.consecutive >= config.failures.max(1) || r.ejections > 0;
-                if ejected || !due {
-                    return false;
+                if !ejected && due {
+                    r.ejections = r.ejections.saturating_add(1);
+                    r.ejected_until = Some(crate::time::saturating_add(
+                        now,
+                        config.ejection(r.ejections),
+                    ));
+                    true
+                } else {
+                    false
                 }
-                r.ejections = r.ejections.saturating_add(1);
-                r.ejected_until = Some(crate::time::saturating_add(
-                    now,
-                    config.ejection(r.ejections),
-                ));
-                true
             }
-        }
+        };
+        self.failures.store(r.consecutive, Ordering::Relaxed);
+        let until = r
+            .ejected_until
+            .map_or(0, |t| self.nanos(t).saturating_add(1));
+        self.ejected_until.store(until, Ordering::Relaxed);
+        ejected
     }
 
     /// Whether the endpoint may take requests at `now` (not ejected).
     pub fn available(&self, now: Instant) -> bool {
-        self.record.lock().ejected_until.is_none_or(|t| now >= t)
+        let until = self.ejected_until.load(Ordering::Relaxed);
+        until == 0 || self.nanos(now).saturating_add(1) >= until
     }
 
     /// Failures since the last success (counted as load by the scheduler).
     pub fn failures(&self) -> u32 {
-        self.record.lock().consecutive
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// `t` in nanoseconds after this record was made (0 for earlier instants).
+    fn nanos(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.born).as_nanos()).unwrap_or(u64::MAX)
     }
 }
 

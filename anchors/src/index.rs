@@ -673,7 +673,7 @@ fn run_cell(
         entries: subject.entries(),
         fill_blocks,
         ingest_blocks_per_s: fill_blocks as f64 / fill_s,
-        ingest_blocks_per_cpu_s: fill_blocks as f64 / fill_cpu_s,
+        ingest_blocks_per_cpu_s: per_cpu_s(fill_blocks, fill_cpu_s),
         rss_growth_bytes: rss_growth,
         ..Default::default()
     };
@@ -721,7 +721,7 @@ fn run_cell(
             .saturating_sub(cpu0)
             .saturating_sub(looker_cpu_ns);
         report.churn_blocks_per_s = churned as f64 / elapsed.as_secs_f64();
-        report.churn_blocks_per_cpu_s = churned as f64 / (churn_cpu_ns as f64 / 1e9);
+        report.churn_blocks_per_cpu_s = per_cpu_s(churned, churn_cpu_ns as f64 / 1e9);
         report.churn_lookups = times.len();
         report.churn_lookup_p50_us = quantile_us(&mut times, 0.5);
         report.churn_lookup_p99_us = quantile_us(&mut times, 0.99);
@@ -797,8 +797,30 @@ fn parse_cell(cell: &str) -> anyhow::Result<(Impl, Kind, usize)> {
     ))
 }
 
+/// CPU time shorter than this is not measured well: the kernel adds a running
+/// thread's time to its `schedstat` at scheduler ticks (4 ms here).
+const MIN_CPU_S: f64 = 0.1;
+
+/// Blocks per CPU-second, 0 (shown as –) when `cpu_s` is too short to measure.
+fn per_cpu_s(blocks: usize, cpu_s: f64) -> f64 {
+    if cpu_s >= MIN_CPU_S {
+        blocks as f64 / cpu_s
+    } else {
+        0.0
+    }
+}
+
+/// Millions, or – for 0 (not measured).
+fn mega(x: f64) -> String {
+    if x > 0.0 {
+        format!("{:.2} M", x / 1e6)
+    } else {
+        "–".into()
+    }
+}
+
 fn ratio(x: f64, anchor: f64) -> String {
-    if anchor > 0.0 {
+    if anchor > 0.0 && x > 0.0 {
         format!("{:.2}×", x / anchor)
     } else {
         "–".into()
@@ -860,11 +882,11 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
                 let a_bytes = a.rss_growth_bytes as f64 / entries as f64;
                 if *kind == Kind::Churn {
                     md.push_str(&format!(
-                        "| {workers} | {} | {entries} | {:.2} M | {} | {:.2} M | {} | {} | {:.1} / {:.1} | {} / {} | {:.1} / {:.1} | {same} |\n",
+                        "| {workers} | {} | {entries} | {:.2} M | {} | {} | {} | {} | {:.1} / {:.1} | {} / {} | {:.1} / {:.1} | {same} |\n",
                         c.index,
                         c.churn_blocks_per_s / 1e6,
                         ratio(c.churn_blocks_per_s, a.churn_blocks_per_s),
-                        c.churn_blocks_per_cpu_s / 1e6,
+                        mega(c.churn_blocks_per_cpu_s),
                         ratio(c.churn_blocks_per_cpu_s, a.churn_blocks_per_cpu_s),
                         c.churn_lookups,
                         c.churn_lookup_p50_us,
@@ -876,7 +898,7 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
                     ));
                 } else {
                     md.push_str(&format!(
-                        "| {workers} | {} | {entries} | {:.1} / {:.1} | {:.2} M | {bytes:.0} | {} / {} | {} | {:.2} M | {} | {} | {same} |\n",
+                        "| {workers} | {} | {entries} | {:.1} / {:.1} | {:.2} M | {bytes:.0} | {} / {} | {} | {} | {} | {} | {same} |\n",
                         c.index,
                         c.lookup_p50_us,
                         c.lookup_p99_us,
@@ -884,7 +906,7 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
                         ratio(c.lookup_p50_us, a.lookup_p50_us),
                         ratio(c.lookup_p99_us, a.lookup_p99_us),
                         ratio(c.ingest_blocks_per_s, a.ingest_blocks_per_s),
-                        c.ingest_blocks_per_cpu_s / 1e6,
+                        mega(c.ingest_blocks_per_cpu_s),
                         ratio(c.ingest_blocks_per_cpu_s, a.ingest_blocks_per_cpu_s),
                         ratio(bytes, a_bytes),
                     ));

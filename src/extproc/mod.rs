@@ -23,7 +23,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
 
 use crate::admission::metrics::AdmissionMetrics;
-use crate::admission::Gate;
+use crate::admission::{Gate, Ticket};
 use crate::endpoints::EndpointTable;
 use crate::scheduler::Scheduler;
 use crate::telemetry::Metrics;
@@ -151,7 +151,7 @@ fn spawn_contained<F>(
     F: std::future::Future<Output = ()> + Send + 'static,
 {
     metrics.streams.inc();
-    let span = tracing::info_span!("ext_proc");
+    let span = tracing::debug_span!("ext_proc");
     tokio::spawn(
         async move {
             if let Err(panic) = AssertUnwindSafe(work).catch_unwind().await {
@@ -181,7 +181,9 @@ async fn run_stream(
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) {
     let body_wait = shared.config.body_wait;
-    let mut state = StreamState::new(shared);
+    // Boxed: the stream's future stays small, so spawning and polling it moves
+    // a pointer rather than the whole state.
+    let mut state = Box::new(StreamState::new(shared));
     loop {
         // Wait for Envoy, but no longer than the mode-inference wait or the
         // body deadline, whichever comes first.
@@ -236,15 +238,19 @@ async fn run_stream(
             return;
         }
         // A complete text body waits for its token ids (off the async threads).
+        // The rare waits (tokenizing, image fetches, flow control) are boxed so
+        // the stream's own future stays small for every request.
         if let Some(job) = state.take_tokenize_job() {
-            let tokens = job.run().await;
+            let tokens = Box::pin(job.run()).await;
             let out = state.tokenized(tokens);
             if !send_answers(&tx, &mut state, out).await {
                 return;
             }
         }
-        if !wait_admission(&mut state, &mut inbound, &tx).await {
-            return;
+        if let Some(ticket) = state.take_ticket() {
+            if !Box::pin(wait_admission(ticket, &mut state, &mut inbound, &tx)).await {
+                return;
+            }
         }
         if state.is_done() {
             return linger(&mut inbound).await;
@@ -276,9 +282,9 @@ pub const BLOCKING_BODY_BYTES: usize = 128 << 10;
 /// down.
 async fn handle_blocking(
     heavy: &Semaphore,
-    mut state: StreamState,
+    mut state: Box<StreamState>,
     msg: ProcessingRequest,
-) -> Option<(StreamState, Vec<ProcessingResponse>)> {
+) -> Option<(Box<StreamState>, Vec<ProcessingResponse>)> {
     let _permit = heavy.acquire().await.ok()?;
     let handled = tokio::task::spawn_blocking(move || {
         let out = state.handle(msg);
@@ -297,13 +303,11 @@ async fn handle_blocking(
 /// away first, dropping the ticket takes the request out of its queue at once.
 /// False when the stream is over.
 async fn wait_admission(
+    mut ticket: Ticket,
     state: &mut StreamState,
     inbound: &mut Streaming<ProcessingRequest>,
     tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
 ) -> bool {
-    let Some(mut ticket) = state.take_ticket() else {
-        return true;
-    };
     let mut held = Vec::new();
     let verdict = loop {
         tokio::select! {
@@ -413,7 +417,7 @@ mod tests {
         let body = format!(r#"{{"model":"m","prompt":"{prompt}"}}"#).into_bytes();
         let (head, tail) = body.split_at(body.len() / 2);
 
-        let mut state = StreamState::new(Arc::clone(&service.shared));
+        let mut state = Box::new(StreamState::new(Arc::clone(&service.shared)));
         let headers = full_duplex_headers();
         assert!(!state.completes_body_of_at_least(&headers, BLOCKING_BODY_BYTES));
         assert!(state.handle(headers).is_empty());

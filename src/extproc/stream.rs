@@ -140,9 +140,9 @@ pub struct StreamState {
     response_status: Option<u16>,
     /// Response headers arrived (only the first count).
     response_seen: bool,
-    tokenizing: Option<(InferenceRequest, RouteVia)>,
+    tokenizing: Option<Box<(InferenceRequest, RouteVia)>>,
     /// A body waiting in a flow-control queue.
-    admitting: Option<Admitting>,
+    admitting: Option<Box<Admitting>>,
     /// The request's admission class, once its body is parsed.
     class: Option<RequestClass>,
     started: Instant,
@@ -222,9 +222,10 @@ impl StreamState {
 
     /// Routes the queued body once flow control lets it go, or answers 429.
     pub fn admitted(&mut self, verdict: Result<Permit, Rejection>) -> Vec<ProcessingResponse> {
-        let Some(Admitting { parsed, via, .. }) = self.admitting.take() else {
+        let Some(admitting) = self.admitting.take() else {
             return Vec::new();
         };
+        let Admitting { parsed, via, .. } = *admitting;
         match verdict {
             Ok(permit) => {
                 let out = self.route(Some(&parsed), via);
@@ -262,11 +263,11 @@ impl StreamState {
             }
             Verdict::Wait(ticket) => {
                 debug!("pool saturated: request queued by flow control");
-                self.admitting = Some(Admitting {
+                self.admitting = Some(Box::new(Admitting {
                     parsed,
                     via,
                     ticket: Some(ticket),
-                });
+                }));
                 Vec::new()
             }
             Verdict::Reject(why) => vec![self.shed(why)],
@@ -297,7 +298,7 @@ impl StreamState {
     /// The tokenization a complete body is waiting for, if any; answer with
     /// [`StreamState::tokenized`].
     pub fn take_tokenize_job(&mut self) -> Option<TokenizeJob> {
-        let (parsed, RouteVia::Body { .. }) = self.tokenizing.as_mut()? else {
+        let (parsed, RouteVia::Body { .. }) = self.tokenizing.as_deref_mut()? else {
             return None;
         };
         Some(TokenizeJob {
@@ -311,9 +312,10 @@ impl StreamState {
     /// template, a template error) the text segments are hashed as they are.
     /// Fetched remote images change the identities the engine is told.
     pub fn tokenized(&mut self, (tokens, fetched): Tokenized) -> Vec<ProcessingResponse> {
-        let Some((mut parsed, mut via)) = self.tokenizing.take() else {
+        let Some(waiting) = self.tokenizing.take() else {
             return Vec::new();
         };
+        let (mut parsed, mut via) = *waiting;
         if let (false, RouteVia::Body { mm_hashes, .. }) = (fetched.is_empty(), &mut via) {
             *mm_hashes = hints::image_hashes(image_urls(&parsed), &fetched);
         }
@@ -586,7 +588,7 @@ impl StreamState {
             .iter()
             .any(|s| matches!(s, Segment::Text(_)));
         if self.shared.tokenizer.is_some() && has_text && parsed.template.is_some() {
-            self.tokenizing = Some((parsed, via));
+            self.tokenizing = Some(Box::new((parsed, via)));
             return Vec::new();
         }
         self.admit(parsed, via)

@@ -82,10 +82,7 @@ fn destination(answer: &ProcessingResponse) -> Option<String> {
 
 fn booked(app: &crate::server::App) -> u64 {
     let snap = app.endpoints.snapshot();
-    snap.endpoints
-        .iter()
-        .map(|e| app.scheduler.active_blocks(e.key(0)))
-        .sum()
+    snap.endpoints.iter().map(|e| e.active_load(0).blocks).sum()
 }
 
 #[test]

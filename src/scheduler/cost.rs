@@ -87,14 +87,6 @@ impl CostTerms {
 /// Extension's saturation detector default, `kvCacheUtilThreshold` 0.8).
 pub const SATURATION_KV_USAGE: f64 = 0.8;
 
-/// A rank's active load in blocks: what its unfinished requests booked, and
-/// what of their prompts they had left to prefill when routed there.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct ActiveLoad {
-    pub(crate) blocks: u64,
-    pub(crate) uncached: u64,
-}
-
 impl Scheduler {
     /// The cost of sending a request of `size` blocks, `new_blocks` of which the
     /// candidate must still prefill, to candidate `c`, term by term.
@@ -116,7 +108,7 @@ impl Scheduler {
     ) -> CostTerms {
         let w = &self.config.weights;
         let size = size as f64;
-        let load = self.active_load(c.key);
+        let load = c.ep.active_load(c.rank);
         let active = load.blocks as f64;
         let mut decode = active;
         let mut queue = 0.0;
@@ -167,7 +159,7 @@ impl Scheduler {
     pub(super) fn choose(
         &self,
         cands: &[Cand<'_>],
-        overlap: &dyn Fn(&Cand<'_>) -> usize,
+        overlap: &impl Fn(&Cand<'_>) -> usize,
         prompt: &PromptBlocks,
         size: u64,
         w_prefill: f64,
@@ -181,7 +173,7 @@ impl Scheduler {
         if temperature > 0.0 {
             pick_index(&costs.collect::<Vec<_>>(), temperature, &mut rand::rng())
         } else {
-            argmin(costs, &mut rand::rng())
+            argmin(costs, rand::rng().random())
         }
     }
 }
@@ -217,28 +209,38 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
         // Rounding left x ≥ 0 after the last weight: the last candidate with any.
         return weights.iter().rposition(|w| *w > 0.0).unwrap_or(0);
     }
-    argmin(costs.iter().copied(), rng)
+    argmin(costs.iter().copied(), rng.random())
 }
 
 /// Index of the least cost in one pass; costs within 1e-9 of the least tie and
-/// one of them is drawn uniformly (reservoir sampling). NaN never wins; 0 when
-/// every cost is NaN or there is none.
-fn argmin(costs: impl Iterator<Item = f64>, rng: &mut impl Rng) -> usize {
+/// one of them wins uniformly: each tied index gets a pseudo-random draw from
+/// `seed` and the least draw wins (no generator call per tie). NaN never wins;
+/// 0 when every cost is NaN or there is none.
+fn argmin(costs: impl Iterator<Item = f64>, seed: u64) -> usize {
     let mut best = 0;
     let mut least = f64::INFINITY;
-    let mut ties = 0u32;
+    let mut best_draw = u64::MAX;
     for (i, c) in costs.enumerate() {
         if c < least - 1e-9 {
             least = c;
             best = i;
-            ties = 1;
+            best_draw = draw(seed, i);
         } else if c <= least + 1e-9 {
             least = least.min(c);
-            ties += 1;
-            if rng.random_range(0..ties) == 0 {
+            let d = draw(seed, i);
+            if d < best_draw {
                 best = i;
+                best_draw = d;
             }
         }
     }
     best
+}
+
+/// A pseudo-random value for index `i` under `seed` (SplitMix64's finaliser).
+fn draw(seed: u64, i: usize) -> u64 {
+    let mut z = seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

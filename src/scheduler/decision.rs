@@ -47,6 +47,11 @@ impl Target {
     pub fn key(&self) -> WorkerKey {
         self.endpoint.key(self.rank)
     }
+
+    /// Blocks of load booked on this rank by unfinished requests.
+    pub fn booked_blocks(&self) -> u64 {
+        self.endpoint.active_load(self.rank).blocks
+    }
 }
 
 /// The routing decision for one request.

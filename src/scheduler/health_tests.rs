@@ -174,7 +174,7 @@ fn one_request_books_at_most_the_per_request_cap() {
         .pick_at(&with_body(&hinted), &snap, Instant::now())
         .unwrap();
     assert_eq!(d.load_blocks + d.decode_blocks, cap);
-    assert_eq!(s.active_blocks(d.decode.key()), cap);
+    assert_eq!(d.decode.booked_blocks(), cap);
     // A prompt larger than the cap books the cap, and no output on top.
     let long = format!(r#"{{"model": "m", "prompt": "{}"}}"#, "y".repeat(64 * 1000));
     let long = crate::request::parse(long.as_bytes(), None).unwrap();
@@ -182,8 +182,8 @@ fn one_request_books_at_most_the_per_request_cap() {
     assert_eq!((d2.load_blocks, d2.decode_blocks), (cap, 0));
     s.finish(&d, Some(200));
     s.finish(&d2, Some(200));
-    assert_eq!(s.active_blocks(d.decode.key()), 0);
-    assert_eq!(s.active_blocks(d2.decode.key()), 0);
+    assert_eq!(d.decode.booked_blocks(), 0);
+    assert_eq!(d2.decode.booked_blocks(), 0);
 }
 
 #[test]

@@ -31,7 +31,7 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
-use cost::ActiveLoad;
+use crate::endpoints::ActiveLoad;
 pub use cost::{CostTerms, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation, FilteredOut};
@@ -43,12 +43,10 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dashmap::DashMap;
-
 use crate::endpoints::{Snapshot, WorkerKey};
 use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
-use crate::kv::index::{IndexConfig, KeyHash, PrefixIndex};
+use crate::kv::index::{IndexConfig, PrefixIndex};
 use crate::request::InferenceRequest;
 use crate::sessions::{SessionConfig, SessionStore};
 
@@ -154,9 +152,6 @@ pub struct Scheduler {
     /// Prompts routed to precise workers, until their TTL (see `overlap.rs`).
     provisional: PrefixIndex,
     sessions: SessionStore,
-    /// Active load per rank (prompts of unfinished requests, and what of them
-    /// was left to prefill).
-    active: DashMap<WorkerKey, ActiveLoad, KeyHash>,
     stats: SchedulerStats,
 }
 
@@ -180,7 +175,6 @@ impl Scheduler {
                 max_entries: config.session_max_entries,
                 token_max_lifetime: config.session_token_max_lifetime,
             }),
-            active: DashMap::default(),
             stats: SchedulerStats::default(),
             config,
         }
@@ -204,17 +198,6 @@ impl Scheduler {
     /// The settings.
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
-    }
-
-    /// Active load of a rank in blocks.
-    pub fn active_blocks(&self, key: WorkerKey) -> u64 {
-        self.active.get(&key).map_or(0, |v| v.blocks)
-    }
-
-    /// A rank's active load: booked blocks and, of them, the blocks its requests
-    /// had left to prefill when they were routed.
-    pub(crate) fn active_load(&self, key: WorkerKey) -> ActiveLoad {
-        self.active.get(&key).map_or(ActiveLoad::default(), |v| *v)
     }
 
     /// The chained prefix block hashes of a request body (at most
@@ -276,28 +259,22 @@ impl Scheduler {
     /// Withdraws a decision that was replaced before its request went out: its
     /// booked load is released; its session turn is neither settled nor bound.
     pub fn cancel(&self, decision: &Decision) {
-        self.release(
-            decision.decode.key(),
+        let d = &decision.decode;
+        d.endpoint.release(
+            d.rank,
             ActiveLoad {
                 blocks: decision.load_blocks + decision.decode_blocks,
                 uncached: decision.uncached_blocks,
             },
         );
         if let Some(p) = &decision.prefill {
-            self.release(
-                p.key(),
+            p.endpoint.release(
+                p.rank,
                 ActiveLoad {
                     blocks: decision.load_blocks,
                     uncached: decision.load_blocks,
                 },
             );
-        }
-    }
-
-    fn release(&self, key: WorkerKey, load: ActiveLoad) {
-        if let Some(mut v) = self.active.get_mut(&key) {
-            v.blocks = v.blocks.saturating_sub(load.blocks);
-            v.uncached = v.uncached.saturating_sub(load.uncached);
         }
     }
 
@@ -323,7 +300,6 @@ impl Scheduler {
                 self.provisional.clear_worker(w);
             }
         }
-        self.active.retain(|k, v| v.blocks > 0 || live.contains(k));
         reaped
     }
 }

@@ -1,13 +1,14 @@
 //! The pick: candidates → session pin → hash → lookup → score → book.
 
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use rand::Rng;
 
-use super::cost::{ActiveLoad, Cand};
+use super::cost::Cand;
 use super::{Decision, PickError, PickRequest, Scheduler, Stage};
-use crate::endpoints::{Engine, Snapshot, WorkerKey};
+use crate::endpoints::{ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -28,12 +29,8 @@ impl Scheduler {
         if snapshot.endpoints.is_empty() {
             return Err(PickError::NoEndpoints);
         }
-        let mut cands = self.candidates(req, snapshot, now)?;
-        // Decode candidates first, then prefill ones (the roles are disjoint);
-        // prefill workers only matter for a body.
-        cands.retain(|c| c.ep.endpoint.role.serves_decode() || req.body.is_some());
-        let split = partition(&mut cands, |c| c.ep.endpoint.role.serves_decode());
-        let (decode, prefill) = cands.split_at(split);
+        let (decode, prefill) = self.candidates(req, snapshot, now)?;
+        let (decode, prefill) = (decode.as_slice(), prefill.as_slice());
         if decode.is_empty() {
             return Err(PickError::NoDecodeEndpoint);
         }
@@ -229,41 +226,59 @@ impl Scheduler {
         }
     }
 
-    /// One candidate per (endpoint, rank) the request may go to: in the subset
-    /// hint if any; passively ejected endpoints sit out unless every one is
-    /// ejected (then all are tried rather than none). Each endpoint's health is
-    /// read once.
+    /// One candidate per (endpoint, rank) the request may go to, decode and
+    /// prefill ones apart (the roles are disjoint; prefill workers only matter
+    /// for a body): in the subset hint if any; passively ejected endpoints sit
+    /// out unless every one is ejected (then all are tried rather than none).
+    /// One pass over the endpoints, each endpoint's health read once.
     fn candidates<'s>(
         &self,
         req: &PickRequest<'_>,
         snapshot: &'s Snapshot,
         now: Instant,
-    ) -> Result<Vec<Cand<'s>>, PickError> {
-        let mut cands = Vec::with_capacity(snapshot.endpoints.len());
-        let mut any_available = false;
+    ) -> Result<(Vec<Cand<'s>>, Vec<Cand<'s>>), PickError> {
+        let mut decode = Vec::with_capacity(snapshot.endpoints.len());
+        let mut prefill = Vec::new();
+        let (mut any, mut any_available) = (false, false);
+        // The hint's addresses, parsed and sorted once (an entry that is no
+        // socket address matches no endpoint).
+        let subset: Option<Vec<SocketAddr>> = req.subset.map(|s| {
+            let mut addrs: Vec<SocketAddr> = s.iter().filter_map(|a| a.parse().ok()).collect();
+            addrs.sort_unstable();
+            addrs
+        });
         for ep in &snapshot.endpoints {
-            if let Some(subset) = req.subset {
-                let address = ep.endpoint.address_string();
-                if !subset.contains(&address) {
-                    continue;
-                }
+            if subset
+                .as_ref()
+                .is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err())
+            {
+                continue;
             }
+            any = true;
+            let to = if ep.endpoint.role.serves_decode() {
+                &mut decode
+            } else if req.body.is_some() {
+                &mut prefill
+            } else {
+                continue;
+            };
             let available = ep.health().available(now);
             any_available |= available;
-            cands.extend((0..ep.ranks()).map(|rank| Cand {
+            to.extend((0..ep.ranks()).map(|rank| Cand {
                 ep,
                 rank,
                 key: ep.key(rank),
                 available,
             }));
         }
-        if cands.is_empty() && req.subset.is_some() {
+        if !any && req.subset.is_some() {
             return Err(PickError::SubsetEmpty);
         }
         if any_available {
-            cands.retain(|c| c.available);
+            decode.retain(|c| c.available);
+            prefill.retain(|c| c.available);
         }
-        Ok(cands)
+        Ok((decode, prefill))
     }
 
     /// The target now holds the prompt's blocks (approximate entries, or
@@ -283,38 +298,6 @@ impl Scheduler {
             }
             self.record_prompt(c.key, hashes, now);
         }
-        let mut v = self.active.entry(c.key).or_default();
-        v.blocks += load.blocks;
-        v.uncached += load.uncached;
-    }
-}
-
-/// Moves the items matching `first` to the front in one pass (order within each
-/// side is not kept) and returns how many match.
-fn partition<T>(items: &mut [T], first: impl Fn(&T) -> bool) -> usize {
-    let mut n = 0;
-    for i in 0..items.len() {
-        if first(&items[i]) {
-            items.swap(n, i);
-            n += 1;
-        }
-    }
-    n
-}
-
-#[cfg(test)]
-mod partition_tests {
-    use super::partition;
-
-    #[test]
-    fn matching_items_come_first() {
-        let mut v = [1, 2, 3, 4, 5, 6, 7];
-        let n = partition(&mut v, |x| x % 3 == 0);
-        assert_eq!(n, 2);
-        let (mut front, mut back) = (v[..n].to_vec(), v[n..].to_vec());
-        front.sort();
-        back.sort();
-        assert_eq!((front, back), (vec![3, 6], vec![1, 2, 4, 5, 7]));
-        assert_eq!(partition(&mut [] as &mut [u8], |_| true), 0);
+        c.ep.book(c.rank, load);
     }
 }

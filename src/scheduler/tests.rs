@@ -4,8 +4,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::cost::{pick_index, ActiveLoad};
+use super::cost::pick_index;
 use super::*;
+use crate::endpoints::ActiveLoad;
 use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
 
 fn table(specs: &[(&str, u32, Role)]) -> EndpointTable {
@@ -94,7 +95,7 @@ fn spreads_over_ranks_by_load() {
     assert_eq!(seen.len(), 3, "three idle ranks each get one request");
     for d in &held {
         s.finish(d, Some(200));
-        assert_eq!(s.active_blocks(d.decode.key()), 0);
+        assert_eq!(d.decode.booked_blocks(), 0);
     }
 }
 
@@ -154,20 +155,24 @@ fn scrape(
     });
 }
 
-#[test]
-fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
-    // Unit weights: load and queue at full weight, so only the gating holds them.
+/// A scheduler with these decode and queue weights over two workers, and a clock.
+fn load_weighted(decode: f64, queue: f64) -> (Scheduler, EndpointTable, Instant) {
     let s = Scheduler::new(SchedulerConfig {
         weights: Weights {
-            decode: 1.0,
-            queue: 1.0,
+            decode,
+            queue,
             ..Weights::default()
         },
         ..Default::default()
     });
-    let t = both(2);
+    (s, both(2), Instant::now())
+}
+
+#[test]
+fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
+    // Unit weights: load and queue at full weight, so only the gating holds them.
+    let (s, t, now) = load_weighted(1.0, 1.0);
     let snap = t.snapshot();
-    let now = Instant::now();
     let long = prompt(&"x".repeat(64 * 100));
     let mut held = Vec::new();
     for i in 0..4 {
@@ -205,17 +210,8 @@ fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
 
 #[test]
 fn queued_requests_count_at_their_uncached_size() {
-    let s = Scheduler::new(SchedulerConfig {
-        weights: Weights {
-            decode: 0.0,
-            queue: 1.0,
-            ..Weights::default()
-        },
-        ..Default::default()
-    });
-    let t = both(2);
+    let (s, t, now) = load_weighted(0.0, 1.0);
     let snap = t.snapshot();
-    let now = Instant::now();
     let long = prompt(&"x".repeat(64 * 100));
     let held: Vec<Decision> = (0..4)
         .map(|_| s.pick_at(&with_body(&long), &snap, now).unwrap())
@@ -245,7 +241,7 @@ fn queued_requests_count_at_their_uncached_size() {
         blocks: d.load_blocks,
         uncached: 0,
     };
-    assert_eq!(s.active_load(holder), left);
+    assert_eq!(d.decode.endpoint.active_load(d.decode.rank), left);
 }
 
 #[test]
@@ -546,7 +542,7 @@ fn close_on_a_dropped_stream_unbinds() {
     // sidecar closes the engine session when the request is dropped).
     s.finish_at(&d, None, t0);
     assert!(s.sessions().is_empty());
-    assert_eq!(s.active_blocks(d.decode.key()), 0);
+    assert_eq!(d.decode.booked_blocks(), 0);
 }
 
 #[test]
@@ -638,16 +634,13 @@ fn osl_adds_expected_decode_blocks_to_the_booked_load() {
     let d = s.pick(&with_body(&hinted), &snap).unwrap();
     let per_block = SchedulerConfig::default().token_block as u64;
     assert_eq!(d.decode_blocks, 1600_u64.div_ceil(per_block));
-    assert_eq!(
-        s.active_blocks(d.decode.key()),
-        d.load_blocks + d.decode_blocks
-    );
+    assert_eq!(d.decode.booked_blocks(), d.load_blocks + d.decode_blocks);
     let plain = prompt("x");
     let d2 = s.pick(&with_body(&plain), &snap).unwrap();
     assert_eq!(d2.decode_blocks, 64_u64.div_ceil(per_block), "the default");
     s.finish(&d, Some(200));
     s.finish(&d2, Some(200));
-    assert_eq!(s.active_blocks(d.decode.key()), 0);
+    assert_eq!(d.decode.booked_blocks(), 0);
 }
 
 #[test]
@@ -842,6 +835,17 @@ fn tie_break_is_uniform_and_temperature_samples() {
     }
     assert_eq!(hits[2], 0);
     assert!(hits[0] > 1200 && hits[1] > 1200, "{hits:?}");
+    // Eight ties after a worse cost and before a better-by-less-than-epsilon one.
+    let costs = [3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0 - 1e-12, 2.0];
+    let mut hits = [0usize; 10];
+    for _ in 0..8000 {
+        hits[pick_index(&costs, 0.0, &mut rng)] += 1;
+    }
+    assert_eq!((hits[0], hits[9]), (0, 0), "{hits:?}");
+    assert!(
+        hits[1..9].iter().all(|h| (800..1200).contains(h)),
+        "{hits:?}"
+    );
     let mut hits = [0usize; 2];
     for _ in 0..3000 {
         hits[pick_index(&[0.0, 1.0], 1.0, &mut rng)] += 1;

@@ -12,6 +12,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,6 +64,10 @@ pub struct ServerFigures {
     pub rps: f64,
     /// The server process's peak resident set (VmHWM) in MiB.
     pub peak_rss_mib: f64,
+    /// Server CPU time (user + system) per completed request in microseconds,
+    /// over the whole drive (warm-up included): what the server spends, apart
+    /// from the client sharing the machine.
+    pub cpu_us_per_request: f64,
 }
 
 /// One (body size, endpoint count) cell.
@@ -80,6 +85,8 @@ pub struct OverheadRun {
     pub p99_ratio: f64,
     /// kvpick req/s / no-op req/s.
     pub throughput_ratio: f64,
+    /// kvpick CPU per request / no-op CPU per request.
+    pub cpu_ratio: f64,
 }
 
 /// The whole overhead report.
@@ -106,6 +113,9 @@ impl OverheadReport {
                 "throughput ratio",
                 "kvpick peak RSS MiB",
                 "noop peak RSS MiB",
+                "kvpick CPU µs/req",
+                "noop CPU µs/req",
+                "CPU ratio",
             ],
             &self.runs,
             |r| {
@@ -122,6 +132,9 @@ impl OverheadReport {
                     format!("{:.2}", r.throughput_ratio),
                     format!("{:.0}", r.kvpick.peak_rss_mib),
                     format!("{:.0}", r.noop.peak_rss_mib),
+                    format!("{:.0}", r.kvpick.cpu_us_per_request),
+                    format!("{:.0}", r.noop.cpu_us_per_request),
+                    format!("{:.2}", r.cpu_ratio),
                 ]
             },
         )
@@ -287,6 +300,13 @@ impl ServerProcess {
         vm_hwm_bytes(&status).context("no VmHWM line in /proc/<pid>/status")
     }
 
+    /// The process's CPU time so far (user + system, all threads) in seconds.
+    pub fn cpu_seconds(&self) -> anyhow::Result<f64> {
+        let pid = self.child.id().context("server already exited")?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        cpu_seconds(&stat).context("no utime/stime in /proc/<pid>/stat")
+    }
+
     /// Closes its stdin (it then exits) and waits for it.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         drop(self.child.stdin.take());
@@ -296,6 +316,19 @@ impl ServerProcess {
         }
         Ok(())
     }
+}
+
+/// Clock ticks per second of `/proc/<pid>/stat` times (`USER_HZ`, 100 on Linux).
+const USER_HZ: f64 = 100.0;
+
+/// utime + stime of a `/proc/<pid>/stat` text, in seconds.
+pub fn cpu_seconds(stat: &str) -> Option<f64> {
+    // Fields after the command name (which may hold spaces) start at `state`.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some((utime + stime) as f64 / USER_HZ)
 }
 
 /// `VmHWM` of a `/proc/<pid>/status` text, in bytes.
@@ -313,7 +346,7 @@ async fn drive(
     bodies: Arc<Vec<Vec<u8>>>,
     cfg: &OverheadConfig,
     large: Option<&LargeLoad>,
-) -> anyhow::Result<ServerFigures> {
+) -> anyhow::Result<(ServerFigures, u64)> {
     let connect = || async {
         anyhow::Ok(
             Channel::from_shared(format!("http://127.0.0.1:{port}"))?
@@ -344,15 +377,18 @@ async fn drive(
         }
     }
     let mut tasks = Vec::new();
+    let completed = Arc::new(AtomicU64::new(0));
     for i in 0..cfg.concurrency.max(1) {
         let ch = channels[i % channels.len()].clone();
         let bodies = Arc::clone(&bodies);
+        let completed = Arc::clone(&completed);
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
             let mut k = i;
             while Instant::now() < end {
                 let l = one_request(&ch, &bodies[k % bodies.len()]).await?;
                 k += 1;
+                completed.fetch_add(1, Ordering::Relaxed);
                 // Requests that finish inside the window count (large bodies take
                 // longer than a short window).
                 let done = Instant::now();
@@ -371,12 +407,14 @@ async fn drive(
         t.await??;
     }
     let lat = sorted(all);
-    Ok(ServerFigures {
+    let figures = ServerFigures {
         p50_us: quantile(&lat, 0.5),
         p99_us: quantile(&lat, 0.99),
         rps: lat.len() as f64 / cfg.duration.as_secs_f64(),
         peak_rss_mib: 0.0,
-    })
+        cpu_us_per_request: 0.0,
+    };
+    Ok((figures, completed.load(Ordering::Relaxed)))
 }
 
 /// Starts `kind` in a child process, drives it, and adds its peak RSS.
@@ -387,7 +425,10 @@ async fn measure(
     large: Option<&LargeLoad>,
 ) -> anyhow::Result<ServerFigures> {
     let server = ServerProcess::start(&cfg.server_exe, kind).await?;
-    let mut figures = drive(server.port, Arc::clone(bodies), cfg, large).await?;
+    let cpu_before = server.cpu_seconds()?;
+    let (mut figures, completed) = drive(server.port, Arc::clone(bodies), cfg, large).await?;
+    let cpu = server.cpu_seconds()? - cpu_before;
+    figures.cpu_us_per_request = cpu * 1e6 / completed.max(1) as f64;
     figures.peak_rss_mib = server.peak_rss_bytes()? as f64 / f64::from(1 << 20);
     server.stop().await?;
     Ok(figures)
@@ -421,6 +462,7 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
                 endpoints: n,
                 p99_ratio: ratio(kvpick.p99_us, noop.p99_us),
                 throughput_ratio: ratio(kvpick.rps, noop.rps),
+                cpu_ratio: ratio(kvpick.cpu_us_per_request, noop.cpu_us_per_request),
                 kvpick,
                 noop,
             });
@@ -683,6 +725,16 @@ mod tests {
             one_request(&ch, &body).await.unwrap();
             server.abort();
         }
+    }
+
+    #[test]
+    fn cpu_time_is_utime_plus_stime_in_user_hz() {
+        // A command name with spaces and parentheses, then 40 fields.
+        let stat = "1234 (kvpick (bench) x) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 9 0 100";
+        assert_eq!(cpu_seconds(stat), Some(3.0));
+        assert_eq!(cpu_seconds("1234 (short) S 1 2"), None);
+        let own = std::fs::read_to_string("/proc/self/stat").unwrap();
+        assert!(cpu_seconds(&own).is_some());
     }
 
     #[test]

@@ -230,6 +230,7 @@ mod tests {
             p99_us,
             rps: 1.0,
             peak_rss_mib: 20.0,
+            cpu_us_per_request: 50.0,
         };
         let overhead_report = OverheadReport {
             runs: vec![OverheadRun {
@@ -239,6 +240,7 @@ mod tests {
                 noop: fig(100.0, 300.0),
                 p99_ratio: 4.0 / 3.0,
                 throughput_ratio: 1.0,
+                cpu_ratio: 1.0,
             }],
         };
         let policy = |name: &str, hit_rate| PolicyFigures {

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,6 +17,9 @@ use serde::Deserialize;
 use tokio::sync::watch;
 
 use crate::health::PassiveHealth;
+use scrape_cell::{Scrape, ScrapeCell};
+
+mod scrape_cell;
 
 /// What a worker does in a (possibly disaggregated) pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
@@ -152,23 +155,70 @@ pub struct ScrapedLoad {
 }
 
 /// Live state of one endpoint: its identity plus load counters.
+///
+/// What every pick reads of every candidate (rank 0's load, health, the
+/// scrape) lives inline, in one allocation, ahead of the identity.
 #[derive(Debug)]
+#[repr(C)]
 pub struct EndpointState {
+    ranks: RankLoads,
+    health: PassiveHealth,
+    /// The latest scrape, read lock-free by every pick.
+    scrape: ScrapeCell,
     /// Identity and configuration.
     pub endpoint: Endpoint,
-    in_flight: Box<[AtomicU32]>,
-    /// The latest scrape, read lock-free by every pick.
-    scrape: ArcSwap<Scrape>,
-    health: PassiveHealth,
 }
 
-/// The latest scrape outcome of one endpoint.
-#[derive(Debug, Clone, Copy, Default)]
-struct Scrape {
-    /// The last successful scrape's load.
-    load: Option<ScrapedLoad>,
-    /// When the latest scrape failed, if it did (cleared by a successful one).
-    failed_at: Option<Instant>,
+/// Per-rank load: rank 0 inline, further data-parallel ranks behind a pointer.
+#[derive(Debug)]
+struct RankLoads {
+    first: RankLoad,
+    rest: Box<[RankLoad]>,
+}
+
+impl RankLoads {
+    fn new(ranks: usize) -> Self {
+        RankLoads {
+            first: RankLoad::default(),
+            rest: (1..ranks).map(|_| RankLoad::default()).collect(),
+        }
+    }
+
+    fn get(&self, rank: u32) -> Option<&RankLoad> {
+        match rank {
+            0 => Some(&self.first),
+            r => self.rest.get(r as usize - 1),
+        }
+    }
+
+    fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &RankLoad> {
+        std::iter::once(&self.first).chain(self.rest.iter())
+    }
+}
+
+/// The load kvpick itself put on one rank, read lock-free by every pick.
+#[derive(Debug, Default)]
+struct RankLoad {
+    /// Requests routed there that have not finished.
+    in_flight: AtomicU32,
+    /// Blocks those requests booked (prompt and expected output).
+    blocks: AtomicU64,
+    /// Of them, the prompt blocks they had left to prefill when routed.
+    uncached: AtomicU64,
+}
+
+/// A rank's active load in blocks: what its unfinished requests booked, and
+/// what of their prompts they had left to prefill when routed there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ActiveLoad {
+    /// Booked blocks (prompt and expected output).
+    pub blocks: u64,
+    /// Prompt blocks left to prefill.
+    pub uncached: u64,
 }
 
 /// What the scheduler knows of a worker's scraped load.
@@ -187,8 +237,8 @@ impl EndpointState {
     fn new(endpoint: Endpoint) -> Self {
         let ranks = endpoint.dp_size.clamp(1, MAX_DP_SIZE) as usize;
         EndpointState {
-            in_flight: (0..ranks).map(|_| AtomicU32::new(0)).collect(),
-            scrape: ArcSwap::default(),
+            ranks: RankLoads::new(ranks),
+            scrape: ScrapeCell::default(),
             health: PassiveHealth::default(),
             endpoint,
         }
@@ -204,28 +254,57 @@ impl EndpointState {
 
     /// Number of ranks (dp size, at least 1).
     pub fn ranks(&self) -> u32 {
-        self.in_flight.len() as u32
+        self.ranks.len() as u32
     }
 
     /// Requests kvpick has routed to `rank` that have not finished.
     pub fn in_flight(&self, rank: u32) -> u32 {
-        self.in_flight
-            .get(rank as usize)
-            .map_or(0, |c| c.load(Ordering::Relaxed))
+        self.ranks
+            .get(rank)
+            .map_or(0, |r| r.in_flight.load(Ordering::Relaxed))
     }
 
     /// In-flight requests over all ranks.
     pub fn in_flight_total(&self) -> u32 {
-        self.in_flight
+        self.ranks
             .iter()
-            .map(|c| c.load(Ordering::Relaxed))
+            .map(|r| r.in_flight.load(Ordering::Relaxed))
             .sum()
+    }
+
+    /// The load booked on `rank` by unfinished requests kvpick routed there.
+    pub fn active_load(&self, rank: u32) -> ActiveLoad {
+        self.ranks
+            .get(rank)
+            .map_or(ActiveLoad::default(), |r| ActiveLoad {
+                blocks: r.blocks.load(Ordering::Relaxed),
+                uncached: r.uncached.load(Ordering::Relaxed),
+            })
+    }
+
+    /// Books `load` on `rank`.
+    pub fn book(&self, rank: u32, load: ActiveLoad) {
+        if let Some(r) = self.ranks.get(rank) {
+            r.blocks.fetch_add(load.blocks, Ordering::Relaxed);
+            r.uncached.fetch_add(load.uncached, Ordering::Relaxed);
+        }
+    }
+
+    /// Releases `load` booked on `rank` (each figure never below zero).
+    pub fn release(&self, rank: u32, load: ActiveLoad) {
+        if let Some(r) = self.ranks.get(rank) {
+            for (counter, n) in [(&r.blocks, load.blocks), (&r.uncached, load.uncached)] {
+                let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(n))
+                });
+            }
+        }
     }
 
     /// Counts one more request on `rank` until the returned guard is dropped.
     pub fn begin_request(self: &Arc<Self>, rank: u32) -> InFlightGuard {
-        if let Some(c) = self.in_flight.get(rank as usize) {
-            c.fetch_add(1, Ordering::Relaxed);
+        if let Some(r) = self.ranks.get(rank) {
+            r.in_flight.fetch_add(1, Ordering::Relaxed);
         }
         InFlightGuard {
             state: Arc::clone(self),
@@ -235,23 +314,23 @@ impl EndpointState {
 
     /// Records freshly scraped load.
     pub fn set_scraped(&self, load: ScrapedLoad) {
-        self.scrape.store(Arc::new(Scrape {
+        self.scrape.update(|_| Scrape {
             load: Some(load),
             failed_at: None,
-        }));
+        });
     }
 
     /// Records a failed scrape at `at`: the load turns suspect at once.
     pub fn set_scrape_failed(&self, at: Instant) {
-        self.scrape.rcu(|s| Scrape {
+        self.scrape.update(|s| Scrape {
             failed_at: Some(at),
-            ..**s
+            ..s
         });
     }
 
     /// The scraped load as the scheduler should see it at `now`.
     pub fn load_view(&self, now: Instant, max_age: std::time::Duration) -> LoadView {
-        let scrape = **self.scrape.load();
+        let scrape = self.scrape.read();
         let failing = scrape.failed_at.is_some();
         match scrape.load {
             Some(l) if !failing && now.saturating_duration_since(l.at) <= max_age => {
@@ -269,7 +348,7 @@ impl EndpointState {
 
     /// Scraped load if it is younger than `max_age` at `now`.
     pub fn scraped(&self, now: Instant, max_age: std::time::Duration) -> Option<ScrapedLoad> {
-        let load = self.scrape.load().load?;
+        let load = self.scrape.read().load?;
         (now.saturating_duration_since(load.at) <= max_age).then_some(load)
     }
 }
@@ -296,7 +375,7 @@ impl InFlightGuard {
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        if let Some(c) = self.state.in_flight.get(self.rank as usize) {
+        if let Some(c) = self.state.ranks.get(self.rank).map(|r| &r.in_flight) {
             // Saturating: never wrap below zero.
             let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
         }

@@ -1,0 +1,235 @@
+//! The latest scrape of one endpoint, held inline in a sequence lock of atomics.
+//!
+//! Every pick reads every candidate's scrape, so the read must be cheap: no lock,
+//! no allocation and no pointer to follow (an `Arc` per scrape cost a cache miss
+//! per candidate). The scraper writes rarely; writers take a mutex, bump the
+//! sequence to odd, store the fields and bump it to even again. A reader retries
+//! while the sequence is odd or changed under it. All fields are atomics, so a
+//! torn read is only ever discarded, never undefined.
+
+use std::sync::atomic::{fence, AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::ScrapedLoad;
+
+/// The latest scrape outcome of one endpoint.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct Scrape {
+    /// The last successful scrape's load.
+    pub(super) load: Option<ScrapedLoad>,
+    /// When the latest scrape failed, if it did (cleared by a successful one).
+    pub(super) failed_at: Option<Instant>,
+}
+
+/// No value (for the optional fields).
+const NONE: u64 = u64::MAX;
+/// No instant.
+const NO_INSTANT: i64 = i64::MIN;
+
+/// A [`Scrape`] readers copy out without locking.
+#[derive(Debug)]
+pub(super) struct ScrapeCell {
+    seq: AtomicU64,
+    queue: AtomicU64,
+    running: AtomicU64,
+    kv_usage: AtomicU64,
+    block_size: AtomicU64,
+    num_blocks: AtomicU64,
+    /// `load.at` in signed nanoseconds from `origin`; [`NO_INSTANT`] when no load.
+    at: AtomicI64,
+    failed_at: AtomicI64,
+    origin: Instant,
+    writer: Mutex<()>,
+}
+
+impl Default for ScrapeCell {
+    fn default() -> Self {
+        ScrapeCell {
+            seq: AtomicU64::new(0),
+            queue: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            kv_usage: AtomicU64::new(0),
+            block_size: AtomicU64::new(NONE),
+            num_blocks: AtomicU64::new(NONE),
+            at: AtomicI64::new(NO_INSTANT),
+            failed_at: AtomicI64::new(NO_INSTANT),
+            origin: Instant::now(),
+            writer: Mutex::new(()),
+        }
+    }
+}
+
+impl ScrapeCell {
+    /// The current scrape.
+    pub(super) fn read(&self) -> Scrape {
+        loop {
+            let before = self.seq.load(Ordering::Acquire);
+            if before & 1 == 0 {
+                let scrape = self.fields();
+                fence(Ordering::Acquire);
+                if self.seq.load(Ordering::Relaxed) == before {
+                    return scrape;
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Replaces the scrape with `f` of the current one.
+    pub(super) fn update(&self, f: impl FnOnce(Scrape) -> Scrape) {
+        let _writer = self.writer.lock();
+        // The only writer: the fields are stable.
+        let next = f(self.fields());
+        let seq = self.seq.load(Ordering::Relaxed);
+        self.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        let load = next.load;
+        let bits = |v: Option<f64>| v.unwrap_or(0.0).to_bits();
+        self.queue
+            .store(bits(load.map(|l| l.queue)), Ordering::Relaxed);
+        self.running
+            .store(bits(load.map(|l| l.running)), Ordering::Relaxed);
+        self.kv_usage
+            .store(bits(load.map(|l| l.kv_usage)), Ordering::Relaxed);
+        self.block_size.store(
+            load.and_then(|l| l.block_size).map_or(NONE, u64::from),
+            Ordering::Relaxed,
+        );
+        self.num_blocks.store(
+            load.and_then(|l| l.num_blocks).unwrap_or(NONE),
+            Ordering::Relaxed,
+        );
+        self.at
+            .store(self.encode(load.map(|l| l.at)), Ordering::Relaxed);
+        self.failed_at
+            .store(self.encode(next.failed_at), Ordering::Relaxed);
+        self.seq.store(seq.wrapping_add(2), Ordering::Release);
+    }
+
+    /// The fields as they are now (consistent only under the sequence check).
+    fn fields(&self) -> Scrape {
+        let f = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
+        let opt = |a: &AtomicU64| Some(a.load(Ordering::Relaxed)).filter(|v| *v != NONE);
+        let load = self
+            .decode(self.at.load(Ordering::Relaxed))
+            .map(|at| ScrapedLoad {
+                queue: f(&self.queue),
+                running: f(&self.running),
+                kv_usage: f(&self.kv_usage),
+                block_size: opt(&self.block_size).map(|v| v as u32),
+                num_blocks: opt(&self.num_blocks),
+                at,
+            });
+        Scrape {
+            load,
+            failed_at: self.decode(self.failed_at.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// `t` as signed nanoseconds from the origin (saturating).
+    fn encode(&self, t: Option<Instant>) -> i64 {
+        let Some(t) = t else {
+            return NO_INSTANT;
+        };
+        let nanos = |d: Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
+        match t.checked_duration_since(self.origin) {
+            Some(after) => nanos(after),
+            None => nanos(self.origin - t).saturating_neg().max(NO_INSTANT + 1),
+        }
+    }
+
+    fn decode(&self, v: i64) -> Option<Instant> {
+        match v {
+            NO_INSTANT => None,
+            v if v >= 0 => Some(crate::time::saturating_add(
+                self.origin,
+                Duration::from_nanos(v as u64),
+            )),
+            v => Some(
+                self.origin
+                    .checked_sub(Duration::from_nanos(v.unsigned_abs()))
+                    .unwrap_or(self.origin),
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn load(x: f64, at: Instant) -> ScrapedLoad {
+        ScrapedLoad {
+            queue: x,
+            running: 2.0 * x,
+            kv_usage: x / 10.0,
+            block_size: Some(16),
+            num_blocks: Some(1000 + x as u64),
+            at,
+        }
+    }
+
+    #[test]
+    fn a_scrape_reads_back_as_written_with_instants_either_side_of_the_origin() {
+        let earlier = Instant::now();
+        let cell = ScrapeCell::default();
+        assert_eq!(cell.read(), Scrape::default());
+        let later = Instant::now() + Duration::from_secs(3);
+        for at in [earlier, later] {
+            let s = Scrape {
+                load: Some(load(3.0, at)),
+                failed_at: None,
+            };
+            cell.update(|_| s);
+            assert_eq!(cell.read(), s);
+        }
+        cell.update(|s| Scrape {
+            failed_at: Some(earlier),
+            ..s
+        });
+        let read = cell.read();
+        assert_eq!(read.failed_at, Some(earlier));
+        assert_eq!(read.load, Some(load(3.0, later)));
+        let bare = ScrapedLoad {
+            block_size: None,
+            num_blocks: None,
+            ..load(1.0, later)
+        };
+        cell.update(|_| Scrape {
+            load: Some(bare),
+            failed_at: None,
+        });
+        assert_eq!(cell.read().load, Some(bare));
+    }
+
+    #[test]
+    fn readers_never_see_a_torn_scrape() {
+        let cell = Arc::new(ScrapeCell::default());
+        let at = Instant::now();
+        let writer = {
+            let cell = Arc::clone(&cell);
+            std::thread::spawn(move || {
+                for i in 0..20_000u32 {
+                    let x = f64::from(i);
+                    cell.update(|_| Scrape {
+                        load: Some(load(x, at)),
+                        failed_at: None,
+                    });
+                }
+            })
+        };
+        let mut seen = 0;
+        while !writer.is_finished() || seen == 0 {
+            if let Some(l) = cell.read().load {
+                // Every field comes from the same write.
+                assert_eq!(l, load(l.queue, at));
+                seen += 1;
+            }
+        }
+        writer.join().unwrap();
+    }
+}
