@@ -135,13 +135,18 @@ impl Admin {
     pub async fn explain(&self, req: ExplainRequest) -> Result<ExplainResponse, tonic::Status> {
         let kind = ApiKind::from_path(&req.path);
         let limit = self.scheduler.config().prompt_token_limit();
-        let mut parsed = request::parse_capped(&req.body, kind, limit)
+        let options = request::ParseOptions {
+            token_limit: limit,
+            template: self.tokenizer.is_some(),
+        };
+        let mut parsed = request::parse_with(&req.body, kind, options)
             .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
         let has_text = parsed
             .segments
             .iter()
             .any(|s| matches!(s, Segment::Text(_)));
-        if let (Some(pool), true) = (&self.tokenizer, has_text) {
+        let input = parsed.template.take();
+        if let (Some(pool), Some(input), true) = (&self.tokenizer, input, has_text) {
             // As the ext_proc path: remote images are fetched when `--mm-fetch` is on.
             let urls: Vec<String> = parsed
                 .segments
@@ -151,9 +156,7 @@ impl Admin {
                     _ => None,
                 })
                 .collect();
-            let (tokens, _) = pool
-                .tokenize_fetching(parsed.kind, req.body.into(), &urls)
-                .await;
+            let (tokens, _) = pool.tokenize_fetching(input, &urls).await;
             if let Ok(tokens) = tokens {
                 parsed.segments = tokens;
             }
@@ -486,8 +489,12 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
         let tokenizer = Tokenizer::load(&dir).unwrap();
         let body = chat(&"a b c d e f g h ".repeat(40));
-        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
-        let tokens = token_ids(&tokenizer.tokenize_body(ApiKind::Chat, &value).unwrap());
+        let options = request::ParseOptions {
+            token_limit: usize::MAX,
+            template: true,
+        };
+        let parsed = request::parse_with(&body, Some(ApiKind::Chat), options).unwrap();
+        let tokens = token_ids(&tokenizer.tokenize_request(&parsed).unwrap());
         let token_block = app.scheduler.config().token_block;
         let ask = |tokenizer| {
             let admin = Admin::new(

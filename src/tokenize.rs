@@ -18,6 +18,12 @@
 //! blocks after an image are chained to that image's hash and the text before it
 //! tokenizes exactly as the engine's.
 //!
+//! The tokenizer renders from what the one pass over the body kept for it
+//! ([`TemplateInput`], parsed with [`ParseOptions::template`](crate::request::ParseOptions)):
+//! the body is not read again. Only the small JSON fields the template may print
+//! as they are (`tools`, `chat_template_kwargs`, a message's `name`,
+//! `tool_call_id`, `tool_calls`, …) are read from their kept JSON text.
+//!
 //! [`TokenizerPool`] runs tokenization on tokio's blocking threads behind a
 //! semaphore, so a 200 KB prompt never stalls the async threads serving other
 //! streams, and at most `threads` prompts are tokenized at once.
@@ -25,7 +31,6 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use minijinja::value::{Kwargs, Value as JValue, ValueKind};
 use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value};
@@ -36,7 +41,9 @@ use crate::multimodal::identity::{self, ImageIdentity};
 use crate::multimodal::remote::{KnownImages, RemoteImages};
 use crate::multimodal::routing::{expand_images, PromptImage};
 use crate::multimodal::{MmRouting, MmStats, VisionPrompt};
-use crate::request::{ApiKind, Segment};
+use crate::request::{
+    ChatInput, ContentPart, InferenceRequest, MessageField, PromptPart, Segment, TemplateInput,
+};
 
 /// Why a tokenizer could not be loaded or a request not tokenized.
 #[derive(Debug, thiserror::Error)]
@@ -61,9 +68,18 @@ pub enum TokenizeError {
     /// A chat request arrived but the model has no chat template.
     #[error("the model directory has no chat template")]
     NoTemplate,
-    /// The body is not a request of the expected shape.
-    #[error("request body: {0}")]
-    Body(String),
+    /// A field kept as JSON text is not JSON (the parse kept it from a valid body).
+    #[error("request field `{field}`")]
+    Field {
+        /// The field.
+        field: String,
+        /// Why it does not read.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The request was parsed without [`ParseOptions::template`](crate::request::ParseOptions).
+    #[error("the request was parsed without its template input")]
+    NoTemplateInput,
     /// Encoding failed.
     #[error("encoding: {0}")]
     Encode(String),
@@ -248,22 +264,25 @@ impl Tokenizer {
         &self.mm_stats
     }
 
-    /// Renders a chat body (`messages`, optional `tools` and
-    /// `chat_template_kwargs`) to the prompt string; images become markers.
-    pub fn render_chat(&self, body: &Value) -> Result<(String, Vec<String>), TokenizeError> {
+    /// Renders a chat (`messages`, optional `tools` and `chat_template_kwargs`)
+    /// to the prompt string; images become markers.
+    pub fn render_chat(&self, chat: &ChatInput) -> Result<(String, Vec<String>), TokenizeError> {
         let env = self.env.as_ref().ok_or(TokenizeError::NoTemplate)?;
         let placeholder = self.vision.as_ref().map(|v| v.prompt.placeholder.as_str());
-        let (messages, images) = chat_messages(body, self.parts_content, placeholder)?;
+        let (messages, images) = chat_messages(chat, self.parts_content, placeholder)?;
         let mut ctx = Map::new();
-        if let Some(Value::Object(kw)) = body.get("chat_template_kwargs") {
-            ctx.extend(kw.clone());
+        if let Some(kw) = &chat.chat_template_kwargs {
+            if let Value::Object(kw) = json_field("chat_template_kwargs", kw)? {
+                ctx.extend(kw);
+            }
         }
         ctx.extend(self.special.clone());
         ctx.insert("messages".into(), Value::Array(messages));
-        ctx.insert(
-            "tools".into(),
-            body.get("tools").cloned().unwrap_or(Value::Null),
-        );
+        let tools = match &chat.tools {
+            Some(t) => json_field("tools", t)?,
+            None => Value::Null,
+        };
+        ctx.insert("tools".into(), tools);
         ctx.insert("add_generation_prompt".into(), Value::Bool(true));
         let template = env
             .get_template(TEMPLATE)
@@ -274,92 +293,65 @@ impl Tokenizer {
         Ok((text, images))
     }
 
-    /// Tokenizes a request body of `kind` into token segments, with image segments
-    /// where the images were.
-    pub fn tokenize_body(
+    /// Tokenizes a parsed request (parsed with its template input) into token
+    /// segments, with image segments where the images were.
+    pub fn tokenize_request(
         &self,
-        kind: ApiKind,
-        body: &Value,
+        request: &InferenceRequest,
     ) -> Result<Vec<Segment>, TokenizeError> {
-        self.tokenize_body_with(kind, body, &KnownImages::default())
+        let input = request
+            .template
+            .as_ref()
+            .ok_or(TokenizeError::NoTemplateInput)?;
+        self.tokenize_input(input, &KnownImages::default())
     }
 
-    /// [`Self::tokenize_body`] with the remote images that were fetched: those
+    /// Tokenizes a request's template input. Remote images in `known` (fetched)
     /// are identified by content and sized from their header, like `data:` URLs.
-    pub fn tokenize_body_with(
+    pub fn tokenize_input(
         &self,
-        kind: ApiKind,
-        body: &Value,
+        input: &TemplateInput,
         known: &KnownImages,
     ) -> Result<Vec<Segment>, TokenizeError> {
-        match kind {
-            ApiKind::Completions => {
-                let prompt = body
-                    .get("prompt")
-                    .ok_or_else(|| TokenizeError::Body("missing `prompt`".into()))?;
-                self.tokenize_prompt(prompt)
-            }
-            ApiKind::Chat | ApiKind::Responses => {
-                let chat;
-                let body = if kind == ApiKind::Responses {
-                    chat = responses_as_chat(body)?;
-                    &chat
-                } else {
-                    body
-                };
-                let (text, images) = self.render_chat(body)?;
-                match &self.vision {
-                    Some(v) if !images.is_empty() => {
-                        let (segments, imgs) = self.expand_vision(v, &text, &images, known)?;
-                        for i in &imgs {
-                            self.mm_stats.record_image(i.identity.source);
-                        }
-                        let exact = imgs.iter().all(|i| i.tokens.is_some());
-                        self.mm_stats.record_request(if exact {
-                            MmRouting::Exact
-                        } else {
-                            MmRouting::Approximate
-                        });
-                        Ok(segments)
-                    }
-                    None if !images.is_empty() => {
-                        for url in &images {
-                            self.mm_stats.record_image(identity::identify(url).source);
-                        }
-                        self.mm_stats.record_request(MmRouting::TextOnly);
-                        self.split_at_images(&text, images, false)
-                    }
-                    _ => self.split_at_images(&text, images, false),
+        let chat = match input {
+            TemplateInput::Prompt(parts) => return self.tokenize_prompt(parts),
+            TemplateInput::Chat(chat) => chat,
+        };
+        let (text, images) = self.render_chat(chat)?;
+        match &self.vision {
+            Some(v) if !images.is_empty() => {
+                let (segments, imgs) = self.expand_vision(v, &text, &images, known)?;
+                for i in &imgs {
+                    self.mm_stats.record_image(i.identity.source);
                 }
+                let exact = imgs.iter().all(|i| i.tokens.is_some());
+                self.mm_stats.record_request(if exact {
+                    MmRouting::Exact
+                } else {
+                    MmRouting::Approximate
+                });
+                Ok(segments)
             }
+            None if !images.is_empty() => {
+                for url in &images {
+                    self.mm_stats.record_image(identity::identify(url).source);
+                }
+                self.mm_stats.record_request(MmRouting::TextOnly);
+                self.split_at_images(&text, images, false)
+            }
+            _ => self.split_at_images(&text, images, false),
         }
     }
 
-    /// Tokenizes a completions `prompt`: a string, strings, or token ids (kept).
-    fn tokenize_prompt(&self, prompt: &Value) -> Result<Vec<Segment>, TokenizeError> {
-        let ids = |v: &[Value]| -> Option<Vec<u32>> {
-            v.iter()
-                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                .collect()
-        };
+    /// Tokenizes a completions prompt: each string with special tokens (BOS),
+    /// token ids kept.
+    fn tokenize_prompt(&self, parts: &[PromptPart]) -> Result<Vec<Segment>, TokenizeError> {
         let mut tokens = Vec::new();
-        match prompt {
-            Value::String(s) => tokens = self.encode(s, true)?,
-            Value::Array(items) if items.iter().all(Value::is_number) => {
-                tokens = ids(items).ok_or_else(|| TokenizeError::Body("bad token ids".into()))?
+        for part in parts {
+            match part {
+                PromptPart::Text(s) => tokens.extend(self.encode(s, true)?),
+                PromptPart::Tokens(t) => tokens.extend_from_slice(t),
             }
-            Value::Array(items) => {
-                for item in items {
-                    match item {
-                        Value::String(s) => tokens.extend(self.encode(s, true)?),
-                        Value::Array(t) => tokens.extend(
-                            ids(t).ok_or_else(|| TokenizeError::Body("bad token ids".into()))?,
-                        ),
-                        _ => return Err(TokenizeError::Body("bad `prompt` item".into())),
-                    }
-                }
-            }
-            _ => return Err(TokenizeError::Body("bad `prompt`".into())),
         }
         Ok(vec![Segment::Tokens(tokens)])
     }
@@ -480,117 +472,98 @@ fn iterates_content(template: &str) -> bool {
     .any(|p| t.contains(p))
 }
 
-/// The OpenAI messages of a chat body, with content normalized the way vLLM hands
+/// A field kept as JSON text, as a value.
+fn json_field(field: &str, json: &str) -> Result<Value, TokenizeError> {
+    serde_json::from_str(json).map_err(|source| TokenizeError::Field {
+        field: field.to_string(),
+        source,
+    })
+}
+
+/// The OpenAI messages of a chat, with content normalized the way vLLM hands
 /// it to the template, and the image URLs in order.
 fn chat_messages(
-    body: &Value,
+    chat: &ChatInput,
     parts_content: bool,
     placeholder: Option<&str>,
 ) -> Result<(Vec<Value>, Vec<String>), TokenizeError> {
-    let messages = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .ok_or_else(|| TokenizeError::Body("missing `messages`".into()))?;
     let mut images = Vec::new();
-    let mut out = Vec::with_capacity(messages.len());
-    for m in messages {
-        let mut m = m
-            .as_object()
-            .cloned()
-            .ok_or_else(|| TokenizeError::Body("a message is not an object".into()))?;
-        if let Some(Value::Array(parts)) = m.get("content") {
-            // Each part as text, or `None` for an image (its URL recorded).
-            let mut items: Vec<Option<String>> = Vec::with_capacity(parts.len());
-            for p in parts {
-                let item = match p {
-                    Value::String(s) => Some(s.clone()),
-                    Value::Object(o) => match o.get("type").and_then(Value::as_str) {
-                        Some("image_url") | Some("input_image") => {
-                            let url = match o.get("image_url") {
-                                Some(Value::String(u)) => u.clone(),
-                                Some(Value::Object(u)) => u
-                                    .get("url")
-                                    .and_then(Value::as_str)
-                                    .unwrap_or_default()
-                                    .to_string(),
-                                _ => String::new(),
-                            };
-                            images.push(url);
-                            None
-                        }
-                        _ => Some(
-                            o.get("text")
-                                .and_then(Value::as_str)
-                                .unwrap_or_default()
-                                .to_string(),
-                        ),
-                    },
-                    _ => Some(String::new()),
-                };
-                items.push(item);
-            }
-            let content = match (parts_content, placeholder) {
-                // Without a vision model an image is a marker in the text.
-                (true, None) => Value::Array(
-                    items
-                        .into_iter()
-                        .map(|t| {
-                            serde_json::json!({"type": "text", "text": t.unwrap_or_else(|| IMAGE_MARK.to_string())})
-                        })
-                        .collect(),
-                ),
-                (false, None) => Value::String(
-                    items
-                        .into_iter()
-                        .map(|t| t.unwrap_or_else(|| IMAGE_MARK.to_string()))
-                        .collect::<Vec<_>>()
-                        .join("\n"),
-                ),
-                // With one, the template sees image parts and emits the model's
-                // placeholder itself, as vLLM's "openai" content format does.
-                (true, Some(_)) => Value::Array(
-                    items
-                        .into_iter()
-                        .map(|t| match t {
-                            Some(t) => serde_json::json!({"type": "text", "text": t}),
-                            None => serde_json::json!({"type": "image"}),
-                        })
-                        .collect(),
-                ),
-                // String-content templates: vLLM puts one placeholder per image
-                // first, then the text parts, all joined by newlines.
-                (false, Some(ph)) => {
-                    let n = items.iter().filter(|t| t.is_none()).count();
-                    let text: Vec<String> = items.into_iter().flatten().collect();
-                    let mut all: Vec<String> = vec![ph.to_string(); n];
-                    all.push(text.join("\n"));
-                    Value::String(all.join("\n"))
+    let mut out = Vec::with_capacity(chat.messages.len());
+    for m in &chat.messages {
+        // Inserted in body order: a repeated key keeps its first place and last value.
+        let mut message = Map::new();
+        for (key, field) in &m.fields {
+            let value = match field {
+                MessageField::Null => Value::Null,
+                MessageField::Text(t) => Value::String(t.clone()),
+                MessageField::Json(j) => json_field(key, j)?,
+                MessageField::Parts(parts) => {
+                    normalize_parts(parts, &mut images, parts_content, placeholder)
                 }
             };
-            m.insert("content".into(), content);
+            message.insert(key.clone(), value);
         }
-        out.push(Value::Object(m));
+        out.push(Value::Object(message));
     }
     Ok((out, images))
 }
 
-/// A Responses API body as a chat body: `instructions` as a system message, a
-/// string `input` as a user message, item lists as messages.
-fn responses_as_chat(body: &Value) -> Result<Value, TokenizeError> {
-    let mut messages = Vec::new();
-    if let Some(Value::String(s)) = body.get("instructions") {
-        messages.push(serde_json::json!({"role": "system", "content": s}));
+/// Content parts as the template gets them; image URLs are appended to `images`.
+fn normalize_parts(
+    parts: &[ContentPart],
+    images: &mut Vec<String>,
+    parts_content: bool,
+    placeholder: Option<&str>,
+) -> Value {
+    // Each part as text, or `None` for an image (its URL recorded).
+    let items: Vec<Option<String>> = parts
+        .iter()
+        .map(|p| match p {
+            ContentPart::Text(t) => Some(t.clone()),
+            ContentPart::Image(url) => {
+                images.push(url.clone());
+                None
+            }
+        })
+        .collect();
+    match (parts_content, placeholder) {
+        // Without a vision model an image is a marker in the text.
+        (true, None) => Value::Array(
+            items
+                .into_iter()
+                .map(|t| {
+                    serde_json::json!({"type": "text", "text": t.unwrap_or_else(|| IMAGE_MARK.to_string())})
+                })
+                .collect(),
+        ),
+        (false, None) => Value::String(
+            items
+                .into_iter()
+                .map(|t| t.unwrap_or_else(|| IMAGE_MARK.to_string()))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
+        // With one, the template sees image parts and emits the model's
+        // placeholder itself, as vLLM's "openai" content format does.
+        (true, Some(_)) => Value::Array(
+            items
+                .into_iter()
+                .map(|t| match t {
+                    Some(t) => serde_json::json!({"type": "text", "text": t}),
+                    None => serde_json::json!({"type": "image"}),
+                })
+                .collect(),
+        ),
+        // String-content templates: vLLM puts one placeholder per image
+        // first, then the text parts, all joined by newlines.
+        (false, Some(ph)) => {
+            let n = items.iter().filter(|t| t.is_none()).count();
+            let text: Vec<String> = items.into_iter().flatten().collect();
+            let mut all: Vec<String> = vec![ph.to_string(); n];
+            all.push(text.join("\n"));
+            Value::String(all.join("\n"))
+        }
     }
-    match body.get("input") {
-        Some(Value::String(s)) => messages.push(serde_json::json!({"role": "user", "content": s})),
-        Some(Value::Array(items)) => messages.extend(items.iter().cloned()),
-        _ => return Err(TokenizeError::Body("bad `input`".into())),
-    }
-    let mut chat = serde_json::json!({ "messages": messages });
-    if let Some(tools) = body.get("tools") {
-        chat["tools"] = tools.clone();
-    }
-    Ok(chat)
 }
 
 /// A Jinja environment configured like transformers' chat template renderer.
@@ -732,16 +705,11 @@ impl TokenizerPool {
         &self.tokenizer
     }
 
-    /// Parses and tokenizes a request body off the async threads. The result
-    /// replaces the request's text segments: token ids, with image segments
-    /// where images were.
-    pub async fn tokenize(
-        &self,
-        kind: ApiKind,
-        body: Bytes,
-    ) -> Result<Vec<Segment>, TokenizeError> {
-        self.tokenize_known(kind, body, KnownImages::default())
-            .await
+    /// Tokenizes a request's template input off the async threads. The
+    /// result replaces the request's text segments: token ids, with image
+    /// segments where images were.
+    pub async fn tokenize(&self, input: TemplateInput) -> Result<Vec<Segment>, TokenizeError> {
+        self.tokenize_known(input, KnownImages::default()).await
     }
 
     /// [`Self::tokenize`], first fetching the remote images among `image_urls`
@@ -750,8 +718,7 @@ impl TokenizerPool {
     /// that tell the engine the same identities.
     pub async fn tokenize_fetching(
         &self,
-        kind: ApiKind,
-        body: Bytes,
+        input: TemplateInput,
         image_urls: &[String],
     ) -> (Result<Vec<Segment>, TokenizeError>, KnownImages) {
         let known = match &self.remote {
@@ -760,14 +727,13 @@ impl TokenizerPool {
             }
             _ => KnownImages::default(),
         };
-        let tokens = self.tokenize_known(kind, body, known.clone()).await;
+        let tokens = self.tokenize_known(input, known.clone()).await;
         (tokens, known)
     }
 
     async fn tokenize_known(
         &self,
-        kind: ApiKind,
-        body: Bytes,
+        input: TemplateInput,
         known: KnownImages,
     ) -> Result<Vec<Segment>, TokenizeError> {
         let _permit = self
@@ -776,13 +742,9 @@ impl TokenizerPool {
             .await
             .map_err(|e| TokenizeError::Task(e.to_string()))?;
         let tok = Arc::clone(&self.tokenizer);
-        tokio::task::spawn_blocking(move || {
-            let value: Value =
-                serde_json::from_slice(&body).map_err(|e| TokenizeError::Body(e.to_string()))?;
-            tok.tokenize_body_with(kind, &value, &known)
-        })
-        .await
-        .map_err(|e| TokenizeError::Task(e.to_string()))?
+        tokio::task::spawn_blocking(move || tok.tokenize_input(&input, &known))
+            .await
+            .map_err(|e| TokenizeError::Task(e.to_string()))?
     }
 }
 
@@ -802,6 +764,7 @@ pub fn token_ids(segments: &[Segment]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::{ApiKind, ParseOptions};
 
     fn render(template: &str, ctx: Value) -> String {
         let env = chat_environment(template.to_string()).unwrap();
@@ -835,6 +798,95 @@ mod tests {
             .render(JValue::from(minijinja::value::Serde(&ctx)))
             .unwrap_err();
         assert!(err.to_string().contains("nope"));
+    }
+
+    fn parsed(kind: ApiKind, body: &str) -> InferenceRequest {
+        let options = ParseOptions {
+            token_limit: usize::MAX,
+            template: true,
+        };
+        crate::request::parse_with(body.as_bytes(), Some(kind), options).unwrap()
+    }
+
+    fn fixture(template: &str) -> Tokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let mut tok = Tokenizer::load(dir).unwrap();
+        tok.env = Some(chat_environment(template.to_string()).unwrap());
+        tok.parts_content = false;
+        tok
+    }
+
+    /// The parsed request renders exactly as the whole body read as a `Value`
+    /// did: every message field in order (`name`, `tool_call_id`, repeated
+    /// keys), `tools` and `chat_template_kwargs` as given, numbers as written.
+    #[test]
+    fn a_parsed_chat_renders_like_the_body_read_as_a_value() {
+        let tok = fixture(
+            "{{ messages | tojson }}|{{ tools | tojson }}|{{ enable_thinking }}|{{ bos_token }}|\
+             {% for m in messages %}{{ m.role }}:{{ m.name }}:{{ m.tool_call_id }};{% endfor %}\
+             {{ add_generation_prompt }}",
+        );
+        let body = r#"{"model":"m","messages":[
+            {"role":"system","content":"be brief","name":"sys"},
+            {"name":"ann","role":"user","content":[{"type":"text","text":"hi"},"there"]},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"x\": 1.0}"}}]},
+            {"tool_call_id":"c1","role":"tool","content":"42","extra":{"b":1,"a":[1.5,null,2.0]}},
+            {"role":"user","name":"x","content":"again","name":"y"}],
+            "tools":[{"type":"function","function":{"name":"f","parameters":{"z":1,"a":2.50}}}],
+            "chat_template_kwargs":{"enable_thinking":false,"bos_token":"ignored"},
+            "nvext":{"backend_instance_id":3}}"#;
+        let TemplateInput::Chat(chat) = parsed(ApiKind::Chat, body).template.unwrap() else {
+            panic!("a chat")
+        };
+        // The context as the tokenizer used to build it from the body's `Value`.
+        let value: Value = serde_json::from_str(body).unwrap();
+        let mut messages = value["messages"].clone();
+        messages[1]["content"] = Value::String("hi\nthere".into());
+        let mut ctx = value["chat_template_kwargs"].as_object().unwrap().clone();
+        ctx.extend(tok.special.clone());
+        ctx.insert("messages".into(), messages);
+        ctx.insert("tools".into(), value["tools"].clone());
+        ctx.insert("add_generation_prompt".into(), Value::Bool(true));
+        let expected = tok
+            .env
+            .as_ref()
+            .unwrap()
+            .get_template(TEMPLATE)
+            .unwrap()
+            .render(JValue::from(minijinja::value::Serde(&ctx)))
+            .unwrap();
+        let (text, images) = tok.render_chat(&chat).unwrap();
+        assert!(images.is_empty());
+        assert_eq!(text, expected);
+        assert!(text.contains(r#""name": "y""#), "{text}");
+        assert!(text.contains("tool::c1;"), "{text}");
+        assert!(text.contains(r#""a": 2.5"#), "{text}");
+        assert!(text.contains("|False|<s>|"), "{text}");
+    }
+
+    /// Each string of a completions prompt is encoded on its own, with its BOS.
+    #[test]
+    fn completion_prompt_items_keep_their_boundaries() {
+        let tok = fixture("");
+        let req = parsed(
+            ApiKind::Completions,
+            r#"{"model":"m","prompt":["good morning",[7,8],"the cat"]}"#,
+        );
+        let mut expected = tok.encode("good morning", true).unwrap();
+        expected.extend([7, 8]);
+        expected.extend(tok.encode("the cat", true).unwrap());
+        assert_eq!(
+            tok.tokenize_request(&req).unwrap(),
+            vec![Segment::Tokens(expected.clone())]
+        );
+        let bos = expected[0];
+        assert_eq!(expected.iter().filter(|&&t| t == bos).count(), 2);
+        // Parsed without the template input, there is nothing to render.
+        let plain = crate::request::parse(br#"{"model":"m","prompt":"x"}"#, None).unwrap();
+        assert!(matches!(
+            tok.tokenize_request(&plain),
+            Err(TokenizeError::NoTemplateInput)
+        ));
     }
 
     #[test]

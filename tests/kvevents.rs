@@ -10,7 +10,9 @@ use kvpick::endpoints::WorkerKey;
 use kvpick::kvevents::decode::{decode_batch, BlockRemoved, BlockStored, KvEvent};
 use kvpick::kvevents::subscriber::{KvEventMetrics, KvEvents, SubscriberConfig, Target};
 use kvpick::kvevents::{Ingest, KvEventSink};
-use kvpick::request::{ApiKind, Segment};
+use kvpick::request::{
+    parse_with, ApiKind, InferenceRequest, ParseOptions, Segment, TemplateInput,
+};
 use kvpick::telemetry::Metrics;
 use kvpick::tokenize::{token_ids, Tokenizer, TokenizerPool};
 use parking_lot::Mutex;
@@ -689,6 +691,20 @@ async fn gaps_are_repaired_from_the_replay_socket() {
 // ---------------------------------------------------------------------------
 // Tokenization.
 
+/// A body parsed as the ext_proc path parses it when a tokenizer is configured.
+fn parsed(kind: ApiKind, body: &serde_json::Value) -> InferenceRequest {
+    let options = ParseOptions {
+        token_limit: usize::MAX,
+        template: true,
+    };
+    parse_with(&serde_json::to_vec(body).unwrap(), Some(kind), options).unwrap()
+}
+
+/// What the tokenizer renders a body from.
+fn template(kind: ApiKind, body: &serde_json::Value) -> TemplateInput {
+    parsed(kind, body).template.unwrap()
+}
+
 fn fixture() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer")
 }
@@ -720,7 +736,10 @@ fn chat_template_renders_like_transformers() {
         ],
         "tools": [{"name": "weather", "z": 1, "a": "city"}]
     });
-    let (text, images) = tok.render_chat(&body).unwrap();
+    let TemplateInput::Chat(chat) = template(ApiKind::Chat, &body) else {
+        panic!("a chat")
+    };
+    let (text, images) = tok.render_chat(&chat).unwrap();
     assert!(images.is_empty());
     assert_eq!(
         text,
@@ -729,8 +748,11 @@ fn chat_template_renders_like_transformers() {
          <|im_start|>user\nHello\nworld!<|im_end|>\n<|im_start|>assistant\n"
     );
     // A role the template rejects raises, as transformers would.
-    let bad = serde_json::json!({"messages": [{"role": "robot", "content": "hi"}]});
-    let err = tok.render_chat(&bad).unwrap_err().to_string();
+    let bad = serde_json::json!({"model": "m", "messages": [{"role": "robot", "content": "hi"}]});
+    let err = tok
+        .tokenize_request(&parsed(ApiKind::Chat, &bad))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("unknown role: robot"), "{err}");
 }
 
@@ -738,7 +760,7 @@ fn chat_template_renders_like_transformers() {
 fn chat_and_completion_token_ids() {
     let tok = Tokenizer::load(fixture()).unwrap();
     let chat = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "The cat sat."}]});
-    let segs = tok.tokenize_body(ApiKind::Chat, &chat).unwrap();
+    let segs = tok.tokenize_request(&parsed(ApiKind::Chat, &chat)).unwrap();
     let mut expect = ids(&[
         "<s>",
         "<|im_start|>",
@@ -755,17 +777,22 @@ fn chat_and_completion_token_ids() {
     // Completions get BOS from the post-processor; token-id prompts pass through.
     let comp = serde_json::json!({"model": "m", "prompt": "good morning"});
     assert_eq!(
-        tok.tokenize_body(ApiKind::Completions, &comp).unwrap(),
+        tok.tokenize_request(&parsed(ApiKind::Completions, &comp))
+            .unwrap(),
         vec![Segment::Tokens(ids(&["<s>", "good", "morning"]))]
     );
     let raw = serde_json::json!({"model": "m", "prompt": [5, 6, 7]});
     assert_eq!(
-        tok.tokenize_body(ApiKind::Completions, &raw).unwrap(),
+        tok.tokenize_request(&parsed(ApiKind::Completions, &raw))
+            .unwrap(),
         vec![Segment::Tokens(vec![5, 6, 7])]
     );
     // Responses: instructions become a system turn.
     let resp = serde_json::json!({"model": "m", "instructions": "Be a cat.", "input": "hello"});
-    let ids_resp = token_ids(&tok.tokenize_body(ApiKind::Responses, &resp).unwrap());
+    let ids_resp = token_ids(
+        &tok.tokenize_request(&parsed(ApiKind::Responses, &resp))
+            .unwrap(),
+    );
     assert_eq!(
         &ids_resp[..4],
         &ids(&["<s>", "<|im_start|>", "system", "<unk>"])[..]
@@ -776,20 +803,17 @@ fn chat_and_completion_token_ids() {
 async fn images_are_carried_through_in_place() {
     let pool = TokenizerPool::new(Tokenizer::load(fixture()).unwrap(), 2);
     let body = |url: &str| {
-        serde_json::to_vec(
+        template(
+            ApiKind::Chat,
             &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "look at this"},
                 {"type": "image_url", "image_url": {"url": url}},
                 {"type": "text", "text": "what is in the picture?"}
             ]}]}),
         )
-        .unwrap()
     };
     let segs = pool
-        .tokenize(
-            ApiKind::Chat,
-            Bytes::from(body("data:image/png;base64,AAAA")),
-        )
+        .tokenize(body("data:image/png;base64,AAAA"))
         .await
         .unwrap();
     assert_eq!(segs.len(), 3, "{segs:?}");
@@ -807,10 +831,7 @@ async fn images_are_carried_through_in_place() {
     );
     // A different image changes only the image segment.
     let other = pool
-        .tokenize(
-            ApiKind::Chat,
-            Bytes::from(body("https://example.com/b.png")),
-        )
+        .tokenize(body("https://example.com/b.png"))
         .await
         .unwrap();
     assert_eq!((&other[0], &other[2]), (&segs[0], &segs[2]));
@@ -821,10 +842,13 @@ async fn images_are_carried_through_in_place() {
 async fn a_huge_prompt_is_tokenized_off_the_async_thread() {
     let pool = TokenizerPool::new(Tokenizer::load(fixture()).unwrap(), 1);
     let big = "the cat sat on the mat ".repeat(10_000); // ~230 KB
-    let body = serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": big})).unwrap();
+    let body = template(
+        ApiKind::Completions,
+        &serde_json::json!({"model": "m", "prompt": big}),
+    );
     let work = tokio::spawn({
         let pool = pool.clone();
-        async move { pool.tokenize(ApiKind::Completions, Bytes::from(body)).await }
+        async move { pool.tokenize(body).await }
     });
     // On this single-threaded runtime, tokenizing inline would finish `work` while
     // we yield; on the blocking pool it is still running when we are back.
@@ -1100,7 +1124,7 @@ mod routing {
             .enumerate()
         {
             // Engine B cached the body's tokens as the engine tokenizes them.
-            let tokens = token_ids(&tok.tokenize_body(kind, body).unwrap());
+            let tokens = token_ids(&tok.tokenize_request(&parsed(kind, body)).unwrap());
             let full = tokens.len() / BS * BS;
             assert!(full >= 2 * BS, "prompt spans blocks");
             let engine = (0..full / BS)
@@ -1120,7 +1144,7 @@ mod routing {
             let mut raw = body.clone();
             raw["nvext"] = serde_json::json!({"use_raw_prompt": true});
             let mut req = parse(raw.to_string().as_bytes(), Some(kind)).unwrap();
-            req.segments = tok.tokenize_body(kind, &raw).unwrap();
+            req.segments = tok.tokenize_request(&parsed(kind, &raw)).unwrap();
             let d = pick_body(&app, &req);
             assert_eq!(
                 d.decode.key(),
@@ -1179,7 +1203,7 @@ mod routing {
         let tokens = token_ids(
             &Tokenizer::load(fixture())
                 .unwrap()
-                .tokenize_body(ApiKind::Chat, &body)
+                .tokenize_request(&parsed(ApiKind::Chat, &body))
                 .unwrap(),
         );
         let full = tokens.len() / BS * BS;

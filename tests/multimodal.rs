@@ -20,7 +20,7 @@ use kvpick::multimodal::identity::{
 };
 use kvpick::multimodal::remote::{FetchLimits, FetchOutcome, KnownImages, RemoteImages};
 use kvpick::multimodal::{VisionFamily, VisionPrompt};
-use kvpick::request::{parse, ApiKind, InferenceRequest};
+use kvpick::request::{parse, parse_with, ApiKind, InferenceRequest, ParseOptions, TemplateInput};
 use kvpick::scheduler::{PickRequest, Scheduler, SchedulerConfig};
 use kvpick::tokenize::{token_ids, Tokenizer, TokenizerPool};
 use rmpv::Value;
@@ -72,13 +72,32 @@ fn chat(a: &str, b: &str, follow_up: Option<&str>) -> serde_json::Value {
 
 /// The request as the ext_proc path builds it: parsed, then tokenized.
 fn request(tok: &Tokenizer, body: &serde_json::Value) -> InferenceRequest {
-    let mut r = parse(&serde_json::to_vec(body).unwrap(), Some(ApiKind::Chat)).unwrap();
-    r.segments = tok.tokenize_body(ApiKind::Chat, body).unwrap();
+    let mut r = parsed(body);
+    r.segments = tok.tokenize_request(&r).unwrap();
     r
 }
 
+/// A chat body parsed as the ext_proc path parses it when a tokenizer is configured.
+fn parsed(body: &serde_json::Value) -> InferenceRequest {
+    let options = ParseOptions {
+        token_limit: usize::MAX,
+        template: true,
+    };
+    parse_with(
+        &serde_json::to_vec(body).unwrap(),
+        Some(ApiKind::Chat),
+        options,
+    )
+    .unwrap()
+}
+
+/// What the tokenizer renders a chat body from.
+fn template(body: &serde_json::Value) -> TemplateInput {
+    parsed(body).template.unwrap()
+}
+
 fn routing_tokens(tok: &Tokenizer, body: &serde_json::Value) -> Vec<u32> {
-    token_ids(&tok.tokenize_body(ApiKind::Chat, body).unwrap())
+    token_ids(&tok.tokenize_request(&parsed(body)).unwrap())
 }
 
 fn encode(v: Value) -> Vec<u8> {
@@ -555,9 +574,7 @@ async fn a_fetched_image_routes_like_the_same_bytes_sent_as_a_data_url() {
 
     // Without fetching, the URL's identity and unknown size end the match there.
     let plain = TokenizerPool::new(tokenizer(), 1);
-    let (tokens, fetched) = plain
-        .tokenize_fetching(ApiKind::Chat, raw.clone(), &urls)
-        .await;
+    let (tokens, fetched) = plain.tokenize_fetching(template(&body), &urls).await;
     assert!(fetched.is_empty());
     let before_image = shared_blocks(&stored, &token_ids(&tokens.unwrap()));
     assert!(before_image < stored.len() / BS);
@@ -565,9 +582,7 @@ async fn a_fetched_image_routes_like_the_same_bytes_sent_as_a_data_url() {
     // Fetched: the content identity of the data: URL, the same tokens, full overlap.
     let remote = remote_images(loopback_policy(), FetchLimits::default());
     let fetching = TokenizerPool::new(tokenizer(), 1).with_remote_images(Arc::clone(&remote));
-    let (tokens, fetched) = fetching
-        .tokenize_fetching(ApiKind::Chat, raw.clone(), &urls)
-        .await;
+    let (tokens, fetched) = fetching.tokenize_fetching(template(&body), &urls).await;
     assert_eq!(fetched.identify(&cat_url), identify(&cat_data_url));
     assert_eq!(fetched.identify(&cat_url).source, IdentitySource::Content);
     let tokens = tokens.unwrap();

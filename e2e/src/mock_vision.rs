@@ -17,6 +17,7 @@ use kvpick::multimodal::dims::image_size;
 use kvpick::multimodal::identity::{decode_data_url, identify};
 use kvpick::multimodal::routing::{expand_images, PromptImage};
 use kvpick::multimodal::{VisionModel, VisionPrompt};
+use kvpick::request::{parse_with, ApiKind, ParseOptions, TemplateInput};
 use kvpick::tokenize::{TokenizeError, Tokenizer};
 use serde_json::Value;
 
@@ -61,9 +62,18 @@ impl MockVision {
 
     /// The prompt tokens of a chat body.
     pub fn chat_tokens(&self, body: &Value) -> Result<VisionTokens, String> {
+        let options = ParseOptions {
+            token_limit: usize::MAX,
+            template: true,
+        };
+        let bytes = serde_json::to_vec(body).map_err(|e| e.to_string())?;
+        let parsed = parse_with(&bytes, Some(ApiKind::Chat), options).map_err(|e| e.to_string())?;
+        let Some(TemplateInput::Chat(chat)) = parsed.template else {
+            return Err("not a chat body".into());
+        };
         let (text, urls) = self
             .tokenizer
-            .render_chat(body)
+            .render_chat(&chat)
             .map_err(|e| e.to_string())?;
         let ids = self
             .tokenizer

@@ -29,7 +29,7 @@ use crate::multimodal::identity::{identify, ImageIdentity};
 use crate::multimodal::remote::KnownImages;
 use crate::multimodal::MmRouting;
 use crate::request::usage::ResponseTail;
-use crate::request::{self, ApiKind, InferenceRequest, Segment};
+use crate::request::{self, ApiKind, InferenceRequest, Segment, TemplateInput};
 use crate::scheduler::{Decision, PickError, PickRequest};
 use crate::telemetry::RequestResult;
 use crate::tokenize::{TokenizeError, TokenizerPool};
@@ -162,8 +162,7 @@ struct Admitting {
 /// A request body waiting to be tokenized before it is routed.
 pub struct TokenizeJob {
     pool: TokenizerPool,
-    kind: ApiKind,
-    body: bytes::Bytes,
+    input: TemplateInput,
     /// The request's image URLs in prompt order (remote ones may be fetched).
     image_urls: Vec<String>,
 }
@@ -176,7 +175,7 @@ impl TokenizeJob {
     /// tokenizer pool.
     pub async fn run(self) -> Tokenized {
         self.pool
-            .tokenize_fetching(self.kind, self.body, &self.image_urls)
+            .tokenize_fetching(self.input, &self.image_urls)
             .await
     }
 }
@@ -299,15 +298,13 @@ impl StreamState {
     /// The tokenization a complete body is waiting for, if any; answer with
     /// [`StreamState::tokenized`].
     pub fn take_tokenize_job(&mut self) -> Option<TokenizeJob> {
-        let (parsed, via) = self.tokenizing.as_deref()?;
-        let RouteVia::Body { body, .. } = via else {
+        let (parsed, RouteVia::Body { .. }) = self.tokenizing.as_deref_mut()? else {
             return None;
         };
         Some(TokenizeJob {
             pool: self.shared.tokenizer.clone()?,
-            kind: parsed.kind,
-            body: bytes::Bytes::copy_from_slice(body),
             image_urls: image_urls(parsed).map(String::from).collect(),
+            input: parsed.template.take()?,
         })
     }
 
@@ -550,7 +547,11 @@ impl StreamState {
         let body = std::mem::take(&mut self.body);
         let kind = self.meta.as_ref().and_then(|m| m.kind);
         let limit = self.shared.scheduler.config().prompt_token_limit();
-        let mut parsed = match request::parse_capped(&body, kind, limit) {
+        let options = request::ParseOptions {
+            token_limit: limit,
+            template: self.shared.tokenizer.is_some(),
+        };
+        let mut parsed = match request::parse_with(&body, kind, options) {
             Ok(p) => p,
             Err(e) => {
                 self.shared.metrics.record_result(RequestResult::BadRequest);
@@ -586,7 +587,7 @@ impl StreamState {
             .segments
             .iter()
             .any(|s| matches!(s, Segment::Text(_)));
-        if self.shared.tokenizer.is_some() && has_text {
+        if self.shared.tokenizer.is_some() && has_text && parsed.template.is_some() {
             self.tokenizing = Some(Box::new((parsed, via)));
             return Vec::new();
         }

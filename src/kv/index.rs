@@ -379,12 +379,13 @@ impl PrefixIndex {
                     .map_or(u32::MAX, |(_, s)| *s);
                 g.set_oldest(slot, oldest);
                 let w = &mut g.workers[slot as usize];
-                // Keep the stale tail of the order queue bounded.
+                // Keep the stale tail of the order queue bounded: drop the
+                // entries a later touch superseded (the queue is in sequence
+                // order already, so no sort; amortised O(1) a push).
                 if w.order.len() > 2 * w.recency.len() + 64 {
-                    let mut live: Vec<(u64, u64)> =
-                        w.recency.iter().map(|(h, (s, _))| (*h, *s)).collect();
-                    live.sort_unstable_by_key(|(_, s)| *s);
-                    w.order = live.into();
+                    let recency = &w.recency;
+                    w.order
+                        .retain(|(h, seq)| recency.get(h).is_some_and(|(s, _)| s == seq));
                 }
             }
             g.remove_holder_runs(&dropped, slot, &self.entries);
@@ -1233,6 +1234,24 @@ mod tests {
         // Recording all five would have kept 3, 4, 5 and lost the prefix.
         assert_eq!(idx.lookup(&[1, 2, 3, 4, 5], &[wk(1)], t), vec![3]);
         assert_eq!(idx.len(), 3);
+    }
+
+    #[test]
+    fn lru_order_survives_compacting_repeated_touches() {
+        let (idx, t) = index(20, None);
+        let (a, b, c): (Vec<u64>, Vec<u64>, Vec<u64>) =
+            ((1..=10).collect(), (11..=20).collect(), (21..=30).collect());
+        idx.insert(wk(1), &b, t);
+        // 500 touches of a: the order queue is compacted many times with b in it.
+        for _ in 0..50 {
+            idx.insert(wk(1), &a, t);
+        }
+        // Over capacity: the least recently touched (b) goes, a and c stay.
+        idx.insert(wk(1), &c, t);
+        assert_eq!(idx.lookup(&a, &[wk(1)], t), vec![10]);
+        assert_eq!(idx.lookup(&b, &[wk(1)], t), vec![0]);
+        assert_eq!(idx.lookup(&c, &[wk(1)], t), vec![10]);
+        assert_eq!(idx.len(), 20);
     }
 
     #[test]

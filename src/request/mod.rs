@@ -101,6 +101,79 @@ pub struct InferenceRequest {
     pub names_worker: bool,
     /// Prompt token ids past the parse limit ([`parse_capped`]): counted, not kept.
     pub omitted_tokens: usize,
+    /// What a tokenizer needs to render the prompt, when parsed with
+    /// [`ParseOptions::template`].
+    pub template: Option<TemplateInput>,
+}
+
+/// The prompt as a tokenizer renders it: everything the chat template reads,
+/// kept by the parse so the body is not read again. Only built when asked
+/// ([`ParseOptions::template`]), so a picker without a tokenizer pays nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TemplateInput {
+    /// Chat messages (a Responses body's `instructions` and `input` as messages).
+    Chat(ChatInput),
+    /// A completions prompt, item by item (the tokenizer adds BOS per string).
+    Prompt(Vec<PromptPart>),
+}
+
+/// A chat body as its template sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatInput {
+    /// The messages, in order.
+    pub messages: Vec<TemplateMessage>,
+    /// `tools`, as its JSON text.
+    pub tools: Option<String>,
+    /// `chat_template_kwargs`, as its JSON text (chat completions only).
+    pub chat_template_kwargs: Option<String>,
+}
+
+/// One message: every field in body order (a repeated key keeps each copy, in
+/// order, as a JSON object read from the body would keep the last).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateMessage {
+    /// The fields, by key.
+    pub fields: Vec<(String, MessageField)>,
+}
+
+/// A message field's value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageField {
+    /// JSON `null`.
+    Null,
+    /// A string (`role`, string `content`).
+    Text(String),
+    /// A content-part array.
+    Parts(Vec<ContentPart>),
+    /// Any other field (`name`, `tool_call_id`, `tool_calls`, …) as its JSON text.
+    Json(String),
+}
+
+/// One content part as the template sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ContentPart {
+    /// A text part's text (an empty string for a part without text).
+    Text(String),
+    /// An image part's URL.
+    Image(String),
+}
+
+/// One item of a completions prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptPart {
+    /// A string item, encoded on its own.
+    Text(String),
+    /// Token ids (neighbouring arrays merged; capped like the segments).
+    Tokens(Vec<u32>),
+}
+
+/// How [`parse_with`] reads a body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParseOptions {
+    /// Prompt token ids kept (see [`parse_capped`]).
+    pub token_limit: usize,
+    /// Also keep the [`TemplateInput`] (a tokenizer is configured).
+    pub template: bool,
 }
 
 impl InferenceRequest {
@@ -125,7 +198,7 @@ impl InferenceRequest {
 /// Parses a request body. `kind` comes from the path; when the path is unknown the
 /// body's shape decides (`messages` → chat, `prompt` → completions, `input` → responses).
 pub fn parse(body: &[u8], kind: Option<ApiKind>) -> Result<InferenceRequest, RequestError> {
-    parse::parse_body(body, kind, usize::MAX)
+    parse_capped(body, kind, usize::MAX)
 }
 
 /// [`parse`] keeping at most `token_limit` of the prompt's token ids (prefix
@@ -137,7 +210,24 @@ pub fn parse_capped(
     kind: Option<ApiKind>,
     token_limit: usize,
 ) -> Result<InferenceRequest, RequestError> {
-    parse::parse_body(body, kind, token_limit)
+    parse_with(
+        body,
+        kind,
+        ParseOptions {
+            token_limit,
+            template: false,
+        },
+    )
+}
+
+/// [`parse`] with options: the token cap, and whether to keep the
+/// [`TemplateInput`] a tokenizer renders from.
+pub fn parse_with(
+    body: &[u8],
+    kind: Option<ApiKind>,
+    options: ParseOptions,
+) -> Result<InferenceRequest, RequestError> {
+    parse::parse_body(body, kind, options)
 }
 
 #[cfg(test)]
@@ -535,6 +625,66 @@ mod tests {
         assert_eq!(
             r.segments,
             vec![Segment::Text("system\nsys\nuser\nhi\n".into())]
+        );
+    }
+
+    #[test]
+    fn the_template_input_is_kept_only_when_asked() {
+        let keep = ParseOptions {
+            token_limit: usize::MAX,
+            template: true,
+        };
+        let chat = br#"{"model":"m","chat_template_kwargs":{"t":1},"tools":[1],"messages":[{"role":"user","content":[{"type":"image_url","image_url":"u"},{"type":"input_audio","input_audio":{}}],"name":"n"}]}"#;
+        assert_eq!(parse(chat, None).unwrap().template, None);
+        let r = parse_with(chat, None, keep).unwrap();
+        assert_eq!(
+            r.template,
+            Some(TemplateInput::Chat(ChatInput {
+                messages: vec![TemplateMessage {
+                    fields: vec![
+                        ("role".into(), MessageField::Text("user".into())),
+                        (
+                            "content".into(),
+                            MessageField::Parts(vec![
+                                ContentPart::Image("u".into()),
+                                ContentPart::Text(String::new())
+                            ])
+                        ),
+                        ("name".into(), MessageField::Json(r#""n""#.into())),
+                    ]
+                }],
+                tools: Some("[1]".into()),
+                chat_template_kwargs: Some(r#"{"t":1}"#.into()),
+            }))
+        );
+        // Responses: instructions first, a string input as a user turn, no kwargs.
+        let resp = br#"{"model":"m","input":"hi","chat_template_kwargs":{},"instructions":"sys"}"#;
+        let msg = |role: &str, content: &str| TemplateMessage {
+            fields: vec![
+                ("role".into(), MessageField::Text(role.into())),
+                ("content".into(), MessageField::Text(content.into())),
+            ],
+        };
+        assert_eq!(
+            parse_with(resp, Some(ApiKind::Responses), keep)
+                .unwrap()
+                .template,
+            Some(TemplateInput::Chat(ChatInput {
+                messages: vec![msg("system", "sys"), msg("user", "hi")],
+                tools: None,
+                chat_template_kwargs: None,
+            }))
+        );
+        // Completions: strings stay apart (the routing text joins them).
+        let r = parse_with(br#"{"model":"m","prompt":["a","b",[1],[2]]}"#, None, keep).unwrap();
+        assert_eq!(r.segments[0], Segment::Text("ab".into()));
+        assert_eq!(
+            r.template,
+            Some(TemplateInput::Prompt(vec![
+                PromptPart::Text("a".into()),
+                PromptPart::Text("b".into()),
+                PromptPart::Tokens(vec![1, 2])
+            ]))
         );
     }
 

@@ -14,7 +14,10 @@ use serde_json::error::Category;
 use serde_json::value::RawValue;
 
 use super::nvext::{Key, NvExt, NvExtVisitor};
-use super::{ApiKind, InferenceRequest, RequestError, Segment};
+use super::{
+    ApiKind, ChatInput, ContentPart, InferenceRequest, MessageField, ParseOptions, PromptPart,
+    RequestError, Segment, TemplateInput, TemplateMessage,
+};
 
 /// One step of a field path.
 #[derive(Debug, Clone, Copy)]
@@ -114,16 +117,18 @@ impl Segments {
         )
     }
 
-    fn token(&mut self, t: u32) {
+    /// Adds a token id within the budget; whether it was kept.
+    fn token(&mut self, t: u32) -> bool {
         if self.1.left == 0 {
             self.1.omitted += 1;
-            return;
+            return false;
         }
         self.1.left -= 1;
         match self.0.last_mut() {
             Some(Segment::Tokens(last)) => last.push(t),
             _ => self.0.push(Segment::Tokens(vec![t])),
         }
+        true
     }
 
     fn image(&mut self, url: String) {
@@ -136,7 +141,9 @@ impl Segments {
             match seg {
                 Segment::Text(t) => self.text(&t),
                 Segment::Tokens(t) if matches!(self.0.last(), Some(Segment::Tokens(_))) => {
-                    t.into_iter().for_each(|t| self.token(t))
+                    t.into_iter().for_each(|t| {
+                        self.token(t);
+                    })
                 }
                 s => self.0.push(s),
             }
@@ -165,15 +172,16 @@ fn once<E: de::Error, T>(slot: &Option<T>, name: &str) -> Result<(), E> {
 pub(super) fn parse_body(
     body: &[u8],
     kind: Option<ApiKind>,
-    token_limit: usize,
+    options: ParseOptions,
 ) -> Result<InferenceRequest, RequestError> {
+    let token_limit = options.token_limit;
     let mut path = Path::default();
     let mut de = serde_json::Deserializer::from_slice(body);
     let top = de
         .deserialize_map(Top {
             path: &mut path,
             kind,
-            token_limit,
+            options,
         })
         .and_then(|top| de.end().map(|()| top))
         .map_err(|e| request_error(e, path.render()))?;
@@ -207,6 +215,7 @@ pub(super) fn parse_body(
         stream: top.stream,
         names_worker: nvext.names_worker(),
         nvext,
+        template: top.template,
     })
 }
 
@@ -230,12 +239,13 @@ struct TopFound<'de> {
     stream: bool,
     segments: Segments,
     nvext: Option<&'de RawValue>,
+    template: Option<TemplateInput>,
 }
 
 struct Top<'p> {
     path: &'p mut Path,
     kind: Option<ApiKind>,
-    token_limit: usize,
+    options: ParseOptions,
 }
 
 impl<'de> Visitor<'de> for Top<'_> {
@@ -252,13 +262,17 @@ impl<'de> Visitor<'de> for Top<'_> {
             wants(ApiKind::Completions),
             wants(ApiKind::Responses),
         );
+        let keep = self.options.template;
         let mut model: Option<Key<'de>> = None;
         let mut stream: Option<Option<bool>> = None;
-        let mut messages: Option<Segments> = None;
-        let mut prompt: Option<Segments> = None;
-        let mut input: Option<Segments> = None;
+        let mut messages: Option<(Segments, Vec<TemplateMessage>)> = None;
+        let mut prompt: Option<(Segments, Vec<PromptPart>)> = None;
+        let mut input: Option<(Segments, Vec<TemplateMessage>)> = None;
         let mut instructions: Option<Option<Key<'de>>> = None;
         let mut nvext: Option<&'de RawValue> = None;
+        // Template-only fields: a repeated key counts its last copy, as JSON does.
+        let mut tools: Option<&'de RawValue> = None;
+        let mut kwargs: Option<&'de RawValue> = None;
         let path = self.path;
         while let Some(Key(key)) = map.next_key::<Key>()? {
             match key.as_ref() {
@@ -282,6 +296,7 @@ impl<'de> Visitor<'de> for Top<'_> {
                     messages = Some(map.next_value_seed(Messages {
                         path: &mut *path,
                         allow_text: false,
+                        keep,
                     })?);
                 }
                 "prompt" if want_completions => {
@@ -289,7 +304,8 @@ impl<'de> Visitor<'de> for Top<'_> {
                     once(&prompt, "prompt")?;
                     prompt = Some(map.next_value_seed(Prompt {
                         path: &mut *path,
-                        token_limit: self.token_limit,
+                        token_limit: self.options.token_limit,
+                        keep,
                     })?);
                 }
                 "input" if want_responses => {
@@ -298,6 +314,7 @@ impl<'de> Visitor<'de> for Top<'_> {
                     input = Some(map.next_value_seed(Messages {
                         path: &mut *path,
                         allow_text: true,
+                        keep,
                     })?);
                 }
                 "instructions" if want_responses => {
@@ -309,6 +326,14 @@ impl<'de> Visitor<'de> for Top<'_> {
                     path.push("nvext");
                     once(&nvext, "nvext")?;
                     nvext = Some(map.next_value()?);
+                }
+                "tools" if keep => {
+                    tools = Some(map.next_value()?);
+                    continue;
+                }
+                "chat_template_kwargs" if keep => {
+                    kwargs = Some(map.next_value()?);
+                    continue;
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
@@ -333,17 +358,35 @@ impl<'de> Visitor<'de> for Top<'_> {
             path.push("model");
             return Err(de::Error::custom("missing"));
         };
-        let (field, found) = match kind {
-            ApiKind::Chat => ("messages", messages),
-            ApiKind::Completions => ("prompt", prompt),
-            ApiKind::Responses => ("input", input),
+        let (found, kept) = match (kind, messages, prompt, input) {
+            (ApiKind::Chat, Some((found, kept)), _, _)
+            | (ApiKind::Responses, _, _, Some((found, kept))) => (
+                found,
+                Some(TemplateInput::Chat(chat_input(kept, tools, None))),
+            ),
+            (ApiKind::Completions, _, Some((found, kept)), _) => {
+                (found, Some(TemplateInput::Prompt(kept)))
+            }
+            _ => {
+                path.push(match kind {
+                    ApiKind::Chat => "messages",
+                    ApiKind::Completions => "prompt",
+                    ApiKind::Responses => "input",
+                });
+                return Err(de::Error::custom("missing"));
+            }
         };
-        let Some(found) = found else {
-            path.push(field);
-            return Err(de::Error::custom("missing"));
-        };
+        let mut template = kept.filter(|_| keep);
+        if let Some(TemplateInput::Chat(chat)) = &mut template {
+            if kind == ApiKind::Chat {
+                chat.chat_template_kwargs = kwargs.map(|k| k.get().to_string());
+            }
+        }
         let segments = match instructions.flatten() {
             Some(Key(s)) if kind == ApiKind::Responses => {
+                if let Some(TemplateInput::Chat(chat)) = &mut template {
+                    chat.messages.insert(0, template_message("system", &s));
+                }
                 let mut out = Segments::default();
                 out.text("system\n");
                 out.text(&s);
@@ -359,20 +402,48 @@ impl<'de> Visitor<'de> for Top<'_> {
             stream: stream.flatten().unwrap_or(false),
             segments,
             nvext,
+            template,
         })
     }
 }
 
-/// Chat `messages` (or a Responses `input`, which may also be a string).
+/// The template's view of a chat body.
+fn chat_input(
+    messages: Vec<TemplateMessage>,
+    tools: Option<&RawValue>,
+    chat_template_kwargs: Option<&RawValue>,
+) -> ChatInput {
+    ChatInput {
+        messages,
+        tools: tools.map(|t| t.get().to_string()),
+        chat_template_kwargs: chat_template_kwargs.map(|k| k.get().to_string()),
+    }
+}
+
+/// A message of a role and string content (Responses `instructions` and `input`).
+fn template_message(role: &str, content: &str) -> TemplateMessage {
+    TemplateMessage {
+        fields: vec![
+            ("role".into(), MessageField::Text(role.into())),
+            ("content".into(), MessageField::Text(content.into())),
+        ],
+    }
+}
+
+/// Chat `messages` (or a Responses `input`, which may also be a string), with
+/// the template's messages when `keep`.
 struct Messages<'p> {
     path: &'p mut Path,
     allow_text: bool,
+    keep: bool,
 }
 
-impl<'de> DeserializeSeed<'de> for Messages<'_> {
-    type Value = Segments;
+type Found = (Segments, Vec<TemplateMessage>);
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Segments, D::Error> {
+impl<'de> DeserializeSeed<'de> for Messages<'_> {
+    type Value = Found;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Found, D::Error> {
         if self.allow_text {
             d.deserialize_any(self)
         } else {
@@ -382,7 +453,7 @@ impl<'de> DeserializeSeed<'de> for Messages<'_> {
 }
 
 impl<'de> Visitor<'de> for Messages<'_> {
-    type Value = Segments;
+    type Value = Found;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         if self.allow_text {
@@ -392,18 +463,24 @@ impl<'de> Visitor<'de> for Messages<'_> {
         }
     }
 
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Segments, E> {
-        text_prompt(v)
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Found, E> {
+        let kept = match self.keep {
+            true => vec![template_message("user", v)],
+            false => Vec::new(),
+        };
+        Ok((text_prompt(v)?, kept))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Segments, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Found, A::Error> {
         let mut out = Segments::default();
+        let mut kept = Vec::new();
         let mut i = 0;
         loop {
             self.path.index(i);
             let more = seq.next_element_seed(Message {
                 path: &mut *self.path,
                 out: &mut out,
+                kept: self.keep.then_some(&mut kept),
             })?;
             self.path.pop();
             if more.is_none() {
@@ -414,7 +491,7 @@ impl<'de> Visitor<'de> for Messages<'_> {
         if i == 0 {
             return Err(de::Error::custom("must not be empty"));
         }
-        Ok(out)
+        Ok((out, kept))
     }
 }
 
@@ -422,14 +499,40 @@ impl<'de> Visitor<'de> for Messages<'_> {
 enum Piece<'de> {
     Text(Cow<'de, str>),
     Image(Cow<'de, str>),
-    /// An unknown content part, as compact JSON so equal parts hash equal.
-    Json(String),
+    /// An unknown content part, as compact JSON so equal parts hash equal, and
+    /// its `text` (what a template sees of it).
+    Other {
+        json: String,
+        text: Option<Cow<'de, str>>,
+    },
 }
 
-/// One chat message, rendered as `role\n` + content + tool calls + `\n`.
+impl Piece<'_> {
+    /// The part as the chat template sees it.
+    fn for_template(&self) -> ContentPart {
+        match self {
+            Piece::Text(t) => ContentPart::Text(t.to_string()),
+            Piece::Image(u) => ContentPart::Image(u.to_string()),
+            Piece::Other { text, .. } => {
+                ContentPart::Text(text.as_deref().unwrap_or_default().to_string())
+            }
+        }
+    }
+}
+
+/// Message `content` as the body gives it.
+enum ContentValue<'de> {
+    Null,
+    Text(Cow<'de, str>),
+    Parts(Vec<Piece<'de>>),
+}
+
+/// One chat message, rendered as `role\n` + content + tool calls + `\n`; with
+/// `kept`, also every field for the template.
 struct Message<'p, 'o> {
     path: &'p mut Path,
     out: &'o mut Segments,
+    kept: Option<&'o mut Vec<TemplateMessage>>,
 }
 
 impl<'de> DeserializeSeed<'de> for Message<'_, '_> {
@@ -448,27 +551,56 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let keep = self.kept.is_some();
         let mut role: Option<Option<Key<'de>>> = None;
-        let mut content: Option<Vec<Piece<'de>>> = None;
+        let mut content: Option<ContentValue<'de>> = None;
         let mut tool_calls: Option<&'de RawValue> = None;
+        let mut fields: Vec<(String, MessageField)> = Vec::new();
         while let Some(Key(key)) = map.next_key::<Key>()? {
             match key.as_ref() {
                 "role" => {
                     self.path.push("role");
                     once(&role, "role")?;
-                    role = Some(map.next_value()?);
+                    let r: Option<Key> = map.next_value()?;
+                    if keep {
+                        let value = r.as_ref().map_or(MessageField::Null, |Key(r)| {
+                            MessageField::Text(r.to_string())
+                        });
+                        fields.push((key.into_owned(), value));
+                    }
+                    role = Some(r);
                 }
                 "content" => {
                     self.path.push("content");
                     once(&content, "content")?;
-                    content = Some(map.next_value_seed(Content {
+                    let c = map.next_value_seed(Content {
                         path: &mut *self.path,
-                    })?);
+                    })?;
+                    if keep {
+                        let value = match &c {
+                            ContentValue::Null => MessageField::Null,
+                            ContentValue::Text(t) => MessageField::Text(t.to_string()),
+                            ContentValue::Parts(p) => {
+                                MessageField::Parts(p.iter().map(Piece::for_template).collect())
+                            }
+                        };
+                        fields.push((key.into_owned(), value));
+                    }
+                    content = Some(c);
                 }
                 "tool_calls" => {
                     self.path.push("tool_calls");
                     once(&tool_calls, "tool_calls")?;
-                    tool_calls = Some(map.next_value()?);
+                    let calls: &RawValue = map.next_value()?;
+                    if keep {
+                        fields.push((key.into_owned(), MessageField::Json(calls.get().into())));
+                    }
+                    tool_calls = Some(calls);
+                }
+                _ if keep => {
+                    let raw: &RawValue = map.next_value()?;
+                    fields.push((key.into_owned(), MessageField::Json(raw.get().into())));
+                    continue;
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
@@ -477,15 +609,23 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
             }
             self.path.pop();
         }
+        if let Some(kept) = self.kept {
+            kept.push(TemplateMessage { fields });
+        }
         let role = role.flatten();
         self.out
             .text(role.as_ref().map_or("user", |r| r.0.as_ref()));
         self.out.text("\n");
-        for piece in content.into_iter().flatten() {
+        let pieces = match content {
+            None | Some(ContentValue::Null) => Vec::new(),
+            Some(ContentValue::Text(t)) => vec![Piece::Text(t)],
+            Some(ContentValue::Parts(p)) => p,
+        };
+        for piece in pieces {
             match piece {
                 Piece::Text(t) => self.out.text(&t),
                 Piece::Image(u) => self.out.image(u.into_owned()),
-                Piece::Json(j) => self.out.text(&j),
+                Piece::Other { json, .. } => self.out.text(&json),
             }
         }
         if let Some(calls) = tool_calls {
@@ -502,7 +642,7 @@ struct Content<'p> {
 }
 
 impl<'de> DeserializeSeed<'de> for Content<'_> {
-    type Value = Vec<Piece<'de>>;
+    type Value = ContentValue<'de>;
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
@@ -510,7 +650,7 @@ impl<'de> DeserializeSeed<'de> for Content<'_> {
 }
 
 impl<'de> Visitor<'de> for Content<'_> {
-    type Value = Vec<Piece<'de>>;
+    type Value = ContentValue<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a string or an array of content parts")
@@ -518,15 +658,15 @@ impl<'de> Visitor<'de> for Content<'_> {
 
     // Assistant turns with only tool calls have null content.
     fn visit_unit<E>(self) -> Result<Self::Value, E> {
-        Ok(Vec::new())
+        Ok(ContentValue::Null)
     }
 
     fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(vec![Piece::Text(Cow::Borrowed(v))])
+        Ok(ContentValue::Text(Cow::Borrowed(v)))
     }
 
     fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(vec![Piece::Text(Cow::Owned(v.to_string()))])
+        Ok(ContentValue::Text(Cow::Owned(v.to_string())))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
@@ -539,7 +679,7 @@ impl<'de> Visitor<'de> for Content<'_> {
             self.path.pop();
             match part {
                 Some(p) => out.push(p),
-                None => return Ok(out),
+                None => return Ok(ContentValue::Parts(out)),
             }
         }
     }
@@ -624,9 +764,9 @@ impl<'de> Visitor<'de> for Part<'_> {
             _ => {
                 let mut json = String::from("{\"type\":");
                 push_json_str(&mut json, &ty);
-                if let Some(Key(t)) = text {
+                if let Some(Key(t)) = &text {
                     json.push_str(",\"text\":");
-                    push_json_str(&mut json, &t);
+                    push_json_str(&mut json, t);
                 }
                 if let Some(u) = image {
                     json.push_str(",\"image_url\":");
@@ -639,7 +779,10 @@ impl<'de> Visitor<'de> for Part<'_> {
                     json.push_str(v.get());
                 }
                 json.push('}');
-                Ok(Piece::Json(json))
+                Ok(Piece::Other {
+                    json,
+                    text: text.map(|Key(t)| t),
+                })
             }
         }
     }
@@ -706,12 +849,41 @@ struct Prompt<'p> {
     path: &'p mut Path,
     /// Token ids kept; the rest are counted ([`InferenceRequest::omitted_tokens`]).
     token_limit: usize,
+    /// Keep the items for the tokenizer ([`PromptParts`]).
+    keep: bool,
 }
 
-impl<'de> DeserializeSeed<'de> for Prompt<'_> {
-    type Value = Segments;
+/// A completions prompt item by item, for the tokenizer (it encodes each string
+/// with its own BOS); token ids only as far as the segments keep them.
+struct PromptParts {
+    keep: bool,
+    parts: Vec<PromptPart>,
+}
 
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Segments, D::Error> {
+impl PromptParts {
+    fn text(&mut self, s: &str) {
+        if self.keep {
+            self.parts.push(PromptPart::Text(s.to_string()));
+        }
+    }
+
+    fn token(&mut self, t: u32) {
+        if !self.keep {
+            return;
+        }
+        match self.parts.last_mut() {
+            Some(PromptPart::Tokens(last)) => last.push(t),
+            _ => self.parts.push(PromptPart::Tokens(vec![t])),
+        }
+    }
+}
+
+type PromptFound = (Segments, Vec<PromptPart>);
+
+impl<'de> DeserializeSeed<'de> for Prompt<'_> {
+    type Value = PromptFound;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<PromptFound, D::Error> {
         d.deserialize_any(self)
     }
 }
@@ -720,35 +892,52 @@ const TOKEN_ID: &str = "token ids must be non-negative 32-bit integers";
 const PROMPT_ITEM: &str = "must be a string or an array of token ids";
 
 impl<'de> Visitor<'de> for Prompt<'_> {
-    type Value = Segments;
+    type Value = PromptFound;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a string, an array of strings, or an array of token ids")
     }
 
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Segments, E> {
-        text_prompt(v)
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptFound, E> {
+        let mut kept = PromptParts {
+            keep: self.keep,
+            parts: Vec::new(),
+        };
+        kept.text(v);
+        Ok((text_prompt(v)?, kept.parts))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Segments, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptFound, A::Error> {
         let mut out = Segments::with_token_limit(self.token_limit);
+        let mut kept = PromptParts {
+            keep: self.keep,
+            parts: Vec::new(),
+        };
         self.path.index(0);
-        let first = seq.next_element_seed(PromptItem { out: &mut out })?;
+        let first = seq.next_element_seed(PromptItem {
+            out: &mut out,
+            kept: &mut kept,
+        })?;
         self.path.pop();
         match first {
             None => Err(de::Error::custom("must not be empty")),
             Some(Item::Token) => {
                 // A flat array of token ids: the hot path for huge numeric prompts.
                 while let Some(t) = seq.next_element::<TokenId>()? {
-                    out.token(t.0);
+                    if out.token(t.0) {
+                        kept.token(t.0);
+                    }
                 }
-                Ok(out)
+                Ok((out, kept.parts))
             }
             Some(Item::Other) => {
                 let mut i = 1;
                 loop {
                     self.path.index(i);
-                    let item = seq.next_element_seed(PromptItem { out: &mut out })?;
+                    let item = seq.next_element_seed(PromptItem {
+                        out: &mut out,
+                        kept: &mut kept,
+                    })?;
                     match item {
                         None => break,
                         Some(Item::Token) => return Err(de::Error::custom(PROMPT_ITEM)),
@@ -758,7 +947,7 @@ impl<'de> Visitor<'de> for Prompt<'_> {
                     i += 1;
                 }
                 self.path.pop();
-                Ok(out)
+                Ok((out, kept.parts))
             }
         }
     }
@@ -797,6 +986,7 @@ enum Item {
 
 struct PromptItem<'o> {
     out: &'o mut Segments,
+    kept: &'o mut PromptParts,
 }
 
 impl<'de> DeserializeSeed<'de> for PromptItem<'_> {
@@ -816,7 +1006,9 @@ impl<'de> Visitor<'de> for PromptItem<'_> {
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Item, E> {
         let t = u32::try_from(v).map_err(|_| E::custom(TOKEN_ID))?;
-        self.out.token(t);
+        if self.out.token(t) {
+            self.kept.token(t);
+        }
         Ok(Item::Token)
     }
 
@@ -826,13 +1018,16 @@ impl<'de> Visitor<'de> for PromptItem<'_> {
 
     fn visit_str<E>(self, v: &str) -> Result<Item, E> {
         self.out.text(v);
+        self.kept.text(v);
         Ok(Item::Other)
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
         // Token-id arrays stay separate segments from neighbouring strings.
         while let Some(t) = seq.next_element::<TokenId>()? {
-            self.out.token(t.0);
+            if self.out.token(t.0) {
+                self.kept.token(t.0);
+            }
         }
         Ok(Item::Other)
     }

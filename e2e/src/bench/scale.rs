@@ -237,6 +237,7 @@ pub fn run(cfg: &ScaleConfig) -> ScaleReport {
         nvext: NvExt::default(),
         names_worker: false,
         omitted_tokens: 0,
+        template: None,
     };
     let mut picks = Vec::with_capacity(cfg.iterations);
     for _ in 0..cfg.iterations {

@@ -115,6 +115,7 @@ pub fn body(r: &TraceRequest) -> InferenceRequest {
         nvext: NvExt::default(),
         names_worker: false,
         omitted_tokens: 0,
+        template: None,
     }
 }
 
