@@ -10,6 +10,7 @@
 use std::time::Instant;
 
 use super::cost::{Cand, CostTerms};
+use super::pick::{excluded, parsed_subset};
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
 
@@ -83,24 +84,20 @@ impl Scheduler {
         }
         let mut all = Vec::new();
         let mut any_available = false;
+        let subset = parsed_subset(req.subset);
         for ep in &snapshot.endpoints {
             let address = ep.endpoint.address_string();
-            let in_subset = req.subset.is_none_or(|s| s.contains(&address));
+            let filtered = excluded(req, subset.as_deref(), ep);
             let available = ep.health().available(now);
-            any_available |= available && in_subset;
+            // As the pick: only endpoints that could take the request decide
+            // whether ejected ones sit out.
+            any_available |= available && filtered.is_none();
             for rank in 0..ep.ranks() {
                 let cand = Cand {
                     ep,
                     rank,
                     key: ep.key(rank),
                     available,
-                };
-                let filtered = if !in_subset {
-                    Some(FilteredOut::NotInSubset)
-                } else if !ep.endpoint.role.serves_decode() && req.body.is_none() {
-                    Some(FilteredOut::NoBody)
-                } else {
-                    None
                 };
                 all.push((cand, address.clone(), filtered));
             }

@@ -7,8 +7,8 @@ use std::time::Instant;
 use rand::Rng;
 
 use super::cost::Cand;
-use super::{Decision, PickError, PickRequest, Scheduler, Stage};
-use crate::endpoints::{ActiveLoad, Engine, Snapshot, WorkerKey};
+use super::{Decision, FilteredOut, PickError, PickRequest, Scheduler, Stage};
+use crate::endpoints::{ActiveLoad, EndpointState, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -240,27 +240,19 @@ impl Scheduler {
         let mut decode = Vec::with_capacity(snapshot.endpoints.len());
         let mut prefill = Vec::new();
         let (mut any, mut any_available) = (false, false);
-        // The hint's addresses, parsed and sorted once (an entry that is no
-        // socket address matches no endpoint).
-        let subset: Option<Vec<SocketAddr>> = req.subset.map(|s| {
-            let mut addrs: Vec<SocketAddr> = s.iter().filter_map(|a| a.parse().ok()).collect();
-            addrs.sort_unstable();
-            addrs
-        });
+        let subset = parsed_subset(req.subset);
         for ep in &snapshot.endpoints {
-            if subset
-                .as_ref()
-                .is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err())
-            {
-                continue;
+            match excluded(req, subset.as_deref(), ep) {
+                Some(FilteredOut::NotInSubset) => continue,
+                Some(_) => {
+                    any = true;
+                    continue;
+                }
+                None => any = true,
             }
-            any = true;
-            let to = if ep.endpoint.role.serves_decode() {
-                &mut decode
-            } else if req.body.is_some() {
-                &mut prefill
-            } else {
-                continue;
+            let to = match ep.endpoint.role.serves_decode() {
+                true => &mut decode,
+                false => &mut prefill,
             };
             let available = ep.health().available(now);
             any_available |= available;
@@ -299,5 +291,31 @@ impl Scheduler {
             self.record_prompt(c.key, hashes, now);
         }
         c.ep.book(c.rank, load);
+    }
+}
+
+/// The subset hint's addresses, parsed and sorted once per pick (an entry that
+/// is no socket address matches no endpoint).
+pub(super) fn parsed_subset(subset: Option<&[String]>) -> Option<Vec<SocketAddr>> {
+    subset.map(|s| {
+        let mut addrs: Vec<SocketAddr> = s.iter().filter_map(|a| a.parse().ok()).collect();
+        addrs.sort_unstable();
+        addrs
+    })
+}
+
+/// Why `ep` can take no part in `req` whatever its health: outside the subset
+/// hint (`subset`, from [`parsed_subset`]), or prefill-only with no body.
+pub(super) fn excluded(
+    req: &PickRequest<'_>,
+    subset: Option<&[SocketAddr]>,
+    ep: &EndpointState,
+) -> Option<FilteredOut> {
+    if subset.is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err()) {
+        Some(FilteredOut::NotInSubset)
+    } else if !ep.endpoint.role.serves_decode() && req.body.is_none() {
+        Some(FilteredOut::NoBody)
+    } else {
+        None
     }
 }
