@@ -16,10 +16,12 @@
 //! not) each recent failure also counts as load in its cost, so failed requests,
 //! which release their load immediately, never make it look idle.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+
+use crate::time::Epoch;
 
 /// Passive health settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,10 +92,9 @@ pub struct PassiveHealth {
     record: Mutex<Record>,
     /// `record.consecutive`, for readers.
     failures: AtomicU32,
-    /// End of the current (or last) ejection in nanoseconds after `born`, plus
-    /// one; 0 when never ejected.
-    ejected_until: AtomicU64,
-    born: Instant,
+    /// End of the current (or last) ejection, coded by `epoch`.
+    ejected_until: AtomicI64,
+    epoch: Epoch,
 }
 
 impl Default for PassiveHealth {
@@ -101,8 +102,8 @@ impl Default for PassiveHealth {
         PassiveHealth {
             record: Mutex::default(),
             failures: AtomicU32::new(0),
-            ejected_until: AtomicU64::new(0),
-            born: Instant::now(),
+            ejected_until: AtomicI64::new(Epoch::NONE),
+            epoch: Epoch::default(),
         }
     }
 }
@@ -135,27 +136,19 @@ impl PassiveHealth {
             }
         };
         self.failures.store(r.consecutive, Ordering::Relaxed);
-        let until = r
-            .ejected_until
-            .map_or(0, |t| self.nanos(t).saturating_add(1));
-        self.ejected_until.store(until, Ordering::Relaxed);
+        self.ejected_until
+            .store(self.epoch.encode_opt(r.ejected_until), Ordering::Relaxed);
         ejected
     }
 
     /// Whether the endpoint may take requests at `now` (not ejected).
     pub fn available(&self, now: Instant) -> bool {
-        let until = self.ejected_until.load(Ordering::Relaxed);
-        until == 0 || self.nanos(now).saturating_add(1) >= until
+        self.epoch.encode(now) >= self.ejected_until.load(Ordering::Relaxed)
     }
 
     /// Failures since the last success (counted as load by the scheduler).
     pub fn failures(&self) -> u32 {
         self.failures.load(Ordering::Relaxed)
-    }
-
-    /// `t` in nanoseconds after this record was made (0 for earlier instants).
-    fn nanos(&self, t: Instant) -> u64 {
-        u64::try_from(t.saturating_duration_since(self.born).as_nanos()).unwrap_or(u64::MAX)
     }
 }
 

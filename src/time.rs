@@ -26,6 +26,54 @@ pub fn saturating_add_system(t: SystemTime, d: Duration) -> SystemTime {
     }
 }
 
+/// Instants as signed nanoseconds from an origin, so they fit an atomic. The code
+/// is monotone (a later instant never codes smaller), saturates at the ends, and
+/// [`Epoch::NONE`] stands for no instant.
+#[derive(Debug, Clone, Copy)]
+pub struct Epoch {
+    origin: Instant,
+}
+
+impl Default for Epoch {
+    fn default() -> Self {
+        Epoch {
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Epoch {
+    /// The code of no instant (below every instant's code).
+    pub const NONE: i64 = i64::MIN;
+
+    /// The code of `t`.
+    pub fn encode(&self, t: Instant) -> i64 {
+        let nanos = |d: Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
+        match t.checked_duration_since(self.origin) {
+            Some(after) => nanos(after),
+            None => nanos(self.origin - t).saturating_neg().max(Self::NONE + 1),
+        }
+    }
+
+    /// The code of `t`, or [`Epoch::NONE`].
+    pub fn encode_opt(&self, t: Option<Instant>) -> i64 {
+        t.map_or(Self::NONE, |t| self.encode(t))
+    }
+
+    /// The instant a code stands for.
+    pub fn decode(&self, code: i64) -> Option<Instant> {
+        match code {
+            Self::NONE => None,
+            c if c >= 0 => Some(saturating_add(self.origin, Duration::from_nanos(c as u64))),
+            c => Some(
+                self.origin
+                    .checked_sub(Duration::from_nanos(c.unsigned_abs()))
+                    .unwrap_or(self.origin),
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -41,5 +89,18 @@ mod tests {
         let sys = SystemTime::now();
         assert!(saturating_add_system(sys, Duration::MAX) > sys);
         assert_eq!(saturating_add_system(sys, Duration::ZERO), sys);
+    }
+
+    #[test]
+    fn epoch_codes_round_trip_either_side_of_the_origin_and_keep_order() {
+        let before = Instant::now();
+        let epoch = Epoch::default();
+        let after = Instant::now() + Duration::from_secs(3);
+        for t in [before, after] {
+            assert_eq!(epoch.decode(epoch.encode(t)), Some(t));
+        }
+        assert!(epoch.encode(before) < epoch.encode(after));
+        assert_eq!(epoch.decode(epoch.encode_opt(None)), None);
+        assert!(Epoch::NONE < epoch.encode(before));
     }
 }

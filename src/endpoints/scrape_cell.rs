@@ -8,11 +8,12 @@
 //! torn read is only ever discarded, never undefined.
 
 use std::sync::atomic::{fence, AtomicI64, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
 use super::ScrapedLoad;
+use crate::time::Epoch;
 
 /// The latest scrape outcome of one endpoint.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -25,8 +26,6 @@ pub(super) struct Scrape {
 
 /// No value (for the optional fields).
 const NONE: u64 = u64::MAX;
-/// No instant.
-const NO_INSTANT: i64 = i64::MIN;
 
 /// A [`Scrape`] readers copy out without locking.
 #[derive(Debug)]
@@ -37,10 +36,10 @@ pub(super) struct ScrapeCell {
     kv_usage: AtomicU64,
     block_size: AtomicU64,
     num_blocks: AtomicU64,
-    /// `load.at` in signed nanoseconds from `origin`; [`NO_INSTANT`] when no load.
+    /// `load.at` coded by `epoch`; [`Epoch::NONE`] when no load.
     at: AtomicI64,
     failed_at: AtomicI64,
-    origin: Instant,
+    epoch: Epoch,
     writer: Mutex<()>,
 }
 
@@ -53,9 +52,9 @@ impl Default for ScrapeCell {
             kv_usage: AtomicU64::new(0),
             block_size: AtomicU64::new(NONE),
             num_blocks: AtomicU64::new(NONE),
-            at: AtomicI64::new(NO_INSTANT),
-            failed_at: AtomicI64::new(NO_INSTANT),
-            origin: Instant::now(),
+            at: AtomicI64::new(Epoch::NONE),
+            failed_at: AtomicI64::new(Epoch::NONE),
+            epoch: Epoch::default(),
             writer: Mutex::new(()),
         }
     }
@@ -102,9 +101,9 @@ impl ScrapeCell {
             Ordering::Relaxed,
         );
         self.at
-            .store(self.encode(load.map(|l| l.at)), Ordering::Relaxed);
+            .store(self.epoch.encode_opt(load.map(|l| l.at)), Ordering::Relaxed);
         self.failed_at
-            .store(self.encode(next.failed_at), Ordering::Relaxed);
+            .store(self.epoch.encode_opt(next.failed_at), Ordering::Relaxed);
         self.seq.store(seq.wrapping_add(2), Ordering::Release);
     }
 
@@ -113,6 +112,7 @@ impl ScrapeCell {
         let f = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
         let opt = |a: &AtomicU64| Some(a.load(Ordering::Relaxed)).filter(|v| *v != NONE);
         let load = self
+            .epoch
             .decode(self.at.load(Ordering::Relaxed))
             .map(|at| ScrapedLoad {
                 queue: f(&self.queue),
@@ -124,34 +124,7 @@ impl ScrapeCell {
             });
         Scrape {
             load,
-            failed_at: self.decode(self.failed_at.load(Ordering::Relaxed)),
-        }
-    }
-
-    /// `t` as signed nanoseconds from the origin (saturating).
-    fn encode(&self, t: Option<Instant>) -> i64 {
-        let Some(t) = t else {
-            return NO_INSTANT;
-        };
-        let nanos = |d: Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
-        match t.checked_duration_since(self.origin) {
-            Some(after) => nanos(after),
-            None => nanos(self.origin - t).saturating_neg().max(NO_INSTANT + 1),
-        }
-    }
-
-    fn decode(&self, v: i64) -> Option<Instant> {
-        match v {
-            NO_INSTANT => None,
-            v if v >= 0 => Some(crate::time::saturating_add(
-                self.origin,
-                Duration::from_nanos(v as u64),
-            )),
-            v => Some(
-                self.origin
-                    .checked_sub(Duration::from_nanos(v.unsigned_abs()))
-                    .unwrap_or(self.origin),
-            ),
+            failed_at: self.epoch.decode(self.failed_at.load(Ordering::Relaxed)),
         }
     }
 }
@@ -159,6 +132,7 @@ impl ScrapeCell {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use super::*;
 
