@@ -4,6 +4,11 @@
 //!   scoring, index insert) for a 32k-token prompt (128 KiB of text, 2,048 blocks)
 //!   over 64 and 1,024 workers, next to the plain fewest-in-flight picker over the
 //!   same snapshot;
+//! - `decision_per_endpoint/*`: the same decision for a 1 KiB prompt every worker
+//!   holds (so every candidate ties on overlap and is scored in full), with the
+//!   pool size as the throughput: criterion's elements per second are endpoints
+//!   scored per second, its time per element the cost per endpoint; next to the
+//!   fewest-in-flight picker;
 //! - `hash/*` and `lookup/*`: the two prefix stages alone;
 //! - `index_insert`: approximate-mode insert throughput (blocks per second);
 //! - memory per indexed block: printed before the benchmarks run, measured with a
@@ -153,6 +158,39 @@ fn bench_decision(c: &mut Criterion) {
         s.finish(&d, Some(200));
         g.bench_with_input(
             BenchmarkId::new("prefix_32k_tokens", workers),
+            &workers,
+            |b, _| {
+                b.iter(|| {
+                    let d = s.pick(black_box(&req), &snap).unwrap();
+                    s.finish(&d, Some(200));
+                    d.overlap_blocks
+                })
+            },
+        );
+        g.bench_with_input(
+            BenchmarkId::new("baseline_fewest_in_flight", workers),
+            &workers,
+            |b, _| b.iter(|| fewest_in_flight(black_box(&snap)).map(|(_, r)| r)),
+        );
+    }
+    g.finish();
+
+    let short = request(&system[..1024]);
+    let mut g = c.benchmark_group("decision_per_endpoint");
+    for workers in [64usize, 1024] {
+        let table = pool(workers);
+        let snap = table.snapshot();
+        let s = warmed(workers, &snap, &conversation);
+        let req = PickRequest {
+            body: Some(&short),
+            ..Default::default()
+        };
+        let d = s.pick(&req, &snap).unwrap();
+        assert_eq!(d.overlap_blocks, d.prompt_blocks, "every worker holds it");
+        s.finish(&d, Some(200));
+        g.throughput(Throughput::Elements(workers as u64));
+        g.bench_with_input(
+            BenchmarkId::new("prefix_1k_bytes", workers),
             &workers,
             |b, _| {
                 b.iter(|| {

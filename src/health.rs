@@ -92,9 +92,8 @@ pub struct PassiveHealth {
     record: Mutex<Record>,
     /// `record.consecutive`, for readers.
     failures: AtomicU32,
-    /// End of the current (or last) ejection, coded by `epoch`.
+    /// End of the current (or last) ejection, coded by [`Epoch::process`].
     ejected_until: AtomicI64,
-    epoch: Epoch,
 }
 
 impl Default for PassiveHealth {
@@ -103,7 +102,6 @@ impl Default for PassiveHealth {
             record: Mutex::default(),
             failures: AtomicU32::new(0),
             ejected_until: AtomicI64::new(Epoch::NONE),
-            epoch: Epoch::default(),
         }
     }
 }
@@ -136,14 +134,21 @@ impl PassiveHealth {
             }
         };
         self.failures.store(r.consecutive, Ordering::Relaxed);
-        self.ejected_until
-            .store(self.epoch.encode_opt(r.ejected_until), Ordering::Relaxed);
+        self.ejected_until.store(
+            Epoch::process().encode_opt(r.ejected_until),
+            Ordering::Relaxed,
+        );
         ejected
     }
 
     /// Whether the endpoint may take requests at `now` (not ejected).
     pub fn available(&self, now: Instant) -> bool {
-        self.epoch.encode(now) >= self.ejected_until.load(Ordering::Relaxed)
+        self.available_at(Epoch::process().encode(now))
+    }
+
+    /// [`PassiveHealth::available`] at an instant coded by [`Epoch::process`].
+    pub fn available_at(&self, now: i64) -> bool {
+        now >= self.ejected_until.load(Ordering::Relaxed)
     }
 
     /// Failures since the last success (counted as load by the scheduler).

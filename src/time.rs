@@ -2,6 +2,7 @@
 //! clock's range saturates instead of panicking (client-supplied and configured
 //! durations can be anything).
 
+use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime};
 
 /// `t + d`, or the latest instant reachable from `t` when that overflows.
@@ -34,17 +35,24 @@ pub struct Epoch {
     origin: Instant,
 }
 
-impl Default for Epoch {
-    fn default() -> Self {
-        Epoch {
-            origin: Instant::now(),
-        }
-    }
-}
-
 impl Epoch {
     /// The code of no instant (below every instant's code).
     pub const NONE: i64 = i64::MIN;
+
+    /// The process-wide epoch. Every cell codes its instants with it, so codes
+    /// compare across cells: a decision codes its instant once and compares
+    /// integers per endpoint instead of doing clock arithmetic per endpoint.
+    pub fn process() -> Epoch {
+        static ORIGIN: OnceLock<Instant> = OnceLock::new();
+        Epoch {
+            origin: *ORIGIN.get_or_init(Instant::now),
+        }
+    }
+
+    /// A code `d` after `code` (saturating).
+    pub fn after(code: i64, d: Duration) -> i64 {
+        code.saturating_add(i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+    }
 
     /// The code of `t`.
     pub fn encode(&self, t: Instant) -> i64 {
@@ -93,8 +101,8 @@ mod tests {
 
     #[test]
     fn epoch_codes_round_trip_either_side_of_the_origin_and_keep_order() {
-        let before = Instant::now();
-        let epoch = Epoch::default();
+        let before = Instant::now() - Duration::from_secs(1);
+        let epoch = Epoch::process();
         let after = Instant::now() + Duration::from_secs(3);
         for t in [before, after] {
             assert_eq!(epoch.decode(epoch.encode(t)), Some(t));
@@ -102,5 +110,11 @@ mod tests {
         assert!(epoch.encode(before) < epoch.encode(after));
         assert_eq!(epoch.decode(epoch.encode_opt(None)), None);
         assert!(Epoch::NONE < epoch.encode(before));
+        let d = Duration::from_millis(1500);
+        assert_eq!(
+            Epoch::after(epoch.encode(before), d),
+            epoch.encode(before + d)
+        );
+        assert_eq!(Epoch::after(i64::MAX - 1, d), i64::MAX);
     }
 }

@@ -330,10 +330,16 @@ impl EndpointState {
 
     /// The scraped load as the scheduler should see it at `now`.
     pub fn load_view(&self, now: Instant, max_age: std::time::Duration) -> LoadView {
-        let scrape = self.scrape.read();
+        self.load_view_at(crate::time::Epoch::process().encode(now), max_age)
+    }
+
+    /// [`EndpointState::load_view`] at an instant coded by
+    /// [`Epoch::process`](crate::time::Epoch::process): integer compares only.
+    pub fn load_view_at(&self, now: i64, max_age: std::time::Duration) -> LoadView {
+        let (scrape, at) = self.scrape.read_coded();
         let failing = scrape.failed_at.is_some();
         match scrape.load {
-            Some(l) if !failing && now.saturating_duration_since(l.at) <= max_age => {
+            Some(l) if !failing && now <= crate::time::Epoch::after(at, max_age) => {
                 LoadView::Fresh(l)
             }
             None if !failing => LoadView::Unknown,

@@ -36,10 +36,9 @@ pub(super) struct ScrapeCell {
     kv_usage: AtomicU64,
     block_size: AtomicU64,
     num_blocks: AtomicU64,
-    /// `load.at` coded by `epoch`; [`Epoch::NONE`] when no load.
+    /// `load.at` coded by [`Epoch::process`]; [`Epoch::NONE`] when no load.
     at: AtomicI64,
     failed_at: AtomicI64,
-    epoch: Epoch,
     writer: Mutex<()>,
 }
 
@@ -54,7 +53,6 @@ impl Default for ScrapeCell {
             num_blocks: AtomicU64::new(NONE),
             at: AtomicI64::new(Epoch::NONE),
             failed_at: AtomicI64::new(Epoch::NONE),
-            epoch: Epoch::default(),
             writer: Mutex::new(()),
         }
     }
@@ -63,6 +61,12 @@ impl Default for ScrapeCell {
 impl ScrapeCell {
     /// The current scrape.
     pub(super) fn read(&self) -> Scrape {
+        self.read_coded().0
+    }
+
+    /// The current scrape, and its `load.at` coded by [`Epoch::process`]
+    /// ([`Epoch::NONE`] without a load).
+    pub(super) fn read_coded(&self) -> (Scrape, i64) {
         loop {
             let before = self.seq.load(Ordering::Acquire);
             if before & 1 == 0 {
@@ -80,7 +84,7 @@ impl ScrapeCell {
     pub(super) fn update(&self, f: impl FnOnce(Scrape) -> Scrape) {
         let _writer = self.writer.lock();
         // The only writer: the fields are stable.
-        let next = f(self.fields());
+        let next = f(self.fields().0);
         let seq = self.seq.load(Ordering::Relaxed);
         self.seq.store(seq.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
@@ -100,32 +104,34 @@ impl ScrapeCell {
             load.and_then(|l| l.num_blocks).unwrap_or(NONE),
             Ordering::Relaxed,
         );
+        let epoch = Epoch::process();
         self.at
-            .store(self.epoch.encode_opt(load.map(|l| l.at)), Ordering::Relaxed);
+            .store(epoch.encode_opt(load.map(|l| l.at)), Ordering::Relaxed);
         self.failed_at
-            .store(self.epoch.encode_opt(next.failed_at), Ordering::Relaxed);
+            .store(epoch.encode_opt(next.failed_at), Ordering::Relaxed);
         self.seq.store(seq.wrapping_add(2), Ordering::Release);
     }
 
-    /// The fields as they are now (consistent only under the sequence check).
-    fn fields(&self) -> Scrape {
+    /// The fields as they are now, with `load.at`'s code (consistent only under
+    /// the sequence check).
+    fn fields(&self) -> (Scrape, i64) {
         let f = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
         let opt = |a: &AtomicU64| Some(a.load(Ordering::Relaxed)).filter(|v| *v != NONE);
-        let load = self
-            .epoch
-            .decode(self.at.load(Ordering::Relaxed))
-            .map(|at| ScrapedLoad {
-                queue: f(&self.queue),
-                running: f(&self.running),
-                kv_usage: f(&self.kv_usage),
-                block_size: opt(&self.block_size).map(|v| v as u32),
-                num_blocks: opt(&self.num_blocks),
-                at,
-            });
-        Scrape {
+        let epoch = Epoch::process();
+        let at_code = self.at.load(Ordering::Relaxed);
+        let load = epoch.decode(at_code).map(|at| ScrapedLoad {
+            queue: f(&self.queue),
+            running: f(&self.running),
+            kv_usage: f(&self.kv_usage),
+            block_size: opt(&self.block_size).map(|v| v as u32),
+            num_blocks: opt(&self.num_blocks),
+            at,
+        });
+        let scrape = Scrape {
             load,
-            failed_at: self.epoch.decode(self.failed_at.load(Ordering::Relaxed)),
-        }
+            failed_at: epoch.decode(self.failed_at.load(Ordering::Relaxed)),
+        };
+        (scrape, at_code)
     }
 }
 

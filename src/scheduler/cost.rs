@@ -5,7 +5,6 @@
 //! at the request's size.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use rand::Rng;
 
@@ -50,8 +49,6 @@ pub(super) struct Cand<'a> {
     pub(super) ep: &'a Arc<EndpointState>,
     pub(super) rank: u32,
     pub(super) key: WorkerKey,
-    /// Not passively ejected (read once per endpoint per pick).
-    pub(super) available: bool,
 }
 
 impl Cand<'_> {
@@ -89,7 +86,8 @@ pub const SATURATION_KV_USAGE: f64 = 0.8;
 
 impl Scheduler {
     /// The cost of sending a request of `size` blocks, `new_blocks` of which the
-    /// candidate must still prefill, to candidate `c`, term by term.
+    /// candidate must still prefill, to candidate `c`, term by term, at `now`
+    /// coded by [`Epoch::process`](crate::time::Epoch::process).
     ///
     /// Sticky until saturated: a candidate whose fresh scrape shows headroom (no
     /// queued request, KV usage under [`SATURATION_KV_USAGE`]) can start the
@@ -104,7 +102,7 @@ impl Scheduler {
         new_blocks: usize,
         size: u64,
         w_prefill: f64,
-        now: Instant,
+        now: i64,
     ) -> CostTerms {
         let w = &self.config.weights;
         let size = size as f64;
@@ -114,7 +112,7 @@ impl Scheduler {
         let mut queue = 0.0;
         let mut kv = 0.0;
         let ranks = f64::from(c.ep.ranks());
-        let view = c.ep.load_view(now, self.config.scrape_max_age);
+        let view = c.ep.load_view_at(now, self.config.scrape_max_age);
         let scraped = match view {
             LoadView::Fresh(s) | LoadView::Suspect(Some(s)) => Some(s),
             LoadView::Suspect(None) | LoadView::Unknown => None,
@@ -155,7 +153,7 @@ impl Scheduler {
 
     /// Index of the chosen candidate: argmin of the cost with a uniform random
     /// tie-break (one pass, no allocation), or softmax sampling when a
-    /// temperature is set.
+    /// temperature is set. `now` is coded by [`Epoch::process`](crate::time::Epoch::process).
     pub(super) fn choose(
         &self,
         cands: &[Cand<'_>],
@@ -163,7 +161,7 @@ impl Scheduler {
         prompt: &PromptBlocks,
         size: u64,
         w_prefill: f64,
-        now: Instant,
+        now: i64,
     ) -> usize {
         let costs = cands.iter().map(|c| {
             let new_blocks = prompt.uncached(overlap(c));

@@ -13,6 +13,7 @@ use super::cost::{Cand, CostTerms};
 use super::pick::{excluded, parsed_subset};
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
+use crate::time::Epoch;
 
 /// Why a candidate is not considered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,13 +83,14 @@ impl Scheduler {
         if snapshot.endpoints.is_empty() {
             return Err(PickError::NoEndpoints);
         }
+        let tick = Epoch::process().encode(now);
         let mut all = Vec::new();
         let mut any_available = false;
         let subset = parsed_subset(req.subset);
         for ep in &snapshot.endpoints {
             let address = ep.endpoint.address_string();
             let filtered = excluded(req, subset.as_deref(), ep);
-            let available = ep.health().available(now);
+            let available = ep.health().available_at(tick);
             // As the pick: only endpoints that could take the request decide
             // whether ejected ones sit out.
             any_available |= available && filtered.is_none();
@@ -97,16 +99,21 @@ impl Scheduler {
                     ep,
                     rank,
                     key: ep.key(rank),
-                    available,
                 };
-                all.push((cand, address.clone(), filtered));
+                all.push((cand, address.clone(), filtered, available));
             }
         }
-        for (c, _, filtered) in &mut all {
-            if filtered.is_none() && any_available && !c.available {
-                *filtered = Some(FilteredOut::Ejected);
-            }
-        }
+        let all: Vec<_> = all
+            .into_iter()
+            .map(|(c, address, filtered, available)| {
+                let ejected = filtered.is_none() && any_available && !available;
+                (
+                    c,
+                    address,
+                    filtered.or(ejected.then_some(FilteredOut::Ejected)),
+                )
+            })
+            .collect();
         if req.subset.is_some()
             && all
                 .iter()
@@ -137,7 +144,7 @@ impl Scheduler {
                 };
                 let terms = match filtered {
                     Some(_) => CostTerms::default(),
-                    None => self.cost_terms(c, prompt.uncached(overlap), load_blocks, weight, now),
+                    None => self.cost_terms(c, prompt.uncached(overlap), load_blocks, weight, tick),
                 };
                 let pinned = bound.is_some_and(|b| {
                     if prefill {

@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use rand::Rng;
@@ -12,6 +13,7 @@ use crate::endpoints::{ActiveLoad, EndpointState, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
+use crate::time::Epoch;
 
 impl Scheduler {
     /// Chooses the decode target (and a prefill target in disaggregated pools).
@@ -29,7 +31,9 @@ impl Scheduler {
         if snapshot.endpoints.is_empty() {
             return Err(PickError::NoEndpoints);
         }
-        let (decode, prefill) = self.candidates(req, snapshot, now)?;
+        // Coded once: every per-endpoint time check below compares integers.
+        let tick = Epoch::process().encode(now);
+        let (decode, prefill) = self.candidates(req, snapshot, tick)?;
         let (decode, prefill) = (decode.as_slice(), prefill.as_slice());
         if decode.is_empty() {
             return Err(PickError::NoDecodeEndpoint);
@@ -48,7 +52,7 @@ impl Scheduler {
                         e.endpoint.role.serves_decode()
                             && e.endpoint.instance_id == k.instance_id
                             && k.dp_rank < e.ranks()
-                            && e.health().available(now)
+                            && e.health().available_at(tick)
                     })
             };
             let pins = match session.as_mut() {
@@ -89,7 +93,7 @@ impl Scheduler {
             let w = self.config.weights;
             let di = match pinned {
                 Some(i) => i,
-                None => self.choose(decode, &overlap_of, &prompt, load_blocks, w.prefill, now),
+                None => self.choose(decode, &overlap_of, &prompt, load_blocks, w.prefill, tick),
             };
             let pi = (!prefill.is_empty()).then(|| {
                 pinned_prefill.unwrap_or_else(|| {
@@ -99,7 +103,7 @@ impl Scheduler {
                         &prompt,
                         load_blocks,
                         w.prefill_overlap,
-                        now,
+                        tick,
                     )
                 })
             });
@@ -230,19 +234,21 @@ impl Scheduler {
     /// prefill ones apart (the roles are disjoint; prefill workers only matter
     /// for a body): in the subset hint if any; passively ejected endpoints sit
     /// out unless every one is ejected (then all are tried rather than none).
-    /// One pass over the endpoints, each endpoint's health read once.
+    /// One pass over the endpoints (a second only when every one is ejected),
+    /// each endpoint's health read once, at `now` coded by [`Epoch::process`].
     fn candidates<'s>(
         &self,
         req: &PickRequest<'_>,
         snapshot: &'s Snapshot,
-        now: Instant,
+        now: i64,
     ) -> Result<(Vec<Cand<'s>>, Vec<Cand<'s>>), PickError> {
         let mut decode = Vec::with_capacity(snapshot.endpoints.len());
         let mut prefill = Vec::new();
-        let (mut any, mut any_available) = (false, false);
+        let (mut any, mut any_ejected) = (false, false);
         let subset = parsed_subset(req.subset);
+        let subset = subset.as_deref();
         for ep in &snapshot.endpoints {
-            match excluded(req, subset.as_deref(), ep) {
+            match excluded(req, subset, ep) {
                 Some(FilteredOut::NotInSubset) => continue,
                 Some(_) => {
                     any = true;
@@ -250,25 +256,22 @@ impl Scheduler {
                 }
                 None => any = true,
             }
-            let to = match ep.endpoint.role.serves_decode() {
-                true => &mut decode,
-                false => &mut prefill,
-            };
-            let available = ep.health().available(now);
-            any_available |= available;
-            to.extend((0..ep.ranks()).map(|rank| Cand {
-                ep,
-                rank,
-                key: ep.key(rank),
-                available,
-            }));
+            if !ep.health().available_at(now) {
+                any_ejected = true;
+                continue;
+            }
+            push_ranks(&mut decode, &mut prefill, ep);
         }
         if !any && req.subset.is_some() {
             return Err(PickError::SubsetEmpty);
         }
-        if any_available {
-            decode.retain(|c| c.available);
-            prefill.retain(|c| c.available);
+        if any_ejected && decode.is_empty() && prefill.is_empty() {
+            // Every eligible endpoint is ejected: try them all rather than none.
+            for ep in &snapshot.endpoints {
+                if excluded(req, subset, ep).is_none() {
+                    push_ranks(&mut decode, &mut prefill, ep);
+                }
+            }
         }
         Ok((decode, prefill))
     }
@@ -291,6 +294,25 @@ impl Scheduler {
             self.record_prompt(c.key, hashes, now);
         }
         c.ep.book(c.rank, load);
+    }
+}
+
+/// Adds one candidate per rank of `ep` to the list of its role.
+fn push_ranks<'s>(
+    decode: &mut Vec<Cand<'s>>,
+    prefill: &mut Vec<Cand<'s>>,
+    ep: &'s Arc<EndpointState>,
+) {
+    let to = match ep.endpoint.role.serves_decode() {
+        true => decode,
+        false => prefill,
+    };
+    for rank in 0..ep.ranks() {
+        to.push(Cand {
+            ep,
+            rank,
+            key: ep.key(rank),
+        });
     }
 }
 
