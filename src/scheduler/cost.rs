@@ -4,6 +4,7 @@
 //! must still prefill, its active load, and its scraped queue and KV usage counted
 //! at the request's size.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -173,7 +174,16 @@ impl Scheduler {
         if temperature > 0.0 {
             pick_index(&costs.collect::<Vec<_>>(), temperature, &mut rand::rng())
         } else {
-            argmin(costs, rand::rng().random())
+            argmin(costs, self.tie_break_seed())
+        }
+    }
+
+    /// The seed of one argmin tie-break: the next draw of the configured
+    /// sequence, else a random one.
+    fn tie_break_seed(&self) -> u64 {
+        match self.config.tie_break_seed {
+            Some(seed) => draw(seed, self.tie_breaks.fetch_add(1, Ordering::Relaxed) as usize),
+            None => rand::rng().random(),
         }
     }
 }

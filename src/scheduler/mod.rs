@@ -40,6 +40,7 @@ pub use stats::{
 };
 
 use std::collections::HashSet;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -69,6 +70,9 @@ pub struct SchedulerConfig {
     pub weights: Weights,
     /// 0 picks the cheapest candidate; above 0, softmax sampling over normalised costs.
     pub temperature: f64,
+    /// Seeds the tie-break among equally cheap candidates, so a replay repeats
+    /// itself (`None`: the thread's random generator).
+    pub tie_break_seed: Option<u64>,
     /// Scraped load older than this is ignored.
     pub scrape_max_age: Duration,
     /// Prefix index settings.
@@ -116,6 +120,7 @@ impl Default for SchedulerConfig {
             max_prefix_blocks: DEFAULT_MAX_PREFIX_TOKENS / DEFAULT_TOKEN_BLOCK,
             weights: Weights::default(),
             temperature: 0.0,
+            tie_break_seed: None,
             scrape_max_age: Duration::from_secs(5),
             index: IndexConfig::default(),
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
@@ -155,6 +160,8 @@ pub struct Scheduler {
     provisional: PrefixIndex,
     sessions: SessionStore,
     stats: SchedulerStats,
+    /// Tie-breaks drawn so far (with [`SchedulerConfig::tie_break_seed`]).
+    tie_breaks: AtomicU64,
 }
 
 impl Default for Scheduler {
@@ -178,6 +185,7 @@ impl Scheduler {
                 token_max_lifetime: config.session_token_max_lifetime,
             }),
             stats: SchedulerStats::default(),
+            tie_breaks: AtomicU64::new(0),
             config,
         }
     }

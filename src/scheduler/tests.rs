@@ -812,6 +812,36 @@ fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
 }
 
 #[test]
+fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
+    let s = Scheduler::new(SchedulerConfig {
+        provisional_ttl: Duration::from_secs(10),
+        ..Default::default()
+    });
+    let t = both(2);
+    let snap = t.snapshot();
+    for e in &snap.endpoints {
+        s.index().set_precise(e.key(0), true);
+    }
+    let now = Instant::now();
+    let long = prompt(&"p".repeat(64 * 10));
+    let hashes = s.block_hashes(&long);
+    let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    s.finish_at(&first, Some(200), now);
+    let worker = first.decode.key();
+    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(worker));
+    assert_eq!(overlap(now), 10);
+    // Events about the last four blocks: the first six stay provisional.
+    s.settle_provisional(worker, &hashes[6..]);
+    assert_eq!(overlap(now), 6);
+    // The other worker's events leave this worker's entries alone.
+    let other = snap.endpoints.iter().map(|e| e.key(0)).find(|k| *k != worker).unwrap();
+    s.settle_provisional(other, &hashes);
+    assert_eq!(overlap(now), 6);
+    s.settle_provisional(worker, &hashes);
+    assert_eq!(overlap(now), 0, "well within the TTL");
+}
+
+#[test]
 fn maintain_forgets_gone_workers() {
     let s = Scheduler::default();
     let t = both(2);
