@@ -485,7 +485,11 @@ mod tests {
         s.store_engine_blocks(worker, &pairs, now);
         assert_eq!(overlap(), 4, "held by the events now");
         s.remove_engine_blocks(worker, &[102, 103]);
-        assert_eq!(overlap(), 2, "evicted blocks are not credited provisionally");
+        assert_eq!(
+            overlap(),
+            2,
+            "evicted blocks are not credited provisionally"
+        );
         s.remove_engine_blocks(worker, &[100, 101]);
         assert_eq!(overlap(), 0);
     }

@@ -182,7 +182,10 @@ impl Scheduler {
     /// sequence, else a random one.
     fn tie_break_seed(&self) -> u64 {
         match self.config.tie_break_seed {
-            Some(seed) => draw(seed, self.tie_breaks.fetch_add(1, Ordering::Relaxed) as usize),
+            Some(seed) => draw(
+                seed,
+                self.tie_breaks.fetch_add(1, Ordering::Relaxed) as usize,
+            ),
             None => rand::rng().random(),
         }
     }

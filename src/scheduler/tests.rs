@@ -834,7 +834,12 @@ fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
     s.settle_provisional(worker, &hashes[6..]);
     assert_eq!(overlap(now), 6);
     // The other worker's events leave this worker's entries alone.
-    let other = snap.endpoints.iter().map(|e| e.key(0)).find(|k| *k != worker).unwrap();
+    let other = snap
+        .endpoints
+        .iter()
+        .map(|e| e.key(0))
+        .find(|k| *k != worker)
+        .unwrap();
     s.settle_provisional(other, &hashes);
     assert_eq!(overlap(now), 6);
     s.settle_provisional(worker, &hashes);
