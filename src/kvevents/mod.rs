@@ -40,7 +40,9 @@ use decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 /// blocks, else the topic's model or the configured model name.
 pub trait KvEventSink: Send + Sync {
     /// The chain seed for a model and LoRA adapter (`kv::hash::model_seed`).
-    fn seed(&self, model: &str, lora: Option<&str>) -> u64;
+    fn seed(&self, model: &str, lora: Option<&str>) -> u64 {
+        model_seed(model, lora)
+    }
     /// Chained hashes of the full blocks of `tokens`, chaining from `parent` or
     /// from `seed` (`kv::hash::token_block_hashes`).
     fn block_hashes(
@@ -49,7 +51,9 @@ pub trait KvEventSink: Send + Sync {
         parent: Option<u64>,
         tokens: &[u32],
         block_size: usize,
-    ) -> Vec<u64>;
+    ) -> Vec<u64> {
+        token_block_hashes(seed, parent, tokens, block_size)
+    }
     /// The key of one block that carries multimodal hashes it cannot be rewritten
     /// into pad values with (`kv::hash::mm_block_hash`).
     fn mm_block_hash(&self, parent: u64, tokens: &[u32], mm_hashes: &[u64]) -> u64 {
@@ -69,18 +73,6 @@ pub trait KvEventSink: Send + Sync {
 }
 
 impl KvEventSink for PrefixIndex {
-    fn seed(&self, model: &str, lora: Option<&str>) -> u64 {
-        model_seed(model, lora)
-    }
-    fn block_hashes(
-        &self,
-        seed: u64,
-        parent: Option<u64>,
-        tokens: &[u32],
-        block_size: usize,
-    ) -> Vec<u64> {
-        token_block_hashes(seed, parent, tokens, block_size)
-    }
     fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
         PrefixIndex::engine_block(self, worker, engine_hash)
     }
@@ -102,18 +94,6 @@ impl KvEventSink for PrefixIndex {
 /// prompts routed to a precise worker end when that worker's events store or
 /// remove their blocks (`Scheduler::settle_provisional`).
 impl KvEventSink for Scheduler {
-    fn seed(&self, model: &str, lora: Option<&str>) -> u64 {
-        self.index().seed(model, lora)
-    }
-    fn block_hashes(
-        &self,
-        seed: u64,
-        parent: Option<u64>,
-        tokens: &[u32],
-        block_size: usize,
-    ) -> Vec<u64> {
-        self.index().block_hashes(seed, parent, tokens, block_size)
-    }
     fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
         self.index().engine_block(worker, engine_hash)
     }

@@ -779,17 +779,23 @@ fn precise_workers_get_no_approximate_entries() {
     assert!(s.index().is_empty());
 }
 
-#[test]
-fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
+/// A scheduler with a 10 s provisional TTL over `n` precise workers.
+fn precise_pool(n: usize) -> (Scheduler, EndpointTable) {
     let s = Scheduler::new(SchedulerConfig {
         provisional_ttl: Duration::from_secs(10),
         ..Default::default()
     });
-    let t = both(8);
-    let snap = t.snapshot();
-    for e in &snap.endpoints {
+    let t = both(n);
+    for e in &t.snapshot().endpoints {
         s.index().set_precise(e.key(0), true);
     }
+    (s, t)
+}
+
+#[test]
+fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
+    let (s, t) = precise_pool(8);
+    let snap = t.snapshot();
     let now = Instant::now();
     let long = prompt(&"q".repeat(64 * 10));
     let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
@@ -813,15 +819,8 @@ fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
 
 #[test]
 fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
-    let s = Scheduler::new(SchedulerConfig {
-        provisional_ttl: Duration::from_secs(10),
-        ..Default::default()
-    });
-    let t = both(2);
+    let (s, t) = precise_pool(2);
     let snap = t.snapshot();
-    for e in &snap.endpoints {
-        s.index().set_precise(e.key(0), true);
-    }
     let now = Instant::now();
     let long = prompt(&"p".repeat(64 * 10));
     let hashes = s.block_hashes(&long);
