@@ -169,7 +169,7 @@ fn load_weighted(decode: f64, queue: f64) -> (Scheduler, EndpointTable, Instant)
 }
 
 #[test]
-fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
+fn a_holder_with_kv_room_keeps_its_prefix_until_its_kv_fills() {
     // Unit weights: load and queue at full weight, so only the gating holds them.
     let (s, t, now) = load_weighted(1.0, 1.0);
     let snap = t.snapshot();
@@ -191,21 +191,28 @@ fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
         }
         held.push(d);
     }
-    // Once the holder has a queue it is saturated: its 400 blocks of load count
-    // against the other worker's 100 blocks of prefill.
+    // A queue alone leaves the holder sticky while its KV has room: the one
+    // queued request counts at its uncached size (a quarter of the prompt, the
+    // mean of what the holder was sent), not the running requests' 400 blocks.
+    let _in_flight: Vec<_> = held.iter().map(Decision::begin).collect();
     let holder = held[0].decode.key();
-    for e in snap.endpoints.iter() {
-        let busy = e.key(0) == holder;
-        scrape(
-            e,
-            f64::from(u8::from(busy)),
-            if busy { 3.0 } else { 0.0 },
-            0.1,
-            now,
-        );
-    }
+    let scrape_holder = |queue: f64, kv: f64| {
+        for e in snap.endpoints.iter() {
+            match e.key(0) == holder {
+                true => scrape(e, queue, 4.0, kv, now),
+                false => scrape(e, 0.0, 0.0, 0.1, now),
+            }
+        }
+    };
+    scrape_holder(1.0, 0.3);
     let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
-    assert_ne!(d.decode.key(), holder);
+    assert_eq!(d.decode.key(), holder, "queued, KV room");
+    s.cancel(&d);
+    // Once its KV fills it is saturated: its 400 blocks of load count against
+    // the other worker's 100 blocks of prefill.
+    scrape_holder(0.0, 0.85);
+    let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    assert_ne!(d.decode.key(), holder, "KV full");
 }
 
 #[test]
