@@ -795,10 +795,11 @@ const PREEMPTED: Duration = Duration::from_micros(20);
 /// A write call this long without run-queue wait is a long write section.
 const LONG_WRITE: Duration = Duration::from_micros(50);
 
-/// Write-call latencies, and for the slowest 1 % of lookups what was going on:
-/// the lookup thread itself waiting for a core, a write call in flight whose
-/// thread waited for a core (descheduled writer), a long write call that did not
-/// (long write section), or no write in flight.
+/// Write-call latencies, and for the slowest 1 % of lookups what was going on
+/// (not exclusive): the lookup thread itself waiting for a core (preempted, or
+/// woken from a sleep on a lock and not run at once), a write call in flight
+/// whose thread waited for a core (descheduled writer), a long write call that
+/// did not (long write section); or none of these.
 fn trace_summary(writes: &[Span], lookups: &[Span]) -> String {
     let waited = |s: &Span| Duration::from_nanos(s.sched.run_delay_ns) >= PREEMPTED;
     let mut walls: Vec<Duration> = writes.iter().map(|w| w.took).collect();
@@ -819,18 +820,15 @@ fn trace_summary(writes: &[Span], lookups: &[Span]) -> String {
             .iter()
             .take_while(|w| w.from < l.to)
             .collect();
-        if waited(l) {
-            own += 1;
-        } else if during.iter().any(|w| waited(w)) {
-            writer_out += 1;
-        } else if during.iter().any(|w| w.took >= LONG_WRITE) {
-            writer_long += 1;
-        } else {
-            quiet += 1;
-        }
+        let out = during.iter().any(|w| waited(w));
+        let long = during.iter().any(|w| w.took >= LONG_WRITE);
+        own += usize::from(waited(l));
+        writer_out += usize::from(out);
+        writer_long += usize::from(long);
+        quiet += usize::from(!(waited(l) || out || long));
     }
     format!(
-        "{} write calls, µs p50 {:.1} / p99 {:.1} / max {:.0}; {descheduled} waited ≥ {} µs for a core, {long} ran ≥ {} µs without waiting. Lookups ≥ p99 ({:.1} µs): {slow}, of which the lookup thread waited for a core {own}, a write in flight whose thread waited for a core {writer_out}, a long write in flight {writer_long}, none of these {quiet}.",
+        "{} write calls, µs p50 {:.1} / p99 {:.1} / max {:.0}; {descheduled} waited ≥ {} µs for a core, {long} ran ≥ {} µs without waiting. Lookups ≥ p99 ({:.1} µs): {slow}, of which (not exclusive) the lookup thread waited for a core {own}, a write in flight whose thread waited for a core {writer_out}, a long write in flight {writer_long}; none of these {quiet}.",
         writes.len(),
         quantile_us(&mut walls, 0.5),
         quantile_us(&mut walls, 0.99),
