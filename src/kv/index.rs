@@ -262,14 +262,23 @@ impl PrefixIndex {
 
     /// The read lock for a lookup: while a writer holds it (one chunk, a few
     /// microseconds), spin and announce the wait, so the writer's next chunk waits
-    /// for this lookup; sleep on it only after [`SPIN`].
+    /// for this lookup. After [`SPIN`] (the writer was descheduled holding it)
+    /// keep polling but yield the core between polls: never sleep on the lock, so
+    /// that the lookup runs the moment the writer lets go instead of waiting to be
+    /// woken and then for a core, and is never handed the lock while it waits for
+    /// one (which would stall the writer behind it).
     fn read_for_lookup(&self) -> RwLockReadGuard<'_, Inner> {
         if let Some(g) = self.inner.try_read() {
             return g;
         }
         self.lookups_waiting.fetch_add(1, Ordering::SeqCst);
         self.lookups_announced.fetch_add(1, Ordering::SeqCst);
-        let g = spin_for(SPIN, || self.inner.try_read()).unwrap_or_else(|| self.inner.read());
+        let g = spin_for(SPIN, || self.inner.try_read()).unwrap_or_else(|| loop {
+            std::thread::yield_now();
+            if let Some(g) = spin_for(Duration::ZERO, || self.inner.try_read()) {
+                break g;
+            }
+        });
         self.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
         g
     }
@@ -746,7 +755,8 @@ impl PrefixIndex {
     }
 }
 
-/// How long a lookup or a writer spins for the lock before sleeping on it: a
+/// How long a writer spins for the lock before sleeping on it (a lookup, before
+/// yielding the core between polls): a
 /// writer holds it for one chunk and a lookup for one walk, microseconds both,
 /// while waking a sleeping thread costs tens of microseconds on a busy machine.
 const SPIN: Duration = Duration::from_micros(50);
