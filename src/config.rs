@@ -245,8 +245,8 @@ pub struct Args {
     pub prefix_ttl_secs: u64,
 
     /// Precise workers: seconds a routed prompt counts as held there
-    /// (provisional entries) until its KV events say so.
-    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value_t = 2)]
+    /// (provisional entries) at most; its blocks' KV events end it sooner.
+    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value_t = 10)]
     pub provisional_ttl_secs: u64,
 
     /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
@@ -870,6 +870,7 @@ impl Args {
                 prefill_overlap: self.weight_prefill_overlap,
             },
             temperature: self.temperature.max(0.0),
+            tie_break_seed: None,
             scrape_max_age: self.scrape_staleness(),
             index: IndexConfig {
                 default_capacity: self.prefix_capacity_blocks,

@@ -152,7 +152,7 @@ impl App {
         every: Duration,
     ) -> tokio::task::JoinHandle<()> {
         let metrics = KvEventMetrics::register(&self.metrics);
-        let sink: Arc<dyn KvEventSink> = Arc::clone(self.scheduler.index()) as _;
+        let sink: Arc<dyn KvEventSink> = Arc::clone(&self.scheduler) as _;
         let events = KvEvents::start(sink, metrics, config);
         tokio::spawn(events.follow(Arc::clone(&self.endpoints), every))
     }

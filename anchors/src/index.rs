@@ -62,7 +62,7 @@ use kvpick::endpoints::WorkerKey;
 use kvpick::kv::index::{IndexConfig, PrefixIndex};
 use serde::{Deserialize, Serialize};
 
-use crate::measure::{mix, process_cpu_ns, quantile_us, rss_bytes, thread_cpu_ns, SplitMix64};
+use crate::measure::{mix, process_cpu_ns, quantile_us, rss_bytes, SchedStat, SplitMix64};
 
 /// Blocks of the shared system prompt (`shared`).
 const SYSTEM_BLOCKS: usize = 128;
@@ -107,6 +107,11 @@ pub struct IndexArgs {
     /// One lookup every this many microseconds during `churn` (0: back to back).
     #[arg(long, default_value_t = 100)]
     churn_lookup_every_us: u64,
+    /// Trace every churn write call and lookup (span, the thread's run-queue wait)
+    /// and say what the slowest lookups overlapped (a diagnosis; adds a
+    /// `/proc` read around each call).
+    #[arg(long)]
+    churn_trace: bool,
     /// Dynamo's `RadixTree` (one node per block) runs only below this many workers.
     #[arg(long, default_value_t = 10_000)]
     radix_below: usize,
@@ -612,6 +617,8 @@ struct CellReport {
     churn_lookups: usize,
     churn_lookup_p50_us: f64,
     churn_lookup_p99_us: f64,
+    /// What the slowest churn lookups overlapped (`--churn-trace`).
+    trace: String,
     /// One digest of the nonzero overlaps per checked query.
     digests: Vec<u64>,
 }
@@ -688,16 +695,25 @@ fn run_cell(
             .map(|s| s.removed.len() + s.stored.blocks.len())
             .sum();
         let cpu0 = process_cpu_ns();
-        let (elapsed, (mut times, looker_cpu_ns)) = std::thread::scope(|scope| {
+        let origin = Instant::now();
+        let trace = args.churn_trace;
+        let (elapsed, writes, (mut times, lookups, looker_cpu_ns)) = std::thread::scope(|scope| {
             let looker = scope.spawn(|| {
-                let cpu0 = thread_cpu_ns();
+                let cpu0 = SchedStat::now().cpu_ns;
                 let every = Duration::from_micros(args.churn_lookup_every_us);
                 let start = Instant::now();
                 let mut times = Vec::new();
+                let mut spans = Vec::new();
                 let mut i = 0;
                 while !done.load(Ordering::Relaxed) {
                     let q = &workload.churn_queries[i % workload.churn_queries.len()];
-                    times.push(subject.time_lookup(q));
+                    if trace {
+                        let (took, span) = traced(origin, || subject.time_lookup(q));
+                        spans.push(Span { took, ..span });
+                        times.push(took);
+                    } else {
+                        times.push(subject.time_lookup(q));
+                    }
                     i += 1;
                     // Sleep until the next lookup is due (none when behind).
                     let due = start + every * i as u32;
@@ -705,18 +721,27 @@ fn run_cell(
                         std::thread::sleep(wait);
                     }
                 }
-                (times, thread_cpu_ns().saturating_sub(cpu0))
+                (times, spans, SchedStat::now().cpu_ns.saturating_sub(cpu0))
             });
+            let mut writes = Vec::new();
             let t = Instant::now();
             for s in &workload.churn {
-                subject.remove(s.worker, &s.removed);
-                subject.store(&s.stored);
+                if trace {
+                    writes.push(traced(origin, || subject.remove(s.worker, &s.removed)).1);
+                    writes.push(traced(origin, || subject.store(&s.stored)).1);
+                } else {
+                    subject.remove(s.worker, &s.removed);
+                    subject.store(&s.stored);
+                }
             }
             subject.settle();
             let elapsed = t.elapsed();
             done.store(true, Ordering::Relaxed);
-            (elapsed, looker.join().expect("lookup thread"))
+            (elapsed, writes, looker.join().expect("lookup thread"))
         });
+        if trace {
+            report.trace = trace_summary(&writes, &lookups);
+        }
         let churn_cpu_ns = process_cpu_ns()
             .saturating_sub(cpu0)
             .saturating_sub(looker_cpu_ns);
@@ -736,6 +761,82 @@ fn run_cell(
         report.digests = digests;
     }
     Ok(report)
+}
+
+/// One traced call: when it ran (since the churn started), how long it took,
+/// and what the scheduler did to its thread meanwhile.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    from: Duration,
+    to: Duration,
+    took: Duration,
+    sched: SchedStat,
+}
+
+fn traced<T>(origin: Instant, f: impl FnOnce() -> T) -> (T, Span) {
+    let s0 = SchedStat::now();
+    let from = origin.elapsed();
+    let out = f();
+    let to = origin.elapsed();
+    let sched = SchedStat::now().since(s0);
+    (
+        out,
+        Span {
+            from,
+            to,
+            took: to - from,
+            sched,
+        },
+    )
+}
+
+/// A run-queue wait this long means the thread was descheduled for real.
+const PREEMPTED: Duration = Duration::from_micros(20);
+/// A write call this long without run-queue wait is a long write section.
+const LONG_WRITE: Duration = Duration::from_micros(50);
+
+/// Write-call latencies, and for the slowest 1 % of lookups what was going on
+/// (not exclusive): the lookup thread itself waiting for a core (preempted, or
+/// woken from a sleep on a lock and not run at once), a write call in flight
+/// whose thread waited for a core (descheduled writer), a long write call that
+/// did not (long write section); or none of these.
+fn trace_summary(writes: &[Span], lookups: &[Span]) -> String {
+    let waited = |s: &Span| Duration::from_nanos(s.sched.run_delay_ns) >= PREEMPTED;
+    let mut walls: Vec<Duration> = writes.iter().map(|w| w.took).collect();
+    let descheduled = writes.iter().filter(|w| waited(w)).count();
+    let long = writes
+        .iter()
+        .filter(|w| w.took >= LONG_WRITE && !waited(w))
+        .count();
+    let mut took: Vec<Duration> = lookups.iter().map(|l| l.took).collect();
+    let p99 = Duration::from_secs_f64(quantile_us(&mut took, 0.99) / 1e6);
+    let (mut own, mut writer_out, mut writer_long, mut quiet) = (0, 0, 0, 0);
+    let mut slow = 0;
+    for l in lookups.iter().filter(|l| l.took >= p99) {
+        slow += 1;
+        // Writes are in time order: those in flight during the lookup.
+        let first = writes.partition_point(|w| w.to <= l.from);
+        let during: Vec<&Span> = writes[first..]
+            .iter()
+            .take_while(|w| w.from < l.to)
+            .collect();
+        let out = during.iter().any(|w| waited(w));
+        let long = during.iter().any(|w| w.took >= LONG_WRITE);
+        own += usize::from(waited(l));
+        writer_out += usize::from(out);
+        writer_long += usize::from(long);
+        quiet += usize::from(!(waited(l) || out || long));
+    }
+    format!(
+        "{} write calls, µs p50 {:.1} / p99 {:.1} / max {:.0}; {descheduled} waited ≥ {} µs for a core, {long} ran ≥ {} µs without waiting. Lookups ≥ p99 ({:.1} µs): {slow}, of which (not exclusive) the lookup thread waited for a core {own}, a write in flight whose thread waited for a core {writer_out}, a long write in flight {writer_long}; none of these {quiet}.",
+        writes.len(),
+        quantile_us(&mut walls, 0.5),
+        quantile_us(&mut walls, 0.99),
+        quantile_us(&mut walls, 1.0),
+        PREEMPTED.as_micros(),
+        LONG_WRITE.as_micros(),
+        p99.as_secs_f64() * 1e6,
+    )
 }
 
 /// Runs one cell in a child process (fresh heap: RSS growth is the index's alone).
@@ -768,6 +869,7 @@ fn spawn_cell(
             &args.churn_lookup_every_us.to_string(),
         ])
         .args(["--workers", &list(&args.workers)])
+        .args(args.churn_trace.then_some("--churn-trace"))
         .arg("--trace")
         .arg(&args.trace)
         .output()
@@ -914,6 +1016,9 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
             }
             if let Some(c) = cells.first() {
                 notes.push(format!("{workers} workers: {}.", c.note));
+            }
+            for c in cells.iter().filter(|c| !c.trace.is_empty()) {
+                notes.push(format!("Trace {} {workers}: {}", c.index, c.trace));
             }
         }
         md.push('\n');

@@ -28,12 +28,36 @@ pub fn process_cpu_ns() -> u64 {
         .sum()
 }
 
-/// CPU time the calling thread has run, in nanoseconds.
-pub fn thread_cpu_ns() -> u64 {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
+/// The calling thread's scheduler counters (`/proc/thread-self/schedstat`): CPU
+/// time run, time spent runnable but waiting for a core (updated when the thread
+/// is switched in, so a reader sees every wait before its read), times switched in.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SchedStat {
+    pub cpu_ns: u64,
+    pub run_delay_ns: u64,
+    pub slices: u64,
+}
+
+impl SchedStat {
+    /// The calling thread's counters now (zeros where unreadable).
+    pub fn now() -> Self {
+        let text = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+        let mut f = text.split_whitespace().map(|x| x.parse().unwrap_or(0));
+        SchedStat {
+            cpu_ns: f.next().unwrap_or(0),
+            run_delay_ns: f.next().unwrap_or(0),
+            slices: f.next().unwrap_or(0),
+        }
+    }
+
+    /// Counters accrued since `earlier`.
+    pub fn since(self, earlier: SchedStat) -> SchedStat {
+        SchedStat {
+            cpu_ns: self.cpu_ns.saturating_sub(earlier.cpu_ns),
+            run_delay_ns: self.run_delay_ns.saturating_sub(earlier.run_delay_ns),
+            slices: self.slices.saturating_sub(earlier.slices),
+        }
+    }
 }
 
 /// The `q` quantile (0..=1) of `samples` in microseconds (sorts them).

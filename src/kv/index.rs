@@ -262,14 +262,23 @@ impl PrefixIndex {
 
     /// The read lock for a lookup: while a writer holds it (one chunk, a few
     /// microseconds), spin and announce the wait, so the writer's next chunk waits
-    /// for this lookup; sleep on it only after [`SPIN`].
+    /// for this lookup. After [`SPIN`] (the writer was descheduled holding it)
+    /// keep polling but yield the core between polls: never sleep on the lock, so
+    /// that the lookup runs the moment the writer lets go instead of waiting to be
+    /// woken and then for a core, and is never handed the lock while it waits for
+    /// one (which would stall the writer behind it).
     fn read_for_lookup(&self) -> RwLockReadGuard<'_, Inner> {
         if let Some(g) = self.inner.try_read() {
             return g;
         }
         self.lookups_waiting.fetch_add(1, Ordering::SeqCst);
         self.lookups_announced.fetch_add(1, Ordering::SeqCst);
-        let g = spin_for(SPIN, || self.inner.try_read()).unwrap_or_else(|| self.inner.read());
+        let g = spin_for(SPIN, || self.inner.try_read()).unwrap_or_else(|| loop {
+            std::thread::yield_now();
+            if let Some(g) = spin_for(Duration::ZERO, || self.inner.try_read()) {
+                break g;
+            }
+        });
         self.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
         g
     }
@@ -370,28 +379,34 @@ impl PrefixIndex {
                     }
                 }
             };
-            {
-                let w = &g.workers[slot as usize];
-                let oldest = w
-                    .order
-                    .front()
-                    .and_then(|(h, _)| w.recency.get(h))
-                    .map_or(u32::MAX, |(_, s)| *s);
-                g.set_oldest(slot, oldest);
-                let w = &mut g.workers[slot as usize];
-                // Keep the stale tail of the order queue bounded: drop the
-                // entries a later touch superseded (the queue is in sequence
-                // order already, so no sort; amortised O(1) a push).
-                if w.order.len() > 2 * w.recency.len() + 64 {
-                    let recency = &w.recency;
-                    w.order
-                        .retain(|(h, seq)| recency.get(h).is_some_and(|(s, _)| s == seq));
-                }
-            }
+            g.settle_lru(slot);
             g.remove_holder_runs(&dropped, slot, &self.entries);
             if done {
                 return;
             }
+        }
+    }
+
+    /// Drops `worker`'s approximate entries for these blocks (e.g. provisional
+    /// entries whose KV event has arrived). Blocks it holds only precisely, or not
+    /// at all, are left as they are; a block it holds both ways keeps its precise
+    /// entry.
+    pub fn forget(&self, worker: WorkerKey, hashes: &[u64]) {
+        for chunk in hashes.chunks(WRITE_CHUNK) {
+            self.inner.read().warm(worker, [], chunk);
+            let mut g = self.write();
+            let Some(&slot) = g.slots.get(&worker) else {
+                return;
+            };
+            let w = &mut g.workers[slot as usize];
+            let mut dropped = Vec::new();
+            for h in chunk {
+                if w.recency.remove(h).is_some() && !w.precise_held.contains(h) {
+                    dropped.push(*h);
+                }
+            }
+            g.settle_lru(slot);
+            g.remove_holder_runs(&dropped, slot, &self.entries);
         }
     }
 
@@ -740,7 +755,8 @@ impl PrefixIndex {
     }
 }
 
-/// How long a lookup or a writer spins for the lock before sleeping on it: a
+/// How long a writer spins for the lock before sleeping on it (a lookup, before
+/// yielding the core between polls): a
 /// writer holds it for one chunk and a lookup for one walk, microseconds both,
 /// while waking a sleeping thread costs tens of microseconds on a busy machine.
 const SPIN: Duration = Duration::from_micros(50);
@@ -828,6 +844,32 @@ impl Inner {
             self.expiring.insert((oldest, slot));
         }
         w.oldest = oldest;
+    }
+
+    /// After `slot`'s approximate entries changed: drops superseded entries from
+    /// the front of its touch order, records its oldest stamp, and keeps the stale
+    /// rest of the order queue bounded.
+    fn settle_lru(&mut self, slot: u32) {
+        let w = &mut self.workers[slot as usize];
+        while let Some(&(h, seq)) = w.order.front() {
+            if w.recency.get(&h).is_some_and(|(s, _)| *s == seq) {
+                break;
+            }
+            w.order.pop_front();
+        }
+        let oldest = w
+            .order
+            .front()
+            .and_then(|(h, _)| w.recency.get(h))
+            .map_or(u32::MAX, |(_, s)| *s);
+        // Drop the entries a later touch superseded (the queue is in sequence
+        // order already, so no sort; amortised O(1) a push).
+        if w.order.len() > 2 * w.recency.len() + 64 {
+            let recency = &w.recency;
+            w.order
+                .retain(|(h, seq)| recency.get(h).is_some_and(|(s, _)| s == seq));
+        }
+        self.set_oldest(slot, oldest);
     }
 
     /// Loads the table slots a write of these blocks by `worker` will touch, under
@@ -1291,6 +1333,26 @@ mod tests {
         assert_eq!(idx.lookup(&[1], &[wk(1)], t), vec![0]);
     }
 
+    #[test]
+    fn forget_drops_approximate_entries_only() {
+        let (idx, t) = index(100, None);
+        idx.insert(wk(1), &[1, 2, 3], t);
+        idx.store_engine_blocks(wk(1), &[(20, 2)], t);
+        idx.store_engine_blocks(wk(2), &[(10, 1), (20, 2)], t);
+        idx.set_precise(wk(2), true);
+        idx.forget(wk(1), &[2, 3, 4]);
+        idx.forget(wk(2), &[1, 2]);
+        idx.forget(wk(3), &[1]);
+        // Block 2 stays held precisely; 3 is gone; the precise worker is untouched.
+        assert_eq!(idx.lookup(&[1, 2, 3], &[wk(1), wk(2)], t), vec![2, 2]);
+        assert_eq!(idx.len(), 4);
+        idx.remove_engine_blocks(wk(1), &[20]);
+        assert_eq!(idx.lookup(&[1, 2], &[wk(1)], t), vec![1]);
+        // The forgotten entries no longer count against the capacity.
+        idx.set_capacity(wk(1), 1);
+        assert_eq!(idx.lookup(&[1], &[wk(1)], t), vec![1]);
+    }
+
     /// A lookup announced as spinning for the lock but never taking it (it was
     /// descheduled) is waited for once, not on every chunk after.
     #[test]
@@ -1400,6 +1462,7 @@ mod tests {
         Insert(u64, Vec<u64>),
         Store(u64, Vec<(u64, u64)>),
         Remove(u64, Vec<u64>),
+        Forget(u64, Vec<u64>),
         Clear(u64),
         Capacity(u64, usize),
         Precise(u64, bool),
@@ -1414,6 +1477,7 @@ mod tests {
             4 => (w.clone(), prop::collection::vec(h.clone(), 1..6)).prop_map(|(w, v)| Op::Insert(w, v)),
             2 => (w.clone(), prop::collection::vec((0u64..20, h.clone()), 1..4)).prop_map(|(w, v)| Op::Store(w, v)),
             1 => (w.clone(), prop::collection::vec(0u64..20, 1..4)).prop_map(|(w, v)| Op::Remove(w, v)),
+            1 => (w.clone(), prop::collection::vec(h.clone(), 1..4)).prop_map(|(w, v)| Op::Forget(w, v)),
             1 => w.clone().prop_map(Op::Clear),
             1 => (w.clone(), 1usize..8).prop_map(|(w, c)| Op::Capacity(w, c)),
             1 => (w.clone(), any::<bool>()).prop_map(|(w, p)| Op::Precise(w, p)),
@@ -1487,6 +1551,12 @@ mod tests {
                     for e in es {
                         m.engine.remove(&e);
                     }
+                }
+            }
+            Op::Forget(w, hs) => {
+                idx.forget(wk(w), &hs);
+                if let Some(m) = model.get_mut(&w) {
+                    m.lru.retain(|(x, _)| !hs.contains(x));
                 }
             }
             Op::Clear(w) => {

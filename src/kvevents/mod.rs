@@ -27,18 +27,22 @@ use crate::endpoints::WorkerKey;
 use crate::kv::hash::{mm_block_hash, model_seed, token_block_hashes};
 use crate::kv::index::PrefixIndex;
 use crate::multimodal::routing::normalize_vllm_block;
+use crate::scheduler::Scheduler;
 
 use decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
 /// Where ingested events go: the prefix index plus the block hash function it uses.
-/// Implemented for the scheduler core's `PrefixIndex`; tests use an in-memory sink.
+/// Implemented for the scheduler core's `PrefixIndex` and for the `Scheduler` (which
+/// also ends its provisional entries); tests use an in-memory sink.
 ///
 /// Blocks are seeded with `seed(model, None)` where `model` is what requests for
 /// those blocks carry in their `model` field: the LoRA adapter's name for adapter
 /// blocks, else the topic's model or the configured model name.
 pub trait KvEventSink: Send + Sync {
     /// The chain seed for a model and LoRA adapter (`kv::hash::model_seed`).
-    fn seed(&self, model: &str, lora: Option<&str>) -> u64;
+    fn seed(&self, model: &str, lora: Option<&str>) -> u64 {
+        model_seed(model, lora)
+    }
     /// Chained hashes of the full blocks of `tokens`, chaining from `parent` or
     /// from `seed` (`kv::hash::token_block_hashes`).
     fn block_hashes(
@@ -47,7 +51,9 @@ pub trait KvEventSink: Send + Sync {
         parent: Option<u64>,
         tokens: &[u32],
         block_size: usize,
-    ) -> Vec<u64>;
+    ) -> Vec<u64> {
+        token_block_hashes(seed, parent, tokens, block_size)
+    }
     /// The key of one block that carries multimodal hashes it cannot be rewritten
     /// into pad values with (`kv::hash::mm_block_hash`).
     fn mm_block_hash(&self, parent: u64, tokens: &[u32], mm_hashes: &[u64]) -> u64 {
@@ -67,18 +73,6 @@ pub trait KvEventSink: Send + Sync {
 }
 
 impl KvEventSink for PrefixIndex {
-    fn seed(&self, model: &str, lora: Option<&str>) -> u64 {
-        model_seed(model, lora)
-    }
-    fn block_hashes(
-        &self,
-        seed: u64,
-        parent: Option<u64>,
-        tokens: &[u32],
-        block_size: usize,
-    ) -> Vec<u64> {
-        token_block_hashes(seed, parent, tokens, block_size)
-    }
     fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
         PrefixIndex::engine_block(self, worker, engine_hash)
     }
@@ -93,6 +87,34 @@ impl KvEventSink for PrefixIndex {
     }
     fn set_precise(&self, worker: WorkerKey, precise: bool) {
         PrefixIndex::set_precise(self, worker, precise)
+    }
+}
+
+/// The scheduler as a sink: its prefix index, and the provisional entries of
+/// prompts routed to a precise worker end when that worker's events store or
+/// remove their blocks (`Scheduler::settle_provisional`).
+impl KvEventSink for Scheduler {
+    fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
+        self.index().engine_block(worker, engine_hash)
+    }
+    fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant) {
+        self.index().store_engine_blocks(worker, blocks, now);
+        let ours: Vec<u64> = blocks.iter().map(|&(_, h)| h).collect();
+        self.settle_provisional(worker, &ours);
+    }
+    fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
+        let ours: Vec<u64> = engine_hashes
+            .iter()
+            .filter_map(|&e| self.index().engine_block(worker, e))
+            .collect();
+        self.index().remove_engine_blocks(worker, engine_hashes);
+        self.settle_provisional(worker, &ours);
+    }
+    fn clear_worker(&self, worker: WorkerKey) {
+        self.index().clear_worker(worker)
+    }
+    fn set_precise(&self, worker: WorkerKey, precise: bool) {
+        self.index().set_precise(worker, precise)
     }
 }
 
@@ -402,6 +424,54 @@ mod tests {
         assert_eq!(t.observe(0), SeqCheck::Restart);
         assert_eq!(t.observe(1), SeqCheck::Next);
         assert_eq!(t.last(), Some(1));
+    }
+
+    /// Through the scheduler as a sink, a prompt routed to a precise worker is
+    /// credited there until the worker's events store its blocks, and not after
+    /// the worker removes them, though its provisional TTL has not run out.
+    #[test]
+    fn the_scheduler_sink_ends_provisional_entries_at_the_events() {
+        use crate::endpoints::{Endpoint, EndpointTable};
+        use crate::scheduler::{PickRequest, SchedulerConfig};
+        use std::time::Duration;
+
+        let s = Scheduler::new(SchedulerConfig {
+            provisional_ttl: Duration::from_secs(60),
+            ..Default::default()
+        });
+        let t = EndpointTable::new();
+        t.replace(vec![Endpoint::new("10.0.0.1:80".parse().unwrap())]);
+        let snap = t.snapshot();
+        let worker = snap.endpoints[0].key(0);
+        s.set_precise(worker, true);
+        let body = crate::request::parse(
+            serde_json::json!({"model": "m", "prompt": "e".repeat(64 * 4)})
+                .to_string()
+                .as_bytes(),
+            None,
+        )
+        .unwrap();
+        let req = PickRequest {
+            body: Some(&body),
+            ..Default::default()
+        };
+        let now = Instant::now();
+        let routed = s.pick_at(&req, &snap, now).unwrap();
+        s.finish_at(&routed, Some(200), now);
+        let overlap = || s.explain(&req, &snap, now).unwrap().candidates[0].overlap_blocks;
+        assert_eq!(overlap(), 4, "provisional, no event yet");
+        let ours = s.block_hashes(&body);
+        let pairs: Vec<(u64, u64)> = (100..).zip(ours.iter().copied()).collect();
+        s.store_engine_blocks(worker, &pairs, now);
+        assert_eq!(overlap(), 4, "held by the events now");
+        s.remove_engine_blocks(worker, &[102, 103]);
+        assert_eq!(
+            overlap(),
+            2,
+            "evicted blocks are not credited provisionally"
+        );
+        s.remove_engine_blocks(worker, &[100, 101]);
+        assert_eq!(overlap(), 0);
     }
 
     #[test]

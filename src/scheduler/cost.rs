@@ -4,6 +4,7 @@
 //! must still prefill, its active load, and its scraped queue and KV usage counted
 //! at the request's size.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rand::Rng;
@@ -89,10 +90,11 @@ impl Scheduler {
     /// candidate must still prefill, to candidate `c`, term by term, at `now`
     /// coded by [`Epoch::process`](crate::time::Epoch::process).
     ///
-    /// Sticky until saturated: a candidate whose fresh scrape shows headroom (no
-    /// queued request, KV usage under [`SATURATION_KV_USAGE`]) can start the
-    /// request now, so its running requests add no decode cost and the prefill
-    /// saving decides; once it queues or its KV fills, its load counts in full.
+    /// Sticky until saturated: a candidate whose fresh scrape shows KV room
+    /// (usage under [`SATURATION_KV_USAGE`]) adds no decode cost for its running
+    /// requests (they delay a new one only by holding KV; what it waits behind
+    /// is the queue, counted apart), so the prefill saving and the queue decide;
+    /// once its KV fills, its load counts in full.
     /// Queued requests count at the blocks they have left to prefill (the mean
     /// uncached blocks of the requests kvpick has in flight there), the work
     /// this request waits behind.
@@ -130,7 +132,7 @@ impl Scheduler {
             let usage = s.kv_usage.clamp(0.0, 1.0);
             queue = waiting * per_queued;
             kv = usage * size;
-            if matches!(view, LoadView::Fresh(_)) && waiting < 1.0 && usage < SATURATION_KV_USAGE {
+            if matches!(view, LoadView::Fresh(_)) && usage < SATURATION_KV_USAGE {
                 decode = 0.0;
             }
         }
@@ -171,7 +173,19 @@ impl Scheduler {
         if temperature > 0.0 {
             pick_index(&costs.collect::<Vec<_>>(), temperature, &mut rand::rng())
         } else {
-            argmin(costs, rand::rng().random())
+            argmin(costs, self.tie_break_seed())
+        }
+    }
+
+    /// The seed of one argmin tie-break: the next draw of the configured
+    /// sequence, else a random one.
+    fn tie_break_seed(&self) -> u64 {
+        match self.config.tie_break_seed {
+            Some(seed) => draw(
+                seed,
+                self.tie_breaks.fetch_add(1, Ordering::Relaxed) as usize,
+            ),
+            None => rand::rng().random(),
         }
     }
 }

@@ -40,6 +40,7 @@ pub use stats::{
 };
 
 use std::collections::HashSet;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -69,6 +70,9 @@ pub struct SchedulerConfig {
     pub weights: Weights,
     /// 0 picks the cheapest candidate; above 0, softmax sampling over normalised costs.
     pub temperature: f64,
+    /// Seeds the tie-break among equally cheap candidates, so a replay repeats
+    /// itself (`None`: the thread's random generator).
+    pub tie_break_seed: Option<u64>,
     /// Scraped load older than this is ignored.
     pub scrape_max_age: Duration,
     /// Prefix index settings.
@@ -116,6 +120,7 @@ impl Default for SchedulerConfig {
             max_prefix_blocks: DEFAULT_MAX_PREFIX_TOKENS / DEFAULT_TOKEN_BLOCK,
             weights: Weights::default(),
             temperature: 0.0,
+            tie_break_seed: None,
             scrape_max_age: Duration::from_secs(5),
             index: IndexConfig::default(),
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
@@ -137,10 +142,11 @@ impl Default for SchedulerConfig {
 pub const DEFAULT_MAX_PREFIX_TOKENS: usize = 131_072;
 
 /// Default [`SchedulerConfig::provisional_ttl`]: covers a burst sharing a
-/// prefix while its first prefill runs, and stays short because a provisional
-/// entry outlives the worker evicting those blocks (a routed prompt refreshes
-/// it; at 10 s a small pool kept being credited with prompts it had evicted).
-pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(2);
+/// prefix while its first prefill runs, however long it queues. Entries end
+/// earlier at their blocks' KV events (stored or removed), so the TTL only
+/// bounds those whose events never come (on the tuning trace, 1,000 blocks
+/// 2×: 27% hits at 2 s, 33% at 10 s).
+pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(10);
 
 /// Default [`SchedulerConfig::max_request_load_blocks`]: 16384 blocks, about
 /// 256k tokens (16-token blocks) or 1 MiB of text (64-byte blocks).
@@ -155,6 +161,8 @@ pub struct Scheduler {
     provisional: PrefixIndex,
     sessions: SessionStore,
     stats: SchedulerStats,
+    /// Tie-breaks drawn so far (with [`SchedulerConfig::tie_break_seed`]).
+    tie_breaks: AtomicU64,
 }
 
 impl Default for Scheduler {
@@ -178,6 +186,7 @@ impl Scheduler {
                 token_max_lifetime: config.session_token_max_lifetime,
             }),
             stats: SchedulerStats::default(),
+            tie_breaks: AtomicU64::new(0),
             config,
         }
     }

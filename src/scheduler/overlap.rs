@@ -7,8 +7,10 @@
 //! and scatter. So a prompt routed to a precise worker is recorded as
 //! provisional (approximate) entries in a second index whose entries live
 //! [`SchedulerConfig::provisional_ttl`](super::SchedulerConfig::provisional_ttl);
-//! a candidate's overlap is the larger of the two answers, so the KV events
-//! take over once they arrive.
+//! a candidate's overlap is the larger of the two answers. A provisional entry
+//! ends when the worker's KV events speak of its block (stored: the precise
+//! index holds it now; removed: the worker evicted it), so it never outlives
+//! what the worker reports; the TTL only bounds entries whose events never come.
 
 use std::time::Instant;
 
@@ -49,6 +51,14 @@ impl Scheduler {
         match self.index.is_precise(worker) {
             true => self.provisional.insert(worker, hashes, now),
             false => self.index.insert(worker, hashes, now),
+        }
+    }
+
+    /// `worker`'s KV events stored or removed these blocks (kvpick hashes): its
+    /// provisional entries for them end, the events speak for it from now on.
+    pub fn settle_provisional(&self, worker: WorkerKey, hashes: &[u64]) {
+        if !self.provisional.is_empty() {
+            self.provisional.forget(worker, hashes);
         }
     }
 }

@@ -169,7 +169,7 @@ fn load_weighted(decode: f64, queue: f64) -> (Scheduler, EndpointTable, Instant)
 }
 
 #[test]
-fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
+fn a_holder_with_kv_room_keeps_its_prefix_until_its_kv_fills() {
     // Unit weights: load and queue at full weight, so only the gating holds them.
     let (s, t, now) = load_weighted(1.0, 1.0);
     let snap = t.snapshot();
@@ -191,21 +191,28 @@ fn a_holder_with_headroom_keeps_its_prefix_until_it_queues() {
         }
         held.push(d);
     }
-    // Once the holder has a queue it is saturated: its 400 blocks of load count
-    // against the other worker's 100 blocks of prefill.
+    // A queue alone leaves the holder sticky while its KV has room: the one
+    // queued request counts at its uncached size (a quarter of the prompt, the
+    // mean of what the holder was sent), not the running requests' 400 blocks.
+    let _in_flight: Vec<_> = held.iter().map(Decision::begin).collect();
     let holder = held[0].decode.key();
-    for e in snap.endpoints.iter() {
-        let busy = e.key(0) == holder;
-        scrape(
-            e,
-            f64::from(u8::from(busy)),
-            if busy { 3.0 } else { 0.0 },
-            0.1,
-            now,
-        );
-    }
+    let scrape_holder = |queue: f64, kv: f64| {
+        for e in snap.endpoints.iter() {
+            match e.key(0) == holder {
+                true => scrape(e, queue, 4.0, kv, now),
+                false => scrape(e, 0.0, 0.0, 0.1, now),
+            }
+        }
+    };
+    scrape_holder(1.0, 0.3);
     let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
-    assert_ne!(d.decode.key(), holder);
+    assert_eq!(d.decode.key(), holder, "queued, KV room");
+    s.cancel(&d);
+    // Once its KV fills it is saturated: its 400 blocks of load count against
+    // the other worker's 100 blocks of prefill.
+    scrape_holder(0.0, 0.85);
+    let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    assert_ne!(d.decode.key(), holder, "KV full");
 }
 
 #[test]
@@ -779,17 +786,23 @@ fn precise_workers_get_no_approximate_entries() {
     assert!(s.index().is_empty());
 }
 
-#[test]
-fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
+/// A scheduler with a 10 s provisional TTL over `n` precise workers.
+fn precise_pool(n: usize) -> (Scheduler, EndpointTable) {
     let s = Scheduler::new(SchedulerConfig {
         provisional_ttl: Duration::from_secs(10),
         ..Default::default()
     });
-    let t = both(8);
-    let snap = t.snapshot();
-    for e in &snap.endpoints {
+    let t = both(n);
+    for e in &t.snapshot().endpoints {
         s.index().set_precise(e.key(0), true);
     }
+    (s, t)
+}
+
+#[test]
+fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
+    let (s, t) = precise_pool(8);
+    let snap = t.snapshot();
     let now = Instant::now();
     let long = prompt(&"q".repeat(64 * 10));
     let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
@@ -809,6 +822,34 @@ fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
     s.maintain(&snap, later);
     let d = s.pick_at(&with_body(&long), &snap, later).unwrap();
     assert_eq!(d.overlap_blocks, 0);
+}
+
+#[test]
+fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
+    let (s, t) = precise_pool(2);
+    let snap = t.snapshot();
+    let now = Instant::now();
+    let long = prompt(&"p".repeat(64 * 10));
+    let hashes = s.block_hashes(&long);
+    let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    s.finish_at(&first, Some(200), now);
+    let worker = first.decode.key();
+    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(worker));
+    assert_eq!(overlap(now), 10);
+    // Events about the last four blocks: the first six stay provisional.
+    s.settle_provisional(worker, &hashes[6..]);
+    assert_eq!(overlap(now), 6);
+    // The other worker's events leave this worker's entries alone.
+    let other = snap
+        .endpoints
+        .iter()
+        .map(|e| e.key(0))
+        .find(|k| *k != worker)
+        .unwrap();
+    s.settle_provisional(other, &hashes);
+    assert_eq!(overlap(now), 6);
+    s.settle_provisional(worker, &hashes);
+    assert_eq!(overlap(now), 0, "well within the TTL");
 }
 
 #[test]
