@@ -335,6 +335,7 @@ impl EndpointState {
 
     /// [`EndpointState::load_view`] at an instant coded by
     /// [`Epoch::process`](crate::time::Epoch::process): integer compares only.
+    #[inline]
     pub fn load_view_at(&self, now: i64, max_age: std::time::Duration) -> LoadView {
         let (scrape, at) = self.scrape.read_coded();
         let failing = scrape.failed_at.is_some();

@@ -66,6 +66,7 @@ impl ScrapeCell {
 
     /// The current scrape, and its `load.at` coded by [`Epoch::process`]
     /// ([`Epoch::NONE`] without a load).
+    #[inline]
     pub(super) fn read_coded(&self) -> (Scrape, i64) {
         loop {
             let before = self.seq.load(Ordering::Acquire);
@@ -114,6 +115,7 @@ impl ScrapeCell {
 
     /// The fields as they are now, with `load.at`'s code (consistent only under
     /// the sequence check).
+    #[inline]
     fn fields(&self) -> (Scrape, i64) {
         let f = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
         let opt = |a: &AtomicU64| Some(a.load(Ordering::Relaxed)).filter(|v| *v != NONE);
