@@ -22,7 +22,8 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use kvpick::endpoints::{Endpoint, EndpointState, EndpointTable, Snapshot, WorkerKey};
 use kvpick::kv::hash::{model_seed, request_block_hashes};
 use kvpick::kv::index::{IndexConfig, PrefixIndex};
@@ -140,71 +141,65 @@ fn fewest_in_flight(snap: &Snapshot) -> Option<(Arc<EndpointState>, u32)> {
     best.map(|(_, e, r)| (Arc::clone(e), r))
 }
 
+/// One decision for `prompt` over `workers` warmed with `conversation` (worker 0
+/// holds it), booked and finished per iteration, next to the fewest-in-flight
+/// picker over the same snapshot.
+fn bench_pick(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    workers: usize,
+    conversation: &InferenceRequest,
+    prompt: &InferenceRequest,
+) {
+    let table = pool(workers);
+    let snap = table.snapshot();
+    let s = warmed(workers, &snap, conversation);
+    let req = PickRequest {
+        body: Some(prompt),
+        ..Default::default()
+    };
+    let d = s.pick(&req, &snap).unwrap();
+    if std::ptr::eq(prompt, conversation) {
+        assert_eq!(d.decode.key(), snap.endpoints[0].key(0), "prefix wins");
+    }
+    assert_eq!(
+        d.overlap_blocks, d.prompt_blocks,
+        "the chosen worker holds it"
+    );
+    s.finish(&d, Some(200));
+    g.bench_with_input(BenchmarkId::new(name, workers), &workers, |b, _| {
+        b.iter(|| {
+            let d = s.pick(black_box(&req), &snap).unwrap();
+            s.finish(&d, Some(200));
+            d.overlap_blocks
+        })
+    });
+    g.bench_with_input(
+        BenchmarkId::new("baseline_fewest_in_flight", workers),
+        &workers,
+        |b, _| b.iter(|| fewest_in_flight(black_box(&snap)).map(|(_, r)| r)),
+    );
+}
+
 fn bench_decision(c: &mut Criterion) {
     let system = text(1, 4 * 1024);
     let conversation = request(&format!("{system}{}", text(7, PROMPT_BYTES - system.len())));
+    let short = request(&system[..1024]);
     let mut g = c.benchmark_group("decision");
     for workers in [64usize, 1024] {
-        let table = pool(workers);
-        let snap = table.snapshot();
-        let s = warmed(workers, &snap, &conversation);
-        let req = PickRequest {
-            body: Some(&conversation),
-            ..Default::default()
-        };
-        let d = s.pick(&req, &snap).unwrap();
-        assert_eq!(d.decode.key(), snap.endpoints[0].key(0), "prefix wins");
-        assert_eq!(d.overlap_blocks, d.prompt_blocks);
-        s.finish(&d, Some(200));
-        g.bench_with_input(
-            BenchmarkId::new("prefix_32k_tokens", workers),
-            &workers,
-            |b, _| {
-                b.iter(|| {
-                    let d = s.pick(black_box(&req), &snap).unwrap();
-                    s.finish(&d, Some(200));
-                    d.overlap_blocks
-                })
-            },
-        );
-        g.bench_with_input(
-            BenchmarkId::new("baseline_fewest_in_flight", workers),
-            &workers,
-            |b, _| b.iter(|| fewest_in_flight(black_box(&snap)).map(|(_, r)| r)),
+        bench_pick(
+            &mut g,
+            "prefix_32k_tokens",
+            workers,
+            &conversation,
+            &conversation,
         );
     }
     g.finish();
-
-    let short = request(&system[..1024]);
     let mut g = c.benchmark_group("decision_per_endpoint");
     for workers in [64usize, 1024] {
-        let table = pool(workers);
-        let snap = table.snapshot();
-        let s = warmed(workers, &snap, &conversation);
-        let req = PickRequest {
-            body: Some(&short),
-            ..Default::default()
-        };
-        let d = s.pick(&req, &snap).unwrap();
-        assert_eq!(d.overlap_blocks, d.prompt_blocks, "every worker holds it");
-        s.finish(&d, Some(200));
         g.throughput(Throughput::Elements(workers as u64));
-        g.bench_with_input(
-            BenchmarkId::new("prefix_1k_bytes", workers),
-            &workers,
-            |b, _| {
-                b.iter(|| {
-                    let d = s.pick(black_box(&req), &snap).unwrap();
-                    s.finish(&d, Some(200));
-                    d.overlap_blocks
-                })
-            },
-        );
-        g.bench_with_input(
-            BenchmarkId::new("baseline_fewest_in_flight", workers),
-            &workers,
-            |b, _| b.iter(|| fewest_in_flight(black_box(&snap)).map(|(_, r)| r)),
-        );
+        bench_pick(&mut g, "prefix_1k_bytes", workers, &conversation, &short);
     }
     g.finish();
 
