@@ -82,12 +82,15 @@ fn hash_token_block(buf: &mut Vec<u8>, parent: u64, tokens: &[u32]) -> u64 {
     xxh3_64(buf)
 }
 
-fn text_block(parent: u64, bytes: &[u8]) -> u64 {
-    let mut h = Xxh3::new();
-    h.update(&parent.to_le_bytes());
-    h.update(&[TEXT_TAG]);
-    h.update(bytes);
-    h.digest()
+/// xxh3-64 over the parent (8 bytes little-endian), the text tag and the block's
+/// bytes, assembled in `buf` and hashed in one shot (the same value as feeding
+/// them to a streaming hasher, without setting one up per block).
+fn text_block(buf: &mut Vec<u8>, parent: u64, bytes: &[u8]) -> u64 {
+    buf.clear();
+    buf.extend_from_slice(&parent.to_le_bytes());
+    buf.push(TEXT_TAG);
+    buf.extend_from_slice(bytes);
+    xxh3_64(buf)
 }
 
 fn image_block(parent: u64, reference: &str) -> u64 {
@@ -254,21 +257,21 @@ fn hash_prompt(
                     text.extend_from_slice(&bytes[..take]);
                     bytes = &bytes[take..];
                     if text.len() == byte_block {
-                        prev = text_block(prev, &text);
+                        prev = text_block(&mut buf, prev, &text);
                         out.push(prev);
                         text.clear();
                     }
                 }
                 let mut chunks = bytes.chunks_exact(byte_block);
                 for c in (&mut chunks).take(max.saturating_sub(out.len())) {
-                    prev = text_block(prev, c);
+                    prev = text_block(&mut buf, prev, c);
                     out.push(prev);
                 }
                 text.extend_from_slice(chunks.remainder());
             }
             Segment::Tokens(t) => {
                 if !text.is_empty() {
-                    prev = text_block(prev, &text);
+                    prev = text_block(&mut buf, prev, &text);
                     out.push(prev);
                     text.clear();
                 }
@@ -290,7 +293,7 @@ fn hash_prompt(
             }
             Segment::Image(url) => {
                 if !text.is_empty() {
-                    prev = text_block(prev, &text);
+                    prev = text_block(&mut buf, prev, &text);
                     out.push(prev);
                     text.clear();
                 }
@@ -418,6 +421,18 @@ mod tests {
             Segment::Tokens(toks[10..].to_vec()),
         ];
         assert_eq!(request_block_hashes(5, &split, 64, 16), direct);
+    }
+
+    #[test]
+    fn a_text_block_hashes_parent_tag_and_bytes_as_one_stream() {
+        let mut buf = Vec::new();
+        for (parent, bytes) in [(0u64, &b""[..]), (7, b"abc"), (u64::MAX, &[b'x'; 64][..])] {
+            let mut h = Xxh3::new();
+            h.update(&parent.to_le_bytes());
+            h.update(&[TEXT_TAG]);
+            h.update(bytes);
+            assert_eq!(text_block(&mut buf, parent, bytes), h.digest());
+        }
     }
 
     #[test]
