@@ -187,6 +187,25 @@ impl EnvoyStream {
         self.tx = None;
     }
 
+    /// Ends the stream as Envoy does once the response is through: closes Envoy's
+    /// side and reads the answers to their end (the gRPC status). Dropping a
+    /// stream whose answers are still open makes HTTP/2 reset it, and the
+    /// server's closing frames then land on a reset stream, which the client's
+    /// HTTP/2 counts against its per-connection limit of locally reset streams
+    /// (a GOAWAY `too_many_internal_resets` after 1,024). An answer arriving
+    /// instead of the end is an error.
+    pub async fn finish(mut self) -> Result<(), ClientError> {
+        self.close();
+        match self.answers.recv().await {
+            Err(ClientError::Closed) => Ok(()),
+            Err(e) => Err(e),
+            Ok(msg) => Err(ClientError::Unexpected {
+                expected: "the end of the stream",
+                got: format!("{msg:?}"),
+            }),
+        }
+    }
+
     /// The sending half (if open) and the answers, apart.
     pub fn into_parts(self) -> (Option<mpsc::Sender<ProcessingRequest>>, Answers) {
         (self.tx, self.answers)

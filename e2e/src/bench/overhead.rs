@@ -199,9 +199,11 @@ pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Re
         .respond(BodyMode::FullDuplex, "200", &[], Some(sse), CHUNK)
         .await?
     {
-        ResponseOutcome::Forwarded { .. } => Ok(latency),
+        ResponseOutcome::Forwarded { .. } => {}
         ResponseOutcome::Immediate(i) => bail!("the response path ended with {i:?}"),
     }
+    s.finish().await?;
+    Ok(latency)
 }
 
 fn endpoints(n: usize) -> Vec<Endpoint> {
