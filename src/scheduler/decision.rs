@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::endpoints::{EndpointState, InFlightGuard, WorkerKey};
+use crate::endpoints::{ActiveLoad, EndpointState, InFlightGuard, WorkerKey};
 use crate::request::InferenceRequest;
 use crate::sessions::SessionTurn;
 
@@ -49,7 +49,8 @@ impl Target {
     }
 
     /// Blocks of load booked on this rank by unfinished requests.
-    pub fn booked_blocks(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn booked_blocks(&self) -> u64 {
         self.endpoint.active_load(self.rank).blocks
     }
 }
@@ -83,6 +84,23 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The load the request books on its decode rank until it finishes: its
+    /// prompt and expected output, and the prompt blocks left to prefill there.
+    pub fn decode_load(&self) -> ActiveLoad {
+        ActiveLoad {
+            blocks: self.load_blocks + self.decode_blocks,
+            uncached: self.uncached_blocks,
+        }
+    }
+
+    /// The load it books on its prefill rank: the whole prompt, all to prefill.
+    pub fn prefill_load(&self) -> ActiveLoad {
+        ActiveLoad {
+            blocks: self.load_blocks,
+            uncached: self.load_blocks,
+        }
+    }
+
     /// Starts counting the request as in flight on its decode rank.
     pub fn begin(&self) -> InFlightGuard {
         self.decode.endpoint.begin_request(self.decode.rank)

@@ -31,7 +31,6 @@ mod stats;
 #[cfg(test)]
 mod tests;
 
-use crate::endpoints::ActiveLoad;
 pub use cost::{CostTerms, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation, FilteredOut};
@@ -271,21 +270,9 @@ impl Scheduler {
     /// booked load is released; its session turn is neither settled nor bound.
     pub fn cancel(&self, decision: &Decision) {
         let d = &decision.decode;
-        d.endpoint.release(
-            d.rank,
-            ActiveLoad {
-                blocks: decision.load_blocks + decision.decode_blocks,
-                uncached: decision.uncached_blocks,
-            },
-        );
+        d.endpoint.release(d.rank, decision.decode_load());
         if let Some(p) = &decision.prefill {
-            p.endpoint.release(
-                p.rank,
-                ActiveLoad {
-                    blocks: decision.load_blocks,
-                    uncached: decision.load_blocks,
-                },
-            );
+            p.endpoint.release(p.rank, decision.prefill_load());
         }
     }
 

@@ -121,24 +121,8 @@ impl Scheduler {
             .map_or(0, |b| self.expected_decode_blocks(b))
             .min(cap - load_blocks);
         let uncached_blocks = (prompt.uncached(overlap) as u64).min(load_blocks);
-        self.record(
-            &decode[di],
-            hashes,
-            ActiveLoad {
-                blocks: load_blocks + decode_blocks,
-                uncached: uncached_blocks,
-            },
-            now,
-        );
-        if let Some(pi) = pi {
-            let load = ActiveLoad {
-                blocks: load_blocks,
-                uncached: load_blocks,
-            };
-            self.record(&prefill[pi], hashes, load, now);
-        }
-        let prefill = pi.map(|i| prefill[i].target());
-        let bootstrap_port = prefill.as_ref().and_then(|p| {
+        let prefill_target = pi.map(|i| prefill[i].target());
+        let bootstrap_port = prefill_target.as_ref().and_then(|p| {
             let ep = &p.endpoint.endpoint;
             ep.bootstrap_port.or_else(|| {
                 (ep.engine == Engine::Sglang)
@@ -147,9 +131,9 @@ impl Scheduler {
             })
         });
         let bootstrap_room = bootstrap_port.map(|_| rand::rng().random::<u64>() >> 1);
-        Ok(Decision {
+        let decision = Decision {
             decode: decode[di].target(),
-            prefill,
+            prefill: prefill_target,
             bootstrap_port,
             bootstrap_room,
             session,
@@ -158,7 +142,13 @@ impl Scheduler {
             load_blocks,
             uncached_blocks,
             decode_blocks,
-        })
+        };
+        // Booked from the decision, so `cancel`/`finish` release exactly this.
+        self.record(&decode[di], hashes, decision.decode_load(), now);
+        if let Some(pi) = pi {
+            self.record(&prefill[pi], hashes, decision.prefill_load(), now);
+        }
+        Ok(decision)
     }
 
     /// The prompt's blocks and the load it books (before the per-request cap).
