@@ -337,12 +337,10 @@ impl EndpointState {
     /// [`Epoch::process`](crate::time::Epoch::process): integer compares only.
     #[inline]
     pub fn load_view_at(&self, now: i64, max_age: std::time::Duration) -> LoadView {
-        let (scrape, at) = self.scrape.read_coded();
+        let (scrape, at) = self.scrape.read();
         let failing = scrape.failed_at.is_some();
         match scrape.load {
-            Some(l) if !failing && now <= crate::time::Epoch::after(at, max_age) => {
-                LoadView::Fresh(l)
-            }
+            Some(l) if !failing && fresh(now, at, max_age) => LoadView::Fresh(l),
             None if !failing => LoadView::Unknown,
             last => LoadView::Suspect(last),
         }
@@ -355,9 +353,16 @@ impl EndpointState {
 
     /// Scraped load if it is younger than `max_age` at `now`.
     pub fn scraped(&self, now: Instant, max_age: std::time::Duration) -> Option<ScrapedLoad> {
-        let load = self.scrape.read().load?;
-        (now.saturating_duration_since(load.at) <= max_age).then_some(load)
+        let (scrape, at) = self.scrape.read();
+        let now = crate::time::Epoch::process().encode(now);
+        scrape.load.filter(|_| fresh(now, at, max_age))
     }
+}
+
+/// Whether a scrape taken at `at` is no older than `max_age` at `now` (both
+/// coded by [`Epoch::process`](crate::time::Epoch::process)).
+fn fresh(now: i64, at: i64, max_age: std::time::Duration) -> bool {
+    now <= crate::time::Epoch::after(at, max_age)
 }
 
 /// Keeps one in-flight request counted on an endpoint rank; decrements on drop, so a

@@ -59,15 +59,10 @@ impl Default for ScrapeCell {
 }
 
 impl ScrapeCell {
-    /// The current scrape.
-    pub(super) fn read(&self) -> Scrape {
-        self.read_coded().0
-    }
-
     /// The current scrape, and its `load.at` coded by [`Epoch::process`]
     /// ([`Epoch::NONE`] without a load).
     #[inline]
-    pub(super) fn read_coded(&self) -> (Scrape, i64) {
+    pub(super) fn read(&self) -> (Scrape, i64) {
         loop {
             let before = self.seq.load(Ordering::Acquire);
             if before & 1 == 0 {
@@ -159,7 +154,7 @@ mod tests {
     fn a_scrape_reads_back_as_written_with_instants_either_side_of_the_origin() {
         let earlier = Instant::now();
         let cell = ScrapeCell::default();
-        assert_eq!(cell.read(), Scrape::default());
+        assert_eq!(cell.read().0, Scrape::default());
         let later = Instant::now() + Duration::from_secs(3);
         for at in [earlier, later] {
             let s = Scrape {
@@ -167,13 +162,13 @@ mod tests {
                 failed_at: None,
             };
             cell.update(|_| s);
-            assert_eq!(cell.read(), s);
+            assert_eq!(cell.read().0, s);
         }
         cell.update(|s| Scrape {
             failed_at: Some(earlier),
             ..s
         });
-        let read = cell.read();
+        let read = cell.read().0;
         assert_eq!(read.failed_at, Some(earlier));
         assert_eq!(read.load, Some(load(3.0, later)));
         let bare = ScrapedLoad {
@@ -185,7 +180,7 @@ mod tests {
             load: Some(bare),
             failed_at: None,
         });
-        assert_eq!(cell.read().load, Some(bare));
+        assert_eq!(cell.read().0.load, Some(bare));
     }
 
     #[test]
@@ -206,7 +201,7 @@ mod tests {
         };
         let mut seen = 0;
         while !writer.is_finished() || seen == 0 {
-            if let Some(l) = cell.read().load {
+            if let Some(l) = cell.read().0.load {
                 // Every field comes from the same write.
                 assert_eq!(l, load(l.queue, at));
                 seen += 1;

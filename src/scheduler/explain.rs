@@ -103,21 +103,15 @@ impl Scheduler {
                 all.push((cand, address.clone(), filtered, available));
             }
         }
-        let all: Vec<_> = all
-            .into_iter()
-            .map(|(c, address, filtered, available)| {
-                let ejected = filtered.is_none() && any_available && !available;
-                (
-                    c,
-                    address,
-                    filtered.or(ejected.then_some(FilteredOut::Ejected)),
-                )
-            })
-            .collect();
+        for (_, _, filtered, available) in &mut all {
+            if filtered.is_none() && any_available && !*available {
+                *filtered = Some(FilteredOut::Ejected);
+            }
+        }
         if req.subset.is_some()
             && all
                 .iter()
-                .all(|(_, _, f)| *f == Some(FilteredOut::NotInSubset))
+                .all(|(_, _, f, _)| *f == Some(FilteredOut::NotInSubset))
         {
             return Err(PickError::SubsetEmpty);
         }
@@ -134,7 +128,7 @@ impl Scheduler {
         let w = self.config.weights;
         let mut candidates: Vec<CandidateScore> = all
             .iter()
-            .map(|(c, address, filtered)| {
+            .map(|(c, address, filtered, _)| {
                 let prefill = !c.ep.endpoint.role.serves_decode();
                 let overlap = overlaps.as_ref().map_or(0, |o| o.get(c.key));
                 let weight = if prefill {
