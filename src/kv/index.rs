@@ -57,6 +57,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::endpoints::WorkerKey;
+use crate::kv::lru::Lru;
 use crate::kv::slots::SlotSet;
 use crate::kv::table::BlockTable;
 
@@ -133,12 +134,8 @@ struct Worker {
     capacity: Option<usize>,
     precise_limit: Option<usize>,
     precise: bool,
-    /// Approximate entries: hash → (sequence number of the last touch, stamp).
-    recency: Map<u64, (u64, u32)>,
-    /// Touch order, oldest first; entries whose sequence number is no longer the
-    /// one in `recency` are stale and skipped.
-    order: VecDeque<(u64, u64)>,
-    next_seq: u64,
+    /// Approximate entries in touch order, with the stamp of their last touch.
+    recency: Lru,
     /// Stamp of the oldest live approximate entry (`u32::MAX`: none); stamps are
     /// kept non-decreasing per worker.
     oldest: u32,
@@ -312,7 +309,13 @@ impl PrefixIndex {
         let stamp = self.stamp(now);
         let mut after = None;
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, [], chunk);
+            {
+                let g = self.inner.read();
+                g.warm(worker, [], chunk);
+                if let Some(&slot) = g.slots.get(&worker) {
+                    g.workers[slot as usize].recency.prefetch(chunk);
+                }
+            }
             let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
@@ -321,13 +324,11 @@ impl PrefixIndex {
             }
             let stamp = stamp.max(w.last_stamp);
             w.last_stamp = stamp;
+            // Most approximate workers hold nothing precisely: no probe per block then.
+            let some_precise = !w.precise_held.is_empty();
             let mut new = Vec::new();
             for &h in chunk {
-                let seq = w.next_seq;
-                w.next_seq += 1;
-                let previous = w.recency.insert(h, (seq, stamp));
-                w.order.push_back((h, seq));
-                if previous.is_none() && !w.precise_held.contains(&h) {
+                if w.recency.touch(h, stamp) && !(some_precise && w.precise_held.contains(&h)) {
                     new.push(h);
                 }
             }
@@ -358,24 +359,15 @@ impl PrefixIndex {
                     if dropped.len() >= WRITE_CHUNK {
                         break false;
                     }
-                    let Some(&(h, seq)) = w.order.front() else {
+                    let Some((h, stamp)) = w.recency.oldest() else {
                         break true;
                     };
-                    match w.recency.get(&h).copied() {
-                        Some((s, _)) if s != seq => {
-                            w.order.pop_front();
-                        }
-                        None => {
-                            w.order.pop_front();
-                        }
-                        Some((_, stamp)) if w.recency.len() > cap || !self.alive(stamp, now) => {
-                            w.order.pop_front();
-                            w.recency.remove(&h);
-                            if !w.precise_held.contains(&h) {
-                                dropped.push(h);
-                            }
-                        }
-                        Some(_) => break true,
+                    if w.recency.len() <= cap && self.alive(stamp, now) {
+                        break true;
+                    }
+                    w.recency.pop_oldest();
+                    if !w.precise_held.contains(&h) {
+                        dropped.push(h);
                     }
                 }
             };
@@ -401,7 +393,7 @@ impl PrefixIndex {
             let w = &mut g.workers[slot as usize];
             let mut dropped = Vec::new();
             for h in chunk {
-                if w.recency.remove(h).is_some() && !w.precise_held.contains(h) {
+                if w.recency.remove(*h) && !w.precise_held.contains(h) {
                     dropped.push(*h);
                 }
             }
@@ -514,7 +506,7 @@ impl PrefixIndex {
             (slot, std::mem::take(&mut g.workers[slot as usize]))
         };
         // The slot has no key now (lookups skip it) and is reused only once empty.
-        let mut hashes: Vec<u64> = w.recency.into_keys().collect();
+        let mut hashes: Vec<u64> = w.recency.keys().collect();
         hashes.extend(w.engine.values());
         self.remove_in_run_order(slot, hashes, None);
         self.write().free_slots.push(slot);
@@ -554,15 +546,11 @@ impl PrefixIndex {
                 return;
             }
             let precise_held = std::mem::take(&mut w.precise_held);
-            w.order.clear();
-            g.set_oldest(slot, u32::MAX);
-            let w = &mut g.workers[slot as usize];
-            let dropped: Vec<u64> = w
-                .recency
-                .drain()
-                .map(|(h, _)| h)
+            let dropped: Vec<u64> = std::mem::take(&mut w.recency)
+                .keys()
                 .filter(|h| !precise_held.contains(h))
                 .collect();
+            g.set_oldest(slot, u32::MAX);
             (slot, dropped)
         };
         self.remove_in_run_order(slot, dropped, Some(worker));
@@ -669,7 +657,7 @@ impl PrefixIndex {
                     .iter()
                     .take_while(|h| {
                         w.precise_held.contains(h)
-                            || w.recency.get(h).is_some_and(|(_, s)| self.alive(*s, now))
+                            || w.recency.stamp(**h).is_some_and(|s| self.alive(s, now))
                     })
                     .count();
                 ov.corrected.push((slot, visible));
@@ -745,8 +733,7 @@ impl PrefixIndex {
                 };
         }
         for w in &g.workers {
-            bytes += table::<u64, (u64, u32)>(w.recency.capacity())
-                + w.order.capacity() * size_of::<(u64, u64)>()
+            bytes += w.recency.heap_bytes()
                 + w.engine.heap_bytes()
                 + table::<u64, u32>(w.extra.capacity())
                 + table::<u64, ()>(w.precise_held.capacity());
@@ -846,29 +833,12 @@ impl Inner {
         w.oldest = oldest;
     }
 
-    /// After `slot`'s approximate entries changed: drops superseded entries from
-    /// the front of its touch order, records its oldest stamp, and keeps the stale
-    /// rest of the order queue bounded.
+    /// After `slot`'s approximate entries changed: records its oldest stamp.
     fn settle_lru(&mut self, slot: u32) {
-        let w = &mut self.workers[slot as usize];
-        while let Some(&(h, seq)) = w.order.front() {
-            if w.recency.get(&h).is_some_and(|(s, _)| *s == seq) {
-                break;
-            }
-            w.order.pop_front();
-        }
-        let oldest = w
-            .order
-            .front()
-            .and_then(|(h, _)| w.recency.get(h))
-            .map_or(u32::MAX, |(_, s)| *s);
-        // Drop the entries a later touch superseded (the queue is in sequence
-        // order already, so no sort; amortised O(1) a push).
-        if w.order.len() > 2 * w.recency.len() + 64 {
-            let recency = &w.recency;
-            w.order
-                .retain(|(h, seq)| recency.get(h).is_some_and(|(s, _)| s == seq));
-        }
+        let oldest = self.workers[slot as usize]
+            .recency
+            .oldest()
+            .map_or(u32::MAX, |(_, s)| s);
         self.set_oldest(slot, oldest);
     }
 
@@ -909,7 +879,7 @@ impl Inner {
             }
             if !w.precise {
                 w.precise_held.remove(&h);
-                if w.recency.contains_key(&h) {
+                if w.recency.contains(h) {
                     // An approximate entry remains: the holder stays for it.
                     continue;
                 }
@@ -1284,7 +1254,7 @@ mod tests {
         let (a, b, c): (Vec<u64>, Vec<u64>, Vec<u64>) =
             ((1..=10).collect(), (11..=20).collect(), (21..=30).collect());
         idx.insert(wk(1), &b, t);
-        // 500 touches of a: the order queue is compacted many times with b in it.
+        // 500 touches of a while b stays untouched.
         for _ in 0..50 {
             idx.insert(wk(1), &a, t);
         }

@@ -6,5 +6,6 @@
 
 pub mod hash;
 pub mod index;
+mod lru;
 mod slots;
 mod table;

@@ -248,9 +248,11 @@ mod tests {
             hit_rate,
             of_achievable: hit_rate / 0.55,
             spread: 1.5,
+            spread_floor: 1.0,
             ttft_p50_ms: 100.0,
             ttft_p99_ms: 900.0,
             ttft_ms: vec![50.0, 100.0, 900.0],
+            requests: Vec::new(),
         };
         let replay_report = ReplayReport {
             trace: "t".into(),

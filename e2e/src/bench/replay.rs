@@ -32,7 +32,9 @@
 //! approach with the fleet's finite KV. Each policy's "fraction of achievable" is
 //! its hit rate over the pooled ceiling. Load spread is max/mean in-flight over
 //! workers, sampled at every arrival that finds any request in flight, averaged
-//! over those arrivals.
+//! over those arrivals; next to it, the spread floor: the same average for the
+//! same totals in flight placed as evenly as whole requests allow (with few
+//! requests in flight on many workers even that is far above 1).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
@@ -184,6 +186,10 @@ pub struct ReplayArgs {
     /// kvpick's provisional TTL in precise mode, seconds (default: kvpick's).
     #[arg(long)]
     pub provisional_ttl_secs: Option<f64>,
+    /// Also write every request's figures, one CSV per policy and run
+    /// (`POLICY-BLOCKS-SPEED.csv`), into this directory: where a tail comes from.
+    #[arg(long)]
+    pub dump_requests: Option<PathBuf>,
 }
 
 impl ReplayArgs {
@@ -269,6 +275,10 @@ pub struct PolicyFigures {
     pub of_achievable: f64,
     /// Mean over arrivals of max/mean in-flight.
     pub spread: f64,
+    /// What `spread` would be with the same requests in flight at each sample
+    /// placed as evenly as whole requests allow ([`balanced_spread`]): no
+    /// policy's spread can be lower.
+    pub spread_floor: f64,
     /// Median modeled TTFT.
     pub ttft_p50_ms: f64,
     /// 99th percentile modeled TTFT.
@@ -276,6 +286,75 @@ pub struct PolicyFigures {
     /// Every request's modeled TTFT, sorted (for plots).
     #[serde(skip)]
     pub ttft_ms: Vec<f64>,
+    /// Every request's figures, in trace order (`--dump-requests`).
+    #[serde(skip)]
+    pub requests: Vec<RequestFigures>,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RequestFigures {
+    /// The worker it was routed to.
+    pub worker: usize,
+    /// Its arrival, simulated ms from the start.
+    pub arrival_ms: f64,
+    /// Requests ahead of it on that worker at arrival (queued or in prefill).
+    pub ahead: usize,
+    /// Their prompt tokens (cached or not).
+    pub ahead_tokens: usize,
+    /// Requests routed to that worker and not finished, at arrival.
+    pub in_flight: usize,
+    /// Its prompt tokens.
+    pub input_tokens: usize,
+    /// Its prompt blocks.
+    pub blocks: usize,
+    /// Leading prompt blocks found cached when its prefill started.
+    pub hit_blocks: usize,
+    /// Time from arrival to the start of its prefill.
+    pub wait_ms: f64,
+    /// Its prefill time.
+    pub prefill_ms: f64,
+}
+
+impl RequestFigures {
+    const CSV_HEADER: &'static str = "request,worker,arrival_ms,ahead,ahead_tokens,in_flight,\
+        input_tokens,blocks,hit_blocks,wait_ms,prefill_ms,ttft_ms";
+
+    fn csv_row(&self, index: usize) -> String {
+        format!(
+            "{index},{},{:.3},{},{},{},{},{},{},{:.3},{:.3},{:.3}",
+            self.worker,
+            self.arrival_ms,
+            self.ahead,
+            self.ahead_tokens,
+            self.in_flight,
+            self.input_tokens,
+            self.blocks,
+            self.hit_blocks,
+            self.wait_ms,
+            self.prefill_ms,
+            self.wait_ms + self.prefill_ms
+        )
+    }
+}
+
+/// Writes each run's per-request figures into `dir`, one CSV per policy and run
+/// (`POLICY-BLOCKS-SPEED.csv`).
+pub fn write_requests(dir: &std::path::Path, runs: &[ReplayReport]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for r in runs {
+        for p in &r.policies {
+            let mut csv = String::from(RequestFigures::CSV_HEADER);
+            csv.push('\n');
+            for (i, q) in p.requests.iter().enumerate() {
+                csv.push_str(&q.csv_row(i));
+                csv.push('\n');
+            }
+            let file = format!("{}-{}-{}.csv", p.name, r.capacity_blocks, r.speed);
+            std::fs::write(dir.join(file), csv)?;
+        }
+    }
+    Ok(())
 }
 
 /// The replay report.
@@ -311,6 +390,7 @@ impl ReplayReport {
                     format!("{:.1}%", p.hit_rate * 100.0),
                     format!("{:.2}", p.of_achievable),
                     format!("{:.2}", p.spread),
+                    format!("{:.2}", p.spread_floor),
                     format!("{:.0}", p.ttft_p50_ms),
                     format!("{:.0}", p.ttft_p99_ms),
                 ]
@@ -326,10 +406,12 @@ impl ReplayReport {
             "–".into(),
             "–".into(),
             "–".into(),
+            "–".into(),
         ]);
         rows.push(vec![
             "ceiling (infinite shared cache)".into(),
             format!("{:.1}%", self.ceiling_hit_rate * 100.0),
+            "–".into(),
             "–".into(),
             "–".into(),
             "–".into(),
@@ -348,6 +430,7 @@ impl ReplayReport {
                     "prefix hit rate",
                     "fraction of achievable",
                     "spread (max/mean in-flight)",
+                    "spread floor (even placement)",
                     "TTFT p50 ms",
                     "TTFT p99 ms",
                 ],
@@ -386,11 +469,23 @@ pub fn pooled_ceiling_hit_rate(trace: &[TraceRequest], capacity: usize) -> f64 {
 }
 
 fn ratio(a: usize, b: usize) -> f64 {
+    ratio_f(a as f64, b)
+}
+
+fn ratio_f(a: f64, b: usize) -> f64 {
     if b == 0 {
         0.0
     } else {
-        a as f64 / b as f64
+        a / b as f64
     }
+}
+
+/// Max/mean in-flight of `total` requests (at least 1) on `workers` placed as
+/// evenly as whole requests allow: `ceil(total / workers) / (total / workers)`.
+/// 3 requests on 8 workers score 8/3 however they are placed.
+pub fn balanced_spread(total: usize, workers: usize) -> f64 {
+    let mean = total as f64 / workers.max(1) as f64;
+    total.div_ceil(workers.max(1)) as f64 / mean
 }
 
 /// The built-in policies, fresh, in report order.
@@ -470,6 +565,7 @@ impl MatrixReport {
                     format!("{:.1}%", p.hit_rate * 100.0),
                     format!("{:.2}", p.of_achievable),
                     format!("{:.2}", p.spread),
+                    format!("{:.2}", p.spread_floor),
                     format!("{:.0}", p.ttft_p50_ms),
                     format!("{:.0}", p.ttft_p99_ms),
                 ]);
@@ -484,6 +580,7 @@ impl MatrixReport {
                     r.ceiling_hit_rate * 100.0
                 ),
                 "1.00".into(),
+                "–".into(),
                 "–".into(),
                 "–".into(),
                 "–".into(),
@@ -504,6 +601,7 @@ impl MatrixReport {
                     "prefix hit rate",
                     "fraction of achievable",
                     "spread",
+                    "spread floor",
                     "TTFT p50 ms",
                     "TTFT p99 ms",
                 ],
@@ -537,6 +635,10 @@ impl MatrixReport {
                             }),
                     ),
                     mark(k.spread <= 1.3),
+                    match k.spread_floor <= 1.3 {
+                        true => format!("yes ({:.2})", k.spread_floor),
+                        false => format!("no ({:.2})", k.spread_floor),
+                    },
                 ]);
             }
         }
@@ -552,6 +654,7 @@ impl MatrixReport {
                 "hit above peers",
                 "TTFT p50 and p99 ≤ round robin and peers",
                 "spread ≤ 1.3",
+                "1.3 reachable (spread floor)",
             ],
             &crit,
         ));
@@ -937,8 +1040,10 @@ struct Sim<'a> {
     hits: usize,
     blocks: usize,
     spread_sum: f64,
+    spread_floor_sum: f64,
     spread_samples: usize,
     delay_us: u64,
+    requests: Vec<RequestFigures>,
 }
 
 impl Sim<'_> {
@@ -959,6 +1064,7 @@ impl Sim<'_> {
         let max = self.workers.iter().map(|w| w.in_flight).max().unwrap_or(0);
         let mean = total as f64 / self.workers.len() as f64;
         self.spread_sum += max as f64 / mean;
+        self.spread_floor_sum += balanced_spread(total, self.workers.len());
         self.spread_samples += 1;
     }
 
@@ -1004,6 +1110,10 @@ impl Sim<'_> {
         let arrival_us = self.arrival_us(r);
         self.ttft_ms
             .push((now + dur_us - arrival_us) as f64 / 1000.0);
+        let figures = &mut self.requests[r];
+        figures.hit_blocks = s.hits;
+        figures.wait_ms = (now - arrival_us) as f64 / 1000.0;
+        figures.prefill_ms = dur_us as f64 / 1000.0;
         self.schedule(now + dur_us, Event::PrefillDone(w));
     }
 }
@@ -1028,8 +1138,10 @@ pub fn simulate(
         hits: 0,
         blocks: 0,
         spread_sum: 0.0,
+        spread_floor_sum: 0.0,
         spread_samples: 0,
         delay_us: cfg.kv_event_delay.as_micros() as u64,
+        requests: vec![RequestFigures::default(); trace.len()],
     };
     for r in 0..trace.len() {
         let at = sim.arrival_us(r);
@@ -1042,6 +1154,18 @@ pub fn simulate(
                 let views = sim.views();
                 let w = policy.route(r, &trace[r], &views, now);
                 sim.routed_to[r] = w;
+                let worker = &sim.workers[w];
+                let ahead = worker.queue.iter().chain(worker.prefilling.iter());
+                sim.requests[r] = RequestFigures {
+                    worker: w,
+                    arrival_ms: now as f64 / 1000.0,
+                    ahead: ahead.clone().count(),
+                    ahead_tokens: ahead.map(|&q| trace[q].input_length).sum(),
+                    in_flight: worker.in_flight,
+                    input_tokens: trace[r].input_length,
+                    blocks: trace[r].hash_ids.len(),
+                    ..RequestFigures::default()
+                };
                 sim.workers[w].in_flight += 1;
                 sim.workers[w].queue.push_back(r);
                 sim.start_prefill(w, now);
@@ -1093,14 +1217,12 @@ pub fn simulate(
         name: policy.name(),
         hit_rate: ratio(sim.hits, sim.blocks),
         of_achievable: 0.0,
-        spread: if sim.spread_samples == 0 {
-            0.0
-        } else {
-            sim.spread_sum / sim.spread_samples as f64
-        },
+        spread: ratio_f(sim.spread_sum, sim.spread_samples),
+        spread_floor: ratio_f(sim.spread_floor_sum, sim.spread_samples),
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p99_ms: quantile(&ttft, 0.99),
         ttft_ms: ttft,
+        requests: sim.requests,
     }
 }
 
@@ -1255,6 +1377,26 @@ mod tests {
         let f = simulate(&mut FewestInFlight::new(1), &t, &cfg());
         assert_eq!(f.ttft_ms.len(), 3);
         assert!((f.spread - 2.25).abs() < 1e-9, "{}", f.spread);
+        // That placement is as even as it gets: the floor is the same.
+        assert!((f.spread_floor - 2.25).abs() < 1e-9, "{}", f.spread_floor);
+        // All on one worker: [1, 0, 0] then [2, 0, 0] score 3 each; the same
+        // totals placed evenly still score 2.25.
+        let f = simulate(&mut Recorder::default(), &t, &cfg());
+        assert!((f.spread - 3.0).abs() < 1e-9, "{}", f.spread);
+        assert!((f.spread_floor - 2.25).abs() < 1e-9, "{}", f.spread_floor);
+    }
+
+    #[test]
+    fn balanced_spread_is_what_even_whole_placement_scores() {
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        // 3 requests on 8 workers: max 1, mean 3/8.
+        assert!(near(balanced_spread(3, 8), 8.0 / 3.0));
+        assert!(near(balanced_spread(8, 8), 1.0));
+        assert!(near(balanced_spread(16, 8), 1.0));
+        // 9 on 8: one worker has 2, mean 9/8.
+        assert!(near(balanced_spread(9, 8), 16.0 / 9.0));
+        // 1.3 is reachable from 8 workers only when the totals allow it.
+        assert!(balanced_spread(12, 8) > 1.3 && balanced_spread(20, 8) <= 1.3);
     }
 
     /// Records what the simulator tells a policy; routes everything to worker 0.
@@ -1335,6 +1477,34 @@ mod tests {
         assert_eq!(log, want);
         // Request 1 waited for room: its TTFT includes request 0's whole decode.
         assert!(f.ttft_ms[1] * 1000.0 >= (2 * prefill + decode - 1000) as f64);
+        // Per request: request 1 found request 0 in prefill ahead of it and
+        // waited (from 1 ms) until request 0 finished.
+        let r1 = f.requests[1];
+        assert_eq!((r1.ahead, r1.ahead_tokens, r1.in_flight), (1, 1024, 1));
+        assert_eq!((r1.arrival_ms, r1.hit_blocks, r1.blocks), (1.0, 0, 2));
+        assert!((r1.wait_ms - ((prefill + decode) as f64 / 1000.0 - 1.0)).abs() < 1e-9);
+        assert!((r1.prefill_ms - prefill as f64 / 1000.0).abs() < 1e-9);
+        assert_eq!(f.requests[0].ahead, 0);
+        let dir = std::env::temp_dir().join(format!("replay-requests-{}", std::process::id()));
+        let report = ReplayReport {
+            trace: "t".into(),
+            requests: 2,
+            workers: 1,
+            capacity_blocks: 4,
+            speed: 1.0,
+            ceiling_hit_rate: 0.0,
+            pooled_ceiling_hit_rate: 0.0,
+            policies: vec![f.clone()],
+        };
+        write_requests(&dir, &[report]).unwrap();
+        let csv = std::fs::read_to_string(dir.join("recorder-4-1.csv")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 3, "{csv}");
+        assert!(
+            lines[2].starts_with("1,0,1.000,1,1024,1,1024,2,0,"),
+            "{csv}"
+        );
     }
 
     #[test]

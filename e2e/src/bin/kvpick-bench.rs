@@ -271,6 +271,9 @@ fn main() -> anyhow::Result<()> {
             }
             if let [cfg] = &configs[..] {
                 let report = replay::run(&name, &requests, cfg, replay::builtin(cfg));
+                if let Some(dir) = &args.dump_requests {
+                    replay::write_requests(dir, std::slice::from_ref(&report))?;
+                }
                 if let Some(dir) = &cli.plots {
                     plot::replay_hit_rate(&report, &dir.join("replay-hit-rate.svg"))?;
                     plot::replay_ttft(&report, &dir.join("replay-ttft.svg"))?;
@@ -278,6 +281,9 @@ fn main() -> anyhow::Result<()> {
                 return emit(cli.format, cli.save.as_deref(), &report, report.markdown());
             }
             let report = replay::matrix(&name, &requests, &configs, &replay::builtin);
+            if let Some(dir) = &args.dump_requests {
+                replay::write_requests(dir, &report.runs)?;
+            }
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::Scale {
