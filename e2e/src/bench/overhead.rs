@@ -452,16 +452,16 @@ impl Tally {
         Ok(())
     }
 
-    /// The figures of every drive together, with `server`'s peak RSS.
-    fn figures(self, server: &ServerProcess) -> anyhow::Result<ServerFigures> {
+    /// The figures of every drive together, with the server's peak RSS.
+    fn figures(self, peak_rss_bytes: u64) -> ServerFigures {
         let lat = sorted(self.lat);
-        Ok(ServerFigures {
+        ServerFigures {
             p50_us: quantile(&lat, 0.5),
             p99_us: quantile(&lat, 0.99),
             rps: lat.len() as f64 / self.measured.as_secs_f64().max(f64::MIN_POSITIVE),
-            peak_rss_mib: server.peak_rss_bytes()? as f64 / f64::from(1 << 20),
+            peak_rss_mib: peak_rss_bytes as f64 / f64::from(1 << 20),
             cpu_us_per_request: self.cpu_seconds * 1e6 / self.completed.max(1) as f64,
-        })
+        }
     }
 }
 
@@ -474,8 +474,10 @@ async fn measure(
 ) -> anyhow::Result<ServerFigures> {
     let server = ServerProcess::start(&cfg.server_exe, kind).await?;
     let mut tally = Tally::default();
-    tally.drive(&server, bodies, cfg, cfg.duration, large).await?;
-    let figures = tally.figures(&server)?;
+    tally
+        .drive(&server, bodies, cfg, cfg.duration, large)
+        .await?;
+    let figures = tally.figures(server.peak_rss_bytes()?);
     server.stop().await?;
     Ok(figures)
 }
@@ -502,7 +504,10 @@ async fn measure_pair(
             tally.drive(server, bodies, cfg, slice, None).await?;
         }
     }
-    let figures = (noop_tally.figures(&noop)?, kvpick_tally.figures(&kvpick)?);
+    let figures = (
+        noop_tally.figures(noop.peak_rss_bytes()?),
+        kvpick_tally.figures(kvpick.peak_rss_bytes()?),
+    );
     noop.stop().await?;
     kvpick.stop().await?;
     Ok(figures)
@@ -798,6 +803,27 @@ mod tests {
             one_request(&ch, &body).await.unwrap();
             server.abort();
         }
+    }
+
+    #[test]
+    fn slices_add_up_to_one_server_figure() {
+        let mut t = Tally::default();
+        // Two slices: 3 requests measured in 1 s, then 1 in 1 s; 6 completed in
+        // all with warm-ups, 0.0006 CPU seconds.
+        for (lat, secs, completed, cpu) in [
+            (vec![30.0, 10.0, 20.0], 1, 4, 0.0004),
+            (vec![40.0], 1, 2, 0.0002),
+        ] {
+            t.lat.extend(lat);
+            t.measured += Duration::from_secs(secs);
+            t.completed += completed;
+            t.cpu_seconds += cpu;
+        }
+        let f = t.figures(3 << 20);
+        assert_eq!(f.rps, 2.0, "4 measured requests over 2 measured seconds");
+        assert_eq!((f.p50_us, f.p99_us), (20.0, 40.0));
+        assert!((f.cpu_us_per_request - 100.0).abs() < 1e-9);
+        assert_eq!(f.peak_rss_mib, 3.0);
     }
 
     #[test]
