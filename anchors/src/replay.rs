@@ -48,6 +48,9 @@ pub fn run(cmd: ReplayCmd) -> anyhow::Result<()> {
         p
     };
     let report = replay::matrix(&name, &trace, &cmd.args.configs(), &policies);
+    if let Some(dir) = &cmd.args.dump_requests {
+        replay::write_requests(dir, &report.runs)?;
+    }
     let md = report.markdown();
     print!("{md}");
     if let Some(path) = &cmd.out {

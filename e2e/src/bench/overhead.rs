@@ -9,6 +9,10 @@
 //! Decision latency is the time from sending the last body chunk to receiving the
 //! headers answer. Many streams run at once over a few HTTP/2 connections. The
 //! Envoy side is `envoy-client`, as in the loopback tests and the test gateway.
+//!
+//! Each server runs in its own child process. In a cell both are started, then
+//! take turns (`--rounds` slices each, the order alternating), so load from
+//! other work on the machine that comes and goes during a cell falls on both.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -42,8 +46,12 @@ pub struct OverheadConfig {
     pub endpoints: Vec<usize>,
     /// Measured time per (cell, server).
     pub duration: Duration,
-    /// Unmeasured warm-up per (cell, server).
+    /// Unmeasured warm-up before each measured slice.
     pub warmup: Duration,
+    /// Slices each server's measured time is split into, the two servers taking
+    /// turns (order alternating), so load on the shared machine that comes and
+    /// goes during a cell falls on both alike.
+    pub rounds: usize,
     /// Concurrent streams.
     pub concurrency: usize,
     /// HTTP/2 connections the streams share.
@@ -340,15 +348,16 @@ pub fn vm_hwm_bytes(status: &str) -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Drives the server on `port` with `cfg.concurrency` streams for warm-up plus
-/// `cfg.duration`; latencies are kept of the requests that finish in the
-/// measured window, and throughput is their count over it.
+/// Drives the server on `port` with `cfg.concurrency` streams for `cfg.warmup`
+/// plus `duration`; returns the latencies (µs) of the requests that finish in
+/// the measured window and how many requests completed in all.
 async fn drive(
     port: u16,
     bodies: Arc<Vec<Vec<u8>>>,
     cfg: &OverheadConfig,
+    duration: Duration,
     large: Option<&LargeLoad>,
-) -> anyhow::Result<(ServerFigures, u64)> {
+) -> anyhow::Result<(Vec<f64>, u64)> {
     let connect = || async {
         anyhow::Ok(
             Channel::from_shared(format!("http://127.0.0.1:{port}"))?
@@ -363,7 +372,7 @@ async fn drive(
     }
     let start = Instant::now();
     let measure_from = start + cfg.warmup;
-    let end = measure_from + cfg.duration;
+    let end = measure_from + duration;
     // Large requests on their own connection, unmeasured, for the whole run.
     let mut background = Vec::new();
     if let Some(large) = large {
@@ -408,18 +417,55 @@ async fn drive(
     for t in background {
         t.await??;
     }
-    let lat = sorted(all);
-    let figures = ServerFigures {
-        p50_us: quantile(&lat, 0.5),
-        p99_us: quantile(&lat, 0.99),
-        rps: lat.len() as f64 / cfg.duration.as_secs_f64(),
-        peak_rss_mib: 0.0,
-        cpu_us_per_request: 0.0,
-    };
-    Ok((figures, completed.load(Ordering::Relaxed)))
+    Ok((all, completed.load(Ordering::Relaxed)))
 }
 
-/// Starts `kind` in a child process, drives it, and adds its peak RSS.
+/// What one server did over one or more drives.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Latencies (µs) of the requests measured.
+    lat: Vec<f64>,
+    /// Measured time in all.
+    measured: Duration,
+    /// Requests completed, warm-ups included.
+    completed: u64,
+    /// Server CPU seconds over the drives, warm-ups included.
+    cpu_seconds: f64,
+}
+
+impl Tally {
+    /// Drives `server` once for `duration` (after the warm-up) and adds it up.
+    async fn drive(
+        &mut self,
+        server: &ServerProcess,
+        bodies: &Arc<Vec<Vec<u8>>>,
+        cfg: &OverheadConfig,
+        duration: Duration,
+        large: Option<&LargeLoad>,
+    ) -> anyhow::Result<()> {
+        let cpu_before = server.cpu_seconds()?;
+        let (lat, completed) = drive(server.port, Arc::clone(bodies), cfg, duration, large).await?;
+        self.cpu_seconds += server.cpu_seconds()? - cpu_before;
+        self.lat.extend(lat);
+        self.measured += duration;
+        self.completed += completed;
+        Ok(())
+    }
+
+    /// The figures of every drive together, with the server's peak RSS.
+    fn figures(self, peak_rss_bytes: u64) -> ServerFigures {
+        let lat = sorted(self.lat);
+        ServerFigures {
+            p50_us: quantile(&lat, 0.5),
+            p99_us: quantile(&lat, 0.99),
+            rps: lat.len() as f64 / self.measured.as_secs_f64().max(f64::MIN_POSITIVE),
+            peak_rss_mib: peak_rss_bytes as f64 / f64::from(1 << 20),
+            cpu_us_per_request: self.cpu_seconds * 1e6 / self.completed.max(1) as f64,
+        }
+    }
+}
+
+/// Starts `kind` in a child process and drives it once for `cfg.duration`.
 async fn measure(
     kind: ServerKind,
     bodies: &Arc<Vec<Vec<u8>>>,
@@ -427,12 +473,43 @@ async fn measure(
     large: Option<&LargeLoad>,
 ) -> anyhow::Result<ServerFigures> {
     let server = ServerProcess::start(&cfg.server_exe, kind).await?;
-    let cpu_before = server.cpu_seconds()?;
-    let (mut figures, completed) = drive(server.port, Arc::clone(bodies), cfg, large).await?;
-    let cpu = server.cpu_seconds()? - cpu_before;
-    figures.cpu_us_per_request = cpu * 1e6 / completed.max(1) as f64;
-    figures.peak_rss_mib = server.peak_rss_bytes()? as f64 / f64::from(1 << 20);
+    let mut tally = Tally::default();
+    tally
+        .drive(&server, bodies, cfg, cfg.duration, large)
+        .await?;
+    let figures = tally.figures(server.peak_rss_bytes()?);
     server.stop().await?;
+    Ok(figures)
+}
+
+/// The no-op server and kvpick over `endpoints` in one cell: both started, then
+/// driven in `cfg.rounds` alternating slices of `cfg.duration / rounds` each
+/// (no-op first in even rounds, kvpick first in odd ones).
+async fn measure_pair(
+    endpoints: usize,
+    bodies: &Arc<Vec<Vec<u8>>>,
+    cfg: &OverheadConfig,
+) -> anyhow::Result<(ServerFigures, ServerFigures)> {
+    let noop = ServerProcess::start(&cfg.server_exe, ServerKind::Noop).await?;
+    let kvpick = ServerProcess::start(&cfg.server_exe, ServerKind::Kvpick { endpoints }).await?;
+    let rounds = cfg.rounds.max(1);
+    let slice = cfg.duration / rounds as u32;
+    let (mut noop_tally, mut kvpick_tally) = (Tally::default(), Tally::default());
+    for round in 0..rounds {
+        let mut turns = [(&noop, &mut noop_tally), (&kvpick, &mut kvpick_tally)];
+        if round % 2 == 1 {
+            turns.reverse();
+        }
+        for (server, tally) in turns {
+            tally.drive(server, bodies, cfg, slice, None).await?;
+        }
+    }
+    let figures = (
+        noop_tally.figures(noop.peak_rss_bytes()?),
+        kvpick_tally.figures(kvpick.peak_rss_bytes()?),
+    );
+    noop.stop().await?;
+    kvpick.stop().await?;
     Ok(figures)
 }
 
@@ -452,8 +529,7 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
                 .collect::<Vec<_>>(),
         );
         for &n in &cfg.endpoints {
-            let noop = measure(ServerKind::Noop, &bodies, cfg, None).await?;
-            let kvpick = measure(ServerKind::Kvpick { endpoints: n }, &bodies, cfg, None).await?;
+            let (noop, kvpick) = measure_pair(n, &bodies, cfg).await?;
             eprintln!(
                 "overhead: {bytes} B, {n} endpoints: kvpick p99 {:.0} µs, noop p99 {:.0} µs",
                 kvpick.p99_us, noop.p99_us
@@ -727,6 +803,27 @@ mod tests {
             one_request(&ch, &body).await.unwrap();
             server.abort();
         }
+    }
+
+    #[test]
+    fn slices_add_up_to_one_server_figure() {
+        let mut t = Tally::default();
+        // Two slices: 3 requests measured in 1 s, then 1 in 1 s; 6 completed in
+        // all with warm-ups, 0.0006 CPU seconds.
+        for (lat, secs, completed, cpu) in [
+            (vec![30.0, 10.0, 20.0], 1, 4, 0.0004),
+            (vec![40.0], 1, 2, 0.0002),
+        ] {
+            t.lat.extend(lat);
+            t.measured += Duration::from_secs(secs);
+            t.completed += completed;
+            t.cpu_seconds += cpu;
+        }
+        let f = t.figures(3 << 20);
+        assert_eq!(f.rps, 2.0, "4 measured requests over 2 measured seconds");
+        assert_eq!((f.p50_us, f.p99_us), (20.0, 40.0));
+        assert!((f.cpu_us_per_request - 100.0).abs() < 1e-9);
+        assert_eq!(f.peak_rss_mib, 3.0);
     }
 
     #[test]

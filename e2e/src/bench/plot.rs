@@ -252,6 +252,7 @@ mod tests {
             ttft_p50_ms: 100.0,
             ttft_p99_ms: 900.0,
             ttft_ms: vec![50.0, 100.0, 900.0],
+            requests: Vec::new(),
         };
         let replay_report = ReplayReport {
             trace: "t".into(),

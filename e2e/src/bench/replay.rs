@@ -186,6 +186,10 @@ pub struct ReplayArgs {
     /// kvpick's provisional TTL in precise mode, seconds (default: kvpick's).
     #[arg(long)]
     pub provisional_ttl_secs: Option<f64>,
+    /// Also write every request's figures, one CSV per policy and run
+    /// (`POLICY-BLOCKS-SPEED.csv`), into this directory: where a tail comes from.
+    #[arg(long)]
+    pub dump_requests: Option<PathBuf>,
 }
 
 impl ReplayArgs {
@@ -282,6 +286,75 @@ pub struct PolicyFigures {
     /// Every request's modeled TTFT, sorted (for plots).
     #[serde(skip)]
     pub ttft_ms: Vec<f64>,
+    /// Every request's figures, in trace order (`--dump-requests`).
+    #[serde(skip)]
+    pub requests: Vec<RequestFigures>,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RequestFigures {
+    /// The worker it was routed to.
+    pub worker: usize,
+    /// Its arrival, simulated ms from the start.
+    pub arrival_ms: f64,
+    /// Requests ahead of it on that worker at arrival (queued or in prefill).
+    pub ahead: usize,
+    /// Their prompt tokens (cached or not).
+    pub ahead_tokens: usize,
+    /// Requests routed to that worker and not finished, at arrival.
+    pub in_flight: usize,
+    /// Its prompt tokens.
+    pub input_tokens: usize,
+    /// Its prompt blocks.
+    pub blocks: usize,
+    /// Leading prompt blocks found cached when its prefill started.
+    pub hit_blocks: usize,
+    /// Time from arrival to the start of its prefill.
+    pub wait_ms: f64,
+    /// Its prefill time.
+    pub prefill_ms: f64,
+}
+
+impl RequestFigures {
+    const CSV_HEADER: &'static str = "request,worker,arrival_ms,ahead,ahead_tokens,in_flight,\
+        input_tokens,blocks,hit_blocks,wait_ms,prefill_ms,ttft_ms";
+
+    fn csv_row(&self, index: usize) -> String {
+        format!(
+            "{index},{},{:.3},{},{},{},{},{},{},{:.3},{:.3},{:.3}",
+            self.worker,
+            self.arrival_ms,
+            self.ahead,
+            self.ahead_tokens,
+            self.in_flight,
+            self.input_tokens,
+            self.blocks,
+            self.hit_blocks,
+            self.wait_ms,
+            self.prefill_ms,
+            self.wait_ms + self.prefill_ms
+        )
+    }
+}
+
+/// Writes each run's per-request figures into `dir`, one CSV per policy and run
+/// (`POLICY-BLOCKS-SPEED.csv`).
+pub fn write_requests(dir: &std::path::Path, runs: &[ReplayReport]) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for r in runs {
+        for p in &r.policies {
+            let mut csv = String::from(RequestFigures::CSV_HEADER);
+            csv.push('\n');
+            for (i, q) in p.requests.iter().enumerate() {
+                csv.push_str(&q.csv_row(i));
+                csv.push('\n');
+            }
+            let file = format!("{}-{}-{}.csv", p.name, r.capacity_blocks, r.speed);
+            std::fs::write(dir.join(file), csv)?;
+        }
+    }
+    Ok(())
 }
 
 /// The replay report.
@@ -970,6 +1043,7 @@ struct Sim<'a> {
     spread_floor_sum: f64,
     spread_samples: usize,
     delay_us: u64,
+    requests: Vec<RequestFigures>,
 }
 
 impl Sim<'_> {
@@ -1036,6 +1110,10 @@ impl Sim<'_> {
         let arrival_us = self.arrival_us(r);
         self.ttft_ms
             .push((now + dur_us - arrival_us) as f64 / 1000.0);
+        let figures = &mut self.requests[r];
+        figures.hit_blocks = s.hits;
+        figures.wait_ms = (now - arrival_us) as f64 / 1000.0;
+        figures.prefill_ms = dur_us as f64 / 1000.0;
         self.schedule(now + dur_us, Event::PrefillDone(w));
     }
 }
@@ -1063,6 +1141,7 @@ pub fn simulate(
         spread_floor_sum: 0.0,
         spread_samples: 0,
         delay_us: cfg.kv_event_delay.as_micros() as u64,
+        requests: vec![RequestFigures::default(); trace.len()],
     };
     for r in 0..trace.len() {
         let at = sim.arrival_us(r);
@@ -1075,6 +1154,18 @@ pub fn simulate(
                 let views = sim.views();
                 let w = policy.route(r, &trace[r], &views, now);
                 sim.routed_to[r] = w;
+                let worker = &sim.workers[w];
+                let ahead = worker.queue.iter().chain(worker.prefilling.iter());
+                sim.requests[r] = RequestFigures {
+                    worker: w,
+                    arrival_ms: now as f64 / 1000.0,
+                    ahead: ahead.clone().count(),
+                    ahead_tokens: ahead.map(|&q| trace[q].input_length).sum(),
+                    in_flight: worker.in_flight,
+                    input_tokens: trace[r].input_length,
+                    blocks: trace[r].hash_ids.len(),
+                    ..RequestFigures::default()
+                };
                 sim.workers[w].in_flight += 1;
                 sim.workers[w].queue.push_back(r);
                 sim.start_prefill(w, now);
@@ -1131,6 +1222,7 @@ pub fn simulate(
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p99_ms: quantile(&ttft, 0.99),
         ttft_ms: ttft,
+        requests: sim.requests,
     }
 }
 
@@ -1385,6 +1477,34 @@ mod tests {
         assert_eq!(log, want);
         // Request 1 waited for room: its TTFT includes request 0's whole decode.
         assert!(f.ttft_ms[1] * 1000.0 >= (2 * prefill + decode - 1000) as f64);
+        // Per request: request 1 found request 0 in prefill ahead of it and
+        // waited (from 1 ms) until request 0 finished.
+        let r1 = f.requests[1];
+        assert_eq!((r1.ahead, r1.ahead_tokens, r1.in_flight), (1, 1024, 1));
+        assert_eq!((r1.arrival_ms, r1.hit_blocks, r1.blocks), (1.0, 0, 2));
+        assert!((r1.wait_ms - ((prefill + decode) as f64 / 1000.0 - 1.0)).abs() < 1e-9);
+        assert!((r1.prefill_ms - prefill as f64 / 1000.0).abs() < 1e-9);
+        assert_eq!(f.requests[0].ahead, 0);
+        let dir = std::env::temp_dir().join(format!("replay-requests-{}", std::process::id()));
+        let report = ReplayReport {
+            trace: "t".into(),
+            requests: 2,
+            workers: 1,
+            capacity_blocks: 4,
+            speed: 1.0,
+            ceiling_hit_rate: 0.0,
+            pooled_ceiling_hit_rate: 0.0,
+            policies: vec![f.clone()],
+        };
+        write_requests(&dir, &[report]).unwrap();
+        let csv = std::fs::read_to_string(dir.join("recorder-4-1.csv")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines.len(), 3, "{csv}");
+        assert!(
+            lines[2].starts_with("1,0,1.000,1,1024,1,1024,2,0,"),
+            "{csv}"
+        );
     }
 
     #[test]

@@ -48,9 +48,13 @@ enum Command {
         /// Measured seconds per cell and server.
         #[arg(long, default_value_t = 3.0)]
         duration: f64,
-        /// Warm-up seconds per cell and server (not measured).
+        /// Warm-up seconds before each measured slice (not measured).
         #[arg(long, default_value_t = 0.5)]
         warmup: f64,
+        /// Slices each server's measured time is split into, the servers taking
+        /// turns (order alternating), so passing load on the machine falls on both.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         /// Concurrent streams.
         #[arg(long, default_value_t = 32)]
         concurrency: usize,
@@ -167,6 +171,7 @@ fn main() -> anyhow::Result<()> {
             endpoints,
             duration,
             warmup,
+            rounds,
             concurrency,
             connections,
         } => {
@@ -175,6 +180,7 @@ fn main() -> anyhow::Result<()> {
                 endpoints,
                 duration: Duration::from_secs_f64(duration),
                 warmup: Duration::from_secs_f64(warmup),
+                rounds,
                 concurrency,
                 connections,
                 server_exe: std::env::current_exe()?,
@@ -199,6 +205,7 @@ fn main() -> anyhow::Result<()> {
                 endpoints: vec![endpoints],
                 duration: Duration::from_secs_f64(duration),
                 warmup: Duration::from_secs_f64(warmup),
+                rounds: 1,
                 concurrency,
                 connections: 1,
                 server_exe: std::env::current_exe()?,
@@ -264,6 +271,9 @@ fn main() -> anyhow::Result<()> {
             }
             if let [cfg] = &configs[..] {
                 let report = replay::run(&name, &requests, cfg, replay::builtin(cfg));
+                if let Some(dir) = &args.dump_requests {
+                    replay::write_requests(dir, std::slice::from_ref(&report))?;
+                }
                 if let Some(dir) = &cli.plots {
                     plot::replay_hit_rate(&report, &dir.join("replay-hit-rate.svg"))?;
                     plot::replay_ttft(&report, &dir.join("replay-ttft.svg"))?;
@@ -271,6 +281,9 @@ fn main() -> anyhow::Result<()> {
                 return emit(cli.format, cli.save.as_deref(), &report, report.markdown());
             }
             let report = replay::matrix(&name, &requests, &configs, &replay::builtin);
+            if let Some(dir) = &args.dump_requests {
+                replay::write_requests(dir, &report.runs)?;
+            }
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::Scale {
