@@ -1160,6 +1160,10 @@ pub struct Overlaps {
 impl Overlaps {
     /// How many leading blocks of the prompt `worker` holds.
     pub fn get(&self, worker: WorkerKey) -> usize {
+        if self.levels.is_empty() {
+            // No worker holds the first block: no need to find this one's slot.
+            return 0;
+        }
         self.slots.get(&worker).map_or(0, |s| self.visible(*s))
     }
 
