@@ -309,13 +309,7 @@ impl PrefixIndex {
         let stamp = self.stamp(now);
         let mut after = None;
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            {
-                let g = self.inner.read();
-                g.warm(worker, [], chunk);
-                if let Some(&slot) = g.slots.get(&worker) {
-                    g.workers[slot as usize].recency.prefetch(chunk);
-                }
-            }
+            self.inner.read().warm(worker, [], chunk, chunk);
             let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
@@ -385,7 +379,7 @@ impl PrefixIndex {
     /// entry.
     pub fn forget(&self, worker: WorkerKey, hashes: &[u64]) {
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, [], chunk);
+            self.inner.read().warm(worker, [], [], chunk);
             let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
@@ -413,6 +407,7 @@ impl PrefixIndex {
             self.inner.read().warm(
                 worker,
                 chunk.iter().map(|(e, _)| e),
+                [],
                 chunk.iter().map(|(_, h)| h),
             );
             let mut g = self.write();
@@ -842,17 +837,21 @@ impl Inner {
         self.set_oldest(slot, oldest);
     }
 
-    /// Loads the table slots a write of these blocks by `worker` will touch, under
-    /// the read lock: the cache misses are then taken while lookups can still
-    /// run, and the write lock is held for less.
+    /// Loads what a write of these blocks by `worker` will touch, under the read
+    /// lock: its engine-map slots (`engine`), its approximate LRU nodes (`touched`)
+    /// and the global table slots (`hashes`). The cache misses are then taken
+    /// while lookups can still run, and the write lock is held for less.
     fn warm<'a>(
         &self,
         worker: WorkerKey,
         engine: impl IntoIterator<Item = &'a u64>,
+        touched: impl IntoIterator<Item = &'a u64>,
         hashes: impl IntoIterator<Item = &'a u64>,
     ) {
         if let Some(&slot) = self.slots.get(&worker) {
-            self.workers[slot as usize].engine.prefetch(engine);
+            let w = &self.workers[slot as usize];
+            w.engine.prefetch(engine);
+            w.recency.prefetch(touched);
         }
         self.blocks.prefetch(hashes);
     }
