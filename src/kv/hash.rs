@@ -240,8 +240,7 @@ fn hash_prompt(
     let byte_block = byte_block.max(1);
     let token_block = token_block.max(1);
     // Sized once: a long prompt's hashes would otherwise be copied per doubling.
-    let mut out =
-        Vec::with_capacity(blocks_by_length(segments, byte_block, token_block).min(max));
+    let mut out = Vec::with_capacity(blocks_by_length(segments, byte_block, token_block).min(max));
     let mut prev = seed;
     let mut text: Vec<u8> = Vec::new();
     let mut toks: Vec<u32> = Vec::new();

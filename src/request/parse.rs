@@ -1098,7 +1098,12 @@ mod tests {
             panic!("one text segment: {:?}", r.segments.len());
         };
         assert_eq!(*t, format!("system\n{long}\nuser\n{long}\n"));
-        assert!(t.capacity() <= chat.len(), "{} > {}", t.capacity(), chat.len());
+        assert!(
+            t.capacity() <= chat.len(),
+            "{} > {}",
+            t.capacity(),
+            chat.len()
+        );
 
         let image = "A".repeat(400_000);
         let mixed = format!(
