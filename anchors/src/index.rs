@@ -433,7 +433,7 @@ impl Subject for Kvpick {
     fn store(&self, s: &Store) {
         let pairs: Vec<(u64, u64)> = s.blocks.iter().map(|h| (*h, *h)).collect();
         self.index
-            .store_engine_blocks(key(s.worker), &pairs, Instant::now());
+            .store_engine_chain(key(s.worker), s.parent, &pairs, Instant::now());
     }
     fn remove(&self, worker: u64, blocks: &[u64]) {
         self.index.remove_engine_blocks(key(worker), blocks);

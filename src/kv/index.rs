@@ -5,10 +5,16 @@
 //! is a sequence of blocks stored together (one KV event, one routing decision)
 //! that every holder holds entirely, with one holder set for the whole run. Each
 //! (worker, rank) gets a dense slot number; a holder set is a sorted slot list, or
-//! a bitset once that is smaller ([`SlotSet`]). A table from block hash to (run,
-//! position) finds where a prompt's blocks are ([`BlockTable`]: open addressing
-//! placed by a per-table secret, so chosen hashes cannot pile up in one probe
-//! sequence).
+//! a bitset once that is smaller ([`SlotSet`]). A run is a piece of a **lineage**:
+//! the chain it was first stored in, whose positions never change while a block
+//! lives (splits keep them), so a block's (lineage, position) can be kept aside.
+//! A table from block hash to that location finds where a prompt's blocks are
+//! ([`BlockTable`]: open addressing placed by a per-table secret, so chosen
+//! hashes cannot pile up in one probe sequence). With chained hashes
+//! ([`IndexConfig::chained`]) it holds only each run's first block (and the
+//! blocks approximate entries hold): any other block sits right after its parent,
+//! which is how lookups and stores reach it; a worker's precise entries keep
+//! their blocks' locations for removal.
 //!
 //! A lookup probes the map for the prompt's first block, then compares the prompt
 //! with the run in place (no probe per block) until the run ends or differs, then
@@ -22,14 +28,14 @@
 //!
 //! Writes split a run where holder sets start to differ (a worker storing part of
 //! a run, or losing one block of it): the shorter side moves, so splitting costs
-//! the smaller part; a run whose holders become those of the run it continues is
-//! appended to it.
+//! the smaller part; a run whose holders become those of the run before it in its
+//! lineage is appended to it.
 //!
 //! Two ways in:
 //! - approximate mode ([`PrefixIndex::insert`]): each routing decision records the
 //!   request's blocks for the chosen worker; an LRU bound per worker (its capacity
 //!   in blocks) and a TTL keep the guess close to what the engine still holds;
-//! - precise mode ([`PrefixIndex::store_engine_blocks`],
+//! - precise mode ([`PrefixIndex::store_engine_chain`],
 //!   [`PrefixIndex::remove_engine_blocks`]): the engine's KV events say exactly
 //!   what is stored and evicted; such entries have no TTL, and at most a per-worker
 //!   cap of them is kept ([`PrefixIndex::set_precise_limit`]): stores beyond it are

@@ -884,8 +884,9 @@ impl RoutingPolicy for Kvpick {
                     .map(|(e, h)| (*e, *h))
                     .collect();
                 if !pairs.is_empty() {
+                    let parent = from.checked_sub(1).map(|p| request.hash_ids[p]);
                     self.scheduler
-                        .store_engine_blocks(key, &pairs, self.at(now_us));
+                        .store_engine_chain(key, parent, &pairs, self.at(now_us));
                 }
             }
             KvEvent::Removed(ids) => self.scheduler.remove_engine_blocks(key, ids),
