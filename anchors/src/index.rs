@@ -2,7 +2,7 @@
 //!
 //! Three indexes run the same workloads, each cell (index × workload × workers)
 //! in a child process of its own so that RSS growth is the index's alone:
-//! - `kvpick`: [`PrefixIndex`], every worker precise (fed by `store_engine_blocks`
+//! - `kvpick`: [`PrefixIndex`], every worker precise (fed by `store_engine_chain`
 //!   / `remove_engine_blocks`, engine hash = kvpick hash), looked up with
 //!   `PrefixIndex::overlaps` (every worker's overlap, like Dynamo's `find_matches`;
 //!   the answer is read per worker in O(log runs crossed), as the scheduler does);

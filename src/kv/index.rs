@@ -463,15 +463,13 @@ impl PrefixIndex {
         let mut chain = Vec::with_capacity(blocks.len().min(WRITE_CHUNK));
         let mut placed = Vec::with_capacity(chain.capacity());
         for (k, chunk) in blocks.chunks(WRITE_CHUNK).enumerate() {
+            // Chained, new blocks mostly get no table entry: nothing to load there.
+            let entries = if self.config.chained { 0 } else { chunk.len() };
             self.inner.read().warm(
                 worker,
                 chunk.iter().map(|(e, _)| e),
                 [],
-                // Chained, new blocks mostly get no table entry: nothing to load.
-                chunk
-                    .iter()
-                    .map(|(_, h)| h)
-                    .take(if self.config.chained { 0 } else { chunk.len() }),
+                chunk[..entries].iter().map(|(_, h)| h),
             );
             let mut g = self.write();
             let slot = g.slot(worker);
@@ -619,9 +617,7 @@ impl PrefixIndex {
             let by_hash = hashes
                 .iter()
                 .filter_map(|h| g.blocks.get(*h).map(|l| (*h, l)));
-            let by_loc = locs
-                .iter()
-                .filter_map(|l| g.hash_at(*l).map(|h| (h, *l)));
+            let by_loc = locs.iter().filter_map(|l| g.hash_at(*l).map(|h| (h, *l)));
             by_hash.chain(by_loc).collect()
         };
         items.sort_unstable_by_key(|(_, l)| *l);
