@@ -198,14 +198,32 @@ impl Default for IndexConfig {
     }
 }
 
+/// A lineage's runs.
+#[derive(Debug)]
+struct Lineage {
+    /// Its runs by start; empty: the lineage is free.
+    pieces: Vec<u32>,
+    /// The run when it is the only one, else `u32::MAX`: most lineages have one
+    /// piece, and a lookup then finds the run without reading `pieces`.
+    only: u32,
+}
+
+impl Lineage {
+    fn settle(&mut self) {
+        self.only = match self.pieces.as_slice() {
+            [run] => *run,
+            _ => u32::MAX,
+        };
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     /// Block hash → location: every run's first block, and more (see [`Run::indexed`]).
     blocks: BlockTable<Loc>,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
-    /// Each lineage's runs, by start; an empty list is free.
-    lineages: Vec<Vec<u32>>,
+    lineages: Vec<Lineage>,
     free_lineages: Vec<u32>,
     /// [`IndexConfig::chained`].
     chained: bool,
@@ -826,8 +844,11 @@ impl PrefixIndex {
         let g = self.inner.read();
         let mut bytes = g.blocks.heap_bytes()
             + g.runs.capacity() * size_of::<Run>()
-            + g.lineages.capacity() * size_of::<Vec<u32>>()
-            + g.lineages.iter().map(|l| l.capacity() * 4).sum::<usize>()
+            + g.lineages.capacity() * size_of::<Lineage>()
+            + g.lineages
+                .iter()
+                .map(|l| l.pieces.capacity() * 4)
+                .sum::<usize>()
             + table::<WorkerKey, u32>(g.slots.capacity())
             + g.workers.capacity() * size_of::<Worker>();
         for r in &g.runs {
@@ -968,12 +989,15 @@ impl Inner {
 
     /// The run covering `loc`.
     fn run_at(&self, loc: Loc) -> Option<u32> {
-        let pieces = self.lineages.get(loc.lineage as usize)?;
-        let k = match pieces.as_slice() {
-            [_] => 1,
-            _ => pieces.partition_point(|r| self.runs[*r as usize].start <= loc.pos),
+        let lineage = self.lineages.get(loc.lineage as usize)?;
+        let run = match lineage.only {
+            u32::MAX => {
+                let pieces = &lineage.pieces;
+                let k = pieces.partition_point(|r| self.runs[*r as usize].start <= loc.pos);
+                *pieces.get(k.checked_sub(1)?)?
+            }
+            run => run,
         };
-        let run = *pieces.get(k.checked_sub(1)?)?;
         let r = &self.runs[run as usize];
         (r.start <= loc.pos && loc.pos < r.end()).then_some(run)
     }
@@ -1042,7 +1066,10 @@ impl Inner {
 
     fn new_lineage(&mut self) -> u32 {
         self.free_lineages.pop().unwrap_or_else(|| {
-            self.lineages.push(Vec::new());
+            self.lineages.push(Lineage {
+                pieces: Vec::new(),
+                only: u32::MAX,
+            });
             (self.lineages.len() - 1) as u32
         })
     }
@@ -1061,9 +1088,12 @@ impl Inner {
         };
         let r = &self.runs[id as usize];
         let runs = &self.runs;
-        let pieces = &mut self.lineages[r.lineage as usize];
-        let k = pieces.partition_point(|p| runs[*p as usize].start < r.start);
-        pieces.insert(k, id);
+        let lineage = &mut self.lineages[r.lineage as usize];
+        let k = lineage
+            .pieces
+            .partition_point(|p| runs[*p as usize].start < r.start);
+        lineage.pieces.insert(k, id);
+        lineage.settle();
         id
     }
 
@@ -1071,12 +1101,15 @@ impl Inner {
     fn unlist(&mut self, run: u32) {
         let r = &self.runs[run as usize];
         let runs = &self.runs;
-        let pieces = &mut self.lineages[r.lineage as usize];
-        let k = pieces.partition_point(|p| runs[*p as usize].start < r.start);
-        debug_assert_eq!(pieces.get(k), Some(&run));
-        pieces.remove(k);
-        if pieces.is_empty() {
-            pieces.shrink_to_fit();
+        let lineage = &mut self.lineages[r.lineage as usize];
+        let k = lineage
+            .pieces
+            .partition_point(|p| runs[*p as usize].start < r.start);
+        debug_assert_eq!(lineage.pieces.get(k), Some(&run));
+        lineage.pieces.remove(k);
+        lineage.settle();
+        if lineage.pieces.is_empty() {
+            lineage.pieces.shrink_to_fit();
             self.free_lineages.push(r.lineage);
         }
     }
@@ -1275,7 +1308,7 @@ impl Inner {
         let after = prev.and_then(|p| {
             let run = self.run_at(p)?;
             let r = &self.runs[run as usize];
-            let last = self.lineages[r.lineage as usize].last() == Some(&run);
+            let last = self.lineages[r.lineage as usize].pieces.last() == Some(&run);
             (last && p.pos + 1 == r.end()).then_some((run, r.lineage, p.pos + 1))
         });
         let (run, loc) = match after {
