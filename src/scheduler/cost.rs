@@ -154,7 +154,7 @@ impl Scheduler {
         // counts as a request of this size still running there.
         decode += f64::from(c.ep.health().failures()) * size;
         CostTerms {
-            prefill: w_prefill * (new_blocks as f64 + 0.1 * load.uncached as f64),
+            prefill: w_prefill * (new_blocks as f64 + 0.1 * (load.uncached as f64).min(size)),
             decode: w.decode * decode,
             queue: w.queue * queue,
             kv_usage: w.kv_usage * kv,
