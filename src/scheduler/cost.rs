@@ -20,7 +20,9 @@ use crate::kv::hash::PromptBlocks;
 /// load.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Weights {
-    /// Per block of the prompt the candidate must still prefill (after its overlap).
+    /// Per block the candidate must still prefill: the prompt's after its
+    /// overlap, plus those of requests routed there whose prefill is not done
+    /// (queued or in progress; Dynamo's `prefill_load_scale`, also 1).
     pub prefill: f64,
     /// Per block of active load on the candidate (prompts of unfinished requests
     /// kvpick routed there, plus scraped running requests kvpick does not know).
@@ -64,7 +66,8 @@ impl Cand<'_> {
 /// A candidate's cost term by term, each weighted (KV blocks of work).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct CostTerms {
-    /// Blocks still to prefill there, times the prefill weight.
+    /// Blocks still to prefill there (this prompt's and those of routed
+    /// requests before their first token), times the prefill weight.
     pub prefill: f64,
     /// Active load (routed, unrouted running, failures), times its weight.
     pub decode: f64,
@@ -89,6 +92,10 @@ impl Scheduler {
     /// The cost of sending a request of `size` blocks, `new_blocks` of which the
     /// candidate must still prefill, to candidate `c`, term by term, at `now`
     /// coded by [`Epoch::process`](crate::time::Epoch::process).
+    ///
+    /// The request's prefill waits behind the uncached blocks of the requests
+    /// kvpick routed there whose prefill is not done ([`Scheduler::prefill_done`]):
+    /// a prefill in progress, which no scraped queue shows.
     ///
     /// Sticky until saturated: a candidate whose fresh scrape shows KV room
     /// (usage under [`SATURATION_KV_USAGE`]) adds no decode cost for its running
@@ -147,7 +154,7 @@ impl Scheduler {
         // counts as a request of this size still running there.
         decode += f64::from(c.ep.health().failures()) * size;
         CostTerms {
-            prefill: w_prefill * new_blocks as f64,
+            prefill: w_prefill * (new_blocks as f64 + 0.1 * (load.uncached as f64).min(size)),
             decode: w.decode * decode,
             queue: w.queue * queue,
             kv_usage: w.kv_usage * kv,
