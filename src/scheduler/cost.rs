@@ -117,6 +117,9 @@ impl Scheduler {
         let w = &self.config.weights;
         let size = size as f64;
         let load = c.ep.active_load(c.rank);
+        // Pending prefills beyond this prompt's overlap there: a prefill in
+        // progress of the shared prefix ends as a hit for this request.
+        let pending = (load.uncached as f64 - (size - new_blocks as f64)).max(0.0);
         let active = load.blocks as f64;
         let mut decode = active;
         let mut queue = 0.0;
@@ -154,7 +157,7 @@ impl Scheduler {
         // counts as a request of this size still running there.
         decode += f64::from(c.ep.health().failures()) * size;
         CostTerms {
-            prefill: w_prefill * (new_blocks as f64 + 0.1 * (load.uncached as f64).min(size)),
+            prefill: w_prefill * (new_blocks as f64 + 0.1 * pending.min(size)),
             decode: w.decode * decode,
             queue: w.queue * queue,
             kv_usage: w.kv_usage * kv,
