@@ -308,16 +308,24 @@ fn a_worker_with_a_prefill_pending_costs_its_blocks_until_prefill_done() {
     let shares = |n: usize, c: &str| prompt(&("x".repeat(64 * n) + &c.repeat(64 * (100 - n))));
     let first = s.pick(&with_body(&long), &snap).unwrap();
     let holder = first.decode.key();
-    // 80 blocks to prefill on the holder, but behind the first's 100 still
-    // pending there: the idle worker's 100 blocks are less.
-    let d = s.pick(&with_body(&shares(20, "y")), &snap).unwrap();
+    // Of the first's 100 pending blocks, only the 81 beyond the 19 this prompt
+    // shares count (the rest becomes its hits there): on the holder 81 to
+    // prefill, 10 of active load (no scrape) and 8.1 pending = 99.1, under the
+    // idle worker's 100 (all 100 pending would make it 101).
+    let d = s.pick(&with_body(&shares(19, "w")), &snap).unwrap();
+    assert_eq!(d.decode.key(), holder, "shared prefix pending");
+    s.cancel(&d);
+    // Sharing 15: 85 + 10 + 8.5 = 103.5, more than the idle worker's 100.
+    let d = s.pick(&with_body(&shares(15, "y")), &snap).unwrap();
     assert_ne!(d.decode.key(), holder, "prefill pending");
     s.cancel(&d);
-    // Its prefill done, the holder's 50 blocks (the other now holds 20) win.
+    // Its prefill done, the holder's 70 + 10 win over the other's 85 (it now
+    // holds the first 15); with the first's 70 pending blocks beyond these 30
+    // the holder would cost 87.
     s.prefill_done(&first);
-    let d = s.pick(&with_body(&shares(50, "z")), &snap).unwrap();
+    let d = s.pick(&with_body(&shares(30, "z")), &snap).unwrap();
     assert_eq!(d.decode.key(), holder, "prefill done");
-    assert_eq!(d.overlap_blocks, 50);
+    assert_eq!(d.overlap_blocks, 30);
 }
 
 #[test]
