@@ -21,8 +21,8 @@ use crate::kv::hash::PromptBlocks;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Weights {
     /// Per block the candidate must still prefill: the prompt's after its
-    /// overlap, plus those of requests routed there whose prefill is not done
-    /// (queued or in progress; Dynamo's `prefill_load_scale`, also 1).
+    /// overlap, plus [`PENDING_PREFILL_WEIGHT`] per block of the requests routed
+    /// there whose prefill is not done.
     pub prefill: f64,
     /// Per block of active load on the candidate (prompts of unfinished requests
     /// kvpick routed there, plus scraped running requests kvpick does not know).
@@ -84,6 +84,13 @@ impl CostTerms {
     }
 }
 
+/// Weight, within the prefill term, of a block still pending on the candidate
+/// (routed there, prefill not done) beyond this prompt's overlap. Dynamo counts
+/// such blocks at 1 (`prefill_load_scale`); on the tuning trace (BENCHMARKS.md
+/// §2) 1 scatters bursts that share a prefix while their first prefill runs,
+/// and 0.05 keeps the hit rate while the TTFT tail drops.
+pub const PENDING_PREFILL_WEIGHT: f64 = 0.05;
+
 /// KV-cache usage from which a worker counts as saturated (the Inference
 /// Extension's saturation detector default, `kvCacheUtilThreshold` 0.8).
 pub const SATURATION_KV_USAGE: f64 = 0.8;
@@ -95,7 +102,9 @@ impl Scheduler {
     ///
     /// The request's prefill waits behind the uncached blocks of the requests
     /// kvpick routed there whose prefill is not done ([`Scheduler::prefill_done`]):
-    /// a prefill in progress, which no scraped queue shows.
+    /// a prefill in progress, which no scraped queue shows. Those beyond this
+    /// prompt's overlap count: a pending prefill of the shared prefix ends as
+    /// this request's hits there.
     ///
     /// Sticky until saturated: a candidate whose fresh scrape shows KV room
     /// (usage under [`SATURATION_KV_USAGE`]) adds no decode cost for its running
@@ -157,7 +166,7 @@ impl Scheduler {
         // counts as a request of this size still running there.
         decode += f64::from(c.ep.health().failures()) * size;
         CostTerms {
-            prefill: w_prefill * (new_blocks as f64 + 0.1 * pending.min(size)),
+            prefill: w_prefill * (new_blocks as f64 + PENDING_PREFILL_WEIGHT * pending),
             decode: w.decode * decode,
             queue: w.queue * queue,
             kv_usage: w.kv_usage * kv,

@@ -303,29 +303,29 @@ fn a_worker_with_a_prefill_pending_costs_its_blocks_until_prefill_done() {
     let s = Scheduler::default();
     let t = both(2);
     let snap = t.snapshot();
-    let long = prompt(&"x".repeat(64 * 100));
-    // Shares the long prompt's first `n` blocks, then 100 - n of its own.
+    let long = prompt(&"x".repeat(64 * 110));
+    // 100 blocks: the long prompt's first `n`, then 100 - n of its own.
     let shares = |n: usize, c: &str| prompt(&("x".repeat(64 * n) + &c.repeat(64 * (100 - n))));
     let first = s.pick(&with_body(&long), &snap).unwrap();
     let holder = first.decode.key();
-    // Of the first's 100 pending blocks, only the 81 beyond the 19 this prompt
-    // shares count (the rest becomes its hits there): on the holder 81 to
-    // prefill, 10 of active load (no scrape) and 8.1 pending = 99.1, under the
-    // idle worker's 100 (all 100 pending would make it 101).
-    let d = s.pick(&with_body(&shares(19, "w")), &snap).unwrap();
+    // The holder costs the blocks to prefill, 11 of active load (no scrape) and
+    // 0.05 per block of the first's 110 pending beyond the shared prefix (that
+    // part becomes hits there). Sharing 16: 84 + 11 + 4.7 = 99.7, under the
+    // idle worker's 100 (all 110 pending would make it 100.5).
+    let d = s.pick(&with_body(&shares(16, "w")), &snap).unwrap();
     assert_eq!(d.decode.key(), holder, "shared prefix pending");
     s.cancel(&d);
-    // Sharing 15: 85 + 10 + 8.5 = 103.5, more than the idle worker's 100.
+    // Sharing 15: 85 + 11 + 4.75 = 100.75, more than the idle worker's 100.
     let d = s.pick(&with_body(&shares(15, "y")), &snap).unwrap();
     assert_ne!(d.decode.key(), holder, "prefill pending");
     s.cancel(&d);
-    // Its prefill done, the holder's 70 + 10 win over the other's 85 (it now
-    // holds the first 15); with the first's 70 pending blocks beyond these 30
-    // the holder would cost 87.
+    // Its prefill done, the holder's 72 + 11 win over the other's 85 (it now
+    // holds the first 15); with the first's blocks still pending (+4.1) the
+    // holder would cost 87.1.
     s.prefill_done(&first);
-    let d = s.pick(&with_body(&shares(30, "z")), &snap).unwrap();
+    let d = s.pick(&with_body(&shares(28, "z")), &snap).unwrap();
     assert_eq!(d.decode.key(), holder, "prefill done");
-    assert_eq!(d.overlap_blocks, 30);
+    assert_eq!(d.overlap_blocks, 28);
 }
 
 #[test]
