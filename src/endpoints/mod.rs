@@ -207,7 +207,8 @@ struct RankLoad {
     in_flight: AtomicU32,
     /// Blocks those requests booked (prompt and expected output).
     blocks: AtomicU64,
-    /// Of them, the prompt blocks they had left to prefill when routed.
+    /// Of them, the prompt blocks they had left to prefill when routed, until
+    /// their prefill is done.
     uncached: AtomicU64,
 }
 
@@ -217,7 +218,7 @@ struct RankLoad {
 pub struct ActiveLoad {
     /// Booked blocks (prompt and expected output).
     pub blocks: u64,
-    /// Prompt blocks left to prefill.
+    /// Prompt blocks left to prefill (of requests whose prefill is not done).
     pub uncached: u64,
 }
 

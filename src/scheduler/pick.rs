@@ -142,6 +142,7 @@ impl Scheduler {
             load_blocks,
             uncached_blocks,
             decode_blocks,
+            prefilled: Default::default(),
         };
         // Booked from the decision, so `cancel`/`finish` release exactly this.
         self.record(&decode[di], hashes, decision.decode_load(), now);
