@@ -209,6 +209,9 @@ struct RankLoad {
     blocks: AtomicU64,
     /// Of them, the prompt blocks they had left to prefill when routed.
     uncached: AtomicU64,
+    /// The prefix index's slot for this rank as last seen: a hint the index
+    /// checks (see `Overlaps::get_hinted`), so any value is safe.
+    index_slot: AtomicU32,
 }
 
 /// A rank's active load in blocks: what its unfinished requests booked, and
@@ -280,6 +283,12 @@ impl EndpointState {
                 blocks: r.blocks.load(Ordering::Relaxed),
                 uncached: r.uncached.load(Ordering::Relaxed),
             })
+    }
+
+    /// Where the prefix index last had `rank` (a hint it checks; see
+    /// [`Overlaps::get_hinted`](crate::kv::index::Overlaps::get_hinted)).
+    pub fn index_slot(&self, rank: u32) -> Option<&AtomicU32> {
+        self.ranks.get(rank).map(|r| &r.index_slot)
     }
 
     /// Books `load` on `rank`.

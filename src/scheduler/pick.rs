@@ -86,7 +86,7 @@ impl Scheduler {
             let _t = self.stats.time(Stage::Lookup);
             self.overlaps(hashes, now)
         };
-        let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c.key));
+        let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c));
 
         let (di, overlap, pi) = {
             let _t = self.stats.time(Stage::Score);
