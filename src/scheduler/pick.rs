@@ -49,7 +49,7 @@ impl Scheduler {
             let outside_subset = |k: WorkerKey| {
                 req.subset.is_some()
                     && snapshot.endpoints.iter().any(|e| {
-                        e.endpoint.role.serves_decode()
+                        e.serves_decode()
                             && e.endpoint.instance_id == k.instance_id
                             && k.dp_rank < e.ranks()
                             && e.health().available_at(tick)
@@ -293,7 +293,7 @@ fn push_ranks<'s>(
     prefill: &mut Vec<Cand<'s>>,
     ep: &'s Arc<EndpointState>,
 ) {
-    let to = match ep.endpoint.role.serves_decode() {
+    let to = match ep.serves_decode() {
         true => decode,
         false => prefill,
     };
@@ -325,7 +325,7 @@ pub(super) fn excluded(
 ) -> Option<FilteredOut> {
     if subset.is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err()) {
         Some(FilteredOut::NotInSubset)
-    } else if !ep.endpoint.role.serves_decode() && req.body.is_none() {
+    } else if !ep.serves_decode() && req.body.is_none() {
         Some(FilteredOut::NoBody)
     } else {
         None
