@@ -50,7 +50,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -182,6 +182,8 @@ struct Inner {
     free_runs: Vec<u32>,
     /// Shared with the [`Overlaps`] answers still alive (copied on write then).
     slots: Arc<Map<WorkerKey, u32>>,
+    /// Slot → worker, the inverse of `slots` (shared and copied the same way).
+    keys: Arc<Vec<Option<WorkerKey>>>,
     workers: Vec<Worker>,
     free_slots: Vec<u32>,
     /// (oldest approximate stamp, slot) of every worker with approximate entries.
@@ -497,6 +499,7 @@ impl PrefixIndex {
             let Some(slot) = Arc::make_mut(&mut g.slots).remove(&worker) else {
                 return;
             };
+            Arc::make_mut(&mut g.keys)[slot as usize] = None;
             g.set_oldest(slot, u32::MAX);
             (slot, std::mem::take(&mut g.workers[slot as usize]))
         };
@@ -633,6 +636,7 @@ impl PrefixIndex {
         let levels = g.walk(hashes);
         let mut ov = Overlaps {
             slots: Arc::clone(&g.slots),
+            keys: Arc::clone(&g.keys),
             levels,
             corrected: Vec::new(),
         };
@@ -719,6 +723,7 @@ impl PrefixIndex {
         let mut bytes = g.blocks.heap_bytes()
             + g.runs.capacity() * size_of::<Run>()
             + table::<WorkerKey, u32>(g.slots.capacity())
+            + g.keys.capacity() * size_of::<Option<WorkerKey>>()
             + g.workers.capacity() * size_of::<Worker>();
         for r in &g.runs {
             bytes += r.hashes.capacity() * 8
@@ -810,6 +815,11 @@ impl Inner {
             ..Default::default()
         };
         Arc::make_mut(&mut self.slots).insert(key, slot);
+        let keys = Arc::make_mut(&mut self.keys);
+        if keys.len() <= slot as usize {
+            keys.resize(slot as usize + 1, None);
+        }
+        keys[slot as usize] = Some(key);
         slot
     }
 
@@ -1150,6 +1160,8 @@ impl Inner {
 pub struct Overlaps {
     /// The index's worker → slot map when the answer was made.
     slots: Arc<Map<WorkerKey, u32>>,
+    /// Its inverse, slot → worker, to check a caller's slot hint.
+    keys: Arc<Vec<Option<WorkerKey>>>,
     /// (holders, leading blocks held), each set a subset of the one before.
     levels: Vec<(SlotSet, u32)>,
     /// (slot, depth) for workers whose expired approximate entries the walk counted.
@@ -1164,6 +1176,27 @@ impl Overlaps {
             return 0;
         }
         self.slots.get(&worker).map_or(0, |s| self.visible(*s))
+    }
+
+    /// [`Overlaps::get`] for a caller that keeps `worker`'s slot in `hint`: a
+    /// hint naming the worker's slot saves the hash probe; any other value costs
+    /// the probe and is corrected (so one hint per worker, kept across lookups,
+    /// makes the read an array index).
+    pub fn get_hinted(&self, worker: WorkerKey, hint: &AtomicU32) -> usize {
+        if self.levels.is_empty() {
+            return 0;
+        }
+        let slot = hint.load(Ordering::Relaxed);
+        if self.keys.get(slot as usize) == Some(&Some(worker)) {
+            return self.visible(slot);
+        }
+        match self.slots.get(&worker) {
+            Some(&slot) => {
+                hint.store(slot, Ordering::Relaxed);
+                self.visible(slot)
+            }
+            None => 0,
+        }
     }
 
     /// Every worker holding at least the first block, with its overlap (order
@@ -1225,6 +1258,32 @@ mod tests {
         assert_eq!(r, vec![3, 1, 0]);
         assert_eq!(idx.lookup(&[5, 1], &[wk(1)], t), vec![0]);
         assert_eq!(idx.len(), 6);
+    }
+
+    #[test]
+    fn a_slot_hint_is_checked_so_a_stale_one_never_reads_another_worker() {
+        let (idx, t) = index(100, None);
+        idx.insert(wk(1), &[1, 2, 3], t);
+        idx.insert(wk(2), &[1, 2], t);
+        let ov = idx.overlaps(&[1, 2, 3], t);
+        // A wrong hint costs a probe and is corrected to the worker's slot.
+        let hint = AtomicU32::new(u32::MAX);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 2);
+        let slot2 = hint.load(Ordering::Relaxed);
+        assert_ne!(slot2, u32::MAX);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 2);
+        // Worker 1's hint pointing at worker 2's slot still reads worker 1.
+        let wrong = AtomicU32::new(slot2);
+        assert_eq!(ov.get_hinted(wk(1), &wrong), 3);
+        assert_ne!(wrong.load(Ordering::Relaxed), slot2);
+        // Worker 2 leaves and worker 3 takes its slot: 2's hint now names a slot
+        // that belongs to 3, and reads nothing for 2.
+        idx.clear_worker(wk(2));
+        idx.insert(wk(3), &[1], t);
+        let ov = idx.overlaps(&[1, 2, 3], t);
+        assert_eq!(ov.get_hinted(wk(3), &AtomicU32::new(slot2)), 1);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 0);
+        assert_eq!(ov.get(wk(2)), 0);
     }
 
     #[test]

@@ -114,7 +114,7 @@ impl Scheduler {
     /// Queued requests count at the blocks they have left to prefill (the mean
     /// uncached blocks of the requests kvpick has in flight there), the work
     /// this request waits behind.
-    #[inline]
+    #[inline(always)]
     pub(super) fn cost_terms(
         &self,
         c: &Cand<'_>,

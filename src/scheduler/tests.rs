@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::cost::pick_index;
+use super::cost::{pick_index, Cand};
 use super::*;
 use crate::endpoints::ActiveLoad;
 use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
@@ -911,7 +911,12 @@ fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
     let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
     s.finish_at(&first, Some(200), now);
     let worker = first.decode.key();
-    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(worker));
+    let cand = Cand {
+        ep: &first.decode.endpoint,
+        rank: first.decode.rank,
+        key: worker,
+    };
+    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(&cand));
     assert_eq!(overlap(now), 10);
     // Events about the last four blocks: the first six stay provisional.
     s.settle_provisional(worker, &hashes[6..]);
