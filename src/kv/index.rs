@@ -311,7 +311,7 @@ impl PrefixIndex {
         let stamp = self.stamp(now);
         let mut after = None;
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, [], chunk, chunk);
+            self.inner.read().warm_insert(worker, chunk);
             let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
@@ -381,7 +381,7 @@ impl PrefixIndex {
     /// entry.
     pub fn forget(&self, worker: WorkerKey, hashes: &[u64]) {
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, [], [], chunk);
+            self.inner.read().warm(worker, [], chunk);
             let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
@@ -409,7 +409,6 @@ impl PrefixIndex {
             self.inner.read().warm(
                 worker,
                 chunk.iter().map(|(e, _)| e),
-                [],
                 chunk.iter().map(|(_, h)| h),
             );
             let mut g = self.write();
@@ -848,22 +847,33 @@ impl Inner {
     }
 
     /// Loads what a write of these blocks by `worker` will touch, under the read
-    /// lock: its engine-map slots (`engine`), its approximate LRU nodes (`touched`)
-    /// and the global table slots (`hashes`). The cache misses are then taken
-    /// while lookups can still run, and the write lock is held for less.
+    /// lock: its engine-map slots (`engine`) and the global table slots
+    /// (`hashes`). The cache misses are then taken while lookups can still run,
+    /// and the write lock is held for less.
     fn warm<'a>(
         &self,
         worker: WorkerKey,
         engine: impl IntoIterator<Item = &'a u64>,
-        touched: impl IntoIterator<Item = &'a u64>,
         hashes: impl IntoIterator<Item = &'a u64>,
     ) {
         if let Some(&slot) = self.slots.get(&worker) {
-            let w = &self.workers[slot as usize];
-            w.engine.prefetch(engine);
-            w.recency.prefetch(touched);
+            self.workers[slot as usize].engine.prefetch(engine);
         }
         self.blocks.prefetch(hashes);
+    }
+
+    /// [`Inner::warm`] for an approximate insert of `chunk` by `worker`: its LRU
+    /// nodes, and the global slots of only the blocks its LRU does not hold yet
+    /// (the insert adds holders for those alone; a repeated prompt's blocks are
+    /// mostly held).
+    fn warm_insert(&self, worker: WorkerKey, chunk: &[u64]) {
+        match self.slots.get(&worker) {
+            Some(&slot) => {
+                let absent = self.workers[slot as usize].recency.prefetch(chunk);
+                self.blocks.prefetch(absent);
+            }
+            None => self.blocks.prefetch(chunk),
+        }
     }
 
     /// Whether `slot` holds block `hash` (through any entry).
