@@ -165,18 +165,8 @@ impl PromptBlocks {
         let beyond = if hashes.len() < max_blocks {
             0
         } else {
-            // Past the cap: the prompt's blocks by length (text, tokens, one per
-            // image), less those hashed.
-            let (bytes, tokens, pictures) =
-                segments
-                    .iter()
-                    .fold((0usize, 0usize, 0usize), |(b, t, i), s| match s {
-                        Segment::Text(x) => (b + x.len(), t, i),
-                        Segment::Tokens(x) => (b, t + x.len(), i),
-                        Segment::Image(_) => (b, t, i + 1),
-                    });
-            (bytes.div_ceil(byte_block.max(1)) + tokens.div_ceil(token_block.max(1)) + pictures)
-                .saturating_sub(hashes.len())
+            // Past the cap: the prompt's blocks less those hashed.
+            blocks_by_length(segments, byte_block, token_block).saturating_sub(hashes.len())
         };
         let urls = segments.iter().filter_map(|s| match s {
             Segment::Image(url) => Some(url),
@@ -223,6 +213,20 @@ impl PromptBlocks {
     }
 }
 
+/// A prompt's blocks by length: its text and token ids in blocks (partial ones
+/// counted), one per image.
+fn blocks_by_length(segments: &[Segment], byte_block: usize, token_block: usize) -> usize {
+    let (bytes, tokens, pictures) =
+        segments
+            .iter()
+            .fold((0usize, 0usize, 0usize), |(b, t, i), s| match s {
+                Segment::Text(x) => (b + x.len(), t, i),
+                Segment::Tokens(x) => (b, t + x.len(), i),
+                Segment::Image(_) => (b, t, i + 1),
+            });
+    bytes.div_ceil(byte_block.max(1)) + tokens.div_ceil(token_block.max(1)) + pictures
+}
+
 /// [`request_block_hashes`] of at most `max` blocks, recording the hash index of
 /// each image block in `images` when given.
 fn hash_prompt(
@@ -235,7 +239,8 @@ fn hash_prompt(
 ) -> Vec<u64> {
     let byte_block = byte_block.max(1);
     let token_block = token_block.max(1);
-    let mut out = Vec::new();
+    // Sized once: a long prompt's hashes would otherwise be copied per doubling.
+    let mut out = Vec::with_capacity(blocks_by_length(segments, byte_block, token_block).min(max));
     let mut prev = seed;
     let mut text: Vec<u8> = Vec::new();
     let mut toks: Vec<u32> = Vec::new();

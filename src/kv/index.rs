@@ -56,7 +56,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -229,6 +229,8 @@ struct Inner {
     chained: bool,
     /// Shared with the [`Overlaps`] answers still alive (copied on write then).
     slots: Arc<Map<WorkerKey, u32>>,
+    /// Slot → worker, the inverse of `slots` (shared and copied the same way).
+    keys: Arc<Vec<Option<WorkerKey>>>,
     workers: Vec<Worker>,
     free_slots: Vec<u32>,
     /// (oldest approximate stamp, slot) of every worker with approximate entries.
@@ -360,7 +362,7 @@ impl PrefixIndex {
         let mut prev = None;
         let mut placed = Vec::new();
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, [], chunk, chunk);
+            self.inner.read().warm_insert(worker, chunk);
             let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
@@ -438,7 +440,7 @@ impl PrefixIndex {
     /// entry.
     pub fn forget(&self, worker: WorkerKey, hashes: &[u64]) {
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, [], [], chunk);
+            self.inner.read().warm(worker, [], chunk);
             let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
@@ -486,7 +488,6 @@ impl PrefixIndex {
             self.inner.read().warm(
                 worker,
                 chunk.iter().map(|(e, _)| e),
-                [],
                 chunk[..entries].iter().map(|(_, h)| h),
             );
             let mut g = self.write();
@@ -586,7 +587,7 @@ impl PrefixIndex {
     /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones are ignored.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
         for chunk in engine_hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, chunk, [], []);
+            self.inner.read().warm(worker, chunk, []);
             let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
@@ -609,6 +610,7 @@ impl PrefixIndex {
             let Some(slot) = Arc::make_mut(&mut g.slots).remove(&worker) else {
                 return;
             };
+            Arc::make_mut(&mut g.keys)[slot as usize] = None;
             g.set_oldest(slot, u32::MAX);
             (slot, std::mem::take(&mut g.workers[slot as usize]))
         };
@@ -759,6 +761,7 @@ impl PrefixIndex {
         let levels = g.walk(hashes);
         let mut ov = Overlaps {
             slots: Arc::clone(&g.slots),
+            keys: Arc::clone(&g.keys),
             levels,
             corrected: Vec::new(),
         };
@@ -850,6 +853,7 @@ impl PrefixIndex {
                 .map(|l| l.pieces.capacity() * 4)
                 .sum::<usize>()
             + table::<WorkerKey, u32>(g.slots.capacity())
+            + g.keys.capacity() * size_of::<Option<WorkerKey>>()
             + g.workers.capacity() * size_of::<Worker>();
         for r in &g.runs {
             bytes += r.hashes.capacity() * 8
@@ -941,6 +945,11 @@ impl Inner {
             ..Default::default()
         };
         Arc::make_mut(&mut self.slots).insert(key, slot);
+        let keys = Arc::make_mut(&mut self.keys);
+        if keys.len() <= slot as usize {
+            keys.resize(slot as usize + 1, None);
+        }
+        keys[slot as usize] = Some(key);
         slot
     }
 
@@ -969,22 +978,33 @@ impl Inner {
     }
 
     /// Loads what a write of these blocks by `worker` will touch, under the read
-    /// lock: its engine-map slots (`engine`), its approximate LRU nodes (`touched`)
-    /// and the global table slots (`hashes`). The cache misses are then taken
-    /// while lookups can still run, and the write lock is held for less.
+    /// lock: its engine-map slots (`engine`) and the global table slots
+    /// (`hashes`). The cache misses are then taken while lookups can still run,
+    /// and the write lock is held for less.
     fn warm<'a>(
         &self,
         worker: WorkerKey,
         engine: impl IntoIterator<Item = &'a u64>,
-        touched: impl IntoIterator<Item = &'a u64>,
         hashes: impl IntoIterator<Item = &'a u64>,
     ) {
         if let Some(&slot) = self.slots.get(&worker) {
-            let w = &self.workers[slot as usize];
-            w.engine.prefetch(engine);
-            w.recency.prefetch(touched);
+            self.workers[slot as usize].engine.prefetch(engine);
         }
         self.blocks.prefetch(hashes);
+    }
+
+    /// [`Inner::warm`] for an approximate insert of `chunk` by `worker`: its LRU
+    /// nodes, and the global slots of only the blocks its LRU does not hold yet
+    /// (the insert adds holders for those alone; a repeated prompt's blocks are
+    /// mostly held).
+    fn warm_insert(&self, worker: WorkerKey, chunk: &[u64]) {
+        match self.slots.get(&worker) {
+            Some(&slot) => {
+                let absent = self.workers[slot as usize].recency.prefetch(chunk);
+                self.blocks.prefetch(absent);
+            }
+            None => self.blocks.prefetch(chunk),
+        }
     }
 
     /// The run covering `loc`.
@@ -1457,6 +1477,8 @@ impl Inner {
 pub struct Overlaps {
     /// The index's worker → slot map when the answer was made.
     slots: Arc<Map<WorkerKey, u32>>,
+    /// Its inverse, slot → worker, to check a caller's slot hint.
+    keys: Arc<Vec<Option<WorkerKey>>>,
     /// (holders, leading blocks held), each set a subset of the one before.
     levels: Vec<(SlotSet, u32)>,
     /// (slot, depth) for workers whose expired approximate entries the walk counted.
@@ -1471,6 +1493,27 @@ impl Overlaps {
             return 0;
         }
         self.slots.get(&worker).map_or(0, |s| self.visible(*s))
+    }
+
+    /// [`Overlaps::get`] for a caller that keeps `worker`'s slot in `hint`: a
+    /// hint naming the worker's slot saves the hash probe; any other value costs
+    /// the probe and is corrected (so one hint per worker, kept across lookups,
+    /// makes the read an array index).
+    pub fn get_hinted(&self, worker: WorkerKey, hint: &AtomicU32) -> usize {
+        if self.levels.is_empty() {
+            return 0;
+        }
+        let slot = hint.load(Ordering::Relaxed);
+        if self.keys.get(slot as usize) == Some(&Some(worker)) {
+            return self.visible(slot);
+        }
+        match self.slots.get(&worker) {
+            Some(&slot) => {
+                hint.store(slot, Ordering::Relaxed);
+                self.visible(slot)
+            }
+            None => 0,
+        }
     }
 
     /// Every worker holding at least the first block, with its overlap (order
@@ -1538,6 +1581,32 @@ mod tests {
         assert_eq!(r, vec![3, 1, 0]);
         assert_eq!(idx.lookup(&[5, 1], &[wk(1)], t), vec![0]);
         assert_eq!(idx.len(), 6);
+    }
+
+    #[test]
+    fn a_slot_hint_is_checked_so_a_stale_one_never_reads_another_worker() {
+        let (idx, t) = index(100, None);
+        idx.insert(wk(1), &[1, 2, 3], t);
+        idx.insert(wk(2), &[1, 2], t);
+        let ov = idx.overlaps(&[1, 2, 3], t);
+        // A wrong hint costs a probe and is corrected to the worker's slot.
+        let hint = AtomicU32::new(u32::MAX);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 2);
+        let slot2 = hint.load(Ordering::Relaxed);
+        assert_ne!(slot2, u32::MAX);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 2);
+        // Worker 1's hint pointing at worker 2's slot still reads worker 1.
+        let wrong = AtomicU32::new(slot2);
+        assert_eq!(ov.get_hinted(wk(1), &wrong), 3);
+        assert_ne!(wrong.load(Ordering::Relaxed), slot2);
+        // Worker 2 leaves and worker 3 takes its slot: 2's hint now names a slot
+        // that belongs to 3, and reads nothing for 2.
+        idx.clear_worker(wk(2));
+        idx.insert(wk(3), &[1], t);
+        let ov = idx.overlaps(&[1, 2, 3], t);
+        assert_eq!(ov.get_hinted(wk(3), &AtomicU32::new(slot2)), 1);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 0);
+        assert_eq!(ov.get(wk(2)), 0);
     }
 
     #[test]

@@ -126,14 +126,22 @@ impl Lru {
 
     /// Loads what touching `hashes` will read (their table slots and nodes), so
     /// that the cache misses overlap instead of queueing one behind the other.
-    pub fn prefetch<'a>(&self, hashes: impl IntoIterator<Item = &'a u64>) {
-        let mut acc = 0u32;
-        for &h in hashes {
-            if let Some(i) = self.nodes.get(h) {
-                acc ^= self.list[i as usize].stamp;
-            }
-        }
-        std::hint::black_box(acc);
+    /// Returns the hashes not held (those a touch adds), lazily: the loads happen
+    /// as the result is read, so read it to its end.
+    #[must_use = "the loads happen as the result is read"]
+    pub fn prefetch<'a>(
+        &'a self,
+        hashes: impl IntoIterator<Item = &'a u64> + 'a,
+    ) -> impl Iterator<Item = &'a u64> + 'a {
+        hashes
+            .into_iter()
+            .filter(move |&&h| match self.nodes.get(h) {
+                Some(i) => {
+                    std::hint::black_box(self.list[i as usize].stamp);
+                    false
+                }
+                None => true,
+            })
     }
 
     /// Heap bytes held.
@@ -235,6 +243,10 @@ mod tests {
                     prop_assert_eq!(lru.stamp(h), stamp);
                     prop_assert_eq!(lru.contains(h), stamp.is_some());
                 }
+                let all: Vec<u64> = (0..10).collect();
+                let absent: Vec<u64> = lru.prefetch(&all).copied().collect();
+                let want: Vec<u64> = all.iter().copied().filter(|h| !lru.contains(*h)).collect();
+                prop_assert_eq!(absent, want);
             }
         }
     }

@@ -81,7 +81,13 @@ fn request_error(e: serde_json::Error, path: String) -> RequestError {
 
 /// Prompt segments as the pass sees them; neighbours of one kind merge.
 #[derive(Debug, Default)]
-struct Segments(Vec<Segment>, TokenBudget);
+struct Segments {
+    found: Vec<Segment>,
+    budget: TokenBudget,
+    /// Capacity of the next text segment started: the body's length, so a long
+    /// prompt is copied once instead of once per doubling of its `String`.
+    text_capacity: usize,
+}
 
 /// Token ids still kept; those past the budget are only counted.
 #[derive(Debug)]
@@ -101,51 +107,78 @@ impl Default for TokenBudget {
 
 impl Segments {
     fn text(&mut self, s: &str) {
-        match self.0.last_mut() {
+        match self.found.last_mut() {
             Some(Segment::Text(last)) => last.push_str(s),
-            _ => self.0.push(Segment::Text(s.to_string())),
+            _ => {
+                let mut text = String::with_capacity(s.len().max(self.text_capacity));
+                text.push_str(s);
+                self.text_capacity = 0;
+                self.found.push(Segment::Text(text));
+            }
         }
     }
 
-    fn with_token_limit(limit: usize) -> Self {
-        Segments(
-            Vec::new(),
-            TokenBudget {
+    /// Segments whose first text segment is sized for `bytes`.
+    fn with_text_capacity(bytes: usize) -> Self {
+        Segments {
+            text_capacity: bytes,
+            ..Segments::default()
+        }
+    }
+
+    fn with_token_limit(limit: usize, text_capacity: usize) -> Self {
+        Segments {
+            budget: TokenBudget {
                 left: limit,
                 omitted: 0,
             },
-        )
+            ..Segments::with_text_capacity(text_capacity)
+        }
+    }
+
+    /// The segments found and how many token ids were only counted; text sized
+    /// well beyond its length (a body mostly made of something else) gives the
+    /// spare capacity back.
+    fn into_parts(mut self) -> (Vec<Segment>, usize) {
+        for seg in &mut self.found {
+            if let Segment::Text(t) = seg {
+                if t.capacity() / 2 > t.len() {
+                    t.shrink_to_fit();
+                }
+            }
+        }
+        (self.found, self.budget.omitted)
     }
 
     /// Adds a token id within the budget; whether it was kept.
     fn token(&mut self, t: u32) -> bool {
-        if self.1.left == 0 {
-            self.1.omitted += 1;
+        if self.budget.left == 0 {
+            self.budget.omitted += 1;
             return false;
         }
-        self.1.left -= 1;
-        match self.0.last_mut() {
+        self.budget.left -= 1;
+        match self.found.last_mut() {
             Some(Segment::Tokens(last)) => last.push(t),
-            _ => self.0.push(Segment::Tokens(vec![t])),
+            _ => self.found.push(Segment::Tokens(vec![t])),
         }
         true
     }
 
     fn image(&mut self, url: String) {
-        self.0.push(Segment::Image(url));
+        self.found.push(Segment::Image(url));
     }
 
     fn append(&mut self, other: Segments) {
-        self.1.omitted += other.1.omitted;
-        for seg in other.0 {
+        self.budget.omitted += other.budget.omitted;
+        for seg in other.found {
             match seg {
                 Segment::Text(t) => self.text(&t),
-                Segment::Tokens(t) if matches!(self.0.last(), Some(Segment::Tokens(_))) => {
+                Segment::Tokens(t) if matches!(self.found.last(), Some(Segment::Tokens(_))) => {
                     t.into_iter().for_each(|t| {
                         self.token(t);
                     })
                 }
-                s => self.0.push(s),
+                s => self.found.push(s),
             }
         }
     }
@@ -182,6 +215,7 @@ pub(super) fn parse_body(
             path: &mut path,
             kind,
             options,
+            text_capacity: body.len(),
         })
         .and_then(|top| de.end().map(|()| top))
         .map_err(|e| request_error(e, path.render()))?;
@@ -205,7 +239,7 @@ pub(super) fn parse_body(
                 ids.len() - kept,
             )
         }
-        _ => (top.segments.0, top.segments.1.omitted),
+        _ => top.segments.into_parts(),
     };
     Ok(InferenceRequest {
         kind: top.kind,
@@ -246,6 +280,8 @@ struct Top<'p> {
     path: &'p mut Path,
     kind: Option<ApiKind>,
     options: ParseOptions,
+    /// What the prompt text is sized for (the body's length).
+    text_capacity: usize,
 }
 
 impl<'de> Visitor<'de> for Top<'_> {
@@ -297,6 +333,7 @@ impl<'de> Visitor<'de> for Top<'_> {
                         path: &mut *path,
                         allow_text: false,
                         keep,
+                        text_capacity: self.text_capacity,
                     })?);
                 }
                 "prompt" if want_completions => {
@@ -306,6 +343,7 @@ impl<'de> Visitor<'de> for Top<'_> {
                         path: &mut *path,
                         token_limit: self.options.token_limit,
                         keep,
+                        text_capacity: self.text_capacity,
                     })?);
                 }
                 "input" if want_responses => {
@@ -315,6 +353,7 @@ impl<'de> Visitor<'de> for Top<'_> {
                         path: &mut *path,
                         allow_text: true,
                         keep,
+                        text_capacity: self.text_capacity,
                     })?);
                 }
                 "instructions" if want_responses => {
@@ -387,7 +426,7 @@ impl<'de> Visitor<'de> for Top<'_> {
                 if let Some(TemplateInput::Chat(chat)) = &mut template {
                     chat.messages.insert(0, template_message("system", &s));
                 }
-                let mut out = Segments::default();
+                let mut out = Segments::with_text_capacity(self.text_capacity);
                 out.text("system\n");
                 out.text(&s);
                 out.text("\n");
@@ -436,6 +475,7 @@ struct Messages<'p> {
     path: &'p mut Path,
     allow_text: bool,
     keep: bool,
+    text_capacity: usize,
 }
 
 type Found = (Segments, Vec<TemplateMessage>);
@@ -472,7 +512,7 @@ impl<'de> Visitor<'de> for Messages<'_> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Found, A::Error> {
-        let mut out = Segments::default();
+        let mut out = Segments::with_text_capacity(self.text_capacity);
         let mut kept = Vec::new();
         let mut i = 0;
         loop {
@@ -851,6 +891,7 @@ struct Prompt<'p> {
     token_limit: usize,
     /// Keep the items for the tokenizer ([`PromptParts`]).
     keep: bool,
+    text_capacity: usize,
 }
 
 /// A completions prompt item by item, for the tokenizer (it encodes each string
@@ -908,7 +949,7 @@ impl<'de> Visitor<'de> for Prompt<'_> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptFound, A::Error> {
-        let mut out = Segments::with_token_limit(self.token_limit);
+        let mut out = Segments::with_token_limit(self.token_limit, self.text_capacity);
         let mut kept = PromptParts {
             keep: self.keep,
             parts: Vec::new(),
@@ -1030,5 +1071,50 @@ impl<'de> Visitor<'de> for PromptItem<'_> {
             }
         }
         Ok(Item::Other)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{parse, Segment};
+
+    fn text_of(body: &[u8]) -> String {
+        match parse(body, None).expect("parses").segments.as_slice() {
+            [Segment::Text(t), ..] => t.clone(),
+            other => panic!("expected text first, got {other:?}"),
+        }
+    }
+
+    /// The prompt text is sized for the body up front; when most of the body is
+    /// something else (an inline image), the text gives the spare capacity back.
+    #[test]
+    fn prompt_text_is_sized_by_the_body_and_keeps_little_spare() {
+        let long = "w".repeat(100_000);
+        let chat = format!(
+            r#"{{"model":"m","messages":[{{"role":"system","content":"{long}"}},{{"role":"user","content":"{long}"}}]}}"#
+        );
+        let r = parse(chat.as_bytes(), None).expect("parses");
+        let [Segment::Text(t)] = r.segments.as_slice() else {
+            panic!("one text segment: {:?}", r.segments.len());
+        };
+        assert_eq!(*t, format!("system\n{long}\nuser\n{long}\n"));
+        assert!(
+            t.capacity() <= chat.len(),
+            "{} > {}",
+            t.capacity(),
+            chat.len()
+        );
+
+        let image = "A".repeat(400_000);
+        let mixed = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"look"}},{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{image}"}}}}]}}]}}"#
+        );
+        let r = parse(mixed.as_bytes(), None).expect("parses");
+        let Some(Segment::Text(t)) = r.segments.first() else {
+            panic!("text first: {:?}", r.segments.len());
+        };
+        assert_eq!(t, "user\nlook");
+        assert!(t.capacity() <= 2 * t.len(), "spare kept: {}", t.capacity());
+        assert_eq!(text_of(br#"{"model":"m","prompt":["a","b"]}"#), "ab");
     }
 }

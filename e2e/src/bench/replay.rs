@@ -861,6 +861,13 @@ impl RoutingPolicy for Kvpick {
         w
     }
 
+    /// In-band like Envoy's first response body chunk: no KV-event delay.
+    fn prefill_done(&mut self, id: usize, _: u64) {
+        if let Some(routed) = self.routed.get(&id) {
+            self.scheduler.prefill_done(&routed.decision);
+        }
+    }
+
     fn finished(&mut self, id: usize, now_us: u64) {
         if let Some(routed) = self.routed.remove(&id) {
             self.scheduler
