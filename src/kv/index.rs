@@ -1106,31 +1106,31 @@ impl Inner {
                 (self.runs.len() - 1) as u32
             }
         };
-        let r = &self.runs[id as usize];
-        let runs = &self.runs;
-        let lineage = &mut self.lineages[r.lineage as usize];
-        let k = lineage
-            .pieces
-            .partition_point(|p| runs[*p as usize].start < r.start);
+        let (k, l) = self.piece_of(id);
+        let lineage = &mut self.lineages[l as usize];
         lineage.pieces.insert(k, id);
         lineage.settle();
         id
     }
 
+    /// Where `run` goes (or is) among its lineage's pieces, and the lineage.
+    fn piece_of(&self, run: u32) -> (usize, u32) {
+        let r = &self.runs[run as usize];
+        let pieces = &self.lineages[r.lineage as usize].pieces;
+        let k = pieces.partition_point(|p| self.runs[*p as usize].start < r.start);
+        (k, r.lineage)
+    }
+
     /// Takes `run` out of its lineage's pieces (freeing an emptied lineage).
     fn unlist(&mut self, run: u32) {
-        let r = &self.runs[run as usize];
-        let runs = &self.runs;
-        let lineage = &mut self.lineages[r.lineage as usize];
-        let k = lineage
-            .pieces
-            .partition_point(|p| runs[*p as usize].start < r.start);
+        let (k, l) = self.piece_of(run);
+        let lineage = &mut self.lineages[l as usize];
         debug_assert_eq!(lineage.pieces.get(k), Some(&run));
         lineage.pieces.remove(k);
         lineage.settle();
         if lineage.pieces.is_empty() {
             lineage.pieces.shrink_to_fit();
-            self.free_lineages.push(r.lineage);
+            self.free_lineages.push(l);
         }
     }
 
