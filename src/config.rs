@@ -877,6 +877,8 @@ impl Args {
                 ttl: (self.prefix_ttl_secs > 0).then(|| Duration::from_secs(self.prefix_ttl_secs)),
                 default_precise_limit: self.prefix_precise_max_blocks,
                 precise_slack: self.prefix_precise_slack.max(1.0),
+                // kvpick's block hashes and the engines' are chained.
+                chained: true,
             },
             provisional_ttl: Duration::from_secs(self.provisional_ttl_secs.max(1)),
             session_token_header: self.session_token_header.to_ascii_lowercase(),

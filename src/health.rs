@@ -88,12 +88,14 @@ struct Record {
 /// The passive health record of one endpoint. Responses update it under a lock;
 /// every pick reads it lock-free (two atomics).
 #[derive(Debug)]
+#[repr(C)]
 pub struct PassiveHealth {
-    record: Mutex<Record>,
-    /// `record.consecutive`, for readers.
-    failures: AtomicU32,
     /// End of the current (or last) ejection, coded by [`Epoch::process`].
     ejected_until: AtomicI64,
+    /// `record.consecutive`, for readers.
+    failures: AtomicU32,
+    /// Read by the response path only: after what every pick reads.
+    record: Mutex<Record>,
 }
 
 impl Default for PassiveHealth {

@@ -81,7 +81,13 @@ impl KvEventSink for MemorySink {
     fn block_hashes(&self, seed: u64, parent: Option<u64>, tokens: &[u32], bs: usize) -> Vec<u64> {
         chain(seed, parent, tokens, bs)
     }
-    fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], _now: Instant) {
+    fn store_engine_chain(
+        &self,
+        worker: WorkerKey,
+        _parent: Option<u64>,
+        blocks: &[(u64, u64)],
+        _now: Instant,
+    ) {
         self.0
             .lock()
             .blocks

@@ -2,7 +2,7 @@
 //!
 //! Three indexes run the same workloads, each cell (index × workload × workers)
 //! in a child process of its own so that RSS growth is the index's alone:
-//! - `kvpick`: [`PrefixIndex`], every worker precise (fed by `store_engine_blocks`
+//! - `kvpick`: [`PrefixIndex`], every worker precise (fed by `store_engine_chain`
 //!   / `remove_engine_blocks`, engine hash = kvpick hash), looked up with
 //!   `PrefixIndex::overlaps` (every worker's overlap, like Dynamo's `find_matches`;
 //!   the answer is read per worker in O(log runs crossed), as the scheduler does);
@@ -433,7 +433,7 @@ impl Subject for Kvpick {
     fn store(&self, s: &Store) {
         let pairs: Vec<(u64, u64)> = s.blocks.iter().map(|h| (*h, *h)).collect();
         self.index
-            .store_engine_blocks(key(s.worker), &pairs, Instant::now());
+            .store_engine_chain(key(s.worker), s.parent, &pairs, Instant::now());
     }
     fn remove(&self, worker: u64, blocks: &[u64]) {
         self.index.remove_engine_blocks(key(worker), blocks);

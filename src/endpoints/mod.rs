@@ -156,15 +156,20 @@ pub struct ScrapedLoad {
 
 /// Live state of one endpoint: its identity plus load counters.
 ///
-/// What every pick reads of every candidate (rank 0's load, health, the
-/// scrape) lives inline, in one allocation, ahead of the identity.
+/// What every pick reads of every candidate (rank 0's load, the instance id
+/// and role, the scrape's figures, health) lives inline, in one allocation, in
+/// the first three cache lines, ahead of the rest of the identity.
 #[derive(Debug)]
 #[repr(C)]
 pub struct EndpointState {
     ranks: RankLoads,
-    health: PassiveHealth,
+    /// `endpoint.instance_id`, copied beside the load.
+    instance_id: u64,
+    /// `endpoint.role`, copied beside the load.
+    role: Role,
     /// The latest scrape, read lock-free by every pick.
     scrape: ScrapeCell,
+    health: PassiveHealth,
     /// Identity and configuration.
     pub endpoint: Endpoint,
 }
@@ -207,8 +212,12 @@ struct RankLoad {
     in_flight: AtomicU32,
     /// Blocks those requests booked (prompt and expected output).
     blocks: AtomicU64,
-    /// Of them, the prompt blocks they had left to prefill when routed.
+    /// Of them, the prompt blocks they had left to prefill when routed, until
+    /// their prefill is done.
     uncached: AtomicU64,
+    /// The prefix index's slot for this rank as last seen: a hint the index
+    /// checks (see `Overlaps::get_hinted`), so any value is safe.
+    index_slot: AtomicU32,
 }
 
 /// A rank's active load in blocks: what its unfinished requests booked, and
@@ -217,18 +226,39 @@ struct RankLoad {
 pub struct ActiveLoad {
     /// Booked blocks (prompt and expected output).
     pub blocks: u64,
-    /// Prompt blocks left to prefill.
+    /// Prompt blocks left to prefill (of requests whose prefill is not done).
     pub uncached: u64,
+}
+
+/// The scraped figures the scheduler's cost reads.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadFigures {
+    /// Requests waiting in the engine's queue.
+    pub queue: f64,
+    /// Requests the engine is running.
+    pub running: f64,
+    /// KV-cache usage, 0..1.
+    pub kv_usage: f64,
+}
+
+impl From<&ScrapedLoad> for LoadFigures {
+    fn from(l: &ScrapedLoad) -> Self {
+        LoadFigures {
+            queue: l.queue,
+            running: l.running,
+            kv_usage: l.kv_usage,
+        }
+    }
 }
 
 /// What the scheduler knows of a worker's scraped load.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LoadView {
     /// A recent successful scrape.
-    Fresh(ScrapedLoad),
+    Fresh(LoadFigures),
     /// The scrape is stale or failing: the worker may be hung or dead. The last
     /// figures, if any, are a floor, never a better estimate.
-    Suspect(Option<ScrapedLoad>),
+    Suspect(Option<LoadFigures>),
     /// Never scraped yet (just discovered, or scraping is off).
     Unknown,
 }
@@ -238,6 +268,8 @@ impl EndpointState {
         let ranks = endpoint.dp_size.clamp(1, MAX_DP_SIZE) as usize;
         EndpointState {
             ranks: RankLoads::new(ranks),
+            instance_id: endpoint.instance_id,
+            role: endpoint.role,
             scrape: ScrapeCell::default(),
             health: PassiveHealth::default(),
             endpoint,
@@ -247,9 +279,14 @@ impl EndpointState {
     /// The key of one of this endpoint's ranks.
     pub fn key(&self, dp_rank: u32) -> WorkerKey {
         WorkerKey {
-            instance_id: self.endpoint.instance_id,
+            instance_id: self.instance_id,
             dp_rank,
         }
+    }
+
+    /// Whether the endpoint serves decode (read from the load's cache lines).
+    pub fn serves_decode(&self) -> bool {
+        self.role.serves_decode()
     }
 
     /// Number of ranks (dp size, at least 1).
@@ -280,6 +317,12 @@ impl EndpointState {
                 blocks: r.blocks.load(Ordering::Relaxed),
                 uncached: r.uncached.load(Ordering::Relaxed),
             })
+    }
+
+    /// Where the prefix index last had `rank` (a hint it checks; see
+    /// [`Overlaps::get_hinted`](crate::kv::index::Overlaps::get_hinted)).
+    pub fn index_slot(&self, rank: u32) -> Option<&AtomicU32> {
+        self.ranks.get(rank).map(|r| &r.index_slot)
     }
 
     /// Books `load` on `rank`.
@@ -337,9 +380,8 @@ impl EndpointState {
     /// [`Epoch::process`](crate::time::Epoch::process): integer compares only.
     #[inline]
     pub fn load_view_at(&self, now: i64, max_age: std::time::Duration) -> LoadView {
-        let (scrape, at) = self.scrape.read();
-        let failing = scrape.failed_at.is_some();
-        match scrape.load {
+        let (figures, at, failing) = self.scrape.read_figures();
+        match figures {
             Some(l) if !failing && fresh(now, at, max_age) => LoadView::Fresh(l),
             None if !failing => LoadView::Unknown,
             last => LoadView::Suspect(last),
@@ -539,6 +581,7 @@ mod tests {
             at: t0,
         };
         state.set_scraped(load);
+        let load = LoadFigures::from(&load);
         assert_eq!(state.load_view(t0, max_age), LoadView::Fresh(load));
         let later = t0 + std::time::Duration::from_secs(6);
         assert_eq!(
@@ -547,11 +590,38 @@ mod tests {
         );
         state.set_scrape_failed(t0);
         assert_eq!(state.load_view(t0, max_age), LoadView::Suspect(Some(load)));
-        state.set_scraped(load);
+        state.set_scraped(ScrapedLoad {
+            queue: 1.0,
+            running: 2.0,
+            kv_usage: 0.5,
+            block_size: Some(16),
+            num_blocks: Some(100),
+            at: t0,
+        });
         assert_eq!(state.load_view(t0, max_age), LoadView::Fresh(load));
         let never = EndpointState::new(ep("10.0.0.2:8000"));
         never.set_scrape_failed(t0);
         assert_eq!(never.load_view(t0, max_age), LoadView::Suspect(None));
+    }
+
+    #[test]
+    fn what_a_pick_reads_lies_in_the_first_144_bytes() {
+        use std::mem::offset_of;
+        // The pick reads the ranks, the copied identity, the scrape's first 48
+        // bytes and health's first 12 (both `repr(C)`, hot fields first). Behind
+        // the `Arc`'s 16-byte header, 144 bytes at any 16-byte alignment touch
+        // three cache lines; the identity's 80 bytes would add up to two.
+        let end = [
+            offset_of!(EndpointState, instance_id) + 8,
+            offset_of!(EndpointState, role) + 1,
+            offset_of!(EndpointState, scrape) + 48,
+            offset_of!(EndpointState, health) + 12,
+        ]
+        .into_iter()
+        .max()
+        .unwrap();
+        assert!(end <= 144, "the pick's fields end at byte {end}");
+        assert!(offset_of!(EndpointState, endpoint) >= end);
     }
 
     #[test]

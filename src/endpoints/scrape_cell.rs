@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::ScrapedLoad;
+use super::{LoadFigures, ScrapedLoad};
 use crate::time::Epoch;
 
 /// The latest scrape outcome of one endpoint.
@@ -27,18 +27,20 @@ pub(super) struct Scrape {
 /// No value (for the optional fields).
 const NONE: u64 = u64::MAX;
 
-/// A [`Scrape`] readers copy out without locking.
+/// A [`Scrape`] readers copy out without locking. What every pick reads
+/// ([`ScrapeCell::read_figures`]) comes first, in 48 bytes.
 #[derive(Debug)]
+#[repr(C)]
 pub(super) struct ScrapeCell {
     seq: AtomicU64,
     queue: AtomicU64,
     running: AtomicU64,
     kv_usage: AtomicU64,
-    block_size: AtomicU64,
-    num_blocks: AtomicU64,
     /// `load.at` coded by [`Epoch::process`]; [`Epoch::NONE`] when no load.
     at: AtomicI64,
     failed_at: AtomicI64,
+    block_size: AtomicU64,
+    num_blocks: AtomicU64,
     writer: Mutex<()>,
 }
 
@@ -70,6 +72,31 @@ impl ScrapeCell {
                 fence(Ordering::Acquire);
                 if self.seq.load(Ordering::Relaxed) == before {
                     return scrape;
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// What a pick reads: the last load's figures, its `at` coded by
+    /// [`Epoch::process`], and whether the latest scrape failed (no instant
+    /// decoded, no optional field read).
+    #[inline]
+    pub(super) fn read_figures(&self) -> (Option<LoadFigures>, i64, bool) {
+        loop {
+            let before = self.seq.load(Ordering::Acquire);
+            if before & 1 == 0 {
+                let f = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
+                let at = self.at.load(Ordering::Relaxed);
+                let figures = (at != Epoch::NONE).then(|| LoadFigures {
+                    queue: f(&self.queue),
+                    running: f(&self.running),
+                    kv_usage: f(&self.kv_usage),
+                });
+                let failing = self.failed_at.load(Ordering::Relaxed) != Epoch::NONE;
+                fence(Ordering::Acquire);
+                if self.seq.load(Ordering::Relaxed) == before {
+                    return (figures, at, failing);
                 }
             }
             std::hint::spin_loop();
@@ -205,6 +232,10 @@ mod tests {
                 // Every field comes from the same write.
                 assert_eq!(l, load(l.queue, at));
                 seen += 1;
+            }
+            if let (Some(f), _, failing) = cell.read_figures() {
+                assert_eq!(f, LoadFigures::from(&load(f.queue, at)));
+                assert!(!failing);
             }
         }
         writer.join().unwrap();

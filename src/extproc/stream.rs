@@ -812,6 +812,9 @@ impl StreamState {
                 set_headers: headers.iter().map(|(k, v)| set_header(k, v)).collect(),
                 ..Default::default()
             });
+        if self.response_mode == BodyMode::None {
+            self.prefill_done();
+        }
         if h.end_of_stream {
             self.finish();
         }
@@ -826,6 +829,7 @@ impl StreamState {
                 _ => BodyMode::Buffered,
             };
         }
+        self.prefill_done();
         let out = match self.response_mode {
             BodyMode::FullDuplex => {
                 self.response_tail.push(&b.body);
@@ -841,6 +845,19 @@ impl StreamState {
             self.finish();
         }
         out
+    }
+
+    /// The routed request's prefill is over, so the scheduler stops counting
+    /// its uncached blocks on its worker. Signalled at the first response body
+    /// chunk (a streamed response's first token comes after the prefill); when
+    /// Envoy sends no response body (mode NONE), at the response headers. In
+    /// BUFFERED mode the first chunk is the whole body: late, never early
+    /// (response headers of a streamed response can precede the first token).
+    /// The scheduler releases once however often this is called.
+    fn prefill_done(&self) {
+        if let Some(r) = &self.routed {
+            self.shared.scheduler.prefill_done(&r.decision);
+        }
     }
 
     /// Passive health: the pod's (or Envoy's local) answer to a routed request.

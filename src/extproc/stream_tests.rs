@@ -328,3 +328,55 @@ fn images_routed_without_a_tokenizer_are_counted_by_identity() {
     assert_eq!(app.mm_stats.images(IdentitySource::Url), 1);
     assert_eq!(app.mm_stats.requests(MmRouting::Approximate), 1);
 }
+
+fn response_chunk(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::ResponseBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_first_response_body_chunk_ends_the_prefill_once() {
+    let app = crate::server::App::new("t");
+    app.endpoints
+        .replace(vec![Endpoint::new("10.0.0.1:8000".parse().unwrap())]);
+    let service = app.ext_proc(ExtProcConfig::default());
+    let route = |text: &str| {
+        let mut s = StreamState::new(Arc::clone(&service.shared));
+        s.handle(post_headers());
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, text.repeat(64 * 10));
+        s.handle(body_chunk(body.as_bytes(), true));
+        s
+    };
+    let (mut first, second) = (route("a"), route("b"));
+    let decision = |s: &StreamState| s.routed.as_ref().unwrap().decision.clone();
+    let (d1, d2) = (decision(&first), decision(&second));
+    let load = || d1.decode.endpoint.active_load(d1.decode.rank);
+    assert!(d1.uncached_blocks >= 10 && d2.uncached_blocks >= 10);
+    assert_eq!(load().uncached, d1.uncached_blocks + d2.uncached_blocks);
+    // Streamed response headers may precede the first token: no signal yet.
+    let mut headers = response_headers("200");
+    if let Some(Request::ResponseHeaders(h)) = headers.request.as_mut() {
+        h.end_of_stream = false;
+    }
+    first.handle(headers);
+    assert_eq!(load().uncached, d1.uncached_blocks + d2.uncached_blocks);
+    // The first token: the first's uncached blocks go, and only they, however
+    // many chunks follow; the rest of its load stays until the end.
+    for chunk in [&b"data: {\"x\":1}\n\n"[..], b"data: {\"x\":2}\n\n"] {
+        first.handle(response_chunk(chunk, false));
+        assert_eq!(load().uncached, d2.uncached_blocks);
+        assert_eq!(
+            load().blocks,
+            d1.decode_load().blocks + d2.decode_load().blocks
+        );
+    }
+    first.handle(response_chunk(b"data: [DONE]\n\n", true));
+    assert!(first.is_done());
+    assert_eq!(load(), d2.decode_load());
+}

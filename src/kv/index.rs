@@ -5,10 +5,16 @@
 //! is a sequence of blocks stored together (one KV event, one routing decision)
 //! that every holder holds entirely, with one holder set for the whole run. Each
 //! (worker, rank) gets a dense slot number; a holder set is a sorted slot list, or
-//! a bitset once that is smaller ([`SlotSet`]). A table from block hash to (run,
-//! position) finds where a prompt's blocks are ([`BlockTable`]: open addressing
-//! placed by a per-table secret, so chosen hashes cannot pile up in one probe
-//! sequence).
+//! a bitset once that is smaller ([`SlotSet`]). A run is a piece of a **lineage**:
+//! the chain it was first stored in, whose positions never change while a block
+//! lives (splits keep them), so a block's (lineage, position) can be kept aside.
+//! A table from block hash to that location finds where a prompt's blocks are
+//! ([`BlockTable`]: open addressing placed by a per-table secret, so chosen
+//! hashes cannot pile up in one probe sequence). With chained hashes
+//! ([`IndexConfig::chained`]) it holds only each run's first block (and the
+//! blocks approximate entries hold): any other block sits right after its parent,
+//! which is how lookups and stores reach it; a worker's precise entries keep
+//! their blocks' locations for removal.
 //!
 //! A lookup probes the map for the prompt's first block, then compares the prompt
 //! with the run in place (no probe per block) until the run ends or differs, then
@@ -22,14 +28,14 @@
 //!
 //! Writes split a run where holder sets start to differ (a worker storing part of
 //! a run, or losing one block of it): the shorter side moves, so splitting costs
-//! the smaller part; a run whose holders become those of the run it continues is
-//! appended to it.
+//! the smaller part; a run whose holders become those of the run before it in its
+//! lineage is appended to it.
 //!
 //! Two ways in:
 //! - approximate mode ([`PrefixIndex::insert`]): each routing decision records the
 //!   request's blocks for the chosen worker; an LRU bound per worker (its capacity
 //!   in blocks) and a TTL keep the guess close to what the engine still holds;
-//! - precise mode ([`PrefixIndex::store_engine_blocks`],
+//! - precise mode ([`PrefixIndex::store_engine_chain`],
 //!   [`PrefixIndex::remove_engine_blocks`]): the engine's KV events say exactly
 //!   what is stored and evicted; such entries have no TTL, and at most a per-worker
 //!   cap of them is kept ([`PrefixIndex::set_precise_limit`]): stores beyond it are
@@ -50,7 +56,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -104,21 +110,29 @@ pub type KeyHash = BuildHasherDefault<KeyHasher>;
 
 type Map<K, V> = HashMap<K, V, KeyHash>;
 
-/// Where a block lives: its run and its absolute position there.
-#[derive(Debug, Clone, Copy, Default)]
+/// Where a block lives: its lineage and its absolute position there. Positions
+/// never change while the block exists (splits keep them, merges join only
+/// neighbouring pieces of one lineage), so a location kept aside stays valid;
+/// [`Inner::run_at`] finds the run covering it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
 struct Loc {
-    run: u32,
+    lineage: u32,
     pos: u32,
 }
 
 /// Consecutive blocks with one holder set.
 #[derive(Debug, Default)]
 struct Run {
-    /// Absolute position of `hashes[0]` (positions survive moves of the other side).
+    /// Absolute position of `hashes[0]` in its lineage.
     start: u32,
     /// A deque so that a split moving a short front away does not shift the rest.
     hashes: VecDeque<u64>,
     holders: SlotSet,
+    lineage: u32,
+    /// Whether blocks after the first may have an entry in the block table (every
+    /// block does without chained hashes, and every block an approximate entry
+    /// holds does); else only the first has one.
+    indexed: bool,
 }
 
 impl Run {
@@ -140,8 +154,8 @@ struct Worker {
     /// kept non-decreasing per worker.
     oldest: u32,
     last_stamp: u32,
-    /// Precise entries: engine hash → kvpick hash.
-    engine: BlockTable<u64>,
+    /// Precise entries: engine hash → where the block is (its kvpick hash is there).
+    engine: BlockTable<Loc>,
     /// Precise entries: extra engine blocks naming a kvpick hash already held
     /// precisely (beyond the first); usually empty.
     extra: Map<u64, u32>,
@@ -162,6 +176,14 @@ pub struct IndexConfig {
     pub default_precise_limit: usize,
     /// The precise cap from an engine's block count is that count times this.
     pub precise_slack: f64,
+    /// Block hashes are chained (a hash names its whole prefix, so a block has one
+    /// parent and follows it wherever it is stored) and every write says where its
+    /// chain continues ([`PrefixIndex::store_engine_chain`]'s parent, a prompt
+    /// from its first block for [`PrefixIndex::insert`]). Then the block table
+    /// needs only each run's first block (and the blocks approximate entries
+    /// hold): the rest are found from their parent. Off, every block has an
+    /// entry (for hashes that are not chained).
+    pub chained: bool,
 }
 
 impl Default for IndexConfig {
@@ -171,17 +193,44 @@ impl Default for IndexConfig {
             ttl: Some(DEFAULT_TTL),
             default_precise_limit: DEFAULT_PRECISE_LIMIT,
             precise_slack: DEFAULT_PRECISE_SLACK,
+            chained: true,
         }
+    }
+}
+
+/// A lineage's runs.
+#[derive(Debug)]
+struct Lineage {
+    /// Its runs by start; empty: the lineage is free.
+    pieces: Vec<u32>,
+    /// The run when it is the only one, else `u32::MAX`: most lineages have one
+    /// piece, and a lookup then finds the run without reading `pieces`.
+    only: u32,
+}
+
+impl Lineage {
+    fn settle(&mut self) {
+        self.only = match self.pieces.as_slice() {
+            [run] => *run,
+            _ => u32::MAX,
+        };
     }
 }
 
 #[derive(Debug, Default)]
 struct Inner {
+    /// Block hash → location: every run's first block, and more (see [`Run::indexed`]).
     blocks: BlockTable<Loc>,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
+    lineages: Vec<Lineage>,
+    free_lineages: Vec<u32>,
+    /// [`IndexConfig::chained`].
+    chained: bool,
     /// Shared with the [`Overlaps`] answers still alive (copied on write then).
     slots: Arc<Map<WorkerKey, u32>>,
+    /// Slot → worker, the inverse of `slots` (shared and copied the same way).
+    keys: Arc<Vec<Option<WorkerKey>>>,
     workers: Vec<Worker>,
     free_slots: Vec<u32>,
     /// (oldest approximate stamp, slot) of every worker with approximate entries.
@@ -215,7 +264,10 @@ impl PrefixIndex {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Self {
         PrefixIndex {
-            inner: RwLock::default(),
+            inner: RwLock::new(Inner {
+                chained: config.chained,
+                ..Inner::default()
+            }),
             config,
             base: Instant::now(),
             entries: AtomicUsize::new(0),
@@ -307,7 +359,8 @@ impl PrefixIndex {
         };
         let hashes = &hashes[..hashes.len().min(cap)];
         let stamp = self.stamp(now);
-        let mut after = None;
+        let mut prev = None;
+        let mut placed = Vec::new();
         for chunk in hashes.chunks(WRITE_CHUNK) {
             self.inner.read().warm_insert(worker, chunk);
             let mut g = self.write();
@@ -318,19 +371,27 @@ impl PrefixIndex {
             }
             let stamp = stamp.max(w.last_stamp);
             w.last_stamp = stamp;
-            // Most approximate workers hold nothing precisely: no probe per block then.
-            let some_precise = !w.precise_held.is_empty();
-            let mut new = Vec::new();
-            for &h in chunk {
-                if w.recency.touch(h, stamp) && !(some_precise && w.precise_held.contains(&h)) {
-                    new.push(h);
+            // One bit per block of the chunk new in the LRU.
+            let mut fresh = 0u64;
+            for (k, &h) in chunk.iter().enumerate() {
+                if w.recency.touch(h, stamp) {
+                    fresh |= 1 << k;
                 }
             }
             if w.oldest == u32::MAX {
                 g.set_oldest(slot, stamp);
             }
-            g.add_holder_runs(&new, after, slot, &mut Vec::new(), &self.entries);
-            after = chunk.last().copied();
+            // The whole chunk (blocks already held included) keeps the chain's
+            // context; blocks the worker holds already are left as they are.
+            placed.clear();
+            g.add_holder_runs(chunk, prev, slot, true, &mut placed, &self.entries);
+            for (k, (&h, &(loc, held))) in chunk.iter().zip(&placed).enumerate() {
+                if g.chained && held && fresh & (1 << k) != 0 {
+                    // Held precisely until now: the LRU finds its blocks by hash.
+                    g.index_block(h, loc);
+                }
+            }
+            prev = chunk.last().copied().zip(placed.last().map(|p| p.0));
         }
         self.evict(worker, stamp);
     }
@@ -366,7 +427,7 @@ impl PrefixIndex {
                 }
             };
             g.settle_lru(slot);
-            g.remove_holder_runs(&dropped, slot, &self.entries);
+            g.remove_hashes(&dropped, slot, &self.entries);
             if done {
                 return;
             }
@@ -392,98 +453,151 @@ impl PrefixIndex {
                 }
             }
             g.settle_lru(slot);
-            g.remove_holder_runs(&dropped, slot, &self.entries);
+            g.remove_hashes(&dropped, slot, &self.entries);
         }
     }
 
-    /// Precise mode: `worker` stored these blocks (engine hash, kvpick hash), in
-    /// chain order. The engine hash is only kept to find the block again on removal.
-    /// Stores beyond the worker's precise cap are dropped and counted.
+    /// Precise mode: `worker` stored these blocks (engine hash, kvpick hash), a
+    /// chain from its first block ([`PrefixIndex::store_engine_chain`] without a parent).
     pub fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant) {
+        self.store_engine_chain(worker, None, blocks, now);
+    }
+
+    /// Precise mode: `worker` stored these blocks (engine hash, kvpick hash), in
+    /// chain order, following the block it holds under engine hash `parent`
+    /// (`None`: from the chain's first block). With chained hashes a store whose
+    /// parent `worker` does not hold is not applied: its blocks could not be placed.
+    /// The engine hash is only kept to find the block again on removal. A store
+    /// stops at the first block beyond the worker's precise cap (the rest follow
+    /// it); what it drops is counted.
+    pub fn store_engine_chain(
+        &self,
+        worker: WorkerKey,
+        parent: Option<u64>,
+        blocks: &[(u64, u64)],
+        now: Instant,
+    ) {
         // Precise entries never expire: `now` is accepted for symmetry with `insert`.
         let _ = now;
-        let mut after = None;
-        for chunk in blocks.chunks(WRITE_CHUNK) {
+        let mut prev: Option<(u64, Loc)> = None;
+        let mut chain = Vec::with_capacity(blocks.len().min(WRITE_CHUNK));
+        let mut placed = Vec::with_capacity(chain.capacity());
+        for (k, chunk) in blocks.chunks(WRITE_CHUNK).enumerate() {
+            // Chained, new blocks mostly get no table entry: nothing to load there.
+            let entries = if self.config.chained { 0 } else { chunk.len() };
             self.inner.read().warm(
                 worker,
                 chunk.iter().map(|(e, _)| e),
-                chunk.iter().map(|(_, h)| h),
+                chunk[..entries].iter().map(|(_, h)| h),
             );
             let mut g = self.write();
             let slot = g.slot(worker);
+            if k == 0 {
+                if let Some(p) = parent {
+                    let found = g.workers[slot as usize]
+                        .engine
+                        .get(p)
+                        .and_then(|l| g.hash_at(l).map(|h| (h, l)));
+                    if found.is_none() && g.chained {
+                        return;
+                    }
+                    prev = found;
+                }
+            }
             let limit = g.workers[slot as usize]
                 .precise_limit
                 .unwrap_or(self.config.default_precise_limit);
-            let mut new = Vec::with_capacity(chunk.len());
-            // One bit per `hash % 64` of the hashes in `new`: skips most scans of it.
-            let mut in_new = 0u64;
-            let mut released = Vec::new();
-            let mut dropped = 0u64;
-            for &(engine, hash) in chunk {
-                let w = &mut g.workers[slot as usize];
-                match w.engine.get(engine) {
-                    Some(old) if old == hash => continue,
-                    Some(old) => {
-                        w.engine.insert(engine, hash);
-                        released.push(old);
-                    }
-                    None if w.engine.len() >= limit => {
-                        dropped += 1;
+            // What each block does: already stored under its engine hash (kept for
+            // the chain's context), or newly mapped (`mapped`, by chain index);
+            // engine hashes remapped to another block release the old one.
+            chain.clear();
+            let mut mapped: Vec<usize> = Vec::with_capacity(chunk.len());
+            let mut released: Vec<(u64, Loc)> = Vec::new();
+            // Remapped engine hashes first mapped earlier in this chunk (chain index).
+            let mut released_here: Vec<usize> = Vec::new();
+            // One bit per `engine % 64` of the engine hashes mapped in this chunk.
+            let mut in_chunk = 0u64;
+            let mut len = g.workers[slot as usize].engine.len();
+            let mut stopped = None;
+            for (i, &(engine, hash)) in chunk.iter().enumerate() {
+                let bit = 1u64 << (engine % 64);
+                let earlier = if in_chunk & bit != 0 {
+                    mapped.iter().rev().copied().find(|&j| chunk[j].0 == engine)
+                } else {
+                    None
+                };
+                let old = match earlier {
+                    Some(j) => Some(Err(j)),
+                    None => g.workers[slot as usize].engine.get(engine).map(Ok),
+                };
+                match old {
+                    Some(Ok(l)) => match g.hash_at(l) {
+                        Some(h) if h == hash => {
+                            chain.push(hash);
+                            continue;
+                        }
+                        Some(h) => released.push((h, l)),
+                        None => {}
+                    },
+                    Some(Err(j)) if chunk[j].1 == hash => {
+                        chain.push(hash);
                         continue;
                     }
-                    None => {
-                        w.engine.insert(engine, hash);
+                    Some(Err(j)) => released_here.push(j),
+                    None if len >= limit => {
+                        stopped = Some(i);
+                        break;
                     }
+                    None => len += 1,
                 }
-                if w.precise {
-                    // Held already (or twice in `new`): `add_holder_runs` says so.
-                    new.push(hash);
-                    continue;
-                }
-                // An approximate worker tracks precise holdings apart.
-                let bit = 1u64 << (hash % 64);
-                let queued = in_new & bit != 0 && new.contains(&hash);
-                if !w.precise_held.insert(hash) {
-                    *w.extra.entry(hash).or_insert(0) += 1;
-                } else if !(queued || g.holds(hash, slot)) {
-                    new.push(hash);
-                    in_new |= bit;
-                }
+                in_chunk |= bit;
+                mapped.push(i);
+                chain.push(hash);
             }
-            if dropped > 0 {
-                self.precise_dropped.fetch_add(dropped, Ordering::Relaxed);
-            }
-            let mut held = Vec::new();
-            g.add_holder_runs(&new, after, slot, &mut held, &self.entries);
+            placed.clear();
+            let precise = g.workers[slot as usize].precise;
+            g.add_holder_runs(&chain, prev, slot, false, &mut placed, &self.entries);
             let w = &mut g.workers[slot as usize];
-            for h in held {
-                // A second engine block naming a hash this worker holds precisely.
-                *w.extra.entry(h).or_insert(0) += 1;
+            for &i in &mapped {
+                let (loc, held) = placed[i];
+                w.engine.insert(chunk[i].0, loc);
+                let hash = chunk[i].1;
+                if precise {
+                    if held {
+                        // A second engine block naming a hash this worker holds precisely.
+                        *w.extra.entry(hash).or_insert(0) += 1;
+                    }
+                } else if !w.precise_held.insert(hash) {
+                    // An approximate worker tracks precise holdings apart.
+                    *w.extra.entry(hash).or_insert(0) += 1;
+                }
             }
+            released.extend(released_here.iter().map(|&j| (chunk[j].1, placed[j].0)));
             g.release_precise(slot, &released, &self.entries);
-            after = chunk.last().map(|(_, h)| *h);
+            if let Some(i) = stopped {
+                let dropped = blocks.len() - k * WRITE_CHUNK - i;
+                self.precise_dropped
+                    .fetch_add(dropped as u64, Ordering::Relaxed);
+                return;
+            }
+            prev = chain.last().copied().zip(placed.last().map(|p| p.0));
         }
     }
 
     /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones are ignored.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
         for chunk in engine_hashes.chunks(WRITE_CHUNK) {
-            {
-                let g = self.inner.read();
-                let Some(&slot) = g.slots.get(&worker) else {
-                    return;
-                };
-                let w = &g.workers[slot as usize];
-                w.engine.prefetch(chunk);
-                let hashes: Vec<u64> = chunk.iter().filter_map(|e| w.engine.get(*e)).collect();
-                g.blocks.prefetch(&hashes);
-            }
+            self.inner.read().warm(worker, chunk, []);
             let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
             };
             let w = &mut g.workers[slot as usize];
-            let released: Vec<u64> = chunk.iter().filter_map(|e| w.engine.remove(*e)).collect();
+            let locs: Vec<Loc> = chunk.iter().filter_map(|e| w.engine.remove(*e)).collect();
+            let released: Vec<(u64, Loc)> = locs
+                .into_iter()
+                .filter_map(|l| g.hash_at(l).map(|h| (h, l)))
+                .collect();
             g.release_precise(slot, &released, &self.entries);
         }
     }
@@ -496,25 +610,38 @@ impl PrefixIndex {
             let Some(slot) = Arc::make_mut(&mut g.slots).remove(&worker) else {
                 return;
             };
+            Arc::make_mut(&mut g.keys)[slot as usize] = None;
             g.set_oldest(slot, u32::MAX);
             (slot, std::mem::take(&mut g.workers[slot as usize]))
         };
         // The slot has no key now (lookups skip it) and is reused only once empty.
-        let mut hashes: Vec<u64> = w.recency.keys().collect();
-        hashes.extend(w.engine.values());
-        self.remove_in_run_order(slot, hashes, None);
+        let hashes: Vec<u64> = w.recency.keys().collect();
+        let locs: Vec<Loc> = w.engine.values().collect();
+        self.remove_in_run_order(slot, &hashes, &locs, None);
         self.write().free_slots.push(slot);
     }
 
-    /// Removes `slot` from `hashes` a chunk at a time, in run order so that each
-    /// run is cut once, not once per block. With `owner`, stops if the slot no
-    /// longer belongs to it (cleared meanwhile).
-    fn remove_in_run_order(&self, slot: u32, mut hashes: Vec<u64>, owner: Option<WorkerKey>) {
-        {
+    /// Removes `slot` from the blocks `hashes` (found by hash) and `locs` (found
+    /// where they are) a chunk at a time, in run order so that each run is cut
+    /// once, not once per block. With `owner`, stops if the slot no longer belongs
+    /// to it (cleared meanwhile).
+    fn remove_in_run_order(
+        &self,
+        slot: u32,
+        hashes: &[u64],
+        locs: &[Loc],
+        owner: Option<WorkerKey>,
+    ) {
+        let mut items: Vec<(u64, Loc)> = {
             let g = self.inner.read();
-            hashes.sort_by_cached_key(|h| g.blocks.get(*h).map(|l| (l.run, l.pos)));
-        }
-        for chunk in hashes.chunks(WRITE_CHUNK) {
+            let by_hash = hashes
+                .iter()
+                .filter_map(|h| g.blocks.get(*h).map(|l| (*h, l)));
+            let by_loc = locs.iter().filter_map(|l| g.hash_at(*l).map(|h| (h, *l)));
+            by_hash.chain(by_loc).collect()
+        };
+        items.sort_unstable_by_key(|(_, l)| *l);
+        for chunk in items.chunks(WRITE_CHUNK) {
             let mut g = self.write();
             if owner.is_some_and(|k| g.slots.get(&k) != Some(&slot)) {
                 return;
@@ -536,7 +663,9 @@ impl PrefixIndex {
             w.precise = precise;
             if !precise {
                 // Track precise holdings apart from approximate ones from now on.
-                w.precise_held = w.engine.values().collect();
+                let locs: Vec<Loc> = w.engine.values().collect();
+                let held = locs.into_iter().filter_map(|l| g.hash_at(l)).collect();
+                g.workers[slot as usize].precise_held = held;
                 return;
             }
             let precise_held = std::mem::take(&mut w.precise_held);
@@ -547,7 +676,7 @@ impl PrefixIndex {
             g.set_oldest(slot, u32::MAX);
             (slot, dropped)
         };
-        self.remove_in_run_order(slot, dropped, Some(worker));
+        self.remove_in_run_order(slot, &dropped, &[], Some(worker));
     }
 
     /// Whether `worker` is fed by KV events.
@@ -611,7 +740,7 @@ impl PrefixIndex {
     pub fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
         let g = self.inner.read();
         let slot = *g.slots.get(&worker)?;
-        g.workers[slot as usize].engine.get(engine_hash)
+        g.hash_at(g.workers[slot as usize].engine.get(engine_hash)?)
     }
 
     /// Precise entries (engine blocks) `worker` holds.
@@ -632,6 +761,7 @@ impl PrefixIndex {
         let levels = g.walk(hashes);
         let mut ov = Overlaps {
             slots: Arc::clone(&g.slots),
+            keys: Arc::clone(&g.keys),
             levels,
             corrected: Vec::new(),
         };
@@ -717,7 +847,13 @@ impl PrefixIndex {
         let g = self.inner.read();
         let mut bytes = g.blocks.heap_bytes()
             + g.runs.capacity() * size_of::<Run>()
+            + g.lineages.capacity() * size_of::<Lineage>()
+            + g.lineages
+                .iter()
+                .map(|l| l.pieces.capacity() * 4)
+                .sum::<usize>()
             + table::<WorkerKey, u32>(g.slots.capacity())
+            + g.keys.capacity() * size_of::<Option<WorkerKey>>()
             + g.workers.capacity() * size_of::<Worker>();
         for r in &g.runs {
             bytes += r.hashes.capacity() * 8
@@ -809,6 +945,11 @@ impl Inner {
             ..Default::default()
         };
         Arc::make_mut(&mut self.slots).insert(key, slot);
+        let keys = Arc::make_mut(&mut self.keys);
+        if keys.len() <= slot as usize {
+            keys.resize(slot as usize + 1, None);
+        }
+        keys[slot as usize] = Some(key);
         slot
     }
 
@@ -866,19 +1007,64 @@ impl Inner {
         }
     }
 
-    /// Whether `slot` holds block `hash` (through any entry).
-    fn holds(&self, hash: u64, slot: u32) -> bool {
-        self.blocks
-            .get(hash)
-            .is_some_and(|l| self.runs[l.run as usize].holders.contains(slot))
+    /// The run covering `loc`.
+    fn run_at(&self, loc: Loc) -> Option<u32> {
+        let lineage = self.lineages.get(loc.lineage as usize)?;
+        let run = match lineage.only {
+            u32::MAX => {
+                let pieces = &lineage.pieces;
+                let k = pieces.partition_point(|r| self.runs[*r as usize].start <= loc.pos);
+                *pieces.get(k.checked_sub(1)?)?
+            }
+            run => run,
+        };
+        let r = &self.runs[run as usize];
+        (r.start <= loc.pos && loc.pos < r.end()).then_some(run)
     }
 
-    /// Drops one precise reference of `slot` to each hash; a block loses the holder
-    /// when its last reference goes and no approximate entry keeps it.
-    fn release_precise(&mut self, slot: u32, hashes: &[u64], entries: &AtomicUsize) {
+    /// The block at `loc`.
+    fn hash_at(&self, loc: Loc) -> Option<u64> {
+        let r = &self.runs[self.run_at(loc)? as usize];
+        r.hashes.get((loc.pos - r.start) as usize).copied()
+    }
+
+    /// The run and location of block `hash`, if it has a table entry.
+    fn find(&self, hash: u64) -> Option<(u32, Loc)> {
+        let loc = self.blocks.get(hash)?;
+        Some((self.run_at(loc)?, loc))
+    }
+
+    /// Gives block `hash` at `loc` a table entry.
+    fn index_block(&mut self, hash: u64, loc: Loc) {
+        if let Some(run) = self.run_at(loc) {
+            self.runs[run as usize].indexed = true;
+            self.blocks.insert(hash, loc);
+        }
+    }
+
+    /// Block `hash` if it sits right after `prev`.
+    fn successor(&self, prev: Loc, hash: u64) -> Option<(u32, Loc)> {
+        let loc = Loc {
+            lineage: prev.lineage,
+            pos: prev.pos + 1,
+        };
+        let run = self.run_at(loc)?;
+        let r = &self.runs[run as usize];
+        (r.hashes[(loc.pos - r.start) as usize] == hash).then_some((run, loc))
+    }
+
+    /// Where block `hash` is: right after `prev` when given, else by its table entry.
+    fn locate(&self, prev: Option<Loc>, hash: u64) -> Option<(u32, Loc)> {
+        prev.and_then(|p| self.successor(p, hash))
+            .or_else(|| self.find(hash))
+    }
+
+    /// Drops one precise reference of `slot` to each block; a block loses the
+    /// holder when its last reference goes and no approximate entry keeps it.
+    fn release_precise(&mut self, slot: u32, blocks: &[(u64, Loc)], entries: &AtomicUsize) {
         let mut gone = Vec::new();
         let w = &mut self.workers[slot as usize];
-        for &h in hashes {
+        for &(h, loc) in blocks {
             if let Some(n) = w.extra.get_mut(&h) {
                 *n -= 1;
                 if *n == 0 {
@@ -893,13 +1079,24 @@ impl Inner {
                     continue;
                 }
             }
-            gone.push(h);
+            gone.push((h, loc));
         }
         self.remove_holder_runs(&gone, slot, entries);
     }
 
+    fn new_lineage(&mut self) -> u32 {
+        self.free_lineages.pop().unwrap_or_else(|| {
+            self.lineages.push(Lineage {
+                pieces: Vec::new(),
+                only: u32::MAX,
+            });
+            (self.lineages.len() - 1) as u32
+        })
+    }
+
+    /// Stores `run` and lists it among its lineage's pieces.
     fn new_run(&mut self, run: Run) -> u32 {
-        match self.free_runs.pop() {
+        let id = match self.free_runs.pop() {
             Some(r) => {
                 self.runs[r as usize] = run;
                 r
@@ -908,49 +1105,84 @@ impl Inner {
                 self.runs.push(run);
                 (self.runs.len() - 1) as u32
             }
+        };
+        let (k, l) = self.piece_of(id);
+        let lineage = &mut self.lineages[l as usize];
+        lineage.pieces.insert(k, id);
+        lineage.settle();
+        id
+    }
+
+    /// Where `run` goes (or is) among its lineage's pieces, and the lineage.
+    fn piece_of(&self, run: u32) -> (usize, u32) {
+        let r = &self.runs[run as usize];
+        let pieces = &self.lineages[r.lineage as usize].pieces;
+        let k = pieces.partition_point(|p| self.runs[*p as usize].start < r.start);
+        (k, r.lineage)
+    }
+
+    /// Takes `run` out of its lineage's pieces (freeing an emptied lineage).
+    fn unlist(&mut self, run: u32) {
+        let (k, l) = self.piece_of(run);
+        let lineage = &mut self.lineages[l as usize];
+        debug_assert_eq!(lineage.pieces.get(k), Some(&run));
+        lineage.pieces.remove(k);
+        lineage.settle();
+        if lineage.pieces.is_empty() {
+            lineage.pieces.shrink_to_fit();
+            self.free_lineages.push(l);
         }
     }
 
+    /// Forgets `run` (no holder left) and its blocks' table entries.
+    fn free_run(&mut self, run: u32) {
+        self.unlist(run);
+        let r = std::mem::take(&mut self.runs[run as usize]);
+        if r.indexed {
+            self.blocks.prefetch(&r.hashes);
+            for h in &r.hashes {
+                self.blocks.remove(*h);
+            }
+        } else if let Some(h) = r.hashes.front() {
+            self.blocks.remove(*h);
+        }
+        self.free_runs.push(run);
+    }
+
     /// Splits `run` before absolute position `at` (strictly inside it), moving the
-    /// shorter side to a new run; returns (left, right) run ids.
+    /// shorter side to a new run; returns (left, right) run ids. Positions stay,
+    /// so no table entry moves; the right side's first block gets one.
     fn split(&mut self, run: u32, at: u32) -> (u32, u32) {
         let r = &mut self.runs[run as usize];
         let left_len = (at - r.start) as usize;
-        let holders = r.holders.clone();
-        if left_len <= r.hashes.len() - left_len {
+        let (holders, lineage, indexed) = (r.holders.clone(), r.lineage, r.indexed);
+        let (left, right) = if left_len <= r.hashes.len() - left_len {
             let hashes: VecDeque<u64> = r.hashes.drain(..left_len).collect();
             let start = r.start;
             r.start = at;
-            let moved: Vec<u64> = hashes.iter().copied().collect();
             let id = self.new_run(Run {
                 start,
                 hashes,
                 holders,
+                lineage,
+                indexed,
             });
-            self.blocks.prefetch(&moved);
-            for h in moved {
-                if let Some(l) = self.blocks.get_mut(h) {
-                    l.run = id;
-                }
-            }
             (id, run)
         } else {
             let hashes = r.hashes.split_off(left_len);
             r.hashes.shrink_to_fit();
-            let moved: Vec<u64> = hashes.iter().copied().collect();
             let id = self.new_run(Run {
                 start: at,
                 hashes,
                 holders,
+                lineage,
+                indexed,
             });
-            self.blocks.prefetch(&moved);
-            for h in moved {
-                if let Some(l) = self.blocks.get_mut(h) {
-                    l.run = id;
-                }
-            }
             (run, id)
-        }
+        };
+        let first = self.runs[right as usize].hashes[0];
+        self.blocks.insert(first, Loc { lineage, pos: at });
+        (left, right)
     }
 
     /// The run holding exactly positions `from..to` of `run`, splitting as needed.
@@ -964,39 +1196,39 @@ impl Inner {
         run
     }
 
-    /// Appends run `right` to the run of its chain predecessor `prev` when that
-    /// ends there with the same holders and `right` is not the longer one (writes
-    /// cut into chunks would otherwise leave a shared prefix in pieces).
+    /// Appends run `right` to the run ending with block `prev` when it is the next
+    /// piece of the same lineage with the same holders and not the longer one
+    /// (writes cut into chunks would otherwise leave a shared prefix in pieces).
     fn merge_after(&mut self, prev: Loc, right: u32) {
-        let left = &self.runs[prev.run as usize];
-        let r = &self.runs[right as usize];
-        if prev.run == right
-            || prev.pos + 1 != left.end()
-            || r.hashes.len() > left.hashes.len()
-            || left.holders != r.holders
+        let Some(left) = self.run_at(prev) else {
+            return;
+        };
+        let (l, r) = (&self.runs[left as usize], &self.runs[right as usize]);
+        if left == right
+            || l.lineage != r.lineage
+            || prev.pos + 1 != l.end()
+            || r.start != l.end()
+            || r.hashes.len() > l.hashes.len()
+            || l.holders != r.holders
         {
             return;
         }
+        self.unlist(right);
         let moved = std::mem::take(&mut self.runs[right as usize]);
-        let base = self.runs[prev.run as usize].end();
-        self.blocks.prefetch(&moved.hashes);
-        for (k, h) in moved.hashes.iter().enumerate() {
-            self.blocks.insert(
-                *h,
-                Loc {
-                    run: prev.run,
-                    pos: base + k as u32,
-                },
-            );
+        let l = &mut self.runs[left as usize];
+        if !(l.indexed || moved.indexed) {
+            // Its first block no longer starts a run.
+            self.blocks.remove(moved.hashes[0]);
         }
-        self.runs[prev.run as usize].hashes.extend(moved.hashes);
+        l.indexed |= moved.indexed;
+        l.hashes.extend(moved.hashes);
         self.free_runs.push(right);
     }
 
     /// The longest stretch of `hashes` (from its start) lying at consecutive
-    /// positions of one run, starting at `loc`.
-    fn stretch(&self, loc: Loc, hashes: &[u64]) -> usize {
-        let r = &self.runs[loc.run as usize];
+    /// positions of `run`, starting at `loc`.
+    fn stretch(&self, run: u32, loc: Loc, hashes: &[u64]) -> usize {
+        let r = &self.runs[run as usize];
         let i = (loc.pos - r.start) as usize;
         hashes
             .iter()
@@ -1005,107 +1237,192 @@ impl Inner {
             .count()
     }
 
-    /// Adds `slot` as holder of each block in `hashes` (in chain order, following
-    /// block `after`), creating the missing blocks. Blocks `slot` already holds go
-    /// to `held` (a block twice in `hashes` goes there once).
+    /// Adds `slot` as holder of each block of `chain` (in chain order, following
+    /// block `prev`: (hash, location)), creating the missing blocks; pushes each
+    /// block's location and whether `slot` held it already to `placed` (a block
+    /// twice in `chain` is held the second time). With `index_all` every block of
+    /// `chain` gets a table entry, else only the first of each run.
     fn add_holder_runs(
         &mut self,
-        hashes: &[u64],
-        after: Option<u64>,
+        chain: &[u64],
+        prev: Option<(u64, Loc)>,
         slot: u32,
-        held: &mut Vec<u64>,
+        index_all: bool,
+        placed: &mut Vec<(Loc, bool)>,
         entries: &AtomicUsize,
     ) {
+        let index_all = index_all || !self.chained;
+        // Where the previous block of the chain lives (checked: it may have gone
+        // while the lock was let go between chunks).
+        let mut prev: Option<Loc> = prev.and_then(|(h, l)| {
+            (self.hash_at(l) == Some(h))
+                .then_some(l)
+                .or_else(|| self.blocks.get(h))
+        });
         let mut i = 0;
-        // Where the previous block of the chain lives, to append to its run.
-        let mut prev: Option<Loc> = after.and_then(|h| self.blocks.get(h));
-        while i < hashes.len() {
-            match self.blocks.get(hashes[i]) {
-                Some(loc) => {
-                    let n = self.stretch(loc, &hashes[i..]);
-                    let run = loc.run;
-                    if self.runs[run as usize].holders.contains(slot) {
-                        held.extend_from_slice(&hashes[i..i + n]);
+        while i < chain.len() {
+            match self.locate(prev, chain[i]) {
+                Some((run, loc)) => {
+                    let n = self.stretch(run, loc, &chain[i..]);
+                    let held = self.runs[run as usize].holders.contains(slot);
+                    let mid = if held {
+                        run
                     } else {
                         let mid = self.isolate(run, loc.pos, loc.pos + n as u32);
                         self.runs[mid as usize].holders.insert(slot);
                         entries.fetch_add(n, Ordering::Relaxed);
+                        mid
+                    };
+                    if index_all && self.chained && !held {
+                        self.runs[mid as usize].indexed = true;
+                        for (k, h) in chain[i..i + n].iter().enumerate() {
+                            let pos = loc.pos + k as u32;
+                            self.blocks.insert(*h, Loc { pos, ..loc });
+                        }
+                    }
+                    placed.extend((0..n as u32).map(|k| {
+                        let pos = loc.pos + k;
+                        (Loc { pos, ..loc }, held)
+                    }));
+                    let last = Loc {
+                        pos: loc.pos + n as u32 - 1,
+                        ..loc
+                    };
+                    if !held {
                         if let Some(p) = prev {
                             self.merge_after(p, mid);
                         }
                     }
                     i += n;
-                    prev = self.blocks.get(hashes[i - 1]);
+                    prev = Some(last);
                 }
                 None => {
-                    let append = prev.filter(|p| {
-                        let r = &self.runs[p.run as usize];
-                        p.pos + 1 == r.end() && r.holders.is_only(slot)
-                    });
-                    let (run, first) = match append {
-                        Some(p) => (p.run, p.pos + 1),
-                        None => (
-                            self.new_run(Run {
-                                start: 0,
-                                hashes: VecDeque::with_capacity(hashes.len() - i),
-                                holders: SlotSet::one(slot),
-                            }),
-                            0,
-                        ),
-                    };
-                    // New blocks up to the first known one (or a repeat in `hashes`).
-                    let mut n = 0u32;
-                    self.blocks.reserve(hashes.len() - i);
-                    self.blocks.prefetch(&hashes[i..]);
-                    for h in &hashes[i..] {
-                        let loc = Loc {
-                            run,
-                            pos: first + n,
-                        };
-                        if !self.blocks.insert_new(*h, loc) {
-                            break;
-                        }
-                        n += 1;
-                    }
-                    self.runs[run as usize]
-                        .hashes
-                        .extend(&hashes[i..i + n as usize]);
-                    entries.fetch_add(n as usize, Ordering::Relaxed);
-                    i += n as usize;
+                    let (n, loc) = self.add_new_blocks(&chain[i..], prev, slot, index_all, entries);
+                    placed.extend((0..n as u32).map(|k| {
+                        let pos = loc.pos + k;
+                        (Loc { pos, ..loc }, false)
+                    }));
+                    i += n;
                     prev = Some(Loc {
-                        run,
-                        pos: first + n - 1,
+                        pos: loc.pos + n as u32 - 1,
+                        ..loc
                     });
                 }
             }
         }
     }
 
-    /// Removes `slot` as holder of each block in `hashes` it holds; blocks left
-    /// with no holder are forgotten.
-    fn remove_holder_runs(&mut self, hashes: &[u64], slot: u32, entries: &AtomicUsize) {
+    /// Creates the leading blocks of `chain` that the index does not have yet
+    /// (`chain[0]` is known to be new), held by `slot`: right after `prev` when
+    /// that ends its lineage (appended to its run when `slot` alone holds it, else
+    /// a new run there), else as a new lineage. Returns how many and where the
+    /// first went.
+    fn add_new_blocks(
+        &mut self,
+        chain: &[u64],
+        prev: Option<Loc>,
+        slot: u32,
+        index_all: bool,
+        entries: &AtomicUsize,
+    ) -> (usize, Loc) {
+        let after = prev.and_then(|p| {
+            let run = self.run_at(p)?;
+            let r = &self.runs[run as usize];
+            let last = self.lineages[r.lineage as usize].pieces.last() == Some(&run);
+            (last && p.pos + 1 == r.end()).then_some((run, r.lineage, p.pos + 1))
+        });
+        let (run, loc) = match after {
+            Some((run, lineage, pos)) if self.runs[run as usize].holders.is_only(slot) => {
+                (run, Loc { lineage, pos })
+            }
+            _ => {
+                let loc = match after {
+                    Some((_, lineage, pos)) => Loc { lineage, pos },
+                    None => Loc {
+                        lineage: self.new_lineage(),
+                        pos: 0,
+                    },
+                };
+                let run = self.new_run(Run {
+                    start: loc.pos,
+                    hashes: VecDeque::with_capacity(chain.len()),
+                    holders: SlotSet::one(slot),
+                    lineage: loc.lineage,
+                    indexed: index_all,
+                });
+                // The first block of a run always has an entry.
+                self.blocks.insert(chain[0], loc);
+                (run, loc)
+            }
+        };
+        let n = if index_all {
+            // Up to the first block met again (a repeat in `chain`, or a known one).
+            self.blocks.reserve(chain.len());
+            self.blocks.prefetch(chain);
+            let mut n = 0u32;
+            for h in chain {
+                let at = Loc {
+                    pos: loc.pos + n,
+                    ..loc
+                };
+                if !self.blocks.insert_new(*h, at) && self.blocks.get(*h) != Some(at) {
+                    break;
+                }
+                n += 1;
+            }
+            self.runs[run as usize].indexed = true;
+            n as usize
+        } else {
+            // Chained: a block after a new one can only exist as some run's first
+            // block, which has an entry.
+            1 + chain[1..]
+                .iter()
+                .take_while(|h| self.blocks.get(**h).is_none())
+                .count()
+        };
+        self.runs[run as usize].hashes.extend(&chain[..n]);
+        entries.fetch_add(n, Ordering::Relaxed);
+        (n, loc)
+    }
+
+    /// Removes `slot` as holder of each of these blocks (found by their table
+    /// entries) it holds.
+    fn remove_hashes(&mut self, hashes: &[u64], slot: u32, entries: &AtomicUsize) {
+        let blocks: Vec<(u64, Loc)> = hashes
+            .iter()
+            .filter_map(|h| self.blocks.get(*h).map(|l| (*h, l)))
+            .collect();
+        self.remove_holder_runs(&blocks, slot, entries);
+    }
+
+    /// Removes `slot` as holder of each block (hash, location) it holds; blocks
+    /// left with no holder are forgotten. A location no longer holding its hash
+    /// is skipped.
+    fn remove_holder_runs(&mut self, blocks: &[(u64, Loc)], slot: u32, entries: &AtomicUsize) {
         let mut i = 0;
-        while i < hashes.len() {
-            let Some(loc) = self.blocks.get(hashes[i]) else {
+        while i < blocks.len() {
+            let (h, loc) = blocks[i];
+            let Some(run) = self.run_at(loc).filter(|_| self.hash_at(loc) == Some(h)) else {
                 i += 1;
                 continue;
             };
-            let n = self.stretch(loc, &hashes[i..]);
+            let hashes: Vec<u64> = blocks[i..]
+                .iter()
+                .enumerate()
+                .take_while(|(k, (_, l))| l.lineage == loc.lineage && l.pos == loc.pos + *k as u32)
+                .map(|(_, (h, _))| *h)
+                .collect();
+            let n = self.stretch(run, loc, &hashes);
             i += n;
-            if !self.runs[loc.run as usize].holders.contains(slot) {
+            if !self.runs[run as usize].holders.contains(slot) {
                 continue;
             }
-            let mid = self.isolate(loc.run, loc.pos, loc.pos + n as u32);
+            let mid = self.isolate(run, loc.pos, loc.pos + n as u32);
             let r = &mut self.runs[mid as usize];
             r.holders.remove(slot);
             entries.fetch_sub(n, Ordering::Relaxed);
             if r.holders.is_empty() {
-                let r = std::mem::take(r);
-                self.blocks.prefetch(&r.hashes);
-                for h in &r.hashes {
-                    self.blocks.remove(*h);
-                }
-                self.free_runs.push(mid);
+                self.free_run(mid);
             }
         }
     }
@@ -1115,14 +1432,13 @@ impl Inner {
     /// every set a subset of the one before.
     fn walk(&self, hashes: &[u64]) -> Vec<(SlotSet, u32)> {
         let mut levels = Vec::new();
-        let Some(first) = hashes.first().and_then(|h| self.blocks.get(*h)) else {
+        let Some((mut run, mut loc)) = hashes.first().and_then(|h| self.find(*h)) else {
             return levels;
         };
-        let mut active = self.runs[first.run as usize].holders.clone();
-        let mut loc = first;
+        let mut active = self.runs[run as usize].holders.clone();
         let mut i = 1usize;
         while i < hashes.len() {
-            let r = &self.runs[loc.run as usize];
+            let r = &self.runs[run as usize];
             let off = (loc.pos + 1 - r.start) as usize;
             let same = hashes[i..]
                 .iter()
@@ -1130,15 +1446,15 @@ impl Inner {
                 .take_while(|(a, b)| a == b)
                 .count();
             i += same;
-            loc.pos += same as u32;
             if i == hashes.len() {
                 break;
             }
-            let Some(next) = self.blocks.get(hashes[i]) else {
+            // The next block starts a run (or is unknown).
+            let Some((next, at)) = self.find(hashes[i]) else {
                 break;
             };
-            if next.run != loc.run {
-                let kept = active.intersection(&self.runs[next.run as usize].holders);
+            if next != run {
+                let kept = active.intersection(&self.runs[next as usize].holders);
                 if kept.len() < active.len() {
                     levels.push((std::mem::replace(&mut active, kept), i as u32));
                     if active.is_empty() {
@@ -1146,7 +1462,8 @@ impl Inner {
                     }
                 }
             }
-            loc = next;
+            run = next;
+            loc = at;
             i += 1;
         }
         levels.push((active, i as u32));
@@ -1160,6 +1477,8 @@ impl Inner {
 pub struct Overlaps {
     /// The index's worker → slot map when the answer was made.
     slots: Arc<Map<WorkerKey, u32>>,
+    /// Its inverse, slot → worker, to check a caller's slot hint.
+    keys: Arc<Vec<Option<WorkerKey>>>,
     /// (holders, leading blocks held), each set a subset of the one before.
     levels: Vec<(SlotSet, u32)>,
     /// (slot, depth) for workers whose expired approximate entries the walk counted.
@@ -1174,6 +1493,27 @@ impl Overlaps {
             return 0;
         }
         self.slots.get(&worker).map_or(0, |s| self.visible(*s))
+    }
+
+    /// [`Overlaps::get`] for a caller that keeps `worker`'s slot in `hint`: a
+    /// hint naming the worker's slot saves the hash probe; any other value costs
+    /// the probe and is corrected (so one hint per worker, kept across lookups,
+    /// makes the read an array index).
+    pub fn get_hinted(&self, worker: WorkerKey, hint: &AtomicU32) -> usize {
+        if self.levels.is_empty() {
+            return 0;
+        }
+        let slot = hint.load(Ordering::Relaxed);
+        if self.keys.get(slot as usize) == Some(&Some(worker)) {
+            return self.visible(slot);
+        }
+        match self.slots.get(&worker) {
+            Some(&slot) => {
+                hint.store(slot, Ordering::Relaxed);
+                self.visible(slot)
+            }
+            None => 0,
+        }
     }
 
     /// Every worker holding at least the first block, with its overlap (order
@@ -1213,12 +1553,18 @@ mod tests {
         }
     }
 
+    /// An index for arbitrary (not chained) hashes.
     fn index(cap: usize, ttl_secs: Option<u64>) -> (PrefixIndex, Instant) {
+        config_index(cap, ttl_secs, false)
+    }
+
+    fn config_index(cap: usize, ttl_secs: Option<u64>, chained: bool) -> (PrefixIndex, Instant) {
         let base = Instant::now();
         let idx = PrefixIndex::with_base(
             IndexConfig {
                 default_capacity: cap,
                 ttl: ttl_secs.map(Duration::from_secs),
+                chained,
                 ..IndexConfig::default()
             },
             base,
@@ -1235,6 +1581,32 @@ mod tests {
         assert_eq!(r, vec![3, 1, 0]);
         assert_eq!(idx.lookup(&[5, 1], &[wk(1)], t), vec![0]);
         assert_eq!(idx.len(), 6);
+    }
+
+    #[test]
+    fn a_slot_hint_is_checked_so_a_stale_one_never_reads_another_worker() {
+        let (idx, t) = index(100, None);
+        idx.insert(wk(1), &[1, 2, 3], t);
+        idx.insert(wk(2), &[1, 2], t);
+        let ov = idx.overlaps(&[1, 2, 3], t);
+        // A wrong hint costs a probe and is corrected to the worker's slot.
+        let hint = AtomicU32::new(u32::MAX);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 2);
+        let slot2 = hint.load(Ordering::Relaxed);
+        assert_ne!(slot2, u32::MAX);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 2);
+        // Worker 1's hint pointing at worker 2's slot still reads worker 1.
+        let wrong = AtomicU32::new(slot2);
+        assert_eq!(ov.get_hinted(wk(1), &wrong), 3);
+        assert_ne!(wrong.load(Ordering::Relaxed), slot2);
+        // Worker 2 leaves and worker 3 takes its slot: 2's hint now names a slot
+        // that belongs to 3, and reads nothing for 2.
+        idx.clear_worker(wk(2));
+        idx.insert(wk(3), &[1], t);
+        let ov = idx.overlaps(&[1, 2, 3], t);
+        assert_eq!(ov.get_hinted(wk(3), &AtomicU32::new(slot2)), 1);
+        assert_eq!(ov.get_hinted(wk(2), &hint), 0);
+        assert_eq!(ov.get(wk(2)), 0);
     }
 
     #[test]
@@ -1361,7 +1733,7 @@ mod tests {
 
     #[test]
     fn dp_ranks_are_separate_holders() {
-        let (idx, t) = index(100, None);
+        let (idx, t) = config_index(100, None, true);
         let r0 = WorkerKey {
             instance_id: 7,
             dp_rank: 0,
@@ -1379,7 +1751,7 @@ mod tests {
 
     #[test]
     fn shared_prefix_is_one_run_and_splits_on_partial_removal() {
-        let (idx, t) = index(100, None);
+        let (idx, t) = config_index(100, None, true);
         let prefix: Vec<u64> = (100..228).collect();
         for w in 0..100 {
             let blocks: Vec<(u64, u64)> = prefix.iter().map(|h| (*h, *h)).collect();
@@ -1405,7 +1777,7 @@ mod tests {
 
     #[test]
     fn precise_cap_drops_and_counts_a_flood_of_stored_blocks() {
-        let (idx, t) = index(100, None);
+        let (idx, t) = config_index(100, None, true);
         let w = wk(1);
         idx.set_precise(w, true);
         idx.set_precise_limit(w, 1_000);
@@ -1444,6 +1816,8 @@ mod tests {
     enum Op {
         Insert(u64, Vec<u64>),
         Store(u64, Vec<(u64, u64)>),
+        /// A store following the block held under an engine hash.
+        Chain(u64, Option<u64>, Vec<(u64, u64)>),
         Remove(u64, Vec<u64>),
         Forget(u64, Vec<u64>),
         Clear(u64),
@@ -1526,6 +1900,16 @@ mod tests {
                 let m = model.entry(w).or_default();
                 for (e, h) in bs {
                     m.engine.insert(e, h);
+                }
+            }
+            Op::Chain(w, parent, bs) => {
+                idx.store_engine_chain(wk(w), parent, &bs, at);
+                let m = model.entry(w).or_default();
+                // Chained, a store whose parent the worker does not hold is not applied.
+                if parent.is_none_or(|p| m.engine.contains_key(&p)) {
+                    for (e, h) in bs {
+                        m.engine.insert(e, h);
+                    }
                 }
             }
             Op::Remove(w, es) => {
@@ -1625,32 +2009,116 @@ mod tests {
             prop_assert_eq!(idx.len(), model_pairs(&model, now));
         }
 
-        /// Chains of distinct blocks (as real chained hashes are), long enough to
-        /// make runs split, append and move their shorter side.
+        /// Chained hashes (each block follows one parent wherever it is), with
+        /// only run starts in the block table: stores name their parent, prompts
+        /// start at their first block, and chains share prefixes, so runs split,
+        /// append, merge within a lineage and meet blocks stored inside another
+        /// worker's run.
         #[test]
         fn runs_agree_with_naive_model_on_chains(
-            ops in prop::collection::vec((0u64..3, 0u64..4, 0usize..40, 1usize..40, any::<bool>()), 1..40),
+            ops in prop::collection::vec(chain_op(), 1..50),
+            precise_w in 0u64..4,
         ) {
-            let (idx, base) = index(10_000, None);
+            let (idx, base) = config_index(CAP, Some(TTL), true);
             let mut model: HashMap<u64, Model> = HashMap::new();
             let mut now = 0;
-            for w in 0..3 {
+            for w in 0..precise_w {
                 idx.set_precise(wk(w), true);
                 model.entry(w).or_default().precise = true;
             }
-            for (w, chain, from, len, store) in ops {
-                // Chain c is blocks c*1000 + 0..80; engine hash = block hash + 1.
-                let blocks: Vec<u64> = (from..(from + len).min(80)).map(|i| chain * 1000 + i as u64).collect();
-                let op = if store {
-                    Op::Store(w, blocks.iter().map(|h| (h + 1, *h)).collect())
-                } else {
-                    Op::Remove(w, blocks.iter().map(|h| h + 1).collect())
-                };
+            for op in ops {
+                let op = op.resolve();
                 apply(&idx, &mut model, &op, base, &mut now);
-                for c in 0..4u64 {
-                    let q: Vec<u64> = (0..80).map(|i| c * 1000 + i).collect();
+                for c in 0..CHAINS {
+                    let q: Vec<u64> = (0..CHAIN_LEN).map(|i| block(c, i)).collect();
                     let (got, want) = apply(&idx, &mut model, &Op::Lookup(q), base, &mut now).expect("lookup");
-                    prop_assert_eq!(got, want);
+                    prop_assert_eq!(got, want, "after {:?}", op);
+                }
+            }
+            idx.purge_expired(base + Duration::from_secs(now));
+            prop_assert_eq!(idx.len(), model_pairs(&model, now));
+            for w in 0..4 {
+                idx.clear_worker(wk(w));
+            }
+            prop_assert_eq!(idx.runs(), 0);
+            prop_assert!(idx.is_empty());
+        }
+    }
+
+    const CHAINS: u64 = 4;
+    const CHAIN_LEN: u64 = 80;
+
+    /// Block `i` of chain `c`: chain `c` shares its first `10 c` blocks with chain
+    /// `c - 1`, so each block has one parent, as chained hashes do.
+    fn block(c: u64, i: u64) -> u64 {
+        c.min(i / 10) * 1000 + i + 1
+    }
+
+    /// Worker `w`'s engine hash for `block`.
+    fn engine_of(w: u64, block: u64) -> u64 {
+        block ^ (w + 1) << 40
+    }
+
+    /// An operation over the chains: (kind, worker, chain, from, len).
+    #[derive(Debug, Clone)]
+    struct ChainOp(u8, u64, u64, u64, u64);
+
+    fn chain_op() -> impl Strategy<Value = ChainOp> {
+        (0u8..10, 0u64..4, 0..CHAINS, 0..CHAIN_LEN, 1u64..40)
+            .prop_map(|(k, w, c, from, len)| ChainOp(k, w, c, from, len))
+    }
+
+    impl ChainOp {
+        fn resolve(&self) -> Op {
+            let &ChainOp(kind, w, c, from, len) = self;
+            let range = from..(from + len).min(CHAIN_LEN);
+            let blocks: Vec<u64> = range.clone().map(|i| block(c, i)).collect();
+            match kind {
+                0..=3 => Op::Chain(
+                    w,
+                    from.checked_sub(1).map(|p| engine_of(w, block(c, p))),
+                    blocks.iter().map(|h| (engine_of(w, *h), *h)).collect(),
+                ),
+                4 | 5 => Op::Remove(w, blocks.iter().map(|h| engine_of(w, *h)).collect()),
+                6 => Op::Insert(w, (0..len.min(CHAIN_LEN)).map(|i| block(c, i)).collect()),
+                7 => Op::Forget(w, blocks),
+                8 => match from % 4 {
+                    0 => Op::Clear(w),
+                    1 => Op::Precise(w, len % 2 == 0),
+                    2 => Op::Capacity(w, 1 + len as usize % 8),
+                    _ => Op::Advance(len % 5),
+                },
+                _ => Op::Store(
+                    w,
+                    (0..len.min(CHAIN_LEN))
+                        .map(|i| (engine_of(w, block(c, i)), block(c, i)))
+                        .collect(),
+                ),
+            }
+        }
+    }
+
+    proptest! {
+        /// The chained model with long runs and no LRU bound: whole chains and
+        /// their tails stored and evicted by many workers.
+        #[test]
+        fn long_chains_agree_with_naive_model(
+            ops in prop::collection::vec((0u64..4, 0..CHAINS, 0..CHAIN_LEN, 1u64..80, any::<bool>()), 1..40),
+        ) {
+            let (idx, base) = config_index(10_000, None, true);
+            let mut model: HashMap<u64, Model> = HashMap::new();
+            let mut now = 0;
+            for w in 0..4 {
+                idx.set_precise(wk(w), true);
+                model.entry(w).or_default().precise = true;
+            }
+            for (w, c, from, len, store) in ops {
+                let op = ChainOp(if store { 0 } else { 4 }, w, c, from, len).resolve();
+                apply(&idx, &mut model, &op, base, &mut now);
+                for c in 0..CHAINS {
+                    let q: Vec<u64> = (0..CHAIN_LEN).map(|i| block(c, i)).collect();
+                    let (got, want) = apply(&idx, &mut model, &Op::Lookup(q), base, &mut now).expect("lookup");
+                    prop_assert_eq!(got, want, "after {:?}", op);
                 }
             }
             prop_assert_eq!(idx.len(), model_pairs(&model, now));

@@ -103,14 +103,6 @@ impl<V: Copy + Default> BlockTable<V> {
         self.find(key).map(|i| self.slots[i].value)
     }
 
-    /// The value of `key`, to change in place.
-    pub fn get_mut(&mut self, key: u64) -> Option<&mut V> {
-        if key == 0 {
-            return self.zero.as_mut();
-        }
-        self.find(key).map(|i| &mut self.slots[i].value)
-    }
-
     /// Makes room for `additional` more entries without growing in between.
     pub fn reserve(&mut self, additional: usize) {
         let need = self.len + additional;

@@ -62,8 +62,16 @@ pub trait KvEventSink: Send + Sync {
     /// The kvpick hash of the block `worker` holds under `engine_hash`, if it
     /// holds one (the parent of a stored chain).
     fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64>;
-    /// Records that `worker` holds these (engine hash, kvpick hash) blocks.
-    fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant);
+    /// Records that `worker` holds these (engine hash, kvpick hash) blocks, a
+    /// chain following the block it holds under engine hash `parent` (`None`:
+    /// from the chain's first block).
+    fn store_engine_chain(
+        &self,
+        worker: WorkerKey,
+        parent: Option<u64>,
+        blocks: &[(u64, u64)],
+        now: Instant,
+    );
     /// Forgets the blocks the engine removed, by engine hash.
     fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]);
     /// Forgets everything about `worker`.
@@ -76,8 +84,14 @@ impl KvEventSink for PrefixIndex {
     fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
         PrefixIndex::engine_block(self, worker, engine_hash)
     }
-    fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant) {
-        PrefixIndex::store_engine_blocks(self, worker, blocks, now)
+    fn store_engine_chain(
+        &self,
+        worker: WorkerKey,
+        parent: Option<u64>,
+        blocks: &[(u64, u64)],
+        now: Instant,
+    ) {
+        PrefixIndex::store_engine_chain(self, worker, parent, blocks, now)
     }
     fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
         PrefixIndex::remove_engine_blocks(self, worker, engine_hashes)
@@ -97,8 +111,14 @@ impl KvEventSink for Scheduler {
     fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
         self.index().engine_block(worker, engine_hash)
     }
-    fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant) {
-        self.index().store_engine_blocks(worker, blocks, now);
+    fn store_engine_chain(
+        &self,
+        worker: WorkerKey,
+        parent: Option<u64>,
+        blocks: &[(u64, u64)],
+        now: Instant,
+    ) {
+        self.index().store_engine_chain(worker, parent, blocks, now);
         let ours: Vec<u64> = blocks.iter().map(|&(_, h)| h).collect();
         self.settle_provisional(worker, &ours);
     }
@@ -283,7 +303,8 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             mm_stored_hashes(&*self.sink, self.image_token, seed, parent, e, &mut mm)
         };
         let pairs: Vec<(u64, u64)> = e.block_hashes.iter().copied().zip(ours).collect();
-        self.sink.store_engine_blocks(worker, &pairs, now);
+        self.sink
+            .store_engine_chain(worker, e.parent_block_hash, &pairs, now);
         ApplyStats {
             stored_blocks: pairs.len() as u64,
             // Engine hashes without full token blocks behind them cannot be keyed.
@@ -462,7 +483,7 @@ mod tests {
         assert_eq!(overlap(), 4, "provisional, no event yet");
         let ours = s.block_hashes(&body);
         let pairs: Vec<(u64, u64)> = (100..).zip(ours.iter().copied()).collect();
-        s.store_engine_blocks(worker, &pairs, now);
+        s.store_engine_chain(worker, None, &pairs, now);
         assert_eq!(overlap(), 4, "held by the events now");
         s.remove_engine_blocks(worker, &[102, 103]);
         assert_eq!(

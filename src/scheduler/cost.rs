@@ -20,7 +20,9 @@ use crate::kv::hash::PromptBlocks;
 /// load.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Weights {
-    /// Per block of the prompt the candidate must still prefill (after its overlap).
+    /// Per block the candidate must still prefill: the prompt's after its
+    /// overlap, plus [`PENDING_PREFILL_WEIGHT`] per block of the requests routed
+    /// there whose prefill is not done.
     pub prefill: f64,
     /// Per block of active load on the candidate (prompts of unfinished requests
     /// kvpick routed there, plus scraped running requests kvpick does not know).
@@ -64,7 +66,8 @@ impl Cand<'_> {
 /// A candidate's cost term by term, each weighted (KV blocks of work).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct CostTerms {
-    /// Blocks still to prefill there, times the prefill weight.
+    /// Blocks still to prefill there (this prompt's and those of routed
+    /// requests before their first token), times the prefill weight.
     pub prefill: f64,
     /// Active load (routed, unrouted running, failures), times its weight.
     pub decode: f64,
@@ -81,6 +84,13 @@ impl CostTerms {
     }
 }
 
+/// Weight, within the prefill term, of a block still pending on the candidate
+/// (routed there, prefill not done) beyond this prompt's overlap. Dynamo counts
+/// such blocks at 1 (`prefill_load_scale`); on the tuning trace (BENCHMARKS.md
+/// §2) 1 scatters bursts that share a prefix while their first prefill runs,
+/// and 0.05 keeps the hit rate while the TTFT tail drops.
+pub const PENDING_PREFILL_WEIGHT: f64 = 0.05;
+
 /// KV-cache usage from which a worker counts as saturated (the Inference
 /// Extension's saturation detector default, `kvCacheUtilThreshold` 0.8).
 pub const SATURATION_KV_USAGE: f64 = 0.8;
@@ -90,6 +100,12 @@ impl Scheduler {
     /// candidate must still prefill, to candidate `c`, term by term, at `now`
     /// coded by [`Epoch::process`](crate::time::Epoch::process).
     ///
+    /// The request's prefill waits behind the uncached blocks of the requests
+    /// kvpick routed there whose prefill is not done ([`Scheduler::prefill_done`]):
+    /// a prefill in progress, which no scraped queue shows. Those beyond this
+    /// prompt's overlap count: a pending prefill of the shared prefix ends as
+    /// this request's hits there.
+    ///
     /// Sticky until saturated: a candidate whose fresh scrape shows KV room
     /// (usage under [`SATURATION_KV_USAGE`]) adds no decode cost for its running
     /// requests (they delay a new one only by holding KV; what it waits behind
@@ -98,7 +114,7 @@ impl Scheduler {
     /// Queued requests count at the blocks they have left to prefill (the mean
     /// uncached blocks of the requests kvpick has in flight there), the work
     /// this request waits behind.
-    #[inline]
+    #[inline(always)]
     pub(super) fn cost_terms(
         &self,
         c: &Cand<'_>,
@@ -110,6 +126,9 @@ impl Scheduler {
         let w = &self.config.weights;
         let size = size as f64;
         let load = c.ep.active_load(c.rank);
+        // Pending prefills beyond this prompt's overlap there: a prefill in
+        // progress of the shared prefix ends as a hit for this request.
+        let pending = (load.uncached as f64 - (size - new_blocks as f64)).max(0.0);
         let active = load.blocks as f64;
         let mut decode = active;
         let mut queue = 0.0;
@@ -147,7 +166,7 @@ impl Scheduler {
         // counts as a request of this size still running there.
         decode += f64::from(c.ep.health().failures()) * size;
         CostTerms {
-            prefill: w_prefill * new_blocks as f64,
+            prefill: w_prefill * (new_blocks as f64 + PENDING_PREFILL_WEIGHT * pending),
             decode: w.decode * decode,
             queue: w.queue * queue,
             kv_usage: w.kv_usage * kv,

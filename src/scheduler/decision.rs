@@ -1,5 +1,6 @@
 //! What a pick returns: the decision, its targets, and why a pick can fail.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::endpoints::{ActiveLoad, EndpointState, InFlightGuard, WorkerKey};
@@ -76,11 +77,31 @@ pub struct Decision {
     /// Blocks this request adds to its targets' active load until it finishes.
     pub load_blocks: u64,
     /// Of `load_blocks`, those the decode target had left to prefill (not
-    /// cached there when routed): its queued work while it waits.
+    /// cached there when routed): its pending work until its prefill is done.
     pub uncached_blocks: u64,
     /// Expected output blocks (`agent_hints.osl` or the default) added to the
     /// decode rank's load on top of `load_blocks`.
     pub decode_blocks: u64,
+    /// Set once the booked uncached blocks are released (at
+    /// [`Scheduler::prefill_done`](super::Scheduler::prefill_done) or at the end).
+    pub(super) prefilled: Prefilled,
+}
+
+/// Whether a decision's uncached blocks were released; a clone copies the state.
+#[derive(Debug, Default)]
+pub(super) struct Prefilled(AtomicBool);
+
+impl Prefilled {
+    /// Marks the prefill over; true the first time only.
+    pub(super) fn mark(&self) -> bool {
+        !self.0.swap(true, Ordering::Relaxed)
+    }
+}
+
+impl Clone for Prefilled {
+    fn clone(&self) -> Self {
+        Prefilled(AtomicBool::new(self.0.load(Ordering::Relaxed)))
+    }
 }
 
 impl Decision {

@@ -130,7 +130,7 @@ impl Scheduler {
             .iter()
             .map(|(c, address, filtered, _)| {
                 let prefill = !c.ep.endpoint.role.serves_decode();
-                let overlap = overlaps.as_ref().map_or(0, |o| o.get(c.key));
+                let overlap = overlaps.as_ref().map_or(0, |o| o.get(c));
                 let weight = if prefill {
                     w.prefill_overlap
                 } else {

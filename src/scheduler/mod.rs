@@ -16,7 +16,8 @@
 //!    with a random tie-break, or softmax sampling with a temperature.
 //!
 //! The chosen ranks then get the request's blocks in the index (approximate mode)
-//! and its size added to their active load until [`Scheduler::finish`].
+//! and its size added to their active load until [`Scheduler::finish`] (the
+//! part left to prefill until [`Scheduler::prefill_done`]).
 
 mod cost;
 mod decision;
@@ -43,7 +44,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::endpoints::{Snapshot, WorkerKey};
+use crate::endpoints::{ActiveLoad, Snapshot, WorkerKey};
 use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
 use crate::kv::index::{IndexConfig, PrefixIndex};
@@ -266,13 +267,32 @@ impl Scheduler {
         }
     }
 
+    /// The request's prefill is over (its first token is out): the blocks it
+    /// booked to prefill ([`ActiveLoad::uncached`]) stop counting on its ranks,
+    /// the rest stays booked until it finishes. Only the first call releases.
+    pub fn prefill_done(&self, decision: &Decision) {
+        if decision.prefilled.mark() {
+            self.release(decision, |l| ActiveLoad { blocks: 0, ..l });
+        }
+    }
+
     /// Withdraws a decision that was replaced before its request went out: its
-    /// booked load is released; its session turn is neither settled nor bound.
+    /// booked load is released (the uncached part unless [`Self::prefill_done`]
+    /// already did); its session turn is neither settled nor bound.
     pub fn cancel(&self, decision: &Decision) {
+        let pending = decision.prefilled.mark();
+        self.release(decision, |l| ActiveLoad {
+            uncached: if pending { l.uncached } else { 0 },
+            ..l
+        });
+    }
+
+    /// Releases `part` of the load the decision booked on each of its ranks.
+    fn release(&self, decision: &Decision, part: impl Fn(ActiveLoad) -> ActiveLoad) {
         let d = &decision.decode;
-        d.endpoint.release(d.rank, decision.decode_load());
+        d.endpoint.release(d.rank, part(decision.decode_load()));
         if let Some(p) = &decision.prefill {
-            p.endpoint.release(p.rank, decision.prefill_load());
+            p.endpoint.release(p.rank, part(decision.prefill_load()));
         }
     }
 

@@ -14,6 +14,7 @@
 
 use std::time::Instant;
 
+use super::cost::Cand;
 use super::Scheduler;
 use crate::endpoints::WorkerKey;
 use crate::kv::index::Overlaps;
@@ -26,12 +27,16 @@ pub(super) struct PromptOverlaps {
 }
 
 impl PromptOverlaps {
-    /// Leading prompt blocks `worker` holds or is provisionally credited with.
-    pub(super) fn get(&self, worker: WorkerKey) -> usize {
-        let held = self.index.get(worker);
+    /// Leading prompt blocks candidate `c` holds or is provisionally credited
+    /// with (the index found through the slot hint `c`'s endpoint keeps).
+    pub(super) fn get(&self, c: &Cand<'_>) -> usize {
+        let held = match c.ep.index_slot(c.rank) {
+            Some(hint) => self.index.get_hinted(c.key, hint),
+            None => self.index.get(c.key),
+        };
         self.provisional
             .as_ref()
-            .map_or(held, |p| held.max(p.get(worker)))
+            .map_or(held, |p| held.max(p.get(c.key)))
     }
 }
 

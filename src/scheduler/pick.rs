@@ -49,7 +49,7 @@ impl Scheduler {
             let outside_subset = |k: WorkerKey| {
                 req.subset.is_some()
                     && snapshot.endpoints.iter().any(|e| {
-                        e.endpoint.role.serves_decode()
+                        e.serves_decode()
                             && e.endpoint.instance_id == k.instance_id
                             && k.dp_rank < e.ranks()
                             && e.health().available_at(tick)
@@ -86,7 +86,7 @@ impl Scheduler {
             let _t = self.stats.time(Stage::Lookup);
             self.overlaps(hashes, now)
         };
-        let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c.key));
+        let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c));
 
         let (di, overlap, pi) = {
             let _t = self.stats.time(Stage::Score);
@@ -142,6 +142,7 @@ impl Scheduler {
             load_blocks,
             uncached_blocks,
             decode_blocks,
+            prefilled: Default::default(),
         };
         // Booked from the decision, so `cancel`/`finish` release exactly this.
         self.record(&decode[di], hashes, decision.decode_load(), now);
@@ -293,7 +294,7 @@ fn push_ranks<'s>(
     prefill: &mut Vec<Cand<'s>>,
     ep: &'s Arc<EndpointState>,
 ) {
-    let to = match ep.endpoint.role.serves_decode() {
+    let to = match ep.serves_decode() {
         true => decode,
         false => prefill,
     };
@@ -325,7 +326,7 @@ pub(super) fn excluded(
 ) -> Option<FilteredOut> {
     if subset.is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err()) {
         Some(FilteredOut::NotInSubset)
-    } else if !ep.endpoint.role.serves_decode() && req.body.is_none() {
+    } else if !ep.serves_decode() && req.body.is_none() {
         Some(FilteredOut::NoBody)
     } else {
         None

@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::cost::pick_index;
+use super::cost::{pick_index, Cand};
 use super::*;
 use crate::endpoints::ActiveLoad;
 use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
@@ -189,11 +189,13 @@ fn a_holder_with_kv_room_keeps_its_prefix_until_its_kv_fills() {
             assert_eq!(d.decode.key(), held[0].decode.key(), "pick {i}");
             assert_eq!(d.overlap_blocks, 100);
         }
+        // Running: its prefill is over.
+        s.prefill_done(&d);
         held.push(d);
     }
     // A queue alone leaves the holder sticky while its KV has room: the one
-    // queued request counts at its uncached size (a quarter of the prompt, the
-    // mean of what the holder was sent), not the running requests' 400 blocks.
+    // queued request counts at the blocks left to prefill there (none: all four
+    // are past their prefill), not the running requests' 400 blocks.
     let _in_flight: Vec<_> = held.iter().map(Decision::begin).collect();
     let holder = held[0].decode.key();
     let scrape_holder = |queue: f64, kv: f64| {
@@ -220,8 +222,15 @@ fn queued_requests_count_at_their_uncached_size() {
     let (s, t, now) = load_weighted(0.0, 1.0);
     let snap = t.snapshot();
     let long = prompt(&"x".repeat(64 * 100));
-    let held: Vec<Decision> = (0..4)
-        .map(|_| s.pick_at(&with_body(&long), &snap, now).unwrap())
+    let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    // Sent after the first (same worker) before its prefill is done.
+    let only = [first.decode.endpoint.endpoint.address_string()];
+    let there = PickRequest {
+        subset: Some(&only),
+        ..with_body(&long)
+    };
+    let held: Vec<Decision> = std::iter::once(first)
+        .chain((1..4).map(|_| s.pick_at(&there, &snap, now).unwrap()))
         .collect();
     let _in_flight: Vec<_> = held.iter().map(Decision::begin).collect();
     let holder = held[0].decode.key();
@@ -231,7 +240,7 @@ fn queued_requests_count_at_their_uncached_size() {
         [100, 0, 0, 0]
     );
     // Two of the holder's four wait, but they are cached there: 2 × 25 blocks of
-    // prefill ahead, not 2 × 100. The other worker waits behind one request it
+    // prefill ahead (and the first's 100 pending), not 2 × 100. The other worker waits behind one request it
     // knows nothing of (counted at this request's size) and must prefill all 100.
     for e in snap.endpoints.iter() {
         match e.key(0) == holder {
@@ -249,6 +258,74 @@ fn queued_requests_count_at_their_uncached_size() {
         uncached: 0,
     };
     assert_eq!(d.decode.endpoint.active_load(d.decode.rank), left);
+}
+
+#[test]
+fn prefill_done_releases_the_booked_uncached_blocks_once() {
+    let s = Scheduler::default();
+    let t = table(&[
+        ("10.0.0.1:80", 1, Role::Prefill),
+        ("10.0.1.1:80", 1, Role::Decode),
+    ]);
+    let snap = t.snapshot();
+    let (a, b) = (prompt(&"a".repeat(64 * 100)), prompt(&"b".repeat(64 * 60)));
+    let first = s.pick(&with_body(&a), &snap).unwrap();
+    let second = s.pick(&with_body(&b), &snap).unwrap();
+    let (d, p) = (&first.decode, first.prefill.as_ref().unwrap());
+    let load = |t: &Target| t.endpoint.active_load(t.rank);
+    let both = |x: fn(&Decision) -> ActiveLoad| ActiveLoad {
+        blocks: x(&first).blocks + x(&second).blocks,
+        uncached: x(&first).uncached + x(&second).uncached,
+    };
+    assert_eq!((first.uncached_blocks, second.uncached_blocks), (100, 60));
+    assert_eq!(load(d), both(Decision::decode_load));
+    assert_eq!(load(p).uncached, 160);
+    // The first's prefill is over: its uncached blocks go, once, on both ranks;
+    // the second's stay, and so does the first's booked prompt and output.
+    for _ in 0..2 {
+        s.prefill_done(&first);
+        assert_eq!(load(d).uncached, 60);
+        assert_eq!(load(p).uncached, 60);
+        assert_eq!(load(d).blocks, both(Decision::decode_load).blocks);
+    }
+    // Finishing it releases the rest without taking the second's uncached part.
+    s.finish(&first, Some(200));
+    assert_eq!(load(d), second.decode_load());
+    assert_eq!(load(p), second.prefill_load());
+    // A decision withdrawn before its prefill releases all it booked.
+    s.cancel(&second);
+    assert_eq!(load(d), ActiveLoad::default());
+    assert_eq!(load(p), ActiveLoad::default());
+}
+
+#[test]
+fn a_worker_with_a_prefill_pending_costs_its_blocks_until_prefill_done() {
+    let s = Scheduler::default();
+    let t = both(2);
+    let snap = t.snapshot();
+    let long = prompt(&"x".repeat(64 * 110));
+    // 100 blocks: the long prompt's first `n`, then 100 - n of its own.
+    let shares = |n: usize, c: &str| prompt(&("x".repeat(64 * n) + &c.repeat(64 * (100 - n))));
+    let first = s.pick(&with_body(&long), &snap).unwrap();
+    let holder = first.decode.key();
+    // The holder costs the blocks to prefill, 11 of active load (no scrape) and
+    // 0.05 per block of the first's 110 pending beyond the shared prefix (that
+    // part becomes hits there). Sharing 16: 84 + 11 + 4.7 = 99.7, under the
+    // idle worker's 100 (all 110 pending would make it 100.5).
+    let d = s.pick(&with_body(&shares(16, "w")), &snap).unwrap();
+    assert_eq!(d.decode.key(), holder, "shared prefix pending");
+    s.cancel(&d);
+    // Sharing 15: 85 + 11 + 4.75 = 100.75, more than the idle worker's 100.
+    let d = s.pick(&with_body(&shares(15, "y")), &snap).unwrap();
+    assert_ne!(d.decode.key(), holder, "prefill pending");
+    s.cancel(&d);
+    // Its prefill done, the holder's 72 + 11 win over the other's 85 (it now
+    // holds the first 15); with the first's blocks still pending (+4.1) the
+    // holder would cost 87.1.
+    s.prefill_done(&first);
+    let d = s.pick(&with_body(&shares(28, "z")), &snap).unwrap();
+    assert_eq!(d.decode.key(), holder, "prefill done");
+    assert_eq!(d.overlap_blocks, 28);
 }
 
 #[test]
@@ -834,7 +911,12 @@ fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
     let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
     s.finish_at(&first, Some(200), now);
     let worker = first.decode.key();
-    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(worker));
+    let cand = Cand {
+        ep: &first.decode.endpoint,
+        rank: first.decode.rank,
+        key: worker,
+    };
+    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(&cand));
     assert_eq!(overlap(now), 10);
     // Events about the last four blocks: the first six stay provisional.
     s.settle_provisional(worker, &hashes[6..]);

@@ -861,6 +861,13 @@ impl RoutingPolicy for Kvpick {
         w
     }
 
+    /// In-band like Envoy's first response body chunk: no KV-event delay.
+    fn prefill_done(&mut self, id: usize, _: u64) {
+        if let Some(routed) = self.routed.get(&id) {
+            self.scheduler.prefill_done(&routed.decision);
+        }
+    }
+
     fn finished(&mut self, id: usize, now_us: u64) {
         if let Some(routed) = self.routed.remove(&id) {
             self.scheduler
@@ -884,8 +891,9 @@ impl RoutingPolicy for Kvpick {
                     .map(|(e, h)| (*e, *h))
                     .collect();
                 if !pairs.is_empty() {
+                    let parent = from.checked_sub(1).map(|p| request.hash_ids[p]);
                     self.scheduler
-                        .store_engine_blocks(key, &pairs, self.at(now_us));
+                        .store_engine_chain(key, parent, &pairs, self.at(now_us));
                 }
             }
             KvEvent::Removed(ids) => self.scheduler.remove_engine_blocks(key, ids),

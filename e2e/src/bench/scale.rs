@@ -2,7 +2,7 @@
 //!
 //! Builds an endpoint table of `endpoints` workers and fills the index with
 //! `blocks_per_endpoint` blocks per worker through the KV-event path
-//! ([`PrefixIndex::store_engine_blocks`], 32 blocks an event, every worker
+//! ([`PrefixIndex::store_engine_chain`], 32 blocks an event, every worker
 //! precise), shaped like a real pool: a 32-block shared system prompt held by
 //! every worker, then per-group conversation chains held by pairs of workers.
 //! Then measures:
@@ -198,13 +198,15 @@ pub fn run(cfg: &ScaleConfig) -> ScaleReport {
         };
         let blocks: Vec<u64> = shared.iter().chain(chain.iter()).copied().collect();
         for k in keys.iter().skip(group * REPLICAS).take(REPLICAS) {
+            let mut parent = None;
             for event in blocks.chunks(EVENT_BLOCKS) {
                 // Engine hashes differ per worker, as in a real fleet.
                 let pairs: Vec<(u64, u64)> = event
                     .iter()
                     .map(|h| (h ^ k.instance_id.rotate_left(17), *h))
                     .collect();
-                index.store_engine_blocks(*k, &pairs, now);
+                index.store_engine_chain(*k, parent, &pairs, now);
+                parent = pairs.last().map(|(e, _)| *e);
                 ingested += pairs.len();
             }
         }
