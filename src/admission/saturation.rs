@@ -73,12 +73,7 @@ pub fn measure(
     now: Instant,
     pending: usize,
 ) -> Option<Saturation> {
-    let serving = || {
-        snapshot
-            .endpoints
-            .iter()
-            .filter(|e| e.endpoint.role.serves_decode())
-    };
+    let serving = || snapshot.endpoints.iter().filter(|e| e.serves_decode());
     let ranks: usize = serving().map(|e| e.ranks() as usize).sum();
     if ranks == 0 {
         return None;

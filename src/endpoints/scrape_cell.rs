@@ -65,17 +65,7 @@ impl ScrapeCell {
     /// ([`Epoch::NONE`] without a load).
     #[inline]
     pub(super) fn read(&self) -> (Scrape, i64) {
-        loop {
-            let before = self.seq.load(Ordering::Acquire);
-            if before & 1 == 0 {
-                let scrape = self.fields();
-                fence(Ordering::Acquire);
-                if self.seq.load(Ordering::Relaxed) == before {
-                    return scrape;
-                }
-            }
-            std::hint::spin_loop();
-        }
+        self.consistent(Self::fields)
     }
 
     /// What a pick reads: the last load's figures, its `at` coded by
@@ -83,20 +73,30 @@ impl ScrapeCell {
     /// decoded, no optional field read).
     #[inline]
     pub(super) fn read_figures(&self) -> (Option<LoadFigures>, i64, bool) {
+        self.consistent(|cell| {
+            let f = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
+            let at = cell.at.load(Ordering::Relaxed);
+            let figures = (at != Epoch::NONE).then(|| LoadFigures {
+                queue: f(&cell.queue),
+                running: f(&cell.running),
+                kv_usage: f(&cell.kv_usage),
+            });
+            let failing = cell.failed_at.load(Ordering::Relaxed) != Epoch::NONE;
+            (figures, at, failing)
+        })
+    }
+
+    /// `read` of the fields, retried until no write overlapped it (the
+    /// sequence was even before and unchanged after).
+    #[inline]
+    fn consistent<T>(&self, read: impl Fn(&Self) -> T) -> T {
         loop {
             let before = self.seq.load(Ordering::Acquire);
             if before & 1 == 0 {
-                let f = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
-                let at = self.at.load(Ordering::Relaxed);
-                let figures = (at != Epoch::NONE).then(|| LoadFigures {
-                    queue: f(&self.queue),
-                    running: f(&self.running),
-                    kv_usage: f(&self.kv_usage),
-                });
-                let failing = self.failed_at.load(Ordering::Relaxed) != Epoch::NONE;
+                let value = read(self);
                 fence(Ordering::Acquire);
                 if self.seq.load(Ordering::Relaxed) == before {
-                    return (figures, at, failing);
+                    return value;
                 }
             }
             std::hint::spin_loop();

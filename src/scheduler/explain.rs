@@ -129,7 +129,7 @@ impl Scheduler {
         let mut candidates: Vec<CandidateScore> = all
             .iter()
             .map(|(c, address, filtered, _)| {
-                let prefill = !c.ep.endpoint.role.serves_decode();
+                let prefill = !c.ep.serves_decode();
                 let overlap = overlaps.as_ref().map_or(0, |o| o.get(c));
                 let weight = if prefill {
                     w.prefill_overlap
