@@ -457,12 +457,6 @@ impl PrefixIndex {
         }
     }
 
-    /// Precise mode: `worker` stored these blocks (engine hash, kvpick hash), a
-    /// chain from its first block ([`PrefixIndex::store_engine_chain`] without a parent).
-    pub fn store_engine_blocks(&self, worker: WorkerKey, blocks: &[(u64, u64)], now: Instant) {
-        self.store_engine_chain(worker, None, blocks, now);
-    }
-
     /// Precise mode: `worker` stored these blocks (engine hash, kvpick hash), in
     /// chain order, following the block it holds under engine hash `parent`
     /// (`None`: from the chain's first block). With chained hashes a store whose
@@ -1676,7 +1670,7 @@ mod tests {
             idx.is_empty(),
             "decisions do not insert for precise workers"
         );
-        idx.store_engine_blocks(wk(1), &[(100, 1), (200, 2)], t);
+        idx.store_engine_chain(wk(1), None, &[(100, 1), (200, 2)], t);
         // Precise entries do not expire.
         let much_later = t + Duration::from_secs(1000);
         assert_eq!(idx.lookup(&[1, 2], &[wk(1)], much_later), vec![2]);
@@ -1692,8 +1686,8 @@ mod tests {
     fn forget_drops_approximate_entries_only() {
         let (idx, t) = index(100, None);
         idx.insert(wk(1), &[1, 2, 3], t);
-        idx.store_engine_blocks(wk(1), &[(20, 2)], t);
-        idx.store_engine_blocks(wk(2), &[(10, 1), (20, 2)], t);
+        idx.store_engine_chain(wk(1), None, &[(20, 2)], t);
+        idx.store_engine_chain(wk(2), None, &[(10, 1), (20, 2)], t);
         idx.set_precise(wk(2), true);
         idx.forget(wk(1), &[2, 3, 4]);
         idx.forget(wk(2), &[1, 2]);
@@ -1742,8 +1736,8 @@ mod tests {
             instance_id: 7,
             dp_rank: 1,
         };
-        idx.store_engine_blocks(r0, &[(1, 10), (2, 20)], t);
-        idx.store_engine_blocks(r1, &[(1, 10)], t);
+        idx.store_engine_chain(r0, None, &[(1, 10), (2, 20)], t);
+        idx.store_engine_chain(r1, None, &[(1, 10)], t);
         assert_eq!(idx.lookup(&[10, 20], &[r0, r1], t), vec![2, 1]);
         idx.clear_worker(r0);
         assert_eq!(idx.lookup(&[10, 20], &[r0, r1], t), vec![0, 1]);
@@ -1755,7 +1749,7 @@ mod tests {
         let prefix: Vec<u64> = (100..228).collect();
         for w in 0..100 {
             let blocks: Vec<(u64, u64)> = prefix.iter().map(|h| (*h, *h)).collect();
-            idx.store_engine_blocks(wk(w), &blocks, t);
+            idx.store_engine_chain(wk(w), None, &blocks, t);
         }
         assert_eq!(
             idx.runs(),
@@ -1785,7 +1779,7 @@ mod tests {
         for e in 0..50u64 {
             let blocks: Vec<(u64, u64)> =
                 (0..100).map(|i| (e * 100 + i, mix(e * 100 + i))).collect();
-            idx.store_engine_blocks(w, &blocks, t);
+            idx.store_engine_chain(w, None, &blocks, t);
         }
         assert_eq!(idx.precise_len(w), 1_000);
         assert_eq!(idx.len(), 1_000);
@@ -1793,7 +1787,7 @@ mod tests {
         // Evictions make room again.
         let evicted: Vec<u64> = (0..100).collect();
         idx.remove_engine_blocks(w, &evicted);
-        idx.store_engine_blocks(w, &[(9_999_999, 42)], t);
+        idx.store_engine_chain(w, None, &[(9_999_999, 42)], t);
         assert_eq!(idx.precise_len(w), 901);
     }
 
@@ -1896,7 +1890,7 @@ mod tests {
                 }
             }
             Op::Store(w, bs) => {
-                idx.store_engine_blocks(wk(w), &bs, at);
+                idx.store_engine_chain(wk(w), None, &bs, at);
                 let m = model.entry(w).or_default();
                 for (e, h) in bs {
                     m.engine.insert(e, h);
@@ -2143,7 +2137,7 @@ mod tests {
         for w in 0..3u64 {
             idx.set_precise(wk(w), true);
             let blocks: Vec<(u64, u64)> = chain[..25].iter().map(|h| (*h, *h)).collect();
-            idx.store_engine_blocks(wk(w), &blocks, Instant::now());
+            idx.store_engine_chain(wk(w), None, &blocks, Instant::now());
         }
         let writers: Vec<_> = (0..3u64)
             .map(|w| {
@@ -2153,7 +2147,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for (n, keep) in steps {
                         let blocks: Vec<(u64, u64)> = chain[..n].iter().map(|h| (*h, *h)).collect();
-                        idx.store_engine_blocks(wk(w), &blocks, Instant::now());
+                        idx.store_engine_chain(wk(w), None, &blocks, Instant::now());
                         let evict: Vec<u64> = chain[keep..n].iter().rev().copied().collect();
                         idx.remove_engine_blocks(wk(w), &evict);
                     }
