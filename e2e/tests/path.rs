@@ -551,7 +551,11 @@ fn round_robin_hit_rate(turns: &[(Vec<u32>, Vec<u32>)], workers: usize) -> f64 {
 
 /// Sequential requests, so only prefix affinity (not load) decides. Measured: the
 /// fewest-in-flight picker got about 0.5 against 0.445 for the round-robin
-/// replay; the prefix-aware scheduler 0.85.
+/// replay; the prefix-aware scheduler 0.85. Every turn of every session sharing a
+/// system prompt lands where that prompt's first turn did. Where the four first
+/// turns land is not asserted: this stack scrapes no load, so workers holding
+/// none of a prompt tie and the tie-break is random (all four on one worker is a
+/// 1-in-64 draw).
 #[tokio::test]
 async fn repeated_prefixes_hit_the_workers_caches() {
     let s = stack(StackOptions::default()).await;
@@ -565,6 +569,9 @@ async fn repeated_prefixes_hit_the_workers_caches() {
         ..Workload::default()
     };
     let mut prompts = Vec::new();
+    let served =
+        |s: &Stack| -> Vec<u64> { s.workers.iter().map(|w| w.counters().requests).collect() };
+    let mut holder: HashMap<usize, usize> = HashMap::new();
     for session in 0..w.sessions {
         let mut messages = vec![
             json!({"role": "system", "content": system_prompt(session % w.system_prompts, w.system_words)}),
@@ -572,6 +579,7 @@ async fn repeated_prefixes_hit_the_workers_caches() {
         for turn in 0..w.turns {
             messages.push(json!({"role": "user", "content": format!("s{session} t{turn}: go on")}));
             let prompt = chat_prompt_tokens(&messages);
+            let before = served(&s);
             let r = c
                 .post_json(
                     "/v1/chat/completions",
@@ -581,6 +589,13 @@ async fn repeated_prefixes_hit_the_workers_caches() {
                 .await
                 .unwrap();
             assert_eq!(r.status, 200);
+            let after = served(&s);
+            let at = (0..after.len()).find(|&i| after[i] > before[i]).unwrap();
+            let first = *holder.entry(session % w.system_prompts).or_insert(at);
+            assert_eq!(
+                at, first,
+                "session {session} turn {turn} left the worker holding its system prompt"
+            );
             prompts.push((prompt, e2e::tokenizer::encode(&r.chat_text())));
             messages.push(json!({"role": "assistant", "content": r.chat_text()}));
         }
@@ -601,13 +616,6 @@ async fn repeated_prefixes_hit_the_workers_caches() {
     assert!(
         measured > baseline + 0.1,
         "kvpick's hit rate {measured:.3} is not clearly above round-robin's {baseline:.3}"
-    );
-    let used: HashSet<usize> = (0..4)
-        .filter(|&i| s.workers[i].counters().requests > 0)
-        .collect();
-    assert!(
-        used.len() >= 2,
-        "two system prompts should use at least two workers"
     );
     assert_eq!(assert_routed_to_self(&s), prompts.len());
 }
