@@ -14,12 +14,15 @@
 //! moves has its list neighbours repointed. Growing rebuilds the table by walking
 //! the list. Hash 0 marks an empty slot; its entry is kept aside ([`ZERO`]).
 
-use crate::kv::table::{grown_slots, placement_secret};
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
 
 /// No entry.
 const NIL: u32 = u32::MAX;
 /// The entry of hash 0, kept beside the table (0 marks an empty slot).
 const ZERO: u32 = u32::MAX - 1;
+/// Slots of the first allocation.
+const MIN_SLOTS: usize = 16;
 
 /// A table slot: an entry when `hash != 0`.
 #[derive(Debug, Clone, Copy, Default)]
@@ -49,12 +52,15 @@ pub struct Lru {
 
 impl Default for Lru {
     fn default() -> Self {
-        let (mul, mask) = placement_secret();
+        let mut h = RandomState::new().build_hasher();
+        h.write_u64(0x6b76_6c72_75);
+        let mul = h.finish() | 1;
+        h.write_u64(mul);
         Lru {
             slots: Vec::new(),
             shift: 64,
             mul,
-            mask,
+            mask: h.finish(),
             len: 0,
             zero: Entry::default(),
             zero_held: false,
@@ -216,9 +222,14 @@ impl Lru {
     /// Makes room for one more entry (at most 3/4 of the slots used), rebuilding
     /// the table in list order when it grows.
     fn reserve_one(&mut self) {
-        let Some(n) = grown_slots(self.slots.len(), self.len + 1) else {
+        let need = self.len + 1;
+        if need * 4 <= self.slots.len() * 3 {
             return;
-        };
+        }
+        let mut n = self.slots.len().max(MIN_SLOTS);
+        while need * 4 > n * 3 {
+            n *= 2;
+        }
         let old = std::mem::replace(&mut self.slots, vec![Entry::default(); n]);
         self.shift = 64 - n.trailing_zeros();
         let mut at = std::mem::replace(&mut self.head, NIL);
@@ -270,24 +281,25 @@ impl Lru {
     /// Points the list neighbours of the entry at `i` (just moved there) at it.
     fn relink(&mut self, i: u32) {
         let Entry { prev, next, .. } = *self.at(i);
-        self.link_around(prev, next, i, i);
+        match prev {
+            NIL => self.head = i,
+            p => self.at_mut(p).next = i,
+        }
+        match next {
+            NIL => self.tail = i,
+            n => self.at_mut(n).prev = i,
+        }
     }
 
     fn unlink(&mut self, i: u32) {
         let Entry { prev, next, .. } = *self.at(i);
-        self.link_around(prev, next, next, prev);
-    }
-
-    /// Sets the next link of `prev` (the head when `NIL`) to `after_prev` and the
-    /// previous link of `next` (the tail when `NIL`) to `before_next`.
-    fn link_around(&mut self, prev: u32, next: u32, after_prev: u32, before_next: u32) {
         match prev {
-            NIL => self.head = after_prev,
-            p => self.at_mut(p).next = after_prev,
+            NIL => self.head = next,
+            p => self.at_mut(p).next = next,
         }
         match next {
-            NIL => self.tail = before_next,
-            n => self.at_mut(n).prev = before_next,
+            NIL => self.tail = prev,
+            n => self.at_mut(n).prev = prev,
         }
     }
 
