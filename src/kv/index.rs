@@ -2216,6 +2216,134 @@ mod tests {
         }
     }
 
+    /// Two writer threads, as two event subscribers: each stores and evicts
+    /// segments of the shared chains (with their parents) for workers of its own
+    /// and for one worker both write (under engine hashes of their own), while a
+    /// reader looks up. Every worker keeps a pinned prefix throughout, so each
+    /// lookup must count it; at the end the index must equal the two writers'
+    /// steps replayed on the naive model, so an update either writer lost shows.
+    #[test]
+    fn two_writers_agree_with_a_sequential_replay() {
+        const SHARED: u64 = 4;
+        const PINNED: u64 = 5;
+        let idx = Arc::new(PrefixIndex::new(IndexConfig::default()));
+        // Thread `t`'s engine hash for `block` on worker `w`.
+        let engine = |t: u64, w: u64, block: u64| engine_of(w, block) ^ (t + 1) << 50;
+        let pinned: Vec<u64> = (0..PINNED).map(|i| block(0, i)).collect();
+        let mut model: HashMap<u64, Model> = HashMap::new();
+        for w in 0..=SHARED {
+            idx.set_precise(wk(w), true);
+            let blocks: Vec<(u64, u64)> = pinned.iter().map(|h| (*h ^ 0xfff << 40, *h)).collect();
+            idx.store_engine_chain(wk(w), None, &blocks, Instant::now());
+            model.entry(w).or_default().engine.extend(blocks);
+        }
+        // Thread `t`'s steps: (worker, chain, from, len, store).
+        let steps = |t: u64| -> Vec<(u64, u64, u64, u64, bool)> {
+            let mut z = 0x9e37_79b9 ^ t;
+            (0..3_000)
+                .map(|_| {
+                    z = mix(z);
+                    let w = if z % 3 == 0 { SHARED } else { t + 2 * (z >> 8 & 1) };
+                    let (c, from) = ((z >> 16) % CHAINS, (z >> 24) % CHAIN_LEN);
+                    (w, c, from, 1 + (z >> 40) % 40, z >> 60 != 0)
+                })
+                .collect()
+        };
+        let writers: Vec<_> = (0..2u64)
+            .map(|t| {
+                let idx = Arc::clone(&idx);
+                std::thread::spawn(move || {
+                    for (w, c, from, len, store) in steps(t) {
+                        let blocks: Vec<u64> =
+                            (from..(from + len).min(CHAIN_LEN)).map(|i| block(c, i)).collect();
+                        if store {
+                            let parent = from.checked_sub(1).map(|p| engine(t, w, block(c, p)));
+                            let pairs: Vec<(u64, u64)> =
+                                blocks.iter().map(|h| (engine(t, w, *h), *h)).collect();
+                            idx.store_engine_chain(wk(w), parent, &pairs, Instant::now());
+                        } else {
+                            let gone: Vec<u64> = blocks.iter().map(|h| engine(t, w, *h)).collect();
+                            idx.remove_engine_blocks(wk(w), &gone);
+                        }
+                    }
+                })
+            })
+            .collect();
+        let reader = {
+            let idx = Arc::clone(&idx);
+            std::thread::spawn(move || {
+                let cands: Vec<WorkerKey> = (0..=SHARED).map(wk).collect();
+                let q: Vec<u64> = (0..CHAIN_LEN).map(|i| block(0, i)).collect();
+                for _ in 0..2_000 {
+                    for n in idx.lookup(&q, &cands, Instant::now()) {
+                        assert!(n >= PINNED as usize, "pinned prefix lost: {n}");
+                    }
+                }
+            })
+        };
+        // Holds the read lock for a while, again and again, so that both
+        // writers' calls are in flight at once (whatever the cores do): each
+        // waits for its write phase while the other plans or waits too.
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let staller = {
+            let (idx, done) = (Arc::clone(&idx), Arc::clone(&done));
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    let held = idx.inner.read();
+                    std::thread::sleep(Duration::from_micros(300));
+                    drop(held);
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            })
+        };
+        for w in writers {
+            w.join().expect("writer");
+        }
+        done.store(true, Ordering::Relaxed);
+        staller.join().expect("staller");
+        reader.join().expect("reader");
+        // Replay: each thread's engine hashes are its own, so the order between
+        // the two threads does not change the outcome.
+        for t in 0..2u64 {
+            for (w, c, from, len, store) in steps(t) {
+                let m = model.entry(w).or_default();
+                let range = from..(from + len).min(CHAIN_LEN);
+                if store {
+                    let parent = from.checked_sub(1).map(|p| engine(t, w, block(c, p)));
+                    if parent.is_none_or(|p| m.engine.contains_key(&p)) {
+                        for i in range {
+                            m.engine.insert(engine(t, w, block(c, i)), block(c, i));
+                        }
+                    }
+                } else {
+                    for i in range {
+                        m.engine.remove(&engine(t, w, block(c, i)));
+                    }
+                }
+            }
+        }
+        let cands: Vec<WorkerKey> = (0..=SHARED).map(wk).collect();
+        for c in 0..CHAINS {
+            let q: Vec<u64> = (0..CHAIN_LEN).map(|i| block(c, i)).collect();
+            let want: Vec<usize> = (0..=SHARED)
+                .map(|w| q.iter().take_while(|h| model[&w].holds(**h, 0)).count())
+                .collect();
+            assert_eq!(idx.lookup(&q, &cands, Instant::now()), want, "chain {c}");
+        }
+        for (w, m) in &model {
+            assert_eq!(idx.precise_len(wk(*w)), m.engine.len(), "worker {w}");
+            for (e, h) in &m.engine {
+                assert_eq!(idx.engine_block(wk(*w), *e), Some(*h));
+            }
+        }
+        assert_eq!(idx.len(), model_pairs(&model, 0));
+        for w in 0..=SHARED {
+            idx.clear_worker(wk(w));
+        }
+        assert!(idx.is_empty());
+        assert_eq!(idx.runs(), 0);
+    }
+
     /// Writers and readers at once: every worker keeps its first 25 blocks from
     /// the start, so every lookup must count at least 25 for each; the final state
     /// matches a sequential replay of each writer's steps.
