@@ -45,14 +45,18 @@
 //! A worker marked precise ([`PrefixIndex::set_precise`]) takes no approximate
 //! entries: its events are the truth.
 //!
-//! Concurrency: one reader-writer lock. Lookups share it; writers hold it for at
-//! most [`WRITE_CHUNK`] blocks at a time (large batches, worker clears and
-//! purges are cut into chunks), so a lookup waits behind ingest for at most one
-//! chunk, a few microseconds. Waiting lookups spin rather than sleep (waking a
-//! sleeper costs more than a chunk) and say so: a writer lets them in before
-//! taking the lock for its next chunk. A writer first loads the table slots its
-//! chunk will touch under the read lock, so the cache misses,
-//! most of a write's cost, are not taken while lookups wait.
+//! Concurrency: one reader-writer lock over the runs and the block table, and a
+//! lock per worker over its precise entries (engine hash → location), taken
+//! first. Lookups share the first; writers hold it for at most [`WRITE_CHUNK`]
+//! blocks at a time (large batches, worker clears and purges are cut into
+//! chunks), and take turns at a gate before it, so a lookup waits behind ingest
+//! for at most one chunk, a few microseconds. Waiting lookups spin rather than
+//! sleep (waking a sleeper costs more than a chunk) and say so: a writer lets
+//! them in before taking the lock for its next chunk. A precise store plans
+//! each chunk under the read lock (what each block is for its worker, with the
+//! cache misses that costs), changes the runs under the write lock, and
+//! records the new locations in its worker's map after letting it go: the event
+//! subscribers of different workers ingest in parallel but for the run changes.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
