@@ -606,8 +606,10 @@ impl PrefixIndex {
         }
     }
 
-    /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones are ignored.
-    pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
+    /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones
+    /// are ignored. Returns the kvpick hashes of the blocks it knew.
+    pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) -> Vec<u64> {
+        let mut known = Vec::new();
         self.with_engine(worker, false, |slot, e| {
             for chunk in engine_hashes.chunks(WRITE_CHUNK) {
                 e.map.prefetch(chunk);
@@ -621,8 +623,10 @@ impl PrefixIndex {
                     .filter_map(|l| g.hash_at(l).map(|h| (h, l)))
                     .collect();
                 g.release_precise(slot, &released, &self.entries);
+                known.extend(released.iter().map(|(h, _)| h));
             }
         });
+        known
     }
 
     /// Forgets everything `worker` holds (event gap, engine restart, reconnect,
