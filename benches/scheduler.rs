@@ -10,7 +10,8 @@
 //!   scored per second, its time per element the cost per endpoint; next to the
 //!   fewest-in-flight picker;
 //! - `hash/*` and `lookup/*`: the two prefix stages alone;
-//! - `index_insert`: approximate-mode insert throughput (blocks per second);
+//! - `index_insert`: approximate-mode insert throughput (blocks per second), of
+//!   prompts a worker holds already and of half-new prompts that make it evict;
 //! - memory per indexed block: printed before the benchmarks run, measured with a
 //!   counting allocator and compared with `PrefixIndex::memory_bytes`.
 //!
@@ -251,6 +252,32 @@ fn bench_insert(c: &mut Criterion) {
                 dp_rank: 0,
             };
             idx.insert(w, black_box(&chains[(n as usize * 7) % 64]), now);
+        })
+    });
+    // Churn, as the overhead bench's large chat bodies make it: each prompt is
+    // a worker's own 1,024 held blocks then 1,024 blocks it never saw, and the
+    // LRU bound (8,192 blocks) evicts as many old ones.
+    let churn = PrefixIndex::new(IndexConfig {
+        default_capacity: 8_192,
+        ttl: None,
+        ..IndexConfig::default()
+    });
+    let mut prompt: Vec<u64> = Vec::with_capacity(2048);
+    let mut n = 0u64;
+    g.bench_function("2048_blocks_half_new", |b| {
+        b.iter(|| {
+            n += 1;
+            let w = n % 64;
+            prompt.clear();
+            prompt.extend((0..2048u64).map(|i| {
+                let fresh = if i < 1024 { 0 } else { n };
+                (w << 48 | fresh << 12 | i).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            }));
+            let key = WorkerKey {
+                instance_id: w,
+                dp_rank: 0,
+            };
+            churn.insert(key, black_box(&prompt), now);
         })
     });
     g.finish();
