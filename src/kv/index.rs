@@ -589,7 +589,10 @@ impl PrefixIndex {
                         *w.extra.entry(hash).or_insert(0) += 1;
                     }
                 }
-                let here = plan.released_here.iter().map(|&j| (chunk[j].1, placed[j].0));
+                let here = plan
+                    .released_here
+                    .iter()
+                    .map(|&j| (chunk[j].1, placed[j].0));
                 plan.released.extend(here);
                 g.release_precise(slot, &plan.released, &self.entries);
             }
@@ -2251,7 +2254,11 @@ mod tests {
             (0..3_000)
                 .map(|_| {
                     z = mix(z);
-                    let w = if z % 3 == 0 { SHARED } else { t + 2 * (z >> 8 & 1) };
+                    let w = if z % 3 == 0 {
+                        SHARED
+                    } else {
+                        t + 2 * (z >> 8 & 1)
+                    };
                     let (c, from) = ((z >> 16) % CHAINS, (z >> 24) % CHAIN_LEN);
                     (w, c, from, 1 + (z >> 40) % 40, z >> 60 != 0)
                 })
@@ -2262,8 +2269,9 @@ mod tests {
                 let idx = Arc::clone(&idx);
                 std::thread::spawn(move || {
                     for (w, c, from, len, store) in steps(t) {
-                        let blocks: Vec<u64> =
-                            (from..(from + len).min(CHAIN_LEN)).map(|i| block(c, i)).collect();
+                        let blocks: Vec<u64> = (from..(from + len).min(CHAIN_LEN))
+                            .map(|i| block(c, i))
+                            .collect();
                         if store {
                             let parent = from.checked_sub(1).map(|p| engine(t, w, block(c, p)));
                             let pairs: Vec<(u64, u64)> =
