@@ -309,8 +309,9 @@ impl PrefixIndex {
     }
 
     /// The write lock, taken after the other writers' turns (the writer gate),
-    /// never while a lookup is spinning for the lock, and released fairly (a
-    /// lookup asleep on it goes before this writer's next chunk). A lookup that
+    /// never while a lookup is spinning for the lock, polled for without
+    /// sleeping, and released fairly (a lookup asleep on it goes before this
+    /// writer's next chunk). A lookup that
     /// does not take the lock within [`YIELD`] was descheduled while spinning:
     /// the writer goes on, and does not wait for that one again (waiting for it
     /// on every chunk burned the writer's CPU until it ran again).
@@ -330,8 +331,17 @@ impl PrefixIndex {
             }
             self.inner.try_write()
         });
+        // Never sleep on the lock either: a sleeping writer bars new readers, so
+        // a lookup would wait for whatever reader the writer waits for (the other
+        // writer's plan, descheduled) and then for this writer's chunk.
+        let guard = spun.unwrap_or_else(|| loop {
+            std::thread::yield_now();
+            if let Some(g) = self.inner.try_write() {
+                break g;
+            }
+        });
         FairWrite {
-            guard: Some(spun.unwrap_or_else(|| self.inner.write())),
+            guard: Some(guard),
             _gate: gate,
         }
     }
@@ -912,10 +922,10 @@ impl PrefixIndex {
     }
 }
 
-/// How long a writer spins for the lock before sleeping on it (a lookup, before
-/// yielding the core between polls): a
-/// writer holds it for one chunk and a lookup for one walk, microseconds both,
-/// while waking a sleeping thread costs tens of microseconds on a busy machine.
+/// How long a writer or a lookup spins for the lock before yielding the core
+/// between polls: a writer holds it for one chunk and a lookup or a plan for
+/// one walk, microseconds all, while a thread descheduled holding it is away
+/// for milliseconds.
 const SPIN: Duration = Duration::from_micros(50);
 
 /// How long a writer waits for a lookup spinning for the lock to take it: a
