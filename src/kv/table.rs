@@ -44,40 +44,21 @@ impl<V: Copy + Default> Default for BlockTable<V> {
 /// Slots of the first allocation.
 const MIN_SLOTS: usize = 16;
 
-/// A fresh per-table secret `(mul, mask)` placing key `k` at
-/// `((k ^ mask) * mul) >> shift` (`mul` odd).
-pub(crate) fn placement_secret() -> (u64, u64) {
-    let mut h = RandomState::new().build_hasher();
-    h.write_u64(0x6b76_7069_636b);
-    let a = h.finish();
-    h.write_u64(a);
-    (a | 1, h.finish())
-}
-
-/// The slot count a table of `slots` slots grows to so that `need` entries fill
-/// at most 3/4 of it; `None` when they already do.
-pub(crate) fn grown_slots(slots: usize, need: usize) -> Option<usize> {
-    if need * 4 <= slots * 3 {
-        return None;
-    }
-    let mut n = slots.max(MIN_SLOTS);
-    while need * 4 > n * 3 {
-        n *= 2;
-    }
-    Some(n)
-}
-
 impl<V: Copy + Default> BlockTable<V> {
     /// An empty table (allocates on first insert).
     pub fn new() -> Self {
-        let (mul, mask) = placement_secret();
+        let mut h = RandomState::new().build_hasher();
+        h.write_u64(0x6b76_7069_636b);
+        let a = h.finish();
+        h.write_u64(a);
+        let b = h.finish();
         BlockTable {
             slots: Vec::new(),
             shift: 64,
             len: 0,
             zero: None,
-            mul,
-            mask,
+            mul: a | 1,
+            mask: b,
         }
     }
 
@@ -124,9 +105,15 @@ impl<V: Copy + Default> BlockTable<V> {
 
     /// Makes room for `additional` more entries without growing in between.
     pub fn reserve(&mut self, additional: usize) {
-        let Some(n) = grown_slots(self.slots.len(), self.len + additional) else {
+        let need = self.len + additional;
+        // At most 3/4 full.
+        if need * 4 <= self.slots.len() * 3 {
             return;
-        };
+        }
+        let mut n = self.slots.len().max(MIN_SLOTS);
+        while need * 4 > n * 3 {
+            n *= 2;
+        }
         let old = std::mem::replace(&mut self.slots, vec![Slot::default(); n]);
         self.shift = 64 - n.trailing_zeros();
         for s in old.into_iter().filter(|s| s.key != 0) {
