@@ -686,31 +686,42 @@ fn run_cell(
         Impl::DynamoRadix => Box::new(Radix(std::cell::RefCell::new(RadixTree::new()))),
     };
     let fill_blocks: usize = workload.fill.iter().map(|s| s.blocks.len()).sum();
+    // CPU of the live threads (caller, an index's own threads) plus that of
+    // ingest threads that ended meanwhile, which `/proc/self/task` no longer lists.
     let cpu0 = process_cpu_ns();
     let t = Instant::now();
-    match subject.concurrent() {
+    let ended_cpu_ns: u64 = match subject.concurrent() {
         Some(sub) if subject.ingest_threads() > 1 => {
             let threads = subject.ingest_threads();
             std::thread::scope(|scope| {
-                for t in 0..threads {
-                    let fill = &workload.fill;
-                    scope.spawn(move || {
-                        for s in fill.iter().filter(|s| s.worker as usize % threads == t) {
-                            sub.store(s);
-                        }
-                    });
-                }
-            });
+                let ingest: Vec<_> = (0..threads)
+                    .map(|t| {
+                        let fill = &workload.fill;
+                        scope.spawn(move || {
+                            let cpu0 = SchedStat::now().cpu_ns;
+                            for s in fill.iter().filter(|s| s.worker as usize % threads == t) {
+                                sub.store(s);
+                            }
+                            SchedStat::now().cpu_ns.saturating_sub(cpu0)
+                        })
+                    })
+                    .collect();
+                ingest
+                    .into_iter()
+                    .map(|h| h.join().expect("ingest thread"))
+                    .sum()
+            })
         }
         _ => {
             for s in &workload.fill {
                 subject.store(s);
             }
+            0
         }
-    }
+    };
     subject.settle();
     let fill_s = t.elapsed().as_secs_f64();
-    let fill_cpu_s = process_cpu_ns().saturating_sub(cpu0) as f64 / 1e9;
+    let fill_cpu_s = (process_cpu_ns().saturating_sub(cpu0) + ended_cpu_ns) as f64 / 1e9;
     let rss_growth = rss_bytes().saturating_sub(rss0);
     let mut report = CellReport {
         index: which.name().into(),
@@ -737,70 +748,78 @@ fn run_cell(
         let cpu0 = process_cpu_ns();
         let origin = Instant::now();
         let trace = args.churn_trace;
-        let (elapsed, writes, (mut times, lookups, looker_cpu_ns)) = std::thread::scope(|scope| {
-            let looker = scope.spawn(|| {
-                let cpu0 = SchedStat::now().cpu_ns;
-                let every = Duration::from_micros(args.churn_lookup_every_us);
-                let start = Instant::now();
-                let mut times = Vec::new();
-                let mut spans = Vec::new();
-                let mut i = 0;
-                while !done.load(Ordering::Relaxed) {
-                    let q = &workload.churn_queries[i % workload.churn_queries.len()];
-                    if trace {
-                        let (took, span) = traced(origin, || subject.time_lookup(q));
-                        spans.push(Span { took, ..span });
-                        times.push(took);
-                    } else {
-                        times.push(subject.time_lookup(q));
-                    }
-                    i += 1;
-                    // Sleep until the next lookup is due (none when behind).
-                    let due = start + every * i as u32;
-                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                        std::thread::sleep(wait);
-                    }
-                }
-                (times, spans, SchedStat::now().cpu_ns.saturating_sub(cpu0))
-            });
-            let threads = subject.ingest_threads();
-            let t = Instant::now();
-            let writers: Vec<_> = (0..threads)
-                .map(|k| {
-                    let churn = &workload.churn;
-                    scope.spawn(move || {
-                        let mut writes = Vec::new();
-                        for s in churn.iter().filter(|s| s.worker as usize % threads == k) {
-                            if trace {
-                                writes.push(
-                                    traced(origin, || subject.remove(s.worker, &s.removed)).1,
-                                );
-                                writes.push(traced(origin, || subject.store(&s.stored)).1);
-                            } else {
-                                subject.remove(s.worker, &s.removed);
-                                subject.store(&s.stored);
-                            }
+        // The lookup thread and the ingest threads have ended when the CPU time is
+        // read: the live threads' time plus the ingest threads' own is the churn's.
+        let (elapsed, (writes, writers_cpu_ns), (mut times, lookups)) =
+            std::thread::scope(|scope| {
+                let looker = scope.spawn(|| {
+                    let every = Duration::from_micros(args.churn_lookup_every_us);
+                    let start = Instant::now();
+                    let mut times = Vec::new();
+                    let mut spans = Vec::new();
+                    let mut i = 0;
+                    while !done.load(Ordering::Relaxed) {
+                        let q = &workload.churn_queries[i % workload.churn_queries.len()];
+                        if trace {
+                            let (took, span) = traced(origin, || subject.time_lookup(q));
+                            spans.push(Span { took, ..span });
+                            times.push(took);
+                        } else {
+                            times.push(subject.time_lookup(q));
                         }
-                        writes
+                        i += 1;
+                        // Sleep until the next lookup is due (none when behind).
+                        let due = start + every * i as u32;
+                        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                            std::thread::sleep(wait);
+                        }
+                    }
+                    (times, spans)
+                });
+                let threads = subject.ingest_threads();
+                let t = Instant::now();
+                let writers: Vec<_> = (0..threads)
+                    .map(|k| {
+                        let churn = &workload.churn;
+                        scope.spawn(move || {
+                            let cpu0 = SchedStat::now().cpu_ns;
+                            let mut writes = Vec::new();
+                            for s in churn.iter().filter(|s| s.worker as usize % threads == k) {
+                                if trace {
+                                    writes.push(
+                                        traced(origin, || subject.remove(s.worker, &s.removed)).1,
+                                    );
+                                    writes.push(traced(origin, || subject.store(&s.stored)).1);
+                                } else {
+                                    subject.remove(s.worker, &s.removed);
+                                    subject.store(&s.stored);
+                                }
+                            }
+                            (writes, SchedStat::now().cpu_ns.saturating_sub(cpu0))
+                        })
                     })
-                })
-                .collect();
-            let mut writes: Vec<Span> = writers
-                .into_iter()
-                .flat_map(|w| w.join().expect("writer thread"))
-                .collect();
-            writes.sort_unstable_by_key(|w| w.from);
-            subject.settle();
-            let elapsed = t.elapsed();
-            done.store(true, Ordering::Relaxed);
-            (elapsed, writes, looker.join().expect("lookup thread"))
-        });
+                    .collect();
+                let mut writes: Vec<Span> = Vec::new();
+                let mut writers_cpu_ns = 0;
+                for w in writers {
+                    let (spans, cpu) = w.join().expect("writer thread");
+                    writes.extend(spans);
+                    writers_cpu_ns += cpu;
+                }
+                writes.sort_unstable_by_key(|w| w.from);
+                subject.settle();
+                let elapsed = t.elapsed();
+                done.store(true, Ordering::Relaxed);
+                (
+                    elapsed,
+                    (writes, writers_cpu_ns),
+                    looker.join().expect("lookup thread"),
+                )
+            });
         if trace {
             report.trace = trace_summary(&writes, &lookups);
         }
-        let churn_cpu_ns = process_cpu_ns()
-            .saturating_sub(cpu0)
-            .saturating_sub(looker_cpu_ns);
+        let churn_cpu_ns = process_cpu_ns().saturating_sub(cpu0) + writers_cpu_ns;
         report.churn_blocks_per_s = churned as f64 / elapsed.as_secs_f64();
         report.churn_blocks_per_cpu_s = per_cpu_s(churned, churn_cpu_ns as f64 / 1e9);
         report.churn_lookups = times.len();
