@@ -3,9 +3,13 @@
 //! Three indexes run the same workloads, each cell (index × workload × workers)
 //! in a child process of its own so that RSS growth is the index's alone:
 //! - `kvpick`: [`PrefixIndex`], every worker precise (fed by `store_engine_chain`
-//!   / `remove_engine_blocks`, engine hash = kvpick hash), looked up with
-//!   `PrefixIndex::overlaps` (every worker's overlap, like Dynamo's `find_matches`;
-//!   the answer is read per worker in O(log runs crossed), as the scheduler does);
+//!   / `remove_engine_blocks`, engine hash = kvpick hash) from 2 threads, each
+//!   applying the events of half the workers (`worker % 2`), as two of kvpick's
+//!   per-publisher subscriber tasks do, and as many threads as Dynamo's event
+//!   threads; looked up with `PrefixIndex::overlaps` (every worker's overlap,
+//!   like Dynamo's `find_matches`; the answer is read per worker in O(log runs
+//!   crossed), as the scheduler does);
+//! - `kvpick-1-thread`: the same, every event applied on one thread;
 //! - `kvpick-read-all`: the same, but each timed lookup also reads every worker's
 //!   overlap from the answer (what the scheduler pays with every worker a
 //!   candidate; Dynamo's timing does not include reading its map);
@@ -37,8 +41,9 @@
 //!   index a different load (one 50 times faster at lookups took 50 times more
 //!   turns at its lock and at the 2 cores, and its ingest figure measured that).
 //!   Dynamo applies events on its `ThreadPoolIndexer`'s 2 threads (the main
-//!   thread only enqueues); kvpick applies them on the main thread, as its
-//!   event subscriber does. `dynamo-radix` is not concurrent and sits this one out.
+//!   thread only enqueues); `kvpick` on 2 threads (half the workers' swaps
+//!   each), `kvpick-1-thread` on the main thread. `dynamo-radix` is not
+//!   concurrent and sits this one out.
 //!
 //! Every cell reports a digest of each query's nonzero overlaps per (worker, rank);
 //! the parent asserts kvpick's equal Dynamo's on every query (churn: on queries
@@ -76,8 +81,8 @@ const PROMPT_BLOCKS: usize = 2048;
 const CHURN_BLOCKS: usize = 32;
 /// Entries of the churn table before churning.
 const CHURN_TABLE: usize = 1_000_000;
-/// Dynamo's event threads.
-const DYNAMO_THREADS: usize = 2;
+/// Dynamo's event threads, and kvpick's ingest threads (`kvpick`).
+const EVENT_THREADS: usize = 2;
 
 /// Options of `kvpick-anchors index`.
 #[derive(clap::Args, Debug, Clone)]
@@ -92,7 +97,7 @@ pub struct IndexArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kvpick,kvpick-read-all,dynamo-crtc,dynamo-radix"
+        default_value = "kvpick,kvpick-1-thread,kvpick-read-all,dynamo-crtc,dynamo-radix"
     )]
     indexes: Vec<Impl>,
     /// Upper bound on the (block, worker) entries of one cell.
@@ -140,6 +145,9 @@ enum Kind {
 #[serde(rename_all = "kebab-case")]
 enum Impl {
     Kvpick,
+    #[value(name = "kvpick-1-thread")]
+    #[serde(rename = "kvpick-1-thread")]
+    KvpickOneThread,
     KvpickReadAll,
     DynamoCrtc,
     DynamoRadix,
@@ -149,6 +157,7 @@ impl Impl {
     fn name(self) -> &'static str {
         match self {
             Impl::Kvpick => "kvpick",
+            Impl::KvpickOneThread => "kvpick-1-thread",
             Impl::KvpickReadAll => "kvpick-read-all",
             Impl::DynamoCrtc => "dynamo-crtc",
             Impl::DynamoRadix => "dynamo-radix",
@@ -399,12 +408,18 @@ trait Subject {
     }
     /// The subject if lookups may run from another thread.
     fn concurrent(&self) -> Option<&(dyn Subject + Sync)>;
+    /// Threads the caller applies events on (workers split between them); an
+    /// index with threads of its own takes them all on one.
+    fn ingest_threads(&self) -> usize {
+        1
+    }
 }
 
 struct Kvpick {
     index: PrefixIndex,
     /// Read every one of these workers' overlap in each timed lookup.
     read: Vec<WorkerKey>,
+    threads: usize,
 }
 
 fn key(worker: u64) -> WorkerKey {
@@ -415,7 +430,7 @@ fn key(worker: u64) -> WorkerKey {
 }
 
 impl Kvpick {
-    fn new(workers: usize, read_all: bool) -> Self {
+    fn new(workers: usize, read_all: bool, threads: usize) -> Self {
         let index = PrefixIndex::new(IndexConfig::default());
         for w in 0..workers as u64 {
             index.set_precise(key(w), true);
@@ -425,7 +440,11 @@ impl Kvpick {
         } else {
             Vec::new()
         };
-        Kvpick { index, read }
+        Kvpick {
+            index,
+            read,
+            threads,
+        }
     }
 }
 
@@ -458,6 +477,9 @@ impl Subject for Kvpick {
     }
     fn concurrent(&self) -> Option<&(dyn Subject + Sync)> {
         Some(self)
+    }
+    fn ingest_threads(&self) -> usize {
+        self.threads
     }
 }
 
@@ -523,7 +545,7 @@ struct Crtc {
 impl Crtc {
     fn new() -> Self {
         Crtc {
-            pool: ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), DYNAMO_THREADS, 16),
+            pool: ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), EVENT_THREADS, 16),
             runtime: tokio::runtime::Builder::new_current_thread()
                 .build()
                 .expect("tokio runtime"),
@@ -657,20 +679,49 @@ fn run_cell(
     };
     let rss0 = rss_bytes();
     let subject: Box<dyn Subject> = match which {
-        Impl::Kvpick => Box::new(Kvpick::new(workers, false)),
-        Impl::KvpickReadAll => Box::new(Kvpick::new(workers, true)),
+        Impl::Kvpick => Box::new(Kvpick::new(workers, false, EVENT_THREADS)),
+        Impl::KvpickOneThread => Box::new(Kvpick::new(workers, false, 1)),
+        Impl::KvpickReadAll => Box::new(Kvpick::new(workers, true, EVENT_THREADS)),
         Impl::DynamoCrtc => Box::new(Crtc::new()),
         Impl::DynamoRadix => Box::new(Radix(std::cell::RefCell::new(RadixTree::new()))),
     };
     let fill_blocks: usize = workload.fill.iter().map(|s| s.blocks.len()).sum();
+    // CPU of the live threads (caller, an index's own threads) plus that of
+    // ingest threads that ended meanwhile, which `/proc/self/task` no longer lists.
     let cpu0 = process_cpu_ns();
     let t = Instant::now();
-    for s in &workload.fill {
-        subject.store(s);
-    }
+    let ended_cpu_ns: u64 = match subject.concurrent() {
+        Some(sub) if subject.ingest_threads() > 1 => {
+            let threads = subject.ingest_threads();
+            std::thread::scope(|scope| {
+                let ingest: Vec<_> = (0..threads)
+                    .map(|t| {
+                        let fill = &workload.fill;
+                        scope.spawn(move || {
+                            let cpu0 = SchedStat::now().cpu_ns;
+                            for s in fill.iter().filter(|s| s.worker as usize % threads == t) {
+                                sub.store(s);
+                            }
+                            SchedStat::now().cpu_ns.saturating_sub(cpu0)
+                        })
+                    })
+                    .collect();
+                ingest
+                    .into_iter()
+                    .map(|h| h.join().expect("ingest thread"))
+                    .sum()
+            })
+        }
+        _ => {
+            for s in &workload.fill {
+                subject.store(s);
+            }
+            0
+        }
+    };
     subject.settle();
     let fill_s = t.elapsed().as_secs_f64();
-    let fill_cpu_s = process_cpu_ns().saturating_sub(cpu0) as f64 / 1e9;
+    let fill_cpu_s = (process_cpu_ns().saturating_sub(cpu0) + ended_cpu_ns) as f64 / 1e9;
     let rss_growth = rss_bytes().saturating_sub(rss0);
     let mut report = CellReport {
         index: which.name().into(),
@@ -697,54 +748,78 @@ fn run_cell(
         let cpu0 = process_cpu_ns();
         let origin = Instant::now();
         let trace = args.churn_trace;
-        let (elapsed, writes, (mut times, lookups, looker_cpu_ns)) = std::thread::scope(|scope| {
-            let looker = scope.spawn(|| {
-                let cpu0 = SchedStat::now().cpu_ns;
-                let every = Duration::from_micros(args.churn_lookup_every_us);
-                let start = Instant::now();
-                let mut times = Vec::new();
-                let mut spans = Vec::new();
-                let mut i = 0;
-                while !done.load(Ordering::Relaxed) {
-                    let q = &workload.churn_queries[i % workload.churn_queries.len()];
-                    if trace {
-                        let (took, span) = traced(origin, || subject.time_lookup(q));
-                        spans.push(Span { took, ..span });
-                        times.push(took);
-                    } else {
-                        times.push(subject.time_lookup(q));
+        // The lookup thread and the ingest threads have ended when the CPU time is
+        // read: the live threads' time plus the ingest threads' own is the churn's.
+        let (elapsed, (writes, writers_cpu_ns), (mut times, lookups)) =
+            std::thread::scope(|scope| {
+                let looker = scope.spawn(|| {
+                    let every = Duration::from_micros(args.churn_lookup_every_us);
+                    let start = Instant::now();
+                    let mut times = Vec::new();
+                    let mut spans = Vec::new();
+                    let mut i = 0;
+                    while !done.load(Ordering::Relaxed) {
+                        let q = &workload.churn_queries[i % workload.churn_queries.len()];
+                        if trace {
+                            let (took, span) = traced(origin, || subject.time_lookup(q));
+                            spans.push(Span { took, ..span });
+                            times.push(took);
+                        } else {
+                            times.push(subject.time_lookup(q));
+                        }
+                        i += 1;
+                        // Sleep until the next lookup is due (none when behind).
+                        let due = start + every * i as u32;
+                        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                            std::thread::sleep(wait);
+                        }
                     }
-                    i += 1;
-                    // Sleep until the next lookup is due (none when behind).
-                    let due = start + every * i as u32;
-                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                        std::thread::sleep(wait);
-                    }
+                    (times, spans)
+                });
+                let threads = subject.ingest_threads();
+                let t = Instant::now();
+                let writers: Vec<_> = (0..threads)
+                    .map(|k| {
+                        let churn = &workload.churn;
+                        scope.spawn(move || {
+                            let cpu0 = SchedStat::now().cpu_ns;
+                            let mut writes = Vec::new();
+                            for s in churn.iter().filter(|s| s.worker as usize % threads == k) {
+                                if trace {
+                                    writes.push(
+                                        traced(origin, || subject.remove(s.worker, &s.removed)).1,
+                                    );
+                                    writes.push(traced(origin, || subject.store(&s.stored)).1);
+                                } else {
+                                    subject.remove(s.worker, &s.removed);
+                                    subject.store(&s.stored);
+                                }
+                            }
+                            (writes, SchedStat::now().cpu_ns.saturating_sub(cpu0))
+                        })
+                    })
+                    .collect();
+                let mut writes: Vec<Span> = Vec::new();
+                let mut writers_cpu_ns = 0;
+                for w in writers {
+                    let (spans, cpu) = w.join().expect("writer thread");
+                    writes.extend(spans);
+                    writers_cpu_ns += cpu;
                 }
-                (times, spans, SchedStat::now().cpu_ns.saturating_sub(cpu0))
+                writes.sort_unstable_by_key(|w| w.from);
+                subject.settle();
+                let elapsed = t.elapsed();
+                done.store(true, Ordering::Relaxed);
+                (
+                    elapsed,
+                    (writes, writers_cpu_ns),
+                    looker.join().expect("lookup thread"),
+                )
             });
-            let mut writes = Vec::new();
-            let t = Instant::now();
-            for s in &workload.churn {
-                if trace {
-                    writes.push(traced(origin, || subject.remove(s.worker, &s.removed)).1);
-                    writes.push(traced(origin, || subject.store(&s.stored)).1);
-                } else {
-                    subject.remove(s.worker, &s.removed);
-                    subject.store(&s.stored);
-                }
-            }
-            subject.settle();
-            let elapsed = t.elapsed();
-            done.store(true, Ordering::Relaxed);
-            (elapsed, writes, looker.join().expect("lookup thread"))
-        });
         if trace {
             report.trace = trace_summary(&writes, &lookups);
         }
-        let churn_cpu_ns = process_cpu_ns()
-            .saturating_sub(cpu0)
-            .saturating_sub(looker_cpu_ns);
+        let churn_cpu_ns = process_cpu_ns().saturating_sub(cpu0) + writers_cpu_ns;
         report.churn_blocks_per_s = churned as f64 / elapsed.as_secs_f64();
         report.churn_blocks_per_cpu_s = per_cpu_s(churned, churn_cpu_ns as f64 / 1e9);
         report.churn_lookups = times.len();
@@ -938,7 +1013,7 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut md = String::new();
-    md.push_str("Ratios are to Dynamo's `ConcurrentRadixTreeCompressed` (ThreadPoolIndexer, 2 threads) in the same run; below 1× is better for latency and bytes, above 1× for ingest. Ingest per CPU-second divides by the CPU time of the threads that ingested (Dynamo: its 2 event threads and the enqueuing thread; kvpick: the caller's thread), which does not depend on how many cores each side got on a shared machine.\n");
+    md.push_str("Ratios are to Dynamo's `ConcurrentRadixTreeCompressed` (ThreadPoolIndexer, 2 threads) in the same run; below 1× is better for latency and bytes, above 1× for ingest. Ingest per CPU-second divides by the CPU time of the threads that ingested (Dynamo: its 2 event threads and the enqueuing thread; `kvpick`: its 2 ingest threads, each applying half the workers' events; `kvpick-1-thread`: one thread), which does not depend on how many cores each side got on a shared machine.\n");
     let mut mismatches = 0usize;
     for kind in &args.workloads {
         let mut notes = Vec::new();

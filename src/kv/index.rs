@@ -45,14 +45,18 @@
 //! A worker marked precise ([`PrefixIndex::set_precise`]) takes no approximate
 //! entries: its events are the truth.
 //!
-//! Concurrency: one reader-writer lock. Lookups share it; writers hold it for at
-//! most [`WRITE_CHUNK`] blocks at a time (large batches, worker clears and
-//! purges are cut into chunks), so a lookup waits behind ingest for at most one
-//! chunk, a few microseconds. Waiting lookups spin rather than sleep (waking a
-//! sleeper costs more than a chunk) and say so: a writer lets them in before
-//! taking the lock for its next chunk. A writer first loads the table slots its
-//! chunk will touch under the read lock, so the cache misses,
-//! most of a write's cost, are not taken while lookups wait.
+//! Concurrency: one reader-writer lock over the runs and the block table, and a
+//! lock per worker over its precise entries (engine hash → location), taken
+//! first. Lookups share the first; writers hold it for at most [`WRITE_CHUNK`]
+//! blocks at a time (large batches, worker clears and purges are cut into
+//! chunks), and take turns at a gate before it, so a lookup waits behind ingest
+//! for at most one chunk, a few microseconds. Waiting lookups spin rather than
+//! sleep (waking a sleeper costs more than a chunk) and say so: a writer lets
+//! them in before taking the lock for its next chunk. A precise store plans
+//! each chunk under the read lock (what each block is for its worker, with the
+//! cache misses that costs), changes the runs under the write lock, and
+//! records the new locations in its worker's map after letting it go: the event
+//! subscribers of different workers ingest in parallel but for the run changes.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -60,7 +64,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::endpoints::WorkerKey;
 use crate::kv::lru::Lru;
@@ -154,14 +158,26 @@ struct Worker {
     /// kept non-decreasing per worker.
     oldest: u32,
     last_stamp: u32,
-    /// Precise entries: engine hash → where the block is (its kvpick hash is there).
-    engine: BlockTable<Loc>,
+    /// Precise entries, behind a lock of their own ([`EngineMap`]).
+    engine: Arc<Mutex<EngineMap>>,
     /// Precise entries: extra engine blocks naming a kvpick hash already held
     /// precisely (beyond the first); usually empty.
     extra: Map<u64, u32>,
     /// Approximate workers only: kvpick hashes held through a precise entry (a
     /// precise worker's held hashes are exactly its run holdings).
     precise_held: HashSet<u64, KeyHash>,
+}
+
+/// A worker's precise entries: engine hash → where the block is (its kvpick hash
+/// is there). Each worker's map has its own lock, taken before the index's lock
+/// and never while holding it: the map work of stores for different workers
+/// (subscribers on different threads) runs in parallel, outside the write lock.
+#[derive(Debug, Default)]
+struct EngineMap {
+    map: BlockTable<Loc>,
+    /// Set by [`PrefixIndex::clear_worker`]: the worker's slot is gone, and a
+    /// write that fetched this map before must fetch the worker's again.
+    cleared: bool,
 }
 
 /// Settings of a [`PrefixIndex`].
@@ -241,6 +257,10 @@ struct Inner {
 #[derive(Debug)]
 pub struct PrefixIndex {
     inner: RwLock<Inner>,
+    /// Writers take turns here before contending for `inner`: one writer at a
+    /// time waits for the lock, so a second one is never handed it ahead of a
+    /// lookup (a lookup waits for one chunk at most).
+    writers: Mutex<()>,
     config: IndexConfig,
     base: Instant,
     entries: AtomicUsize,
@@ -268,6 +288,7 @@ impl PrefixIndex {
                 chained: config.chained,
                 ..Inner::default()
             }),
+            writers: Mutex::new(()),
             config,
             base: Instant::now(),
             entries: AtomicUsize::new(0),
@@ -287,26 +308,71 @@ impl PrefixIndex {
         }
     }
 
-    /// The write lock, taken once no lookup is spinning for the lock and released
-    /// fairly (a lookup asleep on it goes before this writer's next chunk). A
-    /// lookup that does not take the lock within [`YIELD`] was descheduled while
-    /// spinning: the writer goes on, and does not wait for that one again (waiting
-    /// for it on every chunk burned the writer's CPU until it ran again).
+    /// The write lock, taken after the other writers' turns (the writer gate),
+    /// never while a lookup is spinning for the lock, polled for without
+    /// sleeping, and released fairly (a lookup asleep on it goes before this
+    /// writer's next chunk). A lookup that
+    /// does not take the lock within [`YIELD`] was descheduled while spinning:
+    /// the writer goes on, and does not wait for that one again (waiting for it
+    /// on every chunk burned the writer's CPU until it ran again).
     fn write(&self) -> FairWrite<'_> {
+        let gate = self.writers.lock();
         let announced = self.lookups_announced.load(Ordering::SeqCst);
-        if self.lookups_waiting.load(Ordering::SeqCst) > 0
-            && announced > self.writers_gave_up_at.load(Ordering::Relaxed)
-        {
-            let let_in = spin_for(YIELD, || {
-                (self.lookups_waiting.load(Ordering::SeqCst) == 0).then_some(())
-            });
-            if let_in.is_none() {
+        let mut let_in = announced > self.writers_gave_up_at.load(Ordering::Relaxed);
+        let start = Instant::now();
+        let spun = spin_for(SPIN, || {
+            if let_in && self.lookups_waiting.load(Ordering::SeqCst) > 0 {
+                if start.elapsed() < YIELD {
+                    return None;
+                }
                 self.writers_gave_up_at
                     .fetch_max(announced, Ordering::Relaxed);
+                let_in = false;
+            }
+            self.inner.try_write()
+        });
+        // Never sleep on the lock either: a sleeping writer bars new readers, so
+        // a lookup would wait for whatever reader the writer waits for (the other
+        // writer's plan, descheduled) and then for this writer's chunk.
+        let guard = spun.unwrap_or_else(|| loop {
+            std::thread::yield_now();
+            if let Some(g) = self.inner.try_write() {
+                break g;
+            }
+        });
+        FairWrite {
+            guard: Some(guard),
+            _gate: gate,
+        }
+    }
+
+    /// `worker`'s engine map, locked, and its slot (a new one with `create`);
+    /// fetched again if it was cleared while this waited for it.
+    fn with_engine<T>(
+        &self,
+        worker: WorkerKey,
+        create: bool,
+        f: impl FnOnce(u32, &mut EngineMap) -> T,
+    ) -> Option<T> {
+        loop {
+            let (slot, engine) = {
+                let g = self.inner.read();
+                match g.slots.get(&worker) {
+                    Some(&s) => (s, Arc::clone(&g.workers[s as usize].engine)),
+                    None if create => {
+                        drop(g);
+                        let mut g = self.write();
+                        let s = g.slot(worker);
+                        (s, Arc::clone(&g.workers[s as usize].engine))
+                    }
+                    None => return None,
+                }
+            };
+            let mut e = engine.lock();
+            if !e.cleared {
+                return Some(f(slot, &mut e));
             }
         }
-        let spun = spin_for(SPIN, || self.inner.try_write());
-        FairWrite(Some(spun.unwrap_or_else(|| self.inner.write())))
     }
 
     /// The read lock for a lookup: while a writer holds it (one chunk, a few
@@ -440,7 +506,7 @@ impl PrefixIndex {
     /// entry.
     pub fn forget(&self, worker: WorkerKey, hashes: &[u64]) {
         for chunk in hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, [], chunk);
+            self.inner.read().blocks.prefetch(chunk);
             let mut g = self.write();
             let Some(&slot) = g.slots.get(&worker) else {
                 return;
@@ -464,6 +530,11 @@ impl PrefixIndex {
     /// The engine hash is only kept to find the block again on removal. A store
     /// stops at the first block beyond the worker's precise cap (the rest follow
     /// it); what it drops is counted.
+    ///
+    /// Each chunk is planned under the read lock (what each block is for this
+    /// worker), applied to the runs under the write lock, and recorded in the
+    /// worker's engine map after it: stores for different workers overlap but
+    /// for the run changes.
     pub fn store_engine_chain(
         &self,
         worker: WorkerKey,
@@ -473,146 +544,124 @@ impl PrefixIndex {
     ) {
         // Precise entries never expire: `now` is accepted for symmetry with `insert`.
         let _ = now;
+        self.with_engine(worker, true, |slot, e| {
+            self.store_locked(slot, e, parent, blocks)
+        });
+    }
+
+    /// [`PrefixIndex::store_engine_chain`] holding the worker's engine map `e`.
+    fn store_locked(
+        &self,
+        slot: u32,
+        e: &mut EngineMap,
+        parent: Option<u64>,
+        blocks: &[(u64, u64)],
+    ) {
         let mut prev: Option<(u64, Loc)> = None;
-        let mut chain = Vec::with_capacity(blocks.len().min(WRITE_CHUNK));
-        let mut placed = Vec::with_capacity(chain.capacity());
+        let mut plan = StorePlan::default();
+        let mut placed = Vec::with_capacity(blocks.len().min(WRITE_CHUNK));
         for (k, chunk) in blocks.chunks(WRITE_CHUNK).enumerate() {
-            // Chained, new blocks mostly get no table entry: nothing to load there.
-            let entries = if self.config.chained { 0 } else { chunk.len() };
-            self.inner.read().warm(
-                worker,
-                chunk.iter().map(|(e, _)| e),
-                chunk[..entries].iter().map(|(_, h)| h),
-            );
-            let mut g = self.write();
-            let slot = g.slot(worker);
-            if k == 0 {
-                if let Some(p) = parent {
-                    let found = g.workers[slot as usize]
-                        .engine
-                        .get(p)
-                        .and_then(|l| g.hash_at(l).map(|h| (h, l)));
-                    if found.is_none() && g.chained {
-                        return;
-                    }
-                    prev = found;
+            e.map.prefetch(chunk.iter().map(|(e, _)| e));
+            {
+                let g = self.inner.read();
+                if !self.config.chained {
+                    // Every new block gets a table entry: load those slots now.
+                    g.blocks.prefetch(chunk.iter().map(|(_, h)| h));
                 }
-            }
-            let limit = g.workers[slot as usize]
-                .precise_limit
-                .unwrap_or(self.config.default_precise_limit);
-            // What each block does: already stored under its engine hash (kept for
-            // the chain's context), or newly mapped (`mapped`, by chain index);
-            // engine hashes remapped to another block release the old one.
-            chain.clear();
-            let mut mapped: Vec<usize> = Vec::with_capacity(chunk.len());
-            let mut released: Vec<(u64, Loc)> = Vec::new();
-            // Remapped engine hashes first mapped earlier in this chunk (chain index).
-            let mut released_here: Vec<usize> = Vec::new();
-            // One bit per `engine % 64` of the engine hashes mapped in this chunk.
-            let mut in_chunk = 0u64;
-            let mut len = g.workers[slot as usize].engine.len();
-            let mut stopped = None;
-            for (i, &(engine, hash)) in chunk.iter().enumerate() {
-                let bit = 1u64 << (engine % 64);
-                let earlier = if in_chunk & bit != 0 {
-                    mapped.iter().rev().copied().find(|&j| chunk[j].0 == engine)
-                } else {
-                    None
-                };
-                let old = match earlier {
-                    Some(j) => Some(Err(j)),
-                    None => g.workers[slot as usize].engine.get(engine).map(Ok),
-                };
-                match old {
-                    Some(Ok(l)) => match g.hash_at(l) {
-                        Some(h) if h == hash => {
-                            chain.push(hash);
-                            continue;
+                if k == 0 {
+                    if let Some(p) = parent {
+                        let found = e.map.get(p).and_then(|l| g.hash_at(l).map(|h| (h, l)));
+                        if found.is_none() && g.chained {
+                            return;
                         }
-                        Some(h) => released.push((h, l)),
-                        None => {}
-                    },
-                    Some(Err(j)) if chunk[j].1 == hash => {
-                        chain.push(hash);
-                        continue;
+                        prev = found;
                     }
-                    Some(Err(j)) => released_here.push(j),
-                    None if len >= limit => {
-                        stopped = Some(i);
-                        break;
-                    }
-                    None => len += 1,
                 }
-                in_chunk |= bit;
-                mapped.push(i);
-                chain.push(hash);
+                let limit = g.workers[slot as usize]
+                    .precise_limit
+                    .unwrap_or(self.config.default_precise_limit);
+                plan.make(&g, &e.map, chunk, limit);
             }
             placed.clear();
-            let precise = g.workers[slot as usize].precise;
-            g.add_holder_runs(&chain, prev, slot, false, &mut placed, &self.entries);
-            let w = &mut g.workers[slot as usize];
-            for &i in &mapped {
-                let (loc, held) = placed[i];
-                w.engine.insert(chunk[i].0, loc);
-                let hash = chunk[i].1;
-                if precise {
-                    if held {
-                        // A second engine block naming a hash this worker holds precisely.
+            {
+                let mut g = self.write();
+                g.add_holder_runs(&plan.chain, prev, slot, false, &mut placed, &self.entries);
+                let w = &mut g.workers[slot as usize];
+                for &i in &plan.mapped {
+                    let hash = chunk[i].1;
+                    if w.precise {
+                        if placed[i].1 {
+                            // A second engine block naming a hash this worker holds precisely.
+                            *w.extra.entry(hash).or_insert(0) += 1;
+                        }
+                    } else if !w.precise_held.insert(hash) {
+                        // An approximate worker tracks precise holdings apart.
                         *w.extra.entry(hash).or_insert(0) += 1;
                     }
-                } else if !w.precise_held.insert(hash) {
-                    // An approximate worker tracks precise holdings apart.
-                    *w.extra.entry(hash).or_insert(0) += 1;
                 }
+                let here = plan
+                    .released_here
+                    .iter()
+                    .map(|&j| (chunk[j].1, placed[j].0));
+                plan.released.extend(here);
+                g.release_precise(slot, &plan.released, &self.entries);
             }
-            released.extend(released_here.iter().map(|&j| (chunk[j].1, placed[j].0)));
-            g.release_precise(slot, &released, &self.entries);
-            if let Some(i) = stopped {
+            for &i in &plan.mapped {
+                e.map.insert(chunk[i].0, placed[i].0);
+            }
+            if let Some(i) = plan.stopped {
                 let dropped = blocks.len() - k * WRITE_CHUNK - i;
                 self.precise_dropped
                     .fetch_add(dropped as u64, Ordering::Relaxed);
                 return;
             }
-            prev = chain.last().copied().zip(placed.last().map(|p| p.0));
+            prev = plan.chain.last().copied().zip(placed.last().map(|p| p.0));
         }
     }
 
-    /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones are ignored.
-    pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
-        for chunk in engine_hashes.chunks(WRITE_CHUNK) {
-            self.inner.read().warm(worker, chunk, []);
-            let mut g = self.write();
-            let Some(&slot) = g.slots.get(&worker) else {
-                return;
-            };
-            let w = &mut g.workers[slot as usize];
-            let locs: Vec<Loc> = chunk.iter().filter_map(|e| w.engine.remove(*e)).collect();
-            let released: Vec<(u64, Loc)> = locs
-                .into_iter()
-                .filter_map(|l| g.hash_at(l).map(|h| (h, l)))
-                .collect();
-            g.release_precise(slot, &released, &self.entries);
-        }
+    /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones
+    /// are ignored. Returns the kvpick hashes of the blocks it knew.
+    pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) -> Vec<u64> {
+        let mut known = Vec::new();
+        self.with_engine(worker, false, |slot, e| {
+            for chunk in engine_hashes.chunks(WRITE_CHUNK) {
+                e.map.prefetch(chunk);
+                let locs: Vec<Loc> = chunk.iter().filter_map(|h| e.map.remove(*h)).collect();
+                if locs.is_empty() {
+                    continue;
+                }
+                let mut g = self.write();
+                let released: Vec<(u64, Loc)> = locs
+                    .into_iter()
+                    .filter_map(|l| g.hash_at(l).map(|h| (h, l)))
+                    .collect();
+                g.release_precise(slot, &released, &self.entries);
+                known.extend(released.iter().map(|(h, _)| h));
+            }
+        });
+        known
     }
 
     /// Forgets everything `worker` holds (event gap, engine restart, reconnect,
     /// endpoint gone). Its capacity, precise cap and precise flag are forgotten too.
     pub fn clear_worker(&self, worker: WorkerKey) {
-        let (slot, w) = {
-            let mut g = self.write();
-            let Some(slot) = Arc::make_mut(&mut g.slots).remove(&worker) else {
-                return;
+        // Holding the engine map throughout: the worker's own writes wait, then
+        // see it cleared and start again on a new slot.
+        self.with_engine(worker, false, |slot, e| {
+            e.cleared = true;
+            let locs: Vec<Loc> = std::mem::take(&mut e.map).values().collect();
+            let w = {
+                let mut g = self.write();
+                Arc::make_mut(&mut g.slots).remove(&worker);
+                Arc::make_mut(&mut g.keys)[slot as usize] = None;
+                g.set_oldest(slot, u32::MAX);
+                std::mem::take(&mut g.workers[slot as usize])
             };
-            Arc::make_mut(&mut g.keys)[slot as usize] = None;
-            g.set_oldest(slot, u32::MAX);
-            (slot, std::mem::take(&mut g.workers[slot as usize]))
-        };
-        // The slot has no key now (lookups skip it) and is reused only once empty.
-        let hashes: Vec<u64> = w.recency.keys().collect();
-        let locs: Vec<Loc> = w.engine.values().collect();
-        self.remove_in_run_order(slot, &hashes, &locs, None);
-        self.write().free_slots.push(slot);
+            // The slot has no key now (lookups skip it) and is reused only once empty.
+            let hashes: Vec<u64> = w.recency.keys().collect();
+            self.remove_in_run_order(slot, &hashes, &locs, None);
+            self.write().free_slots.push(slot);
+        });
     }
 
     /// Removes `slot` from the blocks `hashes` (found by hash) and `locs` (found
@@ -647,20 +696,18 @@ impl PrefixIndex {
     /// Marks `worker` as fed by KV events (precise) or not. Turning precise on drops
     /// its approximate entries.
     pub fn set_precise(&self, worker: WorkerKey, precise: bool) {
-        let (slot, dropped) = {
+        let dropped = self.with_engine(worker, true, |slot, e| {
             let mut g = self.write();
-            let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
             if w.precise == precise {
-                return;
+                return None;
             }
             w.precise = precise;
             if !precise {
                 // Track precise holdings apart from approximate ones from now on.
-                let locs: Vec<Loc> = w.engine.values().collect();
-                let held = locs.into_iter().filter_map(|l| g.hash_at(l)).collect();
+                let held = e.map.values().filter_map(|l| g.hash_at(l)).collect();
                 g.workers[slot as usize].precise_held = held;
-                return;
+                return None;
             }
             let precise_held = std::mem::take(&mut w.precise_held);
             let dropped: Vec<u64> = std::mem::take(&mut w.recency)
@@ -668,9 +715,11 @@ impl PrefixIndex {
                 .filter(|h| !precise_held.contains(h))
                 .collect();
             g.set_oldest(slot, u32::MAX);
-            (slot, dropped)
-        };
-        self.remove_in_run_order(slot, &dropped, &[], Some(worker));
+            Some((slot, dropped))
+        });
+        if let Some((slot, dropped)) = dropped.flatten() {
+            self.remove_in_run_order(slot, &dropped, &[], Some(worker));
+        }
     }
 
     /// Whether `worker` is fed by KV events.
@@ -732,17 +781,17 @@ impl PrefixIndex {
 
     /// The kvpick hash `worker` holds precisely under `engine_hash`.
     pub fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
-        let g = self.inner.read();
-        let slot = *g.slots.get(&worker)?;
-        g.hash_at(g.workers[slot as usize].engine.get(engine_hash)?)
+        self.with_engine(worker, false, |_, e| {
+            let loc = e.map.get(engine_hash)?;
+            self.inner.read().hash_at(loc)
+        })
+        .flatten()
     }
 
     /// Precise entries (engine blocks) `worker` holds.
     pub fn precise_len(&self, worker: WorkerKey) -> usize {
-        let g = self.inner.read();
-        g.slots
-            .get(&worker)
-            .map_or(0, |s| g.workers[*s as usize].engine.len())
+        self.with_engine(worker, false, |_, e| e.map.len())
+            .unwrap_or(0)
     }
 
     /// How many leading blocks of `hashes` each worker holds (counting stops at
@@ -839,6 +888,9 @@ impl PrefixIndex {
             capacity * (size_of::<(K, V)>() + 1)
         }
         let g = self.inner.read();
+        // Engine maps are locked after the index's lock is let go (lock order).
+        let engines: Vec<Arc<Mutex<EngineMap>>> =
+            g.workers.iter().map(|w| Arc::clone(&w.engine)).collect();
         let mut bytes = g.blocks.heap_bytes()
             + g.runs.capacity() * size_of::<Run>()
             + g.lineages.capacity() * size_of::<Lineage>()
@@ -858,18 +910,22 @@ impl PrefixIndex {
         }
         for w in &g.workers {
             bytes += w.recency.heap_bytes()
-                + w.engine.heap_bytes()
                 + table::<u64, u32>(w.extra.capacity())
                 + table::<u64, ()>(w.precise_held.capacity());
         }
+        drop(g);
         bytes
+            + engines
+                .iter()
+                .map(|e| e.lock().map.heap_bytes())
+                .sum::<usize>()
     }
 }
 
-/// How long a writer spins for the lock before sleeping on it (a lookup, before
-/// yielding the core between polls): a
-/// writer holds it for one chunk and a lookup for one walk, microseconds both,
-/// while waking a sleeping thread costs tens of microseconds on a busy machine.
+/// How long a writer or a lookup spins for the lock before yielding the core
+/// between polls: a writer holds it for one chunk and a lookup or a plan for
+/// one walk, microseconds all, while a thread descheduled holding it is away
+/// for milliseconds.
 const SPIN: Duration = Duration::from_micros(50);
 
 /// How long a writer waits for a lookup spinning for the lock to take it: a
@@ -896,26 +952,103 @@ fn spin_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
 }
 
 /// A write guard that hands the lock to waiting readers when dropped (parking_lot
-/// otherwise lets a writer that releases and re-locks at once barge ahead of them).
-struct FairWrite<'a>(Option<RwLockWriteGuard<'a, Inner>>);
+/// otherwise lets a writer that releases and re-locks at once barge ahead of
+/// them), then lets the next writer try.
+struct FairWrite<'a> {
+    guard: Option<RwLockWriteGuard<'a, Inner>>,
+    /// Dropped after `guard` is released.
+    _gate: MutexGuard<'a, ()>,
+}
 
 impl std::ops::Deref for FairWrite<'_> {
     type Target = Inner;
     fn deref(&self) -> &Inner {
-        self.0.as_ref().expect("held until drop")
+        self.guard.as_ref().expect("held until drop")
     }
 }
 
 impl std::ops::DerefMut for FairWrite<'_> {
     fn deref_mut(&mut self) -> &mut Inner {
-        self.0.as_mut().expect("held until drop")
+        self.guard.as_mut().expect("held until drop")
     }
 }
 
 impl Drop for FairWrite<'_> {
     fn drop(&mut self) {
-        if let Some(g) = self.0.take() {
+        if let Some(g) = self.guard.take() {
             RwLockWriteGuard::unlock_fair(g);
+        }
+    }
+}
+
+/// What one chunk of a precise store does for its worker, planned from the
+/// worker's engine map under the read lock
+/// ([`PrefixIndex::store_engine_chain`]).
+#[derive(Debug, Default)]
+struct StorePlan {
+    /// The blocks to hold, in chain order: the chunk, up to `stopped`.
+    chain: Vec<u64>,
+    /// Chain indexes of the engine hashes mapped by this chunk.
+    mapped: Vec<usize>,
+    /// Blocks that engine hashes remapped by this chunk named before it.
+    released: Vec<(u64, Loc)>,
+    /// Remapped engine hashes first mapped earlier in this chunk (chain index).
+    released_here: Vec<usize>,
+    /// Chain index of the first block beyond the worker's precise cap.
+    stopped: Option<usize>,
+}
+
+impl StorePlan {
+    /// Plans `chunk` for a worker whose engine map is `map` and cap `limit`: a
+    /// block already stored under its engine hash is kept for the chain's
+    /// context, an engine hash naming another block releases that one.
+    fn make(&mut self, g: &Inner, map: &BlockTable<Loc>, chunk: &[(u64, u64)], limit: usize) {
+        self.chain.clear();
+        self.mapped.clear();
+        self.released.clear();
+        self.released_here.clear();
+        self.stopped = None;
+        // One bit per `engine % 64` of the engine hashes mapped in this chunk.
+        let mut in_chunk = 0u64;
+        let mut len = map.len();
+        for (i, &(engine, hash)) in chunk.iter().enumerate() {
+            let bit = 1u64 << (engine % 64);
+            let earlier = if in_chunk & bit != 0 {
+                self.mapped
+                    .iter()
+                    .rev()
+                    .copied()
+                    .find(|&j| chunk[j].0 == engine)
+            } else {
+                None
+            };
+            let old = match earlier {
+                Some(j) => Some(Err(j)),
+                None => map.get(engine).map(Ok),
+            };
+            match old {
+                Some(Ok(l)) => match g.hash_at(l) {
+                    Some(h) if h == hash => {
+                        self.chain.push(hash);
+                        continue;
+                    }
+                    Some(h) => self.released.push((h, l)),
+                    None => {}
+                },
+                Some(Err(j)) if chunk[j].1 == hash => {
+                    self.chain.push(hash);
+                    continue;
+                }
+                Some(Err(j)) => self.released_here.push(j),
+                None if len >= limit => {
+                    self.stopped = Some(i);
+                    break;
+                }
+                None => len += 1,
+            }
+            in_chunk |= bit;
+            self.mapped.push(i);
+            self.chain.push(hash);
         }
     }
 }
@@ -971,26 +1104,11 @@ impl Inner {
         self.set_oldest(slot, oldest);
     }
 
-    /// Loads what a write of these blocks by `worker` will touch, under the read
-    /// lock: its engine-map slots (`engine`) and the global table slots
-    /// (`hashes`). The cache misses are then taken while lookups can still run,
-    /// and the write lock is held for less.
-    fn warm<'a>(
-        &self,
-        worker: WorkerKey,
-        engine: impl IntoIterator<Item = &'a u64>,
-        hashes: impl IntoIterator<Item = &'a u64>,
-    ) {
-        if let Some(&slot) = self.slots.get(&worker) {
-            self.workers[slot as usize].engine.prefetch(engine);
-        }
-        self.blocks.prefetch(hashes);
-    }
-
-    /// [`Inner::warm`] for an approximate insert of `chunk` by `worker`: its LRU
-    /// nodes, and the global slots of only the blocks its LRU does not hold yet
-    /// (the insert adds holders for those alone; a repeated prompt's blocks are
-    /// mostly held).
+    /// Loads what an approximate insert of `chunk` by `worker` will touch, under
+    /// the read lock (the cache misses are then taken while lookups can still
+    /// run, and the write lock is held for less): its LRU nodes, and the global
+    /// slots of only the blocks its LRU does not hold yet (the insert adds
+    /// holders for those alone; a repeated prompt's blocks are mostly held).
     fn warm_insert(&self, worker: WorkerKey, chunk: &[u64]) {
         match self.slots.get(&worker) {
             Some(&slot) => {
@@ -2117,6 +2235,139 @@ mod tests {
             }
             prop_assert_eq!(idx.len(), model_pairs(&model, now));
         }
+    }
+
+    /// Two writer threads, as two event subscribers: each stores and evicts
+    /// segments of the shared chains (with their parents) for workers of its own
+    /// and for one worker both write (under engine hashes of their own), while a
+    /// reader looks up. Every worker keeps a pinned prefix throughout, so each
+    /// lookup must count it; at the end the index must equal the two writers'
+    /// steps replayed on the naive model, so an update either writer lost shows.
+    #[test]
+    fn two_writers_agree_with_a_sequential_replay() {
+        const SHARED: u64 = 4;
+        const PINNED: u64 = 5;
+        let idx = Arc::new(PrefixIndex::new(IndexConfig::default()));
+        // Thread `t`'s engine hash for `block` on worker `w`.
+        let engine = |t: u64, w: u64, block: u64| engine_of(w, block) ^ (t + 1) << 50;
+        let pinned: Vec<u64> = (0..PINNED).map(|i| block(0, i)).collect();
+        let mut model: HashMap<u64, Model> = HashMap::new();
+        for w in 0..=SHARED {
+            idx.set_precise(wk(w), true);
+            let blocks: Vec<(u64, u64)> = pinned.iter().map(|h| (*h ^ 0xfff << 40, *h)).collect();
+            idx.store_engine_chain(wk(w), None, &blocks, Instant::now());
+            model.entry(w).or_default().engine.extend(blocks);
+        }
+        // Thread `t`'s steps: (worker, chain, from, len, store).
+        let steps = |t: u64| -> Vec<(u64, u64, u64, u64, bool)> {
+            let mut z = 0x9e37_79b9 ^ t;
+            (0..3_000)
+                .map(|_| {
+                    z = mix(z);
+                    let w = if z % 3 == 0 {
+                        SHARED
+                    } else {
+                        t + 2 * (z >> 8 & 1)
+                    };
+                    let (c, from) = ((z >> 16) % CHAINS, (z >> 24) % CHAIN_LEN);
+                    (w, c, from, 1 + (z >> 40) % 40, z >> 60 != 0)
+                })
+                .collect()
+        };
+        let writers: Vec<_> = (0..2u64)
+            .map(|t| {
+                let idx = Arc::clone(&idx);
+                std::thread::spawn(move || {
+                    for (w, c, from, len, store) in steps(t) {
+                        let blocks: Vec<u64> = (from..(from + len).min(CHAIN_LEN))
+                            .map(|i| block(c, i))
+                            .collect();
+                        if store {
+                            let parent = from.checked_sub(1).map(|p| engine(t, w, block(c, p)));
+                            let pairs: Vec<(u64, u64)> =
+                                blocks.iter().map(|h| (engine(t, w, *h), *h)).collect();
+                            idx.store_engine_chain(wk(w), parent, &pairs, Instant::now());
+                        } else {
+                            let gone: Vec<u64> = blocks.iter().map(|h| engine(t, w, *h)).collect();
+                            idx.remove_engine_blocks(wk(w), &gone);
+                        }
+                    }
+                })
+            })
+            .collect();
+        let reader = {
+            let idx = Arc::clone(&idx);
+            std::thread::spawn(move || {
+                let cands: Vec<WorkerKey> = (0..=SHARED).map(wk).collect();
+                let q: Vec<u64> = (0..CHAIN_LEN).map(|i| block(0, i)).collect();
+                for _ in 0..2_000 {
+                    for n in idx.lookup(&q, &cands, Instant::now()) {
+                        assert!(n >= PINNED as usize, "pinned prefix lost: {n}");
+                    }
+                }
+            })
+        };
+        // Holds the read lock for a while, again and again, so that both
+        // writers' calls are in flight at once (whatever the cores do): each
+        // waits for its write phase while the other plans or waits too.
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let staller = {
+            let (idx, done) = (Arc::clone(&idx), Arc::clone(&done));
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    let held = idx.inner.read();
+                    std::thread::sleep(Duration::from_micros(300));
+                    drop(held);
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            })
+        };
+        for w in writers {
+            w.join().expect("writer");
+        }
+        done.store(true, Ordering::Relaxed);
+        staller.join().expect("staller");
+        reader.join().expect("reader");
+        // Replay: each thread's engine hashes are its own, so the order between
+        // the two threads does not change the outcome.
+        for t in 0..2u64 {
+            for (w, c, from, len, store) in steps(t) {
+                let m = model.entry(w).or_default();
+                let range = from..(from + len).min(CHAIN_LEN);
+                if store {
+                    let parent = from.checked_sub(1).map(|p| engine(t, w, block(c, p)));
+                    if parent.is_none_or(|p| m.engine.contains_key(&p)) {
+                        for i in range {
+                            m.engine.insert(engine(t, w, block(c, i)), block(c, i));
+                        }
+                    }
+                } else {
+                    for i in range {
+                        m.engine.remove(&engine(t, w, block(c, i)));
+                    }
+                }
+            }
+        }
+        let cands: Vec<WorkerKey> = (0..=SHARED).map(wk).collect();
+        for c in 0..CHAINS {
+            let q: Vec<u64> = (0..CHAIN_LEN).map(|i| block(c, i)).collect();
+            let want: Vec<usize> = (0..=SHARED)
+                .map(|w| q.iter().take_while(|h| model[&w].holds(**h, 0)).count())
+                .collect();
+            assert_eq!(idx.lookup(&q, &cands, Instant::now()), want, "chain {c}");
+        }
+        for (w, m) in &model {
+            assert_eq!(idx.precise_len(wk(*w)), m.engine.len(), "worker {w}");
+            for (e, h) in &m.engine {
+                assert_eq!(idx.engine_block(wk(*w), *e), Some(*h));
+            }
+        }
+        assert_eq!(idx.len(), model_pairs(&model, 0));
+        for w in 0..=SHARED {
+            idx.clear_worker(wk(w));
+        }
+        assert!(idx.is_empty());
+        assert_eq!(idx.runs(), 0);
     }
 
     /// Writers and readers at once: every worker keeps its first 25 blocks from

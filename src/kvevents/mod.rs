@@ -94,7 +94,7 @@ impl KvEventSink for PrefixIndex {
         PrefixIndex::store_engine_chain(self, worker, parent, blocks, now)
     }
     fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
-        PrefixIndex::remove_engine_blocks(self, worker, engine_hashes)
+        PrefixIndex::remove_engine_blocks(self, worker, engine_hashes);
     }
     fn clear_worker(&self, worker: WorkerKey) {
         PrefixIndex::clear_worker(self, worker)
@@ -123,11 +123,7 @@ impl KvEventSink for Scheduler {
         self.settle_provisional(worker, &ours);
     }
     fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
-        let ours: Vec<u64> = engine_hashes
-            .iter()
-            .filter_map(|&e| self.index().engine_block(worker, e))
-            .collect();
-        self.index().remove_engine_blocks(worker, engine_hashes);
+        let ours = self.index().remove_engine_blocks(worker, engine_hashes);
         self.settle_provisional(worker, &ours);
     }
     fn clear_worker(&self, worker: WorkerKey) {

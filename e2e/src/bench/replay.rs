@@ -304,6 +304,8 @@ pub struct RequestFigures {
     pub ahead_tokens: usize,
     /// Requests routed to that worker and not finished, at arrival.
     pub in_flight: usize,
+    /// Mean over the workers of requests routed and not finished, at arrival.
+    pub pool_in_flight: f64,
     /// Its prompt tokens.
     pub input_tokens: usize,
     /// Its prompt blocks.
@@ -318,16 +320,17 @@ pub struct RequestFigures {
 
 impl RequestFigures {
     const CSV_HEADER: &'static str = "request,worker,arrival_ms,ahead,ahead_tokens,in_flight,\
-        input_tokens,blocks,hit_blocks,wait_ms,prefill_ms,ttft_ms";
+        pool_in_flight,input_tokens,blocks,hit_blocks,wait_ms,prefill_ms,ttft_ms";
 
     fn csv_row(&self, index: usize) -> String {
         format!(
-            "{index},{},{:.3},{},{},{},{},{},{},{:.3},{:.3},{:.3}",
+            "{index},{},{:.3},{},{},{},{:.3},{},{},{},{:.3},{:.3},{:.3}",
             self.worker,
             self.arrival_ms,
             self.ahead,
             self.ahead_tokens,
             self.in_flight,
+            self.pool_in_flight,
             self.input_tokens,
             self.blocks,
             self.hit_blocks,
@@ -1162,6 +1165,8 @@ pub fn simulate(
                 let views = sim.views();
                 let w = policy.route(r, &trace[r], &views, now);
                 sim.routed_to[r] = w;
+                let pool_in_flight = sim.workers.iter().map(|w| w.in_flight).sum::<usize>() as f64
+                    / sim.workers.len() as f64;
                 let worker = &sim.workers[w];
                 let ahead = worker.queue.iter().chain(worker.prefilling.iter());
                 sim.requests[r] = RequestFigures {
@@ -1170,6 +1175,7 @@ pub fn simulate(
                     ahead: ahead.clone().count(),
                     ahead_tokens: ahead.map(|&q| trace[q].input_length).sum(),
                     in_flight: worker.in_flight,
+                    pool_in_flight,
                     input_tokens: trace[r].input_length,
                     blocks: trace[r].hash_ids.len(),
                     ..RequestFigures::default()
@@ -1489,6 +1495,7 @@ mod tests {
         // waited (from 1 ms) until request 0 finished.
         let r1 = f.requests[1];
         assert_eq!((r1.ahead, r1.ahead_tokens, r1.in_flight), (1, 1024, 1));
+        assert_eq!(r1.pool_in_flight, 1.0, "one worker: its count is the mean");
         assert_eq!((r1.arrival_ms, r1.hit_blocks, r1.blocks), (1.0, 0, 2));
         assert!((r1.wait_ms - ((prefill + decode) as f64 / 1000.0 - 1.0)).abs() < 1e-9);
         assert!((r1.prefill_ms - prefill as f64 / 1000.0).abs() < 1e-9);
@@ -1510,7 +1517,7 @@ mod tests {
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines.len(), 3, "{csv}");
         assert!(
-            lines[2].starts_with("1,0,1.000,1,1024,1,1024,2,0,"),
+            lines[2].starts_with("1,0,1.000,1,1024,1,1.000,1024,2,0,"),
             "{csv}"
         );
     }
