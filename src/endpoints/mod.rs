@@ -5,6 +5,7 @@
 //! (kvpick's own in-flight counts and scraped engine metrics) lives in
 //! [`EndpointState`] and survives a replace for endpoints whose identity did not change.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
@@ -17,6 +18,7 @@ use serde::Deserialize;
 use tokio::sync::watch;
 
 use crate::health::PassiveHealth;
+use crate::kv::index::KeyHash;
 use scrape_cell::{Scrape, ScrapeCell};
 
 mod scrape_cell;
@@ -355,8 +357,15 @@ impl EndpointState {
         }
     }
 
-    /// Records freshly scraped load.
+    /// Records freshly scraped load. Queue and running counts below zero (or
+    /// NaN) are stored as zero: the pick's cost bounds rely on no figure being
+    /// negative.
     pub fn set_scraped(&self, load: ScrapedLoad) {
+        let load = ScrapedLoad {
+            queue: load.queue.max(0.0),
+            running: load.running.max(0.0),
+            ..load
+        };
         self.scrape.update(|_| Scrape {
             load: Some(load),
             failed_at: None,
@@ -439,16 +448,53 @@ impl Drop for InFlightGuard {
 /// An immutable view of the endpoint set at one moment.
 #[derive(Debug, Default)]
 pub struct Snapshot {
-    /// All ready endpoints, in a stable order (by address).
+    /// All ready endpoints, in a stable order (by address, each address once).
     pub endpoints: Vec<Arc<EndpointState>>,
+    /// Instance id → position of the first endpoint with it, built once per
+    /// set, so a worker key names its endpoint without a pass over the pool.
+    instances: HashMap<u64, u32, KeyHash>,
+    /// No two endpoints share an instance id.
+    unique_instances: bool,
 }
 
 impl Snapshot {
-    /// Finds a ready endpoint by instance id.
+    /// The view of `endpoints`, sorted by address with each address once.
+    fn new(endpoints: Vec<Arc<EndpointState>>) -> Self {
+        let mut instances = HashMap::with_capacity_and_hasher(endpoints.len(), KeyHash::default());
+        let mut unique_instances = true;
+        for (i, e) in endpoints.iter().enumerate() {
+            match instances.entry(e.instance_id) {
+                Entry::Vacant(v) => {
+                    v.insert(i as u32);
+                }
+                Entry::Occupied(_) => unique_instances = false,
+            }
+        }
+        Snapshot {
+            endpoints,
+            instances,
+            unique_instances,
+        }
+    }
+
+    /// Finds a ready endpoint by instance id (the first, if several share it).
     pub fn by_instance(&self, instance_id: u64) -> Option<&Arc<EndpointState>> {
+        let i = *self.instances.get(&instance_id)?;
+        self.endpoints.get(i as usize)
+    }
+
+    /// Whether no two endpoints share an instance id (then
+    /// [`Snapshot::by_instance`] finds the only one).
+    pub fn unique_instances(&self) -> bool {
+        self.unique_instances
+    }
+
+    /// Finds a ready endpoint by address.
+    pub fn by_address(&self, address: &SocketAddr) -> Option<&Arc<EndpointState>> {
         self.endpoints
-            .iter()
-            .find(|e| e.endpoint.instance_id == instance_id)
+            .binary_search_by(|e| e.endpoint.address.cmp(address))
+            .ok()
+            .map(|i| &self.endpoints[i])
     }
 }
 
@@ -508,7 +554,7 @@ impl EndpointTable {
             })
             .map(|s| s.endpoint.clone())
             .collect();
-        self.current.store(Arc::new(Snapshot { endpoints: next }));
+        self.current.store(Arc::new(Snapshot::new(next)));
         self.synced.send_replace(true);
         removed
     }
@@ -547,6 +593,52 @@ mod tests {
         assert_eq!(second.endpoints[0].in_flight(0), 1);
         drop(guard);
         assert_eq!(second.endpoints[0].in_flight(0), 0);
+    }
+
+    #[test]
+    fn a_snapshot_finds_endpoints_by_instance_and_address_and_knows_shared_ids() {
+        let table = EndpointTable::new();
+        table.replace(vec![ep("10.0.0.2:8000"), ep("10.0.0.1:8000")]);
+        let snap = table.snapshot();
+        assert!(snap.unique_instances());
+        for e in &snap.endpoints {
+            let by_id = snap.by_instance(e.endpoint.instance_id).unwrap();
+            assert!(Arc::ptr_eq(by_id, e));
+            assert!(Arc::ptr_eq(
+                snap.by_address(&e.endpoint.address).unwrap(),
+                e
+            ));
+        }
+        assert!(snap.by_instance(7).is_none());
+        assert!(snap.by_address(&"10.0.0.3:8000".parse().unwrap()).is_none());
+        let mut twin = ep("10.0.0.3:8000");
+        twin.instance_id = snap.endpoints[0].endpoint.instance_id;
+        table.replace(vec![ep("10.0.0.1:8000"), twin]);
+        let snap = table.snapshot();
+        assert!(!snap.unique_instances());
+        let first = snap.by_instance(snap.endpoints[0].endpoint.instance_id);
+        assert!(Arc::ptr_eq(first.unwrap(), &snap.endpoints[0]));
+    }
+
+    #[test]
+    fn scraped_counts_below_zero_are_stored_as_zero() {
+        let state = EndpointState::new(ep("10.0.0.1:8000"));
+        let t0 = Instant::now();
+        state.set_scraped(ScrapedLoad {
+            queue: -3.0,
+            running: f64::NAN,
+            kv_usage: 0.5,
+            block_size: None,
+            num_blocks: None,
+            at: t0,
+        });
+        let figures = LoadFigures {
+            queue: 0.0,
+            running: 0.0,
+            kv_usage: 0.5,
+        };
+        let max_age = std::time::Duration::from_secs(5);
+        assert_eq!(state.load_view(t0, max_age), LoadView::Fresh(figures));
     }
 
     #[test]

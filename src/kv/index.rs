@@ -60,6 +60,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1635,6 +1636,57 @@ impl Overlaps {
             .iter()
             .map(|(k, s)| (*k, self.visible(*s)))
             .filter(|(_, d)| *d > 0)
+    }
+
+    /// How many holder levels the walk found: level 0 holds the prompt's first
+    /// block, each next level is a subset of the one before that holds more.
+    pub fn levels(&self) -> usize {
+        self.levels.len()
+    }
+
+    /// The most leading blocks a worker of level `k` holds (fewer for one whose
+    /// expired entries were recounted; 0 past the last level).
+    pub fn level_depth(&self, k: usize) -> usize {
+        self.levels.get(k).map_or(0, |(_, d)| *d as usize)
+    }
+
+    /// Calls `f` with each worker of level `k` that is in no deeper level (those
+    /// whose overlap is at most [`Overlaps::level_depth`]`(k)` and more than the
+    /// level below's), starting at a place chosen by `start` and wrapping around,
+    /// until `f` breaks. Costs the level's set, not the index's workers.
+    pub fn try_for_each_at_level(
+        &self,
+        k: usize,
+        start: u64,
+        mut f: impl FnMut(WorkerKey) -> ControlFlow<()>,
+    ) -> ControlFlow<()> {
+        let Some((set, _)) = self.levels.get(k) else {
+            return ControlFlow::Continue(());
+        };
+        let deeper = self.levels.get(k + 1).map(|(s, _)| s);
+        let mut visit = |slot: u32| match self.keys.get(slot as usize) {
+            Some(Some(worker)) if !deeper.is_some_and(|d| d.contains(slot)) => f(*worker),
+            _ => ControlFlow::Continue(()),
+        };
+        match set {
+            SlotSet::Few(v) if v.is_empty() => ControlFlow::Continue(()),
+            SlotSet::Few(v) => {
+                let (tail, head) = v.split_at(start as usize % v.len());
+                head.iter().chain(tail).try_for_each(|s| visit(*s))
+            }
+            SlotSet::Many { words, .. } if words.is_empty() => ControlFlow::Continue(()),
+            SlotSet::Many { words, .. } => {
+                let from = start as usize % words.len();
+                (from..words.len()).chain(0..from).try_for_each(|i| {
+                    let mut bits = words[i];
+                    while bits != 0 {
+                        visit((i * 64) as u32 + bits.trailing_zeros())?;
+                        bits &= bits - 1;
+                    }
+                    ControlFlow::Continue(())
+                })
+            }
+        }
     }
 
     fn visible(&self, slot: u32) -> usize {

@@ -11,7 +11,6 @@ use rand::Rng;
 
 use super::{Scheduler, Target};
 use crate::endpoints::{EndpointState, LoadView, WorkerKey};
-use crate::kv::hash::PromptBlocks;
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
 /// The defaults (1, 0.1, 0.25, 1) come from replaying the public synthetic
@@ -48,6 +47,7 @@ impl Default for Weights {
 }
 
 /// One candidate (worker, rank).
+#[derive(Clone, Copy)]
 pub(super) struct Cand<'a> {
     pub(super) ep: &'a Arc<EndpointState>,
     pub(super) rank: u32,
@@ -114,6 +114,20 @@ impl Scheduler {
     /// Queued requests count at the blocks they have left to prefill (the mean
     /// uncached blocks of the requests kvpick has in flight there), the work
     /// this request waits behind.
+    /// The least [`Scheduler::cost_terms`] total of any candidate left
+    /// `new_blocks` to prefill at prefill weight `w_prefill`: its prefill
+    /// term's floor, every other term being at least zero (scraped figures are
+    /// stored non-negative). `None` when a weight is negative (or NaN), so no
+    /// such floor holds. The pick skips candidates on this bound: a term that
+    /// can go below zero must lower it.
+    pub(super) fn cost_floor(&self, new_blocks: usize, w_prefill: f64) -> Option<f64> {
+        let w = &self.config.weights;
+        [w_prefill, w.decode, w.queue, w.kv_usage]
+            .iter()
+            .all(|w| *w >= 0.0)
+            .then_some(w_prefill * new_blocks as f64)
+    }
+
     #[inline(always)]
     pub(super) fn cost_terms(
         &self,
@@ -173,33 +187,9 @@ impl Scheduler {
         }
     }
 
-    /// Index of the chosen candidate: argmin of the cost with a uniform random
-    /// tie-break (one pass, no allocation), or softmax sampling when a
-    /// temperature is set. `now` is coded by [`Epoch::process`](crate::time::Epoch::process).
-    pub(super) fn choose(
-        &self,
-        cands: &[Cand<'_>],
-        overlap: &impl Fn(&Cand<'_>) -> usize,
-        prompt: &PromptBlocks,
-        size: u64,
-        w_prefill: f64,
-        now: i64,
-    ) -> usize {
-        let costs = cands.iter().map(|c| {
-            let new_blocks = prompt.uncached(overlap(c));
-            self.cost_terms(c, new_blocks, size, w_prefill, now).total()
-        });
-        let temperature = self.config.temperature;
-        if temperature > 0.0 {
-            pick_index(&costs.collect::<Vec<_>>(), temperature, &mut rand::rng())
-        } else {
-            argmin(costs, self.tie_break_seed())
-        }
-    }
-
     /// The seed of one argmin tie-break: the next draw of the configured
     /// sequence, else a random one.
-    fn tie_break_seed(&self) -> u64 {
+    pub(super) fn tie_break_seed(&self) -> u64 {
         match self.config.tie_break_seed {
             Some(seed) => draw(
                 seed,
@@ -244,29 +234,59 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
     argmin(costs.iter().copied(), rng.random())
 }
 
-/// Index of the least cost in one pass; costs within 1e-9 of the least tie and
-/// one of them wins uniformly: each tied index gets a pseudo-random draw from
-/// `seed` and the least draw wins (no generator call per tie). NaN never wins;
-/// 0 when every cost is NaN or there is none.
+/// Index of the least cost in one pass (see [`Least`]); 0 when every cost is
+/// NaN or there is none.
 fn argmin(costs: impl Iterator<Item = f64>, seed: u64) -> usize {
-    let mut best = 0;
-    let mut least = f64::INFINITY;
-    let mut best_draw = u64::MAX;
+    let mut least = Least::new(seed);
     for (i, c) in costs.enumerate() {
-        if c < least - 1e-9 {
-            least = c;
-            best = i;
-            best_draw = draw(seed, i);
-        } else if c <= least + 1e-9 {
-            least = least.min(c);
-            let d = draw(seed, i);
-            if d < best_draw {
-                best = i;
-                best_draw = d;
+        least.offer(i, c);
+    }
+    least.best.unwrap_or(0)
+}
+
+/// The least cost offered so far: costs within 1e-9 of the least tie and one
+/// of them wins uniformly (each tied offer gets a pseudo-random draw from the
+/// seed and the least draw wins: no generator call per tie). NaN never wins.
+pub(super) struct Least<T> {
+    /// The winner so far.
+    pub(super) best: Option<T>,
+    /// Its cost (infinite before any offer).
+    pub(super) cost: f64,
+    draw: u64,
+    seed: u64,
+    offers: usize,
+}
+
+impl<T> Least<T> {
+    /// Nothing offered yet; ties broken by draws from `seed`.
+    pub(super) fn new(seed: u64) -> Self {
+        Least {
+            best: None,
+            cost: f64::INFINITY,
+            draw: u64::MAX,
+            seed,
+            offers: 0,
+        }
+    }
+
+    /// Offers `item` at `cost`.
+    #[inline]
+    pub(super) fn offer(&mut self, item: T, cost: f64) {
+        let i = self.offers;
+        self.offers += 1;
+        if cost < self.cost - 1e-9 {
+            self.cost = cost;
+            self.best = Some(item);
+            self.draw = draw(self.seed, i);
+        } else if cost <= self.cost + 1e-9 {
+            self.cost = self.cost.min(cost);
+            let d = draw(self.seed, i);
+            if d < self.draw {
+                self.best = Some(item);
+                self.draw = d;
             }
         }
     }
-    best
 }
 
 /// A pseudo-random value for index `i` under `seed` (SplitMix64's finaliser).

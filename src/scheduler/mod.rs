@@ -19,6 +19,7 @@
 //! and its size added to their active load until [`Scheduler::finish`] (the
 //! part left to prefill until [`Scheduler::prefill_done`]).
 
+mod candidates;
 mod cost;
 mod decision;
 mod explain;

@@ -12,6 +12,8 @@
 //! index holds it now; removed: the worker evicted it), so it never outlives
 //! what the worker reports; the TTL only bounds entries whose events never come.
 
+use std::iter::Peekable;
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use super::cost::Cand;
@@ -37,6 +39,52 @@ impl PromptOverlaps {
         self.provisional
             .as_ref()
             .map_or(held, |p| held.max(p.get(c.key)))
+    }
+}
+
+impl PromptOverlaps {
+    /// The holder levels of both answers, deepest first: a worker's overlap is
+    /// at most the depth of the first level it is found in, and a worker found
+    /// in none holds nothing of the prompt.
+    pub(super) fn levels_deepest_first(&self) -> impl Iterator<Item = HolderLevel<'_>> {
+        let (mut a, mut b): (Peekable<_>, Peekable<_>) = (
+            deepest_first(&self.index).peekable(),
+            self.provisional.iter().flat_map(deepest_first).peekable(),
+        );
+        std::iter::from_fn(move || match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if y.depth > x.depth => b.next(),
+            (Some(_), _) => a.next(),
+            (None, _) => b.next(),
+        })
+    }
+}
+
+/// The holder levels of one answer, deepest first.
+fn deepest_first(of: &Overlaps) -> impl Iterator<Item = HolderLevel<'_>> {
+    (0..of.levels()).rev().map(move |k| HolderLevel {
+        of,
+        k,
+        depth: of.level_depth(k),
+    })
+}
+
+/// One holder level of one answer (see [`PromptOverlaps::levels_deepest_first`]).
+pub(super) struct HolderLevel<'a> {
+    of: &'a Overlaps,
+    k: usize,
+    /// The most leading blocks its workers hold.
+    pub(super) depth: usize,
+}
+
+impl HolderLevel<'_> {
+    /// Calls `f` with the level's workers that are in no deeper level of the
+    /// same answer, from a place chosen by `start`, until `f` breaks.
+    pub(super) fn try_for_each(
+        &self,
+        start: u64,
+        f: impl FnMut(WorkerKey) -> ControlFlow<()>,
+    ) -> ControlFlow<()> {
+        self.of.try_for_each_at_level(self.k, start, f)
     }
 }
 

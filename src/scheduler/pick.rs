@@ -1,13 +1,15 @@
 //! The pick: candidates → session pin → hash → lookup → score → book.
 
 use std::net::SocketAddr;
+use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Instant;
 
 use rand::Rng;
 
-use super::cost::Cand;
+use super::candidates::{Pool, Side};
+use super::cost::{pick_index, Cand, Least};
+use super::overlap::PromptOverlaps;
 use super::{Decision, FilteredOut, PickError, PickRequest, Scheduler, Stage};
 use crate::endpoints::{ActiveLoad, EndpointState, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
@@ -33,37 +35,13 @@ impl Scheduler {
         }
         // Coded once: every per-endpoint time check below compares integers.
         let tick = Epoch::process().encode(now);
-        let (decode, prefill) = self.candidates(req, snapshot, tick)?;
-        let (decode, prefill) = (decode.as_slice(), prefill.as_slice());
-        if decode.is_empty() {
-            return Err(PickError::NoDecodeEndpoint);
-        }
+        let pool = Pool::new(req, snapshot, tick)?;
 
         let (session, pinned, pinned_prefill) = {
             let _t = self.stats.time(Stage::Session);
             let mut session = SessionTurn::of(req.body, req.session_id);
-            // A worker the subset hint leaves out is still the session's: the
-            // turn goes within the subset but neither moves nor re-binds the
-            // session (a caller cannot re-home someone's session by naming a
-            // worker of its choice).
-            let outside_subset = |k: WorkerKey| {
-                req.subset.is_some()
-                    && snapshot.endpoints.iter().any(|e| {
-                        e.serves_decode()
-                            && e.endpoint.instance_id == k.instance_id
-                            && k.dp_rank < e.ranks()
-                            && e.health().available_at(tick)
-                    })
-            };
             let pins = match session.as_mut() {
-                Some(turn) => self.pinned(
-                    turn,
-                    req.session_token,
-                    decode,
-                    prefill,
-                    outside_subset,
-                    now,
-                ),
+                Some(turn) => self.pinned(turn, req.session_token, &pool, now),
                 None => Some((None, None)),
             };
             match pins {
@@ -86,28 +64,29 @@ impl Scheduler {
             let _t = self.stats.time(Stage::Lookup);
             self.overlaps(hashes, now)
         };
-        let overlap_of = |c: &Cand<'_>| overlaps.as_ref().map_or(0, |o| o.get(c));
+        let scoring = Scoring {
+            pool: &pool,
+            overlaps: overlaps.as_ref(),
+            prompt: &prompt,
+            size: load_blocks,
+            now: tick,
+        };
 
-        let (di, overlap, pi) = {
+        let (d, overlap, p) = {
             let _t = self.stats.time(Stage::Score);
             let w = self.config.weights;
-            let di = match pinned {
-                Some(i) => i,
-                None => self.choose(decode, &overlap_of, &prompt, load_blocks, w.prefill, tick),
+            let d = match pinned {
+                Some(c) => c,
+                None => self
+                    .choose(&scoring, Side::Decode, w.prefill)
+                    .ok_or(PickError::NoDecodeEndpoint)?,
             };
-            let pi = (!prefill.is_empty()).then(|| {
-                pinned_prefill.unwrap_or_else(|| {
-                    self.choose(
-                        prefill,
-                        &overlap_of,
-                        &prompt,
-                        load_blocks,
-                        w.prefill_overlap,
-                        tick,
-                    )
-                })
-            });
-            (di, overlap_of(&decode[di]), pi)
+            let p = match req.body {
+                Some(_) => pinned_prefill
+                    .or_else(|| self.choose(&scoring, Side::Prefill, w.prefill_overlap)),
+                None => None,
+            };
+            (d, scoring.overlap(&d), p)
         };
 
         self.stats
@@ -121,7 +100,7 @@ impl Scheduler {
             .map_or(0, |b| self.expected_decode_blocks(b))
             .min(cap - load_blocks);
         let uncached_blocks = (prompt.uncached(overlap) as u64).min(load_blocks);
-        let prefill_target = pi.map(|i| prefill[i].target());
+        let prefill_target = p.map(|c| c.target());
         let bootstrap_port = prefill_target.as_ref().and_then(|p| {
             let ep = &p.endpoint.endpoint;
             ep.bootstrap_port.or_else(|| {
@@ -132,7 +111,7 @@ impl Scheduler {
         });
         let bootstrap_room = bootstrap_port.map(|_| rand::rng().random::<u64>() >> 1);
         let decision = Decision {
-            decode: decode[di].target(),
+            decode: d.target(),
             prefill: prefill_target,
             bootstrap_port,
             bootstrap_room,
@@ -145,9 +124,9 @@ impl Scheduler {
             prefilled: Default::default(),
         };
         // Booked from the decision, so `cancel`/`finish` release exactly this.
-        self.record(&decode[di], hashes, decision.decode_load(), now);
-        if let Some(pi) = pi {
-            self.record(&prefill[pi], hashes, decision.prefill_load(), now);
+        self.record(&d, hashes, decision.decode_load(), now);
+        if let Some(p) = p {
+            self.record(&p, hashes, decision.prefill_load(), now);
         }
         Ok(decision)
     }
@@ -187,29 +166,25 @@ impl Scheduler {
     /// The decode candidate (and prefill candidate) a session turn is pinned to,
     /// if any. A binding whose decode worker is gone re-homes the turn (counted);
     /// a prefill rank that is gone is re-scored. `None` when the session's worker
-    /// is live but outside the candidates (`outside`): the request goes without
-    /// its session.
-    fn pinned(
+    /// is live but outside the subset hint: the request goes without its
+    /// session (a caller cannot re-home someone's session by naming a worker of
+    /// its choice).
+    fn pinned<'s>(
         &self,
         turn: &mut SessionTurn,
         token: Option<&str>,
-        decode: &[Cand<'_>],
-        prefill: &[Cand<'_>],
-        outside: impl Fn(WorkerKey) -> bool,
+        pool: &Pool<'s, '_>,
         now: Instant,
-    ) -> Option<(Option<usize>, Option<usize>)> {
-        let ready = |k: WorkerKey| decode.iter().any(|c| c.key == k) || outside(k);
+    ) -> Option<(Option<Cand<'s>>, Option<Cand<'s>>)> {
+        let ready = |k: WorkerKey| pool.get(k, Side::Decode).is_some() || pool.outside_subset(k);
         match self.sessions.pin(turn, token, ready, now) {
             Pin::Ready {
                 decode: d,
                 prefill: p,
-            } => {
-                let d = decode.iter().position(|c| c.key == d)?;
-                Some((
-                    Some(d),
-                    p.and_then(|p| prefill.iter().position(|c| c.key == p)),
-                ))
-            }
+            } => Some((
+                Some(pool.get(d, Side::Decode)?),
+                p.and_then(|p| pool.get(p, Side::Prefill)),
+            )),
             Pin::Rehome => {
                 self.stats.session_repicks.fetch_add(1, Ordering::Relaxed);
                 if turn.rehomed {
@@ -221,50 +196,74 @@ impl Scheduler {
         }
     }
 
-    /// One candidate per (endpoint, rank) the request may go to, decode and
-    /// prefill ones apart (the roles are disjoint; prefill workers only matter
-    /// for a body): in the subset hint if any; passively ejected endpoints sit
-    /// out unless every one is ejected (then all are tried rather than none).
-    /// One pass over the endpoints (a second only when every one is ejected),
-    /// each endpoint's health read once, at `now` coded by [`Epoch::process`].
-    fn candidates<'s>(
-        &self,
-        req: &PickRequest<'_>,
-        snapshot: &'s Snapshot,
-        now: i64,
-    ) -> Result<(Vec<Cand<'s>>, Vec<Cand<'s>>), PickError> {
-        let mut decode = Vec::with_capacity(snapshot.endpoints.len());
-        let mut prefill = Vec::new();
-        let (mut any, mut any_ejected) = (false, false);
-        let subset = parsed_subset(req.subset);
-        let subset = subset.as_deref();
-        for ep in &snapshot.endpoints {
-            match excluded(req, subset, ep) {
-                Some(FilteredOut::NotInSubset) => continue,
-                Some(_) => {
-                    any = true;
-                    continue;
+    /// The least costly candidate for `side` (`w_prefill` weighs its prefill),
+    /// uniform among equal costs, or sampled by cost with a temperature; `None`
+    /// when there is none.
+    ///
+    /// Holders of the prompt first, the deepest first: a candidate's cost is at
+    /// least [`Scheduler::cost_floor`] of the blocks it holds, so once the least
+    /// cost found is at most the floor of every candidate not yet scored, the
+    /// others are skipped. Those holding nothing share the floor of the whole
+    /// prompt; they are read from a random endpoint on, until one costs that
+    /// floor. A busy pool's pick thus reads the prompt's holders and a few
+    /// others, not every endpoint.
+    fn choose<'s>(&self, at: &Scoring<'s, '_>, side: Side, w_prefill: f64) -> Option<Cand<'s>> {
+        let cost = |c: &Cand<'_>, overlap: usize| {
+            let new_blocks = at.prompt.uncached(overlap);
+            self.cost_terms(c, new_blocks, at.size, w_prefill, at.now)
+                .total()
+        };
+        let temperature = self.config.temperature;
+        if temperature > 0.0 {
+            let cands: Vec<Cand<'s>> = at.pool.iter(side).collect();
+            let costs: Vec<f64> = cands.iter().map(|c| cost(c, at.overlap(c))).collect();
+            let i = pick_index(&costs, temperature, &mut rand::rng());
+            return cands.get(i).copied();
+        }
+        let seed = self.tie_break_seed();
+        let mut least = Least::new(seed);
+        let floor = |overlap: usize| self.cost_floor(at.prompt.uncached(overlap), w_prefill);
+        let (Some(no_overlap), true) = (floor(0), at.pool.direct()) else {
+            // No floor (a negative weight), or a holder's key may name several
+            // endpoints: score every candidate.
+            for c in at.pool.iter(side) {
+                least.offer(c, cost(&c, at.overlap(&c)));
+            }
+            return least.best;
+        };
+        let start = seed.rotate_left(32);
+        if let Some(o) = at.overlaps {
+            let mut levels = o.levels_deepest_first().peekable();
+            while let Some(level) = levels.next() {
+                let within = floor(level.depth).unwrap_or(no_overlap);
+                let found = level.try_for_each(start, |key| {
+                    if let Some(c) = at.pool.get(key, side) {
+                        least.offer(c, cost(&c, o.get(&c)));
+                    }
+                    match least.cost <= within {
+                        true => ControlFlow::Break(()),
+                        false => ControlFlow::Continue(()),
+                    }
+                });
+                let below = levels.peek().map_or(0, |l| l.depth);
+                if found.is_break() || least.cost <= floor(below).unwrap_or(no_overlap) {
+                    return least.best;
                 }
-                None => any = true,
-            }
-            if !ep.health().available_at(now) {
-                any_ejected = true;
-                continue;
-            }
-            push_ranks(&mut decode, &mut prefill, ep);
-        }
-        if !any && req.subset.is_some() {
-            return Err(PickError::SubsetEmpty);
-        }
-        if any_ejected && decode.is_empty() && prefill.is_empty() {
-            // Every eligible endpoint is ejected: try them all rather than none.
-            for ep in &snapshot.endpoints {
-                if excluded(req, subset, ep).is_none() {
-                    push_ranks(&mut decode, &mut prefill, ep);
-                }
             }
         }
-        Ok((decode, prefill))
+        if least.cost <= no_overlap {
+            return least.best;
+        }
+        // A holder met here costs at most this (its overlap counted as none),
+        // and was offered at its own cost above.
+        for c in at.pool.iter_from(side, start) {
+            let c_cost = cost(&c, 0);
+            least.offer(c, c_cost);
+            if c_cost <= no_overlap {
+                break;
+            }
+        }
+        least.best
     }
 
     /// The target now holds the prompt's blocks (approximate entries, or
@@ -285,25 +284,6 @@ impl Scheduler {
             self.record_prompt(c.key, hashes, now);
         }
         c.ep.book(c.rank, load);
-    }
-}
-
-/// Adds one candidate per rank of `ep` to the list of its role.
-fn push_ranks<'s>(
-    decode: &mut Vec<Cand<'s>>,
-    prefill: &mut Vec<Cand<'s>>,
-    ep: &'s Arc<EndpointState>,
-) {
-    let to = match ep.serves_decode() {
-        true => decode,
-        false => prefill,
-    };
-    for rank in 0..ep.ranks() {
-        to.push(Cand {
-            ep,
-            rank,
-            key: ep.key(rank),
-        });
     }
 }
 
@@ -330,5 +310,22 @@ pub(super) fn excluded(
         Some(FilteredOut::NoBody)
     } else {
         None
+    }
+}
+
+/// What scoring one pick reads: its pool, the prompt's overlaps and size, the
+/// pick's instant (coded by [`Epoch::process`]).
+struct Scoring<'s, 'p> {
+    pool: &'p Pool<'s, 'p>,
+    overlaps: Option<&'p PromptOverlaps>,
+    prompt: &'p hash::PromptBlocks,
+    size: u64,
+    now: i64,
+}
+
+impl Scoring<'_, '_> {
+    /// Leading prompt blocks `c` holds.
+    fn overlap(&self, c: &Cand<'_>) -> usize {
+        self.overlaps.map_or(0, |o| o.get(c))
     }
 }

@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 
 use super::*;
-use crate::endpoints::{Endpoint, EndpointTable};
+use crate::endpoints::{ActiveLoad, Endpoint, EndpointTable, Role, ScrapedLoad};
 
 /// A JSON number, mostly within `0..=max`, else of any magnitude or sign, or
 /// a value of the wrong type.
@@ -118,6 +118,171 @@ proptest! {
             let _ = s.record_response(&d, status.unwrap_or(200), now);
             s.finish_at(&d, *status, now);
             s.maintain(&snap, now);
+        }
+    }
+}
+
+/// One endpoint of an arbitrary pool: whether it shares the previous one's
+/// instance id, data-parallel ranks, role, consecutive failures (3 eject it),
+/// a scrape (queue, running, KV usage), and per rank its booked load and the
+/// prompt blocks it holds in the index and provisionally.
+#[derive(Debug, Clone)]
+struct PoolMember {
+    twin: bool,
+    dp: u32,
+    role: Role,
+    failures: u32,
+    scrape: Option<(f64, f64, f64)>,
+    ranks: Vec<(u64, usize, usize)>,
+}
+
+fn pool_member(depth: usize) -> impl Strategy<Value = PoolMember> {
+    let rank = (
+        prop_oneof![2 => Just(0u64), 3 => 1u64..60],
+        prop_oneof![3 => Just(0usize), 2 => 1..=depth],
+        prop_oneof![6 => Just(0usize), 1 => 1..=depth],
+    );
+    (
+        prop::bool::weighted(0.03),
+        prop_oneof![5 => Just(1u32), 1 => 2u32..=3],
+        prop_oneof![8 => Just(Role::Both), 1 => Just(Role::Decode), 1 => Just(Role::Prefill)],
+        prop_oneof![6 => Just(0u32), 1 => 1u32..=3],
+        prop::option::of((0.0..8.0f64, 0.0..8.0f64, 0.0..1.0f64)),
+        prop::collection::vec(rank, 3),
+    )
+        .prop_map(|(twin, dp, role, failures, scrape, ranks)| PoolMember {
+            twin,
+            dp,
+            role,
+            failures,
+            scrape,
+            ranks,
+        })
+}
+
+/// The least total cost `explain` finds among the open candidates of one side.
+fn least_explained(all: &[CandidateScore], prefill: bool) -> Option<f64> {
+    all.iter()
+        .filter(|c| c.prefill == prefill && c.filtered_out.is_none())
+        .map(|c| c.terms.total())
+        .min_by(f64::total_cmp)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// Whatever the pool (its size, shared instance ids, roles, ranks, health,
+    /// scrapes, load and which prompt blocks each rank holds in the index or
+    /// provisionally, a subset hint or none), the pick's decode and prefill targets cost exactly
+    /// the least `explain` finds by scoring every candidate, and a pick fails
+    /// exactly when `explain` does, with the same error.
+    #[test]
+    fn a_pick_costs_the_least_of_every_candidate(
+        members in prop::collection::vec(pool_member(24), 1..160),
+        subset in prop::option::of(prop::collection::vec(0usize..200, 0..6)),
+        ttl_expired in prop::bool::ANY,
+    ) {
+        let s = Scheduler::default();
+        let t = EndpointTable::new();
+        let addr = |i: usize| format!("10.0.{}.{}:80", i / 256, i % 256);
+        t.replace(
+            members
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    let mut e = Endpoint::new(addr(i).parse().unwrap());
+                    if m.twin && i > 0 {
+                        e.instance_id = crate::identity::instance_id_for(&addr(i - 1));
+                    }
+                    e.dp_size = m.dp;
+                    e.role = m.role;
+                    e
+                })
+                .collect(),
+        );
+        let snap = t.snapshot();
+        let text: String = (0..24).map(|i| format!("{i:>63} ")).collect();
+        let p = crate::request::parse(
+            serde_json::to_vec(&json!({"model": "m", "prompt": text})).unwrap().as_slice(),
+            None,
+        )
+        .unwrap();
+        let hashes = s.block_hashes(&p);
+        let now = Instant::now();
+        let health = crate::health::HealthConfig::default();
+        // Addresses sort as their numbers: the snapshot keeps the members' order.
+        for (ep, m) in snap.endpoints.iter().zip(&members) {
+            for _ in 0..m.failures {
+                ep.health().record(crate::health::Outcome::Failure, now, &health);
+            }
+            if let Some((queue, running, kv_usage)) = m.scrape {
+                ep.set_scraped(ScrapedLoad {
+                    queue,
+                    running,
+                    kv_usage,
+                    block_size: None,
+                    num_blocks: None,
+                    at: now,
+                });
+            }
+            for (rank, &(load, held, provisional)) in m.ranks.iter().take(m.dp as usize).enumerate() {
+                let key = ep.key(rank as u32);
+                ep.book(rank as u32, ActiveLoad { blocks: load, uncached: load / 2 });
+                if held > 0 {
+                    // Entries an hour old, when the test lets them expire.
+                    let at = if ttl_expired && load % 2 == 1 {
+                        now.checked_sub(Duration::from_secs(3600)).unwrap_or(now)
+                    } else {
+                        now
+                    };
+                    s.index().insert(key, &hashes[..held.min(hashes.len())], at);
+                }
+                if provisional > 0 {
+                    s.provisional.insert(key, &hashes[..provisional.min(hashes.len())], now);
+                }
+            }
+        }
+        let subset: Option<Vec<String>> = subset.map(|v| v.iter().map(|&i| addr(i)).collect());
+        let req = PickRequest {
+            body: Some(&p),
+            subset: subset.as_deref(),
+            ..Default::default()
+        };
+        let explained = s.explain(&req, &snap, now);
+        let picked = s.pick_at(&req, &snap, now);
+        match (explained, picked) {
+            (Ok(e), Ok(d)) => {
+                let cost_of = |t: &Target, prefill: bool| {
+                    let address = t.endpoint.endpoint.address_string();
+                    e.candidates
+                        .iter()
+                        .find(|c| {
+                            (c.key, c.prefill) == (t.key(), prefill)
+                                && c.address == address
+                                && c.filtered_out.is_none()
+                        })
+                        .map(|c| c.terms.total())
+                };
+                let least = least_explained(&e.candidates, false).unwrap();
+                let chosen = cost_of(&d.decode, false);
+                prop_assert!(
+                    chosen.is_some_and(|c| (c - least).abs() < 1e-9),
+                    "decode {} costs {chosen:?}, least {least}", d.decode.key()
+                );
+                match (least_explained(&e.candidates, true), &d.prefill) {
+                    (None, None) => {}
+                    (Some(least), Some(p)) => {
+                        let chosen = cost_of(p, true);
+                        prop_assert!(
+                            chosen.is_some_and(|c| (c - least).abs() < 1e-9),
+                            "prefill {} costs {chosen:?}, least {least}", p.key()
+                        );
+                    }
+                    (least, p) => prop_assert!(false, "prefill {p:?}, least {least:?}"),
+                }
+            }
+            (Err(a), Err(b)) => prop_assert_eq!(a, b),
+            (e, d) => prop_assert!(false, "explain {e:?}, pick {d:?}"),
         }
     }
 }
