@@ -4,11 +4,14 @@
 //!   scoring, index insert) for a 32k-token prompt (128 KiB of text, 2,048 blocks)
 //!   over 64 and 1,024 workers, next to the plain fewest-in-flight picker over the
 //!   same snapshot;
-//! - `decision_per_endpoint/*`: the same decision for a 1 KiB prompt every worker
-//!   holds (so every candidate ties on overlap and is scored in full), with the
+//! - `decision_per_endpoint/*`: the same decision for a 1 KiB prompt, with the
 //!   pool size as the throughput: criterion's elements per second are endpoints
-//!   scored per second, its time per element the cost per endpoint; next to the
-//!   fewest-in-flight picker;
+//!   per second, its time per element the cost per endpoint; next to the
+//!   fewest-in-flight picker. In `prefix_1k_bytes` every worker holds the prompt
+//!   and the pool is idle (the pick may stop at the first idle holder); in
+//!   `prefix_1k_bytes_busy` every worker holds it and carries load, so every
+//!   holder is scored; in `unheld_1k_bytes_busy` no worker holds it and every
+//!   one carries load, so every candidate is scored;
 //! - `hash/*` and `lookup/*`: the two prefix stages alone;
 //! - `index_insert`: approximate-mode insert throughput (blocks per second), of
 //!   prompts a worker holds already and of half-new prompts that make it evict;
@@ -25,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{criterion_group, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
-use kvpick::endpoints::{Endpoint, EndpointState, EndpointTable, Snapshot, WorkerKey};
+use kvpick::endpoints::{ActiveLoad, Endpoint, EndpointState, EndpointTable, Snapshot, WorkerKey};
 use kvpick::kv::hash::{model_seed, request_block_hashes};
 use kvpick::kv::index::{IndexConfig, PrefixIndex};
 use kvpick::request::{parse, InferenceRequest};
@@ -142,19 +145,43 @@ fn fewest_in_flight(snap: &Snapshot) -> Option<(Arc<EndpointState>, u32)> {
     best.map(|(_, e, r)| (Arc::clone(e), r))
 }
 
+/// How the pool looks to one benchmarked decision.
+#[derive(Clone, Copy, PartialEq)]
+enum Load {
+    /// No load; some worker holds the prompt.
+    Idle,
+    /// Every worker carries load (1–7 blocks); some worker holds the prompt.
+    Busy,
+    /// Every worker carries load; no worker holds the prompt.
+    BusyUnheld,
+}
+
 /// One decision for `prompt` over `workers` warmed with `conversation` (worker 0
-/// holds it), booked and finished per iteration, next to the fewest-in-flight
-/// picker over the same snapshot.
+/// holds it) and loaded as `load` says, booked and finished per iteration; next
+/// to the fewest-in-flight picker over the same snapshot for an idle pool.
 fn bench_pick(
     g: &mut BenchmarkGroup<'_, WallTime>,
     name: &str,
     workers: usize,
     conversation: &InferenceRequest,
     prompt: &InferenceRequest,
+    load: Load,
 ) {
     let table = pool(workers);
     let snap = table.snapshot();
     let s = warmed(workers, &snap, conversation);
+    if load != Load::Idle {
+        for (i, e) in snap.endpoints.iter().enumerate() {
+            let blocks = 1 + i as u64 % 7;
+            e.book(
+                0,
+                ActiveLoad {
+                    blocks,
+                    uncached: 0,
+                },
+            );
+        }
+    }
     let req = PickRequest {
         body: Some(prompt),
         ..Default::default()
@@ -163,10 +190,13 @@ fn bench_pick(
     if std::ptr::eq(prompt, conversation) {
         assert_eq!(d.decode.key(), snap.endpoints[0].key(0), "prefix wins");
     }
-    assert_eq!(
-        d.overlap_blocks, d.prompt_blocks,
-        "the chosen worker holds it"
-    );
+    match load {
+        Load::BusyUnheld => assert_eq!(d.overlap_blocks, 0, "no worker holds it"),
+        _ => assert_eq!(
+            d.overlap_blocks, d.prompt_blocks,
+            "the chosen worker holds it"
+        ),
+    }
     s.finish(&d, Some(200));
     g.bench_with_input(BenchmarkId::new(name, workers), &workers, |b, _| {
         b.iter(|| {
@@ -175,17 +205,20 @@ fn bench_pick(
             d.overlap_blocks
         })
     });
-    g.bench_with_input(
-        BenchmarkId::new("baseline_fewest_in_flight", workers),
-        &workers,
-        |b, _| b.iter(|| fewest_in_flight(black_box(&snap)).map(|(_, r)| r)),
-    );
+    if load == Load::Idle {
+        g.bench_with_input(
+            BenchmarkId::new("baseline_fewest_in_flight", workers),
+            &workers,
+            |b, _| b.iter(|| fewest_in_flight(black_box(&snap)).map(|(_, r)| r)),
+        );
+    }
 }
 
 fn bench_decision(c: &mut Criterion) {
     let system = text(1, 4 * 1024);
     let conversation = request(&format!("{system}{}", text(7, PROMPT_BYTES - system.len())));
     let short = request(&system[..1024]);
+    let unheld = request(&text(9, 1024));
     let mut g = c.benchmark_group("decision");
     for workers in [64usize, 1024] {
         bench_pick(
@@ -194,13 +227,20 @@ fn bench_decision(c: &mut Criterion) {
             workers,
             &conversation,
             &conversation,
+            Load::Idle,
         );
     }
     g.finish();
     let mut g = c.benchmark_group("decision_per_endpoint");
     for workers in [64usize, 1024] {
         g.throughput(Throughput::Elements(workers as u64));
-        bench_pick(&mut g, "prefix_1k_bytes", workers, &conversation, &short);
+        for (name, prompt, load) in [
+            ("prefix_1k_bytes", &short, Load::Idle),
+            ("prefix_1k_bytes_busy", &short, Load::Busy),
+            ("unheld_1k_bytes_busy", &unheld, Load::BusyUnheld),
+        ] {
+            bench_pick(&mut g, name, workers, &conversation, prompt, load);
+        }
     }
     g.finish();
 
