@@ -11,9 +11,12 @@
 //!    pools, while they are ready; a gone decode worker re-homes the session
 //!    (re-picked, forwarded as an `open`; see [`crate::sessions`]);
 //! 2. hash: the prompt becomes chained prefix block hashes ([`crate::kv::hash`]);
-//! 3. lookup: the prefix index says how many leading blocks each candidate holds;
+//! 3. lookup: the prefix index says which workers hold how many leading blocks;
 //! 4. score: a cost per candidate (see [`Weights`] and `docs/scheduling.md`), argmin
-//!    with a random tie-break, or softmax sampling with a temperature.
+//!    with a random tie-break, or softmax sampling with a temperature. The
+//!    argmin reads the prompt's holders first and skips every candidate whose
+//!    least possible cost is no lower than the best found (see `pick.rs`), so
+//!    in a large pool it seldom reads every endpoint.
 //!
 //! The chosen ranks then get the request's blocks in the index (approximate mode)
 //! and its size added to their active load until [`Scheduler::finish`] (the
