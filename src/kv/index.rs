@@ -169,8 +169,13 @@ struct Worker {
 }
 
 /// Every worker's precise entries: engine hash → where the block is (its kvpick
-/// hash is there).
-type EngineMaps = Map<WorkerKey, BlockTable<Loc>>;
+/// hash is there), and a store's scratch, kept between calls.
+#[derive(Debug, Default)]
+struct Engines {
+    maps: Map<WorkerKey, BlockTable<Loc>>,
+    plan: StorePlan,
+    placed: Vec<(Loc, bool)>,
+}
 
 /// Settings of a [`PrefixIndex`].
 #[derive(Debug, Clone, Copy)]
@@ -251,7 +256,7 @@ pub struct PrefixIndex {
     inner: RwLock<Inner>,
     /// Precise entries, locked before `inner` (never while holding it) by
     /// precise writes and clears, for a whole call.
-    engines: Mutex<EngineMaps>,
+    engines: Mutex<Engines>,
     config: IndexConfig,
     base: Instant,
     entries: AtomicUsize,
@@ -324,12 +329,12 @@ impl PrefixIndex {
     }
 
     /// Runs `f` with the engine maps locked, on `worker`'s slot (a new one with
-    /// `create`) and engine map.
+    /// `create`), its engine map and the store scratch.
     fn with_engine<T>(
         &self,
         worker: WorkerKey,
         create: bool,
-        f: impl FnOnce(u32, &mut BlockTable<Loc>) -> T,
+        f: impl FnOnce(u32, &mut BlockTable<Loc>, &mut StorePlan, &mut Vec<(Loc, bool)>) -> T,
     ) -> Option<T> {
         let mut engines = self.engines.lock();
         let known = self.inner.read().slots.get(&worker).copied();
@@ -338,7 +343,8 @@ impl PrefixIndex {
             None if create => self.write().slot(worker),
             None => return None,
         };
-        Some(f(slot, engines.entry(worker).or_default()))
+        let Engines { maps, plan, placed } = &mut *engines;
+        Some(f(slot, maps.entry(worker).or_default(), plan, placed))
     }
 
     /// The read lock for a lookup: while a writer holds it (one chunk, a few
@@ -509,30 +515,31 @@ impl PrefixIndex {
     ) {
         // Precise entries never expire: `now` is accepted for symmetry with `insert`.
         let _ = now;
-        self.with_engine(worker, true, |slot, e| {
-            self.store_locked(slot, e, parent, blocks)
+        self.with_engine(worker, true, |slot, e, plan, placed| {
+            self.store_locked(slot, e, plan, placed, parent, blocks)
         });
     }
 
-    /// [`PrefixIndex::store_engine_chain`] holding the worker's engine map `e`.
+    /// [`PrefixIndex::store_engine_chain`] holding the worker's engine map `e`
+    /// (and the scratch `plan`, `placed`).
     fn store_locked(
         &self,
         slot: u32,
         e: &mut BlockTable<Loc>,
+        plan: &mut StorePlan,
+        placed: &mut Vec<(Loc, bool)>,
         parent: Option<u64>,
         blocks: &[(u64, u64)],
     ) {
         let mut prev: Option<(u64, Loc)> = None;
-        let mut plan = StorePlan::default();
-        let mut placed = Vec::with_capacity(blocks.len().min(WRITE_CHUNK));
         for (k, chunk) in blocks.chunks(WRITE_CHUNK).enumerate() {
             e.prefetch(chunk.iter().map(|(e, _)| e));
             {
                 let g = self.inner.read();
-                if !self.config.chained {
-                    // Every new block gets a table entry: load those slots now.
-                    g.blocks.prefetch(chunk.iter().map(|(_, h)| h));
-                }
+                // The write looks each new block up in the block table (chained,
+                // to find a run it may start; else to give it an entry): load
+                // those slots now, while lookups can still run.
+                g.blocks.prefetch(chunk.iter().map(|(_, h)| h));
                 if k == 0 {
                     if let Some(p) = parent {
                         let found = e.get(p).and_then(|l| g.hash_at(l).map(|h| (h, l)));
@@ -550,7 +557,7 @@ impl PrefixIndex {
             placed.clear();
             {
                 let mut g = self.write();
-                g.add_holder_runs(&plan.chain, prev, slot, false, &mut placed, &self.entries);
+                g.add_holder_runs(&plan.chain, prev, slot, false, placed, &self.entries);
                 let w = &mut g.workers[slot as usize];
                 for &i in &plan.mapped {
                     let hash = chunk[i].1;
@@ -588,7 +595,7 @@ impl PrefixIndex {
     /// are ignored. Returns the kvpick hashes of the blocks it knew.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) -> Vec<u64> {
         let mut known = Vec::new();
-        self.with_engine(worker, false, |slot, e| {
+        self.with_engine(worker, false, |slot, e, _, _| {
             for chunk in engine_hashes.chunks(WRITE_CHUNK) {
                 e.prefetch(chunk);
                 let locs: Vec<Loc> = chunk.iter().filter_map(|h| e.remove(*h)).collect();
@@ -614,7 +621,7 @@ impl PrefixIndex {
             // The engine maps stay locked until the slot is unlinked: a precise
             // write for this worker then starts on a new slot.
             let mut engines = self.engines.lock();
-            let engine = engines.remove(&worker);
+            let engine = engines.maps.remove(&worker);
             let mut g = self.write();
             let Some(slot) = Arc::make_mut(&mut g.slots).remove(&worker) else {
                 return;
@@ -663,7 +670,7 @@ impl PrefixIndex {
     /// Marks `worker` as fed by KV events (precise) or not. Turning precise on drops
     /// its approximate entries.
     pub fn set_precise(&self, worker: WorkerKey, precise: bool) {
-        let dropped = self.with_engine(worker, true, |slot, e| {
+        let dropped = self.with_engine(worker, true, |slot, e, _, _| {
             let mut g = self.write();
             let w = &mut g.workers[slot as usize];
             if w.precise == precise {
@@ -748,7 +755,7 @@ impl PrefixIndex {
 
     /// The kvpick hash `worker` holds precisely under `engine_hash`.
     pub fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
-        self.with_engine(worker, false, |_, e| {
+        self.with_engine(worker, false, |_, e, _, _| {
             let loc = e.get(engine_hash)?;
             self.inner.read().hash_at(loc)
         })
@@ -757,7 +764,7 @@ impl PrefixIndex {
 
     /// Precise entries (engine blocks) `worker` holds.
     pub fn precise_len(&self, worker: WorkerKey) -> usize {
-        self.engines.lock().get(&worker).map_or(0, |e| e.len())
+        self.engines.lock().maps.get(&worker).map_or(0, |e| e.len())
     }
 
     /// How many leading blocks of `hashes` each worker holds (counting stops at
@@ -856,8 +863,8 @@ impl PrefixIndex {
         // The engine maps before the index's lock (lock order).
         let engines = {
             let e = self.engines.lock();
-            table::<WorkerKey, BlockTable<Loc>>(e.capacity())
-                + e.values().map(BlockTable::heap_bytes).sum::<usize>()
+            table::<WorkerKey, BlockTable<Loc>>(e.maps.capacity())
+                + e.maps.values().map(BlockTable::heap_bytes).sum::<usize>()
         };
         let g = self.inner.read();
         let mut bytes = engines
@@ -969,12 +976,14 @@ impl StorePlan {
         self.released.clear();
         self.released_here.clear();
         self.stopped = None;
-        // One bit per `engine % 64` of the engine hashes mapped in this chunk.
-        let mut in_chunk = 0u64;
+        // One bit per `engine % 1024` of the engine hashes mapped in this chunk
+        // (1,024 bits for [`WRITE_CHUNK`] hashes: a repeat is rarely suspected
+        // wrongly, and a suspected one is checked).
+        let mut in_chunk = [0u64; 16];
         let mut len = map.len();
         for (i, &(engine, hash)) in chunk.iter().enumerate() {
-            let bit = 1u64 << (engine % 64);
-            let earlier = if in_chunk & bit != 0 {
+            let (word, bit) = ((engine >> 6) as usize % 16, 1u64 << (engine % 64));
+            let earlier = if in_chunk[word] & bit != 0 {
                 self.mapped
                     .iter()
                     .rev()
@@ -1007,7 +1016,7 @@ impl StorePlan {
                 }
                 None => len += 1,
             }
-            in_chunk |= bit;
+            in_chunk[word] |= bit;
             self.mapped.push(i);
             self.chain.push(hash);
         }
