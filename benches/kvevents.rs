@@ -183,7 +183,7 @@ fn staleness(c: &mut Criterion) {
             other => panic!("unexpected endpoint {other}"),
         };
         let metrics = KvEventMetrics::register(&Metrics::new("bench"));
-        let events = KvEvents::start(
+        let (events, _ingest) = KvEvents::start(
             Arc::clone(&idx) as Arc<dyn KvEventSink>,
             metrics,
             SubscriberConfig {

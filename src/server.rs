@@ -19,7 +19,7 @@ use crate::config::Args;
 use crate::discovery;
 use crate::endpoints::EndpointTable;
 use crate::extproc::{ExtProcService, Shared};
-use crate::kvevents::subscriber::{KvEventMetrics, KvEvents, SubscriberConfig};
+use crate::kvevents::subscriber::{IngestThread, KvEventMetrics, KvEvents, SubscriberConfig};
 use crate::kvevents::KvEventSink;
 use crate::multimodal::MmRouting;
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -145,16 +145,16 @@ impl App {
     /// Starts precise mode: the KV-event ingest thread feeding the scheduler's
     /// prefix index, and a task keeping one subscriber per (worker, dp rank) of
     /// the endpoint table (checked every `every`); subscribers come and go with
-    /// the endpoint set. Dropping the task stops them.
-    pub fn spawn_kv_events(
-        &self,
-        config: SubscriberConfig,
-        every: Duration,
-    ) -> tokio::task::JoinHandle<()> {
+    /// the endpoint set. [`KvEventsTask::shutdown`] stops them and joins the
+    /// ingest thread; dropping the task stops them without waiting.
+    pub fn spawn_kv_events(&self, config: SubscriberConfig, every: Duration) -> KvEventsTask {
         let metrics = KvEventMetrics::register(&self.metrics);
         let sink: Arc<dyn KvEventSink> = Arc::clone(&self.scheduler) as _;
-        let events = KvEvents::start(sink, metrics, config);
-        tokio::spawn(events.follow(Arc::clone(&self.endpoints), every))
+        let (events, ingest) = KvEvents::start(sink, metrics, config);
+        KvEventsTask {
+            follow: tokio::spawn(events.follow(Arc::clone(&self.endpoints), every)),
+            ingest: Some(ingest),
+        }
     }
 
     /// Runs the scheduler's periodic upkeep (session reaping, index expiry,
@@ -514,9 +514,11 @@ pub async fn run_until(
     let _admission = AbortOnDrop(app.spawn_admission());
     log_mm_routing(&args, image_token);
     let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
-    let _kv_events = args.kv_events().map(|mut c| {
+    // Dropped on an early return (its ingest thread then ends on its own);
+    // shut down and joined after a drain.
+    let kv_events = args.kv_events().map(|mut c| {
         c.image_token = image_token;
-        AbortOnDrop(app.spawn_kv_events(c, KV_EVENTS_FOLLOW_INTERVAL))
+        app.spawn_kv_events(c, KV_EVENTS_FOLLOW_INTERVAL)
     });
     app.metrics.set_scrape_staleness(args.scrape_staleness());
     let table = Arc::clone(&app.endpoints);
@@ -647,7 +649,37 @@ pub async fn run_until(
             );
         }
     }
+    if let Some(k) = kv_events {
+        k.shutdown().await;
+    }
     Ok(())
+}
+
+/// Precise mode's running parts ([`App::spawn_kv_events`]): the task following
+/// the endpoint set (it owns the subscribers) and the ingest thread.
+pub struct KvEventsTask {
+    follow: tokio::task::JoinHandle<()>,
+    ingest: Option<IngestThread>,
+}
+
+impl KvEventsTask {
+    /// Stops every subscriber, then waits for the ingest thread to apply what
+    /// they queued and end (it ends when the last sender of its queue is gone).
+    pub async fn shutdown(mut self) {
+        self.follow.abort();
+        let _ = (&mut self.follow).await;
+        if let Some(ingest) = self.ingest.take() {
+            ingest.join().await;
+        }
+    }
+}
+
+impl Drop for KvEventsTask {
+    /// Stops the subscribers without waiting: the ingest thread then ends on its
+    /// own once their queue closes.
+    fn drop(&mut self) {
+        self.follow.abort();
+    }
 }
 
 /// Aborts a background task when dropped.

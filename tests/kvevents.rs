@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvpick::endpoints::WorkerKey;
 use kvpick::kvevents::decode::{decode_batch, BlockRemoved, BlockStored, KvEvent};
-use kvpick::kvevents::subscriber::{KvEventMetrics, KvEvents, SubscriberConfig, Target};
+use kvpick::kvevents::subscriber::{
+    IngestThread, KvEventMetrics, KvEvents, SubscriberConfig, Target,
+};
 use kvpick::kvevents::{Ingest, KvEventSink};
 use kvpick::request::{
     parse_with, ApiKind, InferenceRequest, ParseOptions, Segment, TemplateInput,
@@ -488,7 +490,7 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     }
 }
 
-fn start(sink: &Arc<MemorySink>, replay_port: Option<u16>) -> KvEvents {
+fn start(sink: &Arc<MemorySink>, replay_port: Option<u16>) -> (KvEvents, IngestThread) {
     let metrics = KvEventMetrics::register(&Metrics::new("test"));
     KvEvents::start(
         Arc::clone(sink) as Arc<dyn KvEventSink>,
@@ -526,11 +528,39 @@ async fn prime(
     }
 }
 
+/// The ingest thread is owned: it applies what was queued, including a stopped
+/// subscription's forget, and ends once the handles and subscriptions are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ingest_thread_ends_once_every_sender_is_gone() {
+    let (mut pub_socket, port) = publisher().await;
+    let sink = Arc::new(MemorySink::default());
+    let (events, ingest) = start(&sink, None);
+    let worker = w(9, 0);
+    let sub = events.subscribe(Target {
+        worker,
+        host: "127.0.0.1".parse().unwrap(),
+        port,
+        replay_port: None,
+    });
+    let a: Vec<u32> = (0..8).collect();
+    let ha = chain(seed_of(MODEL, None), None, &a, BS);
+    let first = batch_array(vec![stored_array(ints(&[1, 2]), Value::Nil, &a)], None);
+    prime(&mut pub_socket, &sink, worker, &first, &ha).await;
+    assert!(sink.precise(worker));
+    sub.stop().await;
+    drop(events);
+    tokio::time::timeout(Duration::from_secs(5), ingest.join())
+        .await
+        .expect("the ingest thread ended");
+    // The forget was applied before the thread ended.
+    assert!(!sink.precise(worker));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loopback_events_reach_the_index_and_gaps_reset() {
     let (mut pub_socket, port) = publisher().await;
     let sink = Arc::new(MemorySink::default());
-    let events = start(&sink, None);
+    let (events, _ingest) = start(&sink, None);
     let worker = w(42, 0);
     let _sub = events.subscribe(Target {
         worker,
@@ -658,7 +688,7 @@ async fn gaps_are_repaired_from_the_replay_socket() {
     });
 
     let sink = Arc::new(MemorySink::default());
-    let events = start(&sink, Some(replay_port));
+    let (events, _ingest) = start(&sink, Some(replay_port));
     let worker = w(7, 0);
     let _sub = events.subscribe(Target {
         worker,
@@ -1312,7 +1342,7 @@ async fn oversized_frames_and_garbage_drop_their_publisher_while_a_good_one_keep
 
     let (mut pub_socket, port) = publisher().await;
     let sink = Arc::new(MemorySink::default());
-    let events = start(&sink, None);
+    let (events, _ingest) = start(&sink, None);
     let good = w(1, 0);
     let localhost: std::net::IpAddr = "127.0.0.1".parse().unwrap();
     let _subs: Vec<_> = [

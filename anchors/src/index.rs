@@ -3,13 +3,12 @@
 //! Three indexes run the same workloads, each cell (index × workload × workers)
 //! in a child process of its own so that RSS growth is the index's alone:
 //! - `kvpick`: [`PrefixIndex`], every worker precise (fed by `store_engine_chain`
-//!   / `remove_engine_blocks`, engine hash = kvpick hash) from 2 threads, each
-//!   applying the events of half the workers (`worker % 2`), as two of kvpick's
-//!   per-publisher subscriber tasks do, and as many threads as Dynamo's event
-//!   threads; looked up with `PrefixIndex::overlaps` (every worker's overlap,
-//!   like Dynamo's `find_matches`; the answer is read per worker in O(log runs
-//!   crossed), as the scheduler does);
-//! - `kvpick-1-thread`: the same, every event applied on one thread;
+//!   / `remove_engine_blocks`, engine hash = kvpick hash) from **one** thread, as
+//!   production applies every KV event on its one `kv-ingest` thread
+//!   (`kvevents::subscriber`: subscriber tasks only receive frames and queue them);
+//!   looked up with `PrefixIndex::overlaps` (every worker's overlap, like Dynamo's
+//!   `find_matches`; the answer is read per worker in O(log runs crossed), as the
+//!   scheduler does);
 //! - `kvpick-read-all`: the same, but each timed lookup also reads every worker's
 //!   overlap from the answer (what the scheduler pays with every worker a
 //!   candidate; Dynamo's timing does not include reading its map);
@@ -41,9 +40,8 @@
 //!   index a different load (one 50 times faster at lookups took 50 times more
 //!   turns at its lock and at the 2 cores, and its ingest figure measured that).
 //!   Dynamo applies events on its `ThreadPoolIndexer`'s 2 threads (the main
-//!   thread only enqueues); `kvpick` on 2 threads (half the workers' swaps
-//!   each), `kvpick-1-thread` on the main thread. `dynamo-radix` is not
-//!   concurrent and sits this one out.
+//!   thread only enqueues); `kvpick` on one writer thread, as production's
+//!   ingest thread. `dynamo-radix` is not concurrent and sits this one out.
 //!
 //! Every cell reports a digest of each query's nonzero overlaps per (worker, rank);
 //! the parent asserts kvpick's equal Dynamo's on every query (churn: on queries
@@ -81,7 +79,7 @@ const PROMPT_BLOCKS: usize = 2048;
 const CHURN_BLOCKS: usize = 32;
 /// Entries of the churn table before churning.
 const CHURN_TABLE: usize = 1_000_000;
-/// Dynamo's event threads, and kvpick's ingest threads (`kvpick`).
+/// Dynamo's event threads.
 const EVENT_THREADS: usize = 2;
 
 /// Options of `kvpick-anchors index`.
@@ -97,7 +95,7 @@ pub struct IndexArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kvpick,kvpick-1-thread,kvpick-read-all,dynamo-crtc,dynamo-radix"
+        default_value = "kvpick,kvpick-read-all,dynamo-crtc,dynamo-radix"
     )]
     indexes: Vec<Impl>,
     /// Upper bound on the (block, worker) entries of one cell.
@@ -145,9 +143,6 @@ enum Kind {
 #[serde(rename_all = "kebab-case")]
 enum Impl {
     Kvpick,
-    #[value(name = "kvpick-1-thread")]
-    #[serde(rename = "kvpick-1-thread")]
-    KvpickOneThread,
     KvpickReadAll,
     DynamoCrtc,
     DynamoRadix,
@@ -157,7 +152,6 @@ impl Impl {
     fn name(self) -> &'static str {
         match self {
             Impl::Kvpick => "kvpick",
-            Impl::KvpickOneThread => "kvpick-1-thread",
             Impl::KvpickReadAll => "kvpick-read-all",
             Impl::DynamoCrtc => "dynamo-crtc",
             Impl::DynamoRadix => "dynamo-radix",
@@ -408,18 +402,12 @@ trait Subject {
     }
     /// The subject if lookups may run from another thread.
     fn concurrent(&self) -> Option<&(dyn Subject + Sync)>;
-    /// Threads the caller applies events on (workers split between them); an
-    /// index with threads of its own takes them all on one.
-    fn ingest_threads(&self) -> usize {
-        1
-    }
 }
 
 struct Kvpick {
     index: PrefixIndex,
     /// Read every one of these workers' overlap in each timed lookup.
     read: Vec<WorkerKey>,
-    threads: usize,
 }
 
 fn key(worker: u64) -> WorkerKey {
@@ -430,7 +418,7 @@ fn key(worker: u64) -> WorkerKey {
 }
 
 impl Kvpick {
-    fn new(workers: usize, read_all: bool, threads: usize) -> Self {
+    fn new(workers: usize, read_all: bool) -> Self {
         let index = PrefixIndex::new(IndexConfig::default());
         for w in 0..workers as u64 {
             index.set_precise(key(w), true);
@@ -440,11 +428,7 @@ impl Kvpick {
         } else {
             Vec::new()
         };
-        Kvpick {
-            index,
-            read,
-            threads,
-        }
+        Kvpick { index, read }
     }
 }
 
@@ -477,9 +461,6 @@ impl Subject for Kvpick {
     }
     fn concurrent(&self) -> Option<&(dyn Subject + Sync)> {
         Some(self)
-    }
-    fn ingest_threads(&self) -> usize {
-        self.threads
     }
 }
 
@@ -679,49 +660,22 @@ fn run_cell(
     };
     let rss0 = rss_bytes();
     let subject: Box<dyn Subject> = match which {
-        Impl::Kvpick => Box::new(Kvpick::new(workers, false, EVENT_THREADS)),
-        Impl::KvpickOneThread => Box::new(Kvpick::new(workers, false, 1)),
-        Impl::KvpickReadAll => Box::new(Kvpick::new(workers, true, EVENT_THREADS)),
+        Impl::Kvpick => Box::new(Kvpick::new(workers, false)),
+        Impl::KvpickReadAll => Box::new(Kvpick::new(workers, true)),
         Impl::DynamoCrtc => Box::new(Crtc::new()),
         Impl::DynamoRadix => Box::new(Radix(std::cell::RefCell::new(RadixTree::new()))),
     };
     let fill_blocks: usize = workload.fill.iter().map(|s| s.blocks.len()).sum();
-    // CPU of the live threads (caller, an index's own threads) plus that of
-    // ingest threads that ended meanwhile, which `/proc/self/task` no longer lists.
+    // CPU of the caller's thread (which applies kvpick's events) and an index's
+    // own threads (Dynamo's event threads).
     let cpu0 = process_cpu_ns();
     let t = Instant::now();
-    let ended_cpu_ns: u64 = match subject.concurrent() {
-        Some(sub) if subject.ingest_threads() > 1 => {
-            let threads = subject.ingest_threads();
-            std::thread::scope(|scope| {
-                let ingest: Vec<_> = (0..threads)
-                    .map(|t| {
-                        let fill = &workload.fill;
-                        scope.spawn(move || {
-                            let cpu0 = SchedStat::now().cpu_ns;
-                            for s in fill.iter().filter(|s| s.worker as usize % threads == t) {
-                                sub.store(s);
-                            }
-                            SchedStat::now().cpu_ns.saturating_sub(cpu0)
-                        })
-                    })
-                    .collect();
-                ingest
-                    .into_iter()
-                    .map(|h| h.join().expect("ingest thread"))
-                    .sum()
-            })
-        }
-        _ => {
-            for s in &workload.fill {
-                subject.store(s);
-            }
-            0
-        }
-    };
+    for s in &workload.fill {
+        subject.store(s);
+    }
     subject.settle();
     let fill_s = t.elapsed().as_secs_f64();
-    let fill_cpu_s = (process_cpu_ns().saturating_sub(cpu0) + ended_cpu_ns) as f64 / 1e9;
+    let fill_cpu_s = process_cpu_ns().saturating_sub(cpu0) as f64 / 1e9;
     let rss_growth = rss_bytes().saturating_sub(rss0);
     let mut report = CellReport {
         index: which.name().into(),
@@ -748,9 +702,9 @@ fn run_cell(
         let cpu0 = process_cpu_ns();
         let origin = Instant::now();
         let trace = args.churn_trace;
-        // The lookup thread and the ingest threads have ended when the CPU time is
-        // read: the live threads' time plus the ingest threads' own is the churn's.
-        let (elapsed, (writes, writers_cpu_ns), (mut times, lookups)) =
+        // The lookup thread and the writer thread have ended when the CPU time is
+        // read: the live threads' time plus the writer's own is the churn's.
+        let (elapsed, (writes, writer_cpu_ns), (mut times, lookups)) =
             std::thread::scope(|scope| {
                 let looker = scope.spawn(|| {
                     let every = Duration::from_micros(args.churn_lookup_every_us);
@@ -776,50 +730,37 @@ fn run_cell(
                     }
                     (times, spans)
                 });
-                let threads = subject.ingest_threads();
                 let t = Instant::now();
-                let writers: Vec<_> = (0..threads)
-                    .map(|k| {
-                        let churn = &workload.churn;
-                        scope.spawn(move || {
-                            let cpu0 = SchedStat::now().cpu_ns;
-                            let mut writes = Vec::new();
-                            for s in churn.iter().filter(|s| s.worker as usize % threads == k) {
-                                if trace {
-                                    writes.push(
-                                        traced(origin, || subject.remove(s.worker, &s.removed)).1,
-                                    );
-                                    writes.push(traced(origin, || subject.store(&s.stored)).1);
-                                } else {
-                                    subject.remove(s.worker, &s.removed);
-                                    subject.store(&s.stored);
-                                }
-                            }
-                            (writes, SchedStat::now().cpu_ns.saturating_sub(cpu0))
-                        })
-                    })
-                    .collect();
-                let mut writes: Vec<Span> = Vec::new();
-                let mut writers_cpu_ns = 0;
-                for w in writers {
-                    let (spans, cpu) = w.join().expect("writer thread");
-                    writes.extend(spans);
-                    writers_cpu_ns += cpu;
-                }
+                // One writer thread, as production's `kv-ingest` thread.
+                let writer = scope.spawn(|| {
+                    let cpu0 = SchedStat::now().cpu_ns;
+                    let mut writes = Vec::new();
+                    for s in &workload.churn {
+                        if trace {
+                            writes.push(traced(origin, || subject.remove(s.worker, &s.removed)).1);
+                            writes.push(traced(origin, || subject.store(&s.stored)).1);
+                        } else {
+                            subject.remove(s.worker, &s.removed);
+                            subject.store(&s.stored);
+                        }
+                    }
+                    (writes, SchedStat::now().cpu_ns.saturating_sub(cpu0))
+                });
+                let (mut writes, writer_cpu_ns) = writer.join().expect("writer thread");
                 writes.sort_unstable_by_key(|w| w.from);
                 subject.settle();
                 let elapsed = t.elapsed();
                 done.store(true, Ordering::Relaxed);
                 (
                     elapsed,
-                    (writes, writers_cpu_ns),
+                    (writes, writer_cpu_ns),
                     looker.join().expect("lookup thread"),
                 )
             });
         if trace {
             report.trace = trace_summary(&writes, &lookups);
         }
-        let churn_cpu_ns = process_cpu_ns().saturating_sub(cpu0) + writers_cpu_ns;
+        let churn_cpu_ns = process_cpu_ns().saturating_sub(cpu0) + writer_cpu_ns;
         report.churn_blocks_per_s = churned as f64 / elapsed.as_secs_f64();
         report.churn_blocks_per_cpu_s = per_cpu_s(churned, churn_cpu_ns as f64 / 1e9);
         report.churn_lookups = times.len();
@@ -1013,7 +954,7 @@ pub fn run(args: IndexArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut md = String::new();
-    md.push_str("Ratios are to Dynamo's `ConcurrentRadixTreeCompressed` (ThreadPoolIndexer, 2 threads) in the same run; below 1× is better for latency and bytes, above 1× for ingest. Ingest per CPU-second divides by the CPU time of the threads that ingested (Dynamo: its 2 event threads and the enqueuing thread; `kvpick`: its 2 ingest threads, each applying half the workers' events; `kvpick-1-thread`: one thread), which does not depend on how many cores each side got on a shared machine.\n");
+    md.push_str("Ratios are to Dynamo's `ConcurrentRadixTreeCompressed` (ThreadPoolIndexer, 2 threads) in the same run; below 1× is better for latency and bytes, above 1× for ingest. Ingest per CPU-second divides by the CPU time of the threads that ingested (Dynamo: its 2 event threads and the enqueuing thread; `kvpick`: its one ingest thread, as production's `kv-ingest` thread), which does not depend on how many cores each side got on a shared machine.\n");
     let mut mismatches = 0usize;
     for kind in &args.workloads {
         let mut notes = Vec::new();

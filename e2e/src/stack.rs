@@ -135,6 +135,8 @@ pub struct Kvpick {
     poll: Duration,
     app: App,
     tasks: Vec<JoinHandle<()>>,
+    /// Precise mode's subscribers and ingest thread.
+    events: Option<kvpick::server::KvEventsTask>,
 }
 
 impl Kvpick {
@@ -159,7 +161,7 @@ impl Kvpick {
     ) -> Result<Kvpick, StackError> {
         let front = TcpListener::bind(addr).await?;
         let addr = front.local_addr()?;
-        let (app, tasks) =
+        let (app, tasks, events) =
             Self::launch(front, &endpoints_file, poll, tls.clone(), precise.as_ref()).await?;
         Ok(Kvpick {
             addr,
@@ -169,6 +171,7 @@ impl Kvpick {
             poll,
             app,
             tasks,
+            events,
         })
     }
 
@@ -178,7 +181,14 @@ impl Kvpick {
         poll: Duration,
         tls: Option<kvpick::tls::ServerTls>,
         precise: Option<&Precise>,
-    ) -> Result<(App, Vec<JoinHandle<()>>), StackError> {
+    ) -> Result<
+        (
+            App,
+            Vec<JoinHandle<()>>,
+            Option<kvpick::server::KvEventsTask>,
+        ),
+        StackError,
+    > {
         let mut app = App::new("e2e");
         let mut events = None;
         if let Some(p) = precise {
@@ -214,9 +224,7 @@ impl Kvpick {
             }
         });
         let proxy = tokio::spawn(tcp_front(front, inner_addr));
-        let mut tasks = vec![grpc, discovery, proxy];
-        tasks.extend(events);
-        Ok((app, tasks))
+        Ok((app, vec![grpc, discovery, proxy], events))
     }
 
     /// The ext_proc address the gateway dials.
@@ -268,13 +276,16 @@ impl Kvpick {
             t.abort();
             let _ = t.await;
         }
+        if let Some(events) = self.events.take() {
+            events.shutdown().await;
+        }
     }
 
     /// Starts a fresh kvpick (new state) on the same address.
     pub async fn restart(&mut self) -> Result<(), StackError> {
         self.stop().await;
         let front = TcpListener::bind(self.addr).await?;
-        let (app, tasks) = Self::launch(
+        let (app, tasks, events) = Self::launch(
             front,
             &self.endpoints_file,
             self.poll,
@@ -284,6 +295,7 @@ impl Kvpick {
         .await?;
         self.app = app;
         self.tasks = tasks;
+        self.events = events;
         Ok(())
     }
 }

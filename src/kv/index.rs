@@ -55,8 +55,10 @@
 //! them in before taking the lock for its next chunk. A precise store plans
 //! each chunk under the read lock (what each block is for its worker, with the
 //! cache misses that costs), changes the runs under the write lock, and
-//! records the new locations in its worker's map after letting it go: the event
-//! subscribers of different workers ingest in parallel but for the run changes.
+//! records the new locations in its worker's map after letting it go. In
+//! production every KV event is applied on one thread (`kvevents::subscriber`'s
+//! `kv-ingest` thread); the other writers are the request path's approximate
+//! inserts and discovery's clears.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};

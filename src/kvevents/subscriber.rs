@@ -396,7 +396,9 @@ pub struct Target {
     pub replay_port: Option<u16>,
 }
 
-/// The running KV-event machinery: the ingest thread and a way to add subscribers.
+/// The running KV-event machinery: the queue into the ingest thread and a way to
+/// add subscribers. Every KV event is applied on that one thread, so the prefix
+/// index has one precise writer ([`IngestThread`]).
 #[derive(Clone)]
 pub struct KvEvents {
     tx: mpsc::Sender<IngestMsg>,
@@ -405,24 +407,26 @@ pub struct KvEvents {
 }
 
 impl KvEvents {
-    /// Starts the ingest thread, which applies events to `sink`.
+    /// Starts the ingest thread, which applies events to `sink`; the caller owns
+    /// it and joins it when it shuts down ([`IngestThread::join`]).
     pub fn start(
         sink: Arc<dyn KvEventSink>,
         metrics: Arc<KvEventMetrics>,
         config: SubscriberConfig,
-    ) -> Self {
+    ) -> (Self, IngestThread) {
         let (tx, rx) = mpsc::channel(config.channel_capacity.max(1));
         let ingest = Ingest::new(sink, config.model.clone()).with_image_token(config.image_token);
         let m = Arc::clone(&metrics);
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("kv-ingest".into())
             .spawn(move || ingest_loop(rx, ingest, m))
             .expect("spawning the kv-ingest thread");
-        KvEvents {
+        let events = KvEvents {
             tx,
             metrics,
             config: Arc::new(config),
-        }
+        };
+        (events, IngestThread(thread))
     }
 
     /// Starts following one stream; the subscriber stops when the handle is dropped.
@@ -438,6 +442,7 @@ impl KvEvents {
             worker,
             task,
             tx: self.tx.clone(),
+            forgotten: false,
         }
     }
 
@@ -482,7 +487,16 @@ impl KvEvents {
         loop {
             tick.tick().await;
             let wanted = self.targets(&table);
-            running.retain(|t, _| wanted.contains(t));
+            let gone: Vec<Target> = running
+                .keys()
+                .filter(|t| !wanted.contains(t))
+                .cloned()
+                .collect();
+            for t in gone {
+                if let Some(sub) = running.remove(&t) {
+                    sub.stop().await;
+                }
+            }
             for t in wanted {
                 if let std::collections::hash_map::Entry::Vacant(slot) = running.entry(t) {
                     let sub = self.subscribe(slot.key().clone());
@@ -493,27 +507,52 @@ impl KvEvents {
     }
 }
 
-/// A running subscriber. Dropping it stops the subscriber and forgets the worker
-/// rank's events (it falls back to approximate mode).
+/// The `kv-ingest` thread, which applies every KV event to the sink. It ends
+/// once every sender of its queue is gone (the [`KvEvents`] handles, their
+/// [`Subscription`]s and subscriber tasks), after applying what was queued.
+#[must_use = "join the ingest thread where its owner shuts down"]
+pub struct IngestThread(std::thread::JoinHandle<()>);
+
+impl IngestThread {
+    /// Waits for the thread to end (a blocking wait, run off the runtime's
+    /// worker threads); a panic on the thread is raised here.
+    pub async fn join(self) {
+        let thread = self.0;
+        match tokio::task::spawn_blocking(move || thread.join()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(panic)) => std::panic::resume_unwind(panic),
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+}
+
+/// A running subscriber. [`Subscription::stop`] stops it and forgets the worker
+/// rank's events (it falls back to approximate mode); dropping it does the same
+/// without waiting for room in the ingest queue (the forget is lost if the
+/// queue is full: dropping is for shutdown, when it no longer matters).
 pub struct Subscription {
     worker: WorkerKey,
     task: JoinHandle<()>,
     tx: mpsc::Sender<IngestMsg>,
+    forgotten: bool,
+}
+
+impl Subscription {
+    /// Stops the subscriber and queues the forget of its worker rank, waiting
+    /// for room in the queue if it is full.
+    pub async fn stop(mut self) {
+        self.task.abort();
+        let worker = self.worker;
+        self.forgotten = self.tx.send(IngestMsg::Forget { worker }).await.is_ok();
+    }
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
         self.task.abort();
-        let tx = self.tx.clone();
-        let worker = self.worker;
-        // Must not be lost even when the queue is momentarily full.
-        if let Err(mpsc::error::TrySendError::Full(msg)) = tx.try_send(IngestMsg::Forget { worker })
-        {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move {
-                    let _ = tx.send(msg).await;
-                });
-            }
+        if !self.forgotten {
+            let worker = self.worker;
+            let _ = self.tx.try_send(IngestMsg::Forget { worker });
         }
     }
 }
