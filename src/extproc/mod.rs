@@ -1,15 +1,18 @@
 //! The ext_proc gRPC service (`envoy.service.ext_proc.v3.ExternalProcessor/Process`).
 //!
-//! Thin glue: each stream runs [`stream::StreamState`] in its own task, so a panic
-//! in one stream ends that stream with an INTERNAL status and never touches others.
+//! Thin glue: each stream drives [`stream::StreamState`] inside its own response
+//! stream (no task of its own), so a panic in one stream ends that stream with an
+//! INTERNAL status and never touches others.
 
 pub mod budget;
 pub mod messages;
 pub mod stream;
 
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
@@ -18,7 +21,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::{FutureExt, Stream, StreamExt};
 use tokio::sync::{mpsc, Semaphore};
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
 
@@ -136,42 +138,73 @@ impl ExternalProcessor for ExtProcService {
         let shared = Arc::clone(&self.shared);
         let metrics = Arc::clone(&shared.metrics);
         let heavy = Arc::clone(&self.heavy);
-        spawn_contained(metrics, tx.clone(), run_stream(shared, heavy, inbound, tx));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let work = run_stream(shared, heavy, inbound, tx);
+        Ok(Response::new(Box::pin(Contained::new(metrics, rx, work))))
     }
 }
 
-/// Runs one stream's work in its own task. A panic there is caught, logged and
-/// counted, and ends only that stream with an INTERNAL status.
-fn spawn_contained<F>(
+/// One stream's responses, and the work that produces them. The work runs when
+/// the server polls the response stream (in the server's own task for that
+/// stream), so it is owned: it ends when the stream does, and dropping the
+/// stream (Envoy gone, shutdown) drops it. A panic in the work is caught,
+/// logged and counted, and ends only this stream, with an INTERNAL status
+/// after the answers already sent.
+struct Contained {
+    work: Option<Pin<Box<dyn Future<Output = std::thread::Result<()>> + Send>>>,
+    answers: mpsc::Receiver<Result<ProcessingResponse, Status>>,
+    failed: Option<Status>,
     metrics: Arc<Metrics>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    work: F,
-) where
-    F: std::future::Future<Output = ()> + Send + 'static,
-{
-    metrics.streams.inc();
-    let span = tracing::debug_span!("ext_proc");
-    tokio::spawn(
-        async move {
-            if let Err(panic) = AssertUnwindSafe(work).catch_unwind().await {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                error!(panic = %what, "ext_proc stream panicked");
-                metrics.stream_panics.inc();
-                let _ = tx
-                    .send(Err(Status::internal(
-                        "kvpick: internal error on this stream",
-                    )))
-                    .await;
-            }
-            metrics.streams.dec();
+}
+
+impl Contained {
+    fn new(
+        metrics: Arc<Metrics>,
+        answers: mpsc::Receiver<Result<ProcessingResponse, Status>>,
+        work: impl Future<Output = ()> + Send + 'static,
+    ) -> Self {
+        metrics.streams.inc();
+        let work = AssertUnwindSafe(work.instrument(tracing::debug_span!("ext_proc")));
+        Contained {
+            work: Some(Box::pin(work.catch_unwind())),
+            answers,
+            failed: None,
+            metrics,
         }
-        .instrument(span),
-    );
+    }
+}
+
+impl Stream for Contained {
+    type Item = Result<ProcessingResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(work) = self.work.as_mut() {
+            if let Poll::Ready(done) = work.as_mut().poll(cx) {
+                // Dropping the work drops its sender: the answers end after
+                // what it queued.
+                self.work = None;
+                if let Err(panic) = done {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    error!(panic = %what, "ext_proc stream panicked");
+                    self.metrics.stream_panics.inc();
+                    self.failed = Some(Status::internal("kvpick: internal error on this stream"));
+                }
+            }
+        }
+        match self.answers.poll_recv(cx) {
+            Poll::Ready(None) => Poll::Ready(self.failed.take().map(Err)),
+            answer => answer,
+        }
+    }
+}
+
+impl Drop for Contained {
+    fn drop(&mut self) {
+        self.metrics.streams.dec();
+    }
 }
 
 async fn run_stream(
@@ -454,17 +487,42 @@ mod tests {
     #[tokio::test]
     async fn a_panicking_stream_ends_with_internal_and_others_go_on() {
         let metrics = Arc::new(Metrics::new("t"));
-        let (tx, mut rx) = mpsc::channel(4);
-        spawn_contained(Arc::clone(&metrics), tx.clone(), async { panic!("boom") });
-        let status = rx.recv().await.unwrap().unwrap_err();
+        let (tx, rx) = mpsc::channel(4);
+        let mut failing = Contained::new(Arc::clone(&metrics), rx, async move {
+            let _ = tx.send(Ok(ProcessingResponse::default())).await;
+            panic!("boom")
+        });
+        assert_eq!(metrics.streams.get(), 1);
+        // What was answered before the panic goes out first, then INTERNAL.
+        assert!(failing.next().await.unwrap().is_ok());
+        let status = failing.next().await.unwrap().unwrap_err();
         assert_eq!(status.code(), tonic::Code::Internal);
+        assert!(failing.next().await.is_none());
         // Another stream still runs and answers normally.
-        let (tx2, mut rx2) = mpsc::channel(4);
-        spawn_contained(Arc::clone(&metrics), tx2.clone(), async move {
+        let (tx2, rx2) = mpsc::channel(4);
+        let mut fine = Contained::new(Arc::clone(&metrics), rx2, async move {
             let _ = tx2.send(Ok(ProcessingResponse::default())).await;
         });
-        assert!(rx2.recv().await.unwrap().is_ok());
+        assert!(fine.next().await.unwrap().is_ok());
+        assert!(fine.next().await.is_none());
         assert_eq!(metrics.stream_panics.get(), 1);
-        drop(tx);
+        drop((failing, fine));
+        assert_eq!(metrics.streams.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn dropping_the_response_stream_drops_its_work() {
+        let metrics = Arc::new(Metrics::new("t"));
+        let (tx, rx) = mpsc::channel(1);
+        let (alive, mut gone) = mpsc::channel::<()>(1);
+        let mut stream = Contained::new(Arc::clone(&metrics), rx, async move {
+            let _alive = alive;
+            let _ = tx.send(Ok(ProcessingResponse::default())).await;
+            std::future::pending::<()>().await
+        });
+        assert!(stream.next().await.unwrap().is_ok());
+        drop(stream);
+        assert!(gone.recv().await.is_none(), "the work outlived its stream");
+        assert_eq!(metrics.streams.get(), 0);
     }
 }

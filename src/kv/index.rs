@@ -45,20 +45,20 @@
 //! A worker marked precise ([`PrefixIndex::set_precise`]) takes no approximate
 //! entries: its events are the truth.
 //!
-//! Concurrency: one reader-writer lock over the runs and the block table, and a
-//! lock per worker over its precise entries (engine hash → location), taken
-//! first. Lookups share the first; writers hold it for at most [`WRITE_CHUNK`]
-//! blocks at a time (large batches, worker clears and purges are cut into
-//! chunks), and take turns at a gate before it, so a lookup waits behind ingest
-//! for at most one chunk, a few microseconds. Waiting lookups spin rather than
-//! sleep (waking a sleeper costs more than a chunk) and say so: a writer lets
-//! them in before taking the lock for its next chunk. A precise store plans
-//! each chunk under the read lock (what each block is for its worker, with the
-//! cache misses that costs), changes the runs under the write lock, and
-//! records the new locations in its worker's map after letting it go. In
-//! production every KV event is applied on one thread (`kvevents::subscriber`'s
-//! `kv-ingest` thread); the other writers are the request path's approximate
-//! inserts and discovery's clears.
+//! Concurrency: one reader-writer lock over the runs and the block table, and
+//! one mutex over the workers' precise entries (engine hash → location), taken
+//! first by precise writes only. In production every KV event is applied on one
+//! thread (`kvevents::subscriber`'s `kv-ingest` thread), so that mutex has one
+//! user but for discovery's clears; the other writers of the runs are the
+//! request path's approximate inserts. Lookups share the lock; writers hold it
+//! for at most [`WRITE_CHUNK`] blocks at a time (large batches, worker clears
+//! and purges are cut into chunks), so a lookup waits behind ingest for at most
+//! one chunk, a few microseconds. Waiting lookups spin rather than sleep
+//! (waking a sleeper costs more than a chunk) and say so: a writer lets them in
+//! before taking the lock for its next chunk. A precise store plans each chunk
+//! under the read lock (what each block is for its worker, with the cache
+//! misses that costs), changes the runs under the write lock, and records the
+//! new locations in its worker's engine map after letting it go.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -67,7 +67,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::endpoints::WorkerKey;
 use crate::kv::lru::Lru;
@@ -161,8 +161,6 @@ struct Worker {
     /// kept non-decreasing per worker.
     oldest: u32,
     last_stamp: u32,
-    /// Precise entries, behind a lock of their own ([`EngineMap`]).
-    engine: Arc<Mutex<EngineMap>>,
     /// Precise entries: extra engine blocks naming a kvpick hash already held
     /// precisely (beyond the first); usually empty.
     extra: Map<u64, u32>,
@@ -171,16 +169,13 @@ struct Worker {
     precise_held: HashSet<u64, KeyHash>,
 }
 
-/// A worker's precise entries: engine hash → where the block is (its kvpick hash
-/// is there). Each worker's map has its own lock, taken before the index's lock
-/// and never while holding it: the map work of stores for different workers
-/// (subscribers on different threads) runs in parallel, outside the write lock.
+/// Every worker's precise entries: engine hash → where the block is (its kvpick
+/// hash is there), and a store's scratch, kept between calls.
 #[derive(Debug, Default)]
-struct EngineMap {
-    map: BlockTable<Loc>,
-    /// Set by [`PrefixIndex::clear_worker`]: the worker's slot is gone, and a
-    /// write that fetched this map before must fetch the worker's again.
-    cleared: bool,
+struct Engines {
+    maps: Map<WorkerKey, BlockTable<Loc>>,
+    plan: StorePlan,
+    placed: Vec<(Loc, bool)>,
 }
 
 /// Settings of a [`PrefixIndex`].
@@ -260,10 +255,9 @@ struct Inner {
 #[derive(Debug)]
 pub struct PrefixIndex {
     inner: RwLock<Inner>,
-    /// Writers take turns here before contending for `inner`: one writer at a
-    /// time waits for the lock, so a second one is never handed it ahead of a
-    /// lookup (a lookup waits for one chunk at most).
-    writers: Mutex<()>,
+    /// Precise entries, locked before `inner` (never while holding it) by
+    /// precise writes and clears, for a whole call.
+    engines: Mutex<Engines>,
     config: IndexConfig,
     base: Instant,
     entries: AtomicUsize,
@@ -291,7 +285,7 @@ impl PrefixIndex {
                 chained: config.chained,
                 ..Inner::default()
             }),
-            writers: Mutex::new(()),
+            engines: Mutex::default(),
             config,
             base: Instant::now(),
             entries: AtomicUsize::new(0),
@@ -311,15 +305,13 @@ impl PrefixIndex {
         }
     }
 
-    /// The write lock, taken after the other writers' turns (the writer gate),
-    /// never while a lookup is spinning for the lock, polled for without
-    /// sleeping, and released fairly (a lookup asleep on it goes before this
-    /// writer's next chunk). A lookup that
-    /// does not take the lock within [`YIELD`] was descheduled while spinning:
-    /// the writer goes on, and does not wait for that one again (waiting for it
-    /// on every chunk burned the writer's CPU until it ran again).
+    /// The write lock, never taken while a lookup is spinning for it, and
+    /// released fairly (a lookup asleep on it goes before this writer's next
+    /// chunk). A lookup that does not take the lock within [`YIELD`] was
+    /// descheduled while spinning: the writer goes on, and does not wait for
+    /// that one again (waiting for it on every chunk burned the writer's CPU
+    /// until it ran again). After [`SPIN`] the writer sleeps on the lock.
     fn write(&self) -> FairWrite<'_> {
-        let gate = self.writers.lock();
         let announced = self.lookups_announced.load(Ordering::SeqCst);
         let mut let_in = announced > self.writers_gave_up_at.load(Ordering::Relaxed);
         let start = Instant::now();
@@ -334,48 +326,26 @@ impl PrefixIndex {
             }
             self.inner.try_write()
         });
-        // Never sleep on the lock either: a sleeping writer bars new readers, so
-        // a lookup would wait for whatever reader the writer waits for (the other
-        // writer's plan, descheduled) and then for this writer's chunk.
-        let guard = spun.unwrap_or_else(|| loop {
-            std::thread::yield_now();
-            if let Some(g) = self.inner.try_write() {
-                break g;
-            }
-        });
-        FairWrite {
-            guard: Some(guard),
-            _gate: gate,
-        }
+        FairWrite(Some(spun.unwrap_or_else(|| self.inner.write())))
     }
 
-    /// `worker`'s engine map, locked, and its slot (a new one with `create`);
-    /// fetched again if it was cleared while this waited for it.
+    /// Runs `f` with the engine maps locked, on `worker`'s slot (a new one with
+    /// `create`), its engine map and the store scratch.
     fn with_engine<T>(
         &self,
         worker: WorkerKey,
         create: bool,
-        f: impl FnOnce(u32, &mut EngineMap) -> T,
+        f: impl FnOnce(u32, &mut BlockTable<Loc>, &mut StorePlan, &mut Vec<(Loc, bool)>) -> T,
     ) -> Option<T> {
-        loop {
-            let (slot, engine) = {
-                let g = self.inner.read();
-                match g.slots.get(&worker) {
-                    Some(&s) => (s, Arc::clone(&g.workers[s as usize].engine)),
-                    None if create => {
-                        drop(g);
-                        let mut g = self.write();
-                        let s = g.slot(worker);
-                        (s, Arc::clone(&g.workers[s as usize].engine))
-                    }
-                    None => return None,
-                }
-            };
-            let mut e = engine.lock();
-            if !e.cleared {
-                return Some(f(slot, &mut e));
-            }
-        }
+        let mut engines = self.engines.lock();
+        let known = self.inner.read().slots.get(&worker).copied();
+        let slot = match known {
+            Some(s) => s,
+            None if create => self.write().slot(worker),
+            None => return None,
+        };
+        let Engines { maps, plan, placed } = &mut *engines;
+        Some(f(slot, maps.entry(worker).or_default(), plan, placed))
     }
 
     /// The read lock for a lookup: while a writer holds it (one chunk, a few
@@ -536,8 +506,7 @@ impl PrefixIndex {
     ///
     /// Each chunk is planned under the read lock (what each block is for this
     /// worker), applied to the runs under the write lock, and recorded in the
-    /// worker's engine map after it: stores for different workers overlap but
-    /// for the run changes.
+    /// worker's engine map after it.
     pub fn store_engine_chain(
         &self,
         worker: WorkerKey,
@@ -547,33 +516,34 @@ impl PrefixIndex {
     ) {
         // Precise entries never expire: `now` is accepted for symmetry with `insert`.
         let _ = now;
-        self.with_engine(worker, true, |slot, e| {
-            self.store_locked(slot, e, parent, blocks)
+        self.with_engine(worker, true, |slot, e, plan, placed| {
+            self.store_locked(slot, e, plan, placed, parent, blocks)
         });
     }
 
-    /// [`PrefixIndex::store_engine_chain`] holding the worker's engine map `e`.
+    /// [`PrefixIndex::store_engine_chain`] holding the worker's engine map `e`
+    /// (and the scratch `plan`, `placed`).
     fn store_locked(
         &self,
         slot: u32,
-        e: &mut EngineMap,
+        e: &mut BlockTable<Loc>,
+        plan: &mut StorePlan,
+        placed: &mut Vec<(Loc, bool)>,
         parent: Option<u64>,
         blocks: &[(u64, u64)],
     ) {
         let mut prev: Option<(u64, Loc)> = None;
-        let mut plan = StorePlan::default();
-        let mut placed = Vec::with_capacity(blocks.len().min(WRITE_CHUNK));
         for (k, chunk) in blocks.chunks(WRITE_CHUNK).enumerate() {
-            e.map.prefetch(chunk.iter().map(|(e, _)| e));
+            e.prefetch(chunk.iter().map(|(e, _)| e));
             {
                 let g = self.inner.read();
-                if !self.config.chained {
-                    // Every new block gets a table entry: load those slots now.
-                    g.blocks.prefetch(chunk.iter().map(|(_, h)| h));
-                }
+                // The write looks each new block up in the block table (chained,
+                // to find a run it may start; else to give it an entry): load
+                // those slots now, while lookups can still run.
+                g.blocks.prefetch(chunk.iter().map(|(_, h)| h));
                 if k == 0 {
                     if let Some(p) = parent {
-                        let found = e.map.get(p).and_then(|l| g.hash_at(l).map(|h| (h, l)));
+                        let found = e.get(p).and_then(|l| g.hash_at(l).map(|h| (h, l)));
                         if found.is_none() && g.chained {
                             return;
                         }
@@ -583,12 +553,12 @@ impl PrefixIndex {
                 let limit = g.workers[slot as usize]
                     .precise_limit
                     .unwrap_or(self.config.default_precise_limit);
-                plan.make(&g, &e.map, chunk, limit);
+                plan.make(&g, e, chunk, limit);
             }
             placed.clear();
             {
                 let mut g = self.write();
-                g.add_holder_runs(&plan.chain, prev, slot, false, &mut placed, &self.entries);
+                g.add_holder_runs(&plan.chain, prev, slot, false, placed, &self.entries);
                 let w = &mut g.workers[slot as usize];
                 for &i in &plan.mapped {
                     let hash = chunk[i].1;
@@ -610,7 +580,7 @@ impl PrefixIndex {
                 g.release_precise(slot, &plan.released, &self.entries);
             }
             for &i in &plan.mapped {
-                e.map.insert(chunk[i].0, placed[i].0);
+                e.insert(chunk[i].0, placed[i].0);
             }
             if let Some(i) = plan.stopped {
                 let dropped = blocks.len() - k * WRITE_CHUNK - i;
@@ -626,10 +596,10 @@ impl PrefixIndex {
     /// are ignored. Returns the kvpick hashes of the blocks it knew.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) -> Vec<u64> {
         let mut known = Vec::new();
-        self.with_engine(worker, false, |slot, e| {
+        self.with_engine(worker, false, |slot, e, _, _| {
             for chunk in engine_hashes.chunks(WRITE_CHUNK) {
-                e.map.prefetch(chunk);
-                let locs: Vec<Loc> = chunk.iter().filter_map(|h| e.map.remove(*h)).collect();
+                e.prefetch(chunk);
+                let locs: Vec<Loc> = chunk.iter().filter_map(|h| e.remove(*h)).collect();
                 if locs.is_empty() {
                     continue;
                 }
@@ -648,23 +618,25 @@ impl PrefixIndex {
     /// Forgets everything `worker` holds (event gap, engine restart, reconnect,
     /// endpoint gone). Its capacity, precise cap and precise flag are forgotten too.
     pub fn clear_worker(&self, worker: WorkerKey) {
-        // Holding the engine map throughout: the worker's own writes wait, then
-        // see it cleared and start again on a new slot.
-        self.with_engine(worker, false, |slot, e| {
-            e.cleared = true;
-            let locs: Vec<Loc> = std::mem::take(&mut e.map).values().collect();
-            let w = {
-                let mut g = self.write();
-                Arc::make_mut(&mut g.slots).remove(&worker);
-                Arc::make_mut(&mut g.keys)[slot as usize] = None;
-                g.set_oldest(slot, u32::MAX);
-                std::mem::take(&mut g.workers[slot as usize])
+        let (slot, locs, w) = {
+            // The engine maps stay locked until the slot is unlinked: a precise
+            // write for this worker then starts on a new slot.
+            let mut engines = self.engines.lock();
+            let engine = engines.maps.remove(&worker);
+            let mut g = self.write();
+            let Some(slot) = Arc::make_mut(&mut g.slots).remove(&worker) else {
+                return;
             };
-            // The slot has no key now (lookups skip it) and is reused only once empty.
-            let hashes: Vec<u64> = w.recency.keys().collect();
-            self.remove_in_run_order(slot, &hashes, &locs, None);
-            self.write().free_slots.push(slot);
-        });
+            Arc::make_mut(&mut g.keys)[slot as usize] = None;
+            g.set_oldest(slot, u32::MAX);
+            let w = std::mem::take(&mut g.workers[slot as usize]);
+            let locs: Vec<Loc> = engine.map(|e| e.values().collect()).unwrap_or_default();
+            (slot, locs, w)
+        };
+        // The slot has no key now (lookups skip it) and is reused only once empty.
+        let hashes: Vec<u64> = w.recency.keys().collect();
+        self.remove_in_run_order(slot, &hashes, &locs, None);
+        self.write().free_slots.push(slot);
     }
 
     /// Removes `slot` from the blocks `hashes` (found by hash) and `locs` (found
@@ -699,7 +671,7 @@ impl PrefixIndex {
     /// Marks `worker` as fed by KV events (precise) or not. Turning precise on drops
     /// its approximate entries.
     pub fn set_precise(&self, worker: WorkerKey, precise: bool) {
-        let dropped = self.with_engine(worker, true, |slot, e| {
+        let dropped = self.with_engine(worker, true, |slot, e, _, _| {
             let mut g = self.write();
             let w = &mut g.workers[slot as usize];
             if w.precise == precise {
@@ -708,7 +680,7 @@ impl PrefixIndex {
             w.precise = precise;
             if !precise {
                 // Track precise holdings apart from approximate ones from now on.
-                let held = e.map.values().filter_map(|l| g.hash_at(l)).collect();
+                let held = e.values().filter_map(|l| g.hash_at(l)).collect();
                 g.workers[slot as usize].precise_held = held;
                 return None;
             }
@@ -784,8 +756,8 @@ impl PrefixIndex {
 
     /// The kvpick hash `worker` holds precisely under `engine_hash`.
     pub fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
-        self.with_engine(worker, false, |_, e| {
-            let loc = e.map.get(engine_hash)?;
+        self.with_engine(worker, false, |_, e, _, _| {
+            let loc = e.get(engine_hash)?;
             self.inner.read().hash_at(loc)
         })
         .flatten()
@@ -793,8 +765,7 @@ impl PrefixIndex {
 
     /// Precise entries (engine blocks) `worker` holds.
     pub fn precise_len(&self, worker: WorkerKey) -> usize {
-        self.with_engine(worker, false, |_, e| e.map.len())
-            .unwrap_or(0)
+        self.engines.lock().maps.get(&worker).map_or(0, |e| e.len())
     }
 
     /// How many leading blocks of `hashes` each worker holds (counting stops at
@@ -890,11 +861,15 @@ impl PrefixIndex {
             // hashbrown: one control byte per bucket besides the slot.
             capacity * (size_of::<(K, V)>() + 1)
         }
+        // The engine maps before the index's lock (lock order).
+        let engines = {
+            let e = self.engines.lock();
+            table::<WorkerKey, BlockTable<Loc>>(e.maps.capacity())
+                + e.maps.values().map(BlockTable::heap_bytes).sum::<usize>()
+        };
         let g = self.inner.read();
-        // Engine maps are locked after the index's lock is let go (lock order).
-        let engines: Vec<Arc<Mutex<EngineMap>>> =
-            g.workers.iter().map(|w| Arc::clone(&w.engine)).collect();
-        let mut bytes = g.blocks.heap_bytes()
+        let mut bytes = engines
+            + g.blocks.heap_bytes()
             + g.runs.capacity() * size_of::<Run>()
             + g.lineages.capacity() * size_of::<Lineage>()
             + g.lineages
@@ -916,12 +891,7 @@ impl PrefixIndex {
                 + table::<u64, u32>(w.extra.capacity())
                 + table::<u64, ()>(w.precise_held.capacity());
         }
-        drop(g);
         bytes
-            + engines
-                .iter()
-                .map(|e| e.lock().map.heap_bytes())
-                .sum::<usize>()
     }
 }
 
@@ -956,29 +926,25 @@ fn spin_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
 
 /// A write guard that hands the lock to waiting readers when dropped (parking_lot
 /// otherwise lets a writer that releases and re-locks at once barge ahead of
-/// them), then lets the next writer try.
-struct FairWrite<'a> {
-    guard: Option<RwLockWriteGuard<'a, Inner>>,
-    /// Dropped after `guard` is released.
-    _gate: MutexGuard<'a, ()>,
-}
+/// them).
+struct FairWrite<'a>(Option<RwLockWriteGuard<'a, Inner>>);
 
 impl std::ops::Deref for FairWrite<'_> {
     type Target = Inner;
     fn deref(&self) -> &Inner {
-        self.guard.as_ref().expect("held until drop")
+        self.0.as_ref().expect("held until drop")
     }
 }
 
 impl std::ops::DerefMut for FairWrite<'_> {
     fn deref_mut(&mut self) -> &mut Inner {
-        self.guard.as_mut().expect("held until drop")
+        self.0.as_mut().expect("held until drop")
     }
 }
 
 impl Drop for FairWrite<'_> {
     fn drop(&mut self) {
-        if let Some(g) = self.guard.take() {
+        if let Some(g) = self.0.take() {
             RwLockWriteGuard::unlock_fair(g);
         }
     }
@@ -1011,12 +977,14 @@ impl StorePlan {
         self.released.clear();
         self.released_here.clear();
         self.stopped = None;
-        // One bit per `engine % 64` of the engine hashes mapped in this chunk.
-        let mut in_chunk = 0u64;
+        // One bit per `engine % 1024` of the engine hashes mapped in this chunk
+        // (1,024 bits for [`WRITE_CHUNK`] hashes: a repeat is rarely suspected
+        // wrongly, and a suspected one is checked).
+        let mut in_chunk = [0u64; 16];
         let mut len = map.len();
         for (i, &(engine, hash)) in chunk.iter().enumerate() {
-            let bit = 1u64 << (engine % 64);
-            let earlier = if in_chunk & bit != 0 {
+            let (word, bit) = ((engine >> 6) as usize % 16, 1u64 << (engine % 64));
+            let earlier = if in_chunk[word] & bit != 0 {
                 self.mapped
                     .iter()
                     .rev()
@@ -1049,7 +1017,7 @@ impl StorePlan {
                 }
                 None => len += 1,
             }
-            in_chunk |= bit;
+            in_chunk[word] |= bit;
             self.mapped.push(i);
             self.chain.push(hash);
         }
@@ -2291,28 +2259,44 @@ mod tests {
         }
     }
 
-    /// Two writer threads, as two event subscribers: each stores and evicts
-    /// segments of the shared chains (with their parents) for workers of its own
-    /// and for one worker both write (under engine hashes of their own), while a
-    /// reader looks up. Every worker keeps a pinned prefix throughout, so each
-    /// lookup must count it; at the end the index must equal the two writers'
-    /// steps replayed on the naive model, so an update either writer lost shows.
+    /// The two kinds of writer production has, racing: a precise writer (the
+    /// ingest thread) stores and evicts segments of the shared chains (with
+    /// their parents) for precise workers and for an approximate one, while an
+    /// approximate writer (the request path) inserts and forgets prompts for
+    /// approximate workers, that one included; a reader looks up. Every worker
+    /// keeps a pinned prefix throughout, so each lookup must count it; at the
+    /// end the index must equal both writers' steps replayed on the naive model
+    /// (precise and approximate entries are kept apart, so the replay order
+    /// does not matter), so an update either writer lost shows.
     #[test]
     fn two_writers_agree_with_a_sequential_replay() {
+        /// Worker both writers write (approximate, with precise entries too).
         const SHARED: u64 = 4;
         const PINNED: u64 = 5;
         let idx = Arc::new(PrefixIndex::new(IndexConfig::default()));
-        // Thread `t`'s engine hash for `block` on worker `w`.
-        let engine = |t: u64, w: u64, block: u64| engine_of(w, block) ^ (t + 1) << 50;
+        let engine = |w: u64, block: u64| engine_of(w, block) ^ 1 << 50;
         let pinned: Vec<u64> = (0..PINNED).map(|i| block(0, i)).collect();
         let mut model: HashMap<u64, Model> = HashMap::new();
+        let t0 = Instant::now();
         for w in 0..=SHARED {
-            idx.set_precise(wk(w), true);
-            let blocks: Vec<(u64, u64)> = pinned.iter().map(|h| (*h ^ 0xfff << 40, *h)).collect();
-            idx.store_engine_chain(wk(w), None, &blocks, Instant::now());
-            model.entry(w).or_default().engine.extend(blocks);
+            let m = model.entry(w).or_default();
+            if w % 2 == 0 && w != SHARED {
+                idx.set_precise(wk(w), true);
+                m.precise = true;
+            }
+            if w % 2 == 0 {
+                let blocks: Vec<(u64, u64)> =
+                    pinned.iter().map(|h| (*h ^ 0xfff << 40, *h)).collect();
+                idx.store_engine_chain(wk(w), None, &blocks, t0);
+                m.engine.extend(blocks);
+            } else {
+                idx.insert(wk(w), &pinned, t0);
+                m.lru.extend(pinned.iter().map(|h| (*h, 0)));
+            }
         }
-        // Thread `t`'s steps: (worker, chain, from, len, store).
+        // Writer `t`'s steps: (worker, chain, from, len, add). The precise
+        // writer (0) writes workers 0, 2 and SHARED, the approximate one (1)
+        // workers 1, 3 and SHARED.
         let steps = |t: u64| -> Vec<(u64, u64, u64, u64, bool)> {
             let mut z = 0x9e37_79b9 ^ t;
             (0..3_000)
@@ -2328,34 +2312,56 @@ mod tests {
                 })
                 .collect()
         };
-        let writers: Vec<_> = (0..2u64)
-            .map(|t| {
-                let idx = Arc::clone(&idx);
-                std::thread::spawn(move || {
-                    for (w, c, from, len, store) in steps(t) {
-                        let blocks: Vec<u64> = (from..(from + len).min(CHAIN_LEN))
-                            .map(|i| block(c, i))
-                            .collect();
-                        if store {
-                            let parent = from.checked_sub(1).map(|p| engine(t, w, block(c, p)));
-                            let pairs: Vec<(u64, u64)> =
-                                blocks.iter().map(|h| (engine(t, w, *h), *h)).collect();
-                            idx.store_engine_chain(wk(w), parent, &pairs, Instant::now());
-                        } else {
-                            let gone: Vec<u64> = blocks.iter().map(|h| engine(t, w, *h)).collect();
-                            idx.remove_engine_blocks(wk(w), &gone);
-                        }
+        let precise = {
+            let idx = Arc::clone(&idx);
+            std::thread::spawn(move || {
+                for (w, c, from, len, store) in steps(0) {
+                    let blocks: Vec<u64> = (from..(from + len).min(CHAIN_LEN))
+                        .map(|i| block(c, i))
+                        .collect();
+                    if store {
+                        let parent = from.checked_sub(1).map(|p| engine(w, block(c, p)));
+                        let pairs: Vec<(u64, u64)> =
+                            blocks.iter().map(|h| (engine(w, *h), *h)).collect();
+                        idx.store_engine_chain(wk(w), parent, &pairs, Instant::now());
+                    } else {
+                        let gone: Vec<u64> = blocks.iter().map(|h| engine(w, *h)).collect();
+                        idx.remove_engine_blocks(wk(w), &gone);
                     }
-                })
+                }
             })
-            .collect();
+        };
+        // A prompt is recorded from its first block; a forget never reaches
+        // the pinned prefix.
+        let prompt = |c: u64, from: u64, len: u64| -> Vec<u64> {
+            (0..(from + len).min(CHAIN_LEN))
+                .map(|i| block(c, i))
+                .collect()
+        };
+        let forgotten = |c: u64, from: u64, len: u64| -> Vec<u64> {
+            (from.max(PINNED)..(from + len).min(CHAIN_LEN))
+                .map(|i| block(c, i))
+                .collect()
+        };
+        let approximate = {
+            let idx = Arc::clone(&idx);
+            std::thread::spawn(move || {
+                for (w, c, from, len, insert) in steps(1) {
+                    if insert {
+                        idx.insert(wk(w), &prompt(c, from, len), t0);
+                    } else {
+                        idx.forget(wk(w), &forgotten(c, from, len));
+                    }
+                }
+            })
+        };
         let reader = {
             let idx = Arc::clone(&idx);
             std::thread::spawn(move || {
                 let cands: Vec<WorkerKey> = (0..=SHARED).map(wk).collect();
                 let q: Vec<u64> = (0..CHAIN_LEN).map(|i| block(0, i)).collect();
                 for _ in 0..2_000 {
-                    for n in idx.lookup(&q, &cands, Instant::now()) {
+                    for n in idx.lookup(&q, &cands, t0) {
                         assert!(n >= PINNED as usize, "pinned prefix lost: {n}");
                     }
                 }
@@ -2376,30 +2382,37 @@ mod tests {
                 }
             })
         };
-        for w in writers {
-            w.join().expect("writer");
-        }
+        precise.join().expect("precise writer");
+        approximate.join().expect("approximate writer");
         done.store(true, Ordering::Relaxed);
         staller.join().expect("staller");
         reader.join().expect("reader");
-        // Replay: each thread's engine hashes are its own, so the order between
-        // the two threads does not change the outcome.
-        for t in 0..2u64 {
-            for (w, c, from, len, store) in steps(t) {
-                let m = model.entry(w).or_default();
-                let range = from..(from + len).min(CHAIN_LEN);
-                if store {
-                    let parent = from.checked_sub(1).map(|p| engine(t, w, block(c, p)));
-                    if parent.is_none_or(|p| m.engine.contains_key(&p)) {
-                        for i in range {
-                            m.engine.insert(engine(t, w, block(c, i)), block(c, i));
-                        }
-                    }
-                } else {
+        for (w, c, from, len, store) in steps(0) {
+            let m = model.entry(w).or_default();
+            let range = from..(from + len).min(CHAIN_LEN);
+            if store {
+                let parent = from.checked_sub(1).map(|p| engine(w, block(c, p)));
+                if parent.is_none_or(|p| m.engine.contains_key(&p)) {
                     for i in range {
-                        m.engine.remove(&engine(t, w, block(c, i)));
+                        m.engine.insert(engine(w, block(c, i)), block(c, i));
                     }
                 }
+            } else {
+                for i in range {
+                    m.engine.remove(&engine(w, block(c, i)));
+                }
+            }
+        }
+        for (w, c, from, len, insert) in steps(1) {
+            let m = model.entry(w).or_default();
+            if insert {
+                for h in prompt(c, from, len) {
+                    m.lru.retain(|(x, _)| *x != h);
+                    m.lru.push((h, 0));
+                }
+            } else {
+                let gone = forgotten(c, from, len);
+                m.lru.retain(|(x, _)| !gone.contains(x));
             }
         }
         let cands: Vec<WorkerKey> = (0..=SHARED).map(wk).collect();
@@ -2408,7 +2421,7 @@ mod tests {
             let want: Vec<usize> = (0..=SHARED)
                 .map(|w| q.iter().take_while(|h| model[&w].holds(**h, 0)).count())
                 .collect();
-            assert_eq!(idx.lookup(&q, &cands, Instant::now()), want, "chain {c}");
+            assert_eq!(idx.lookup(&q, &cands, t0), want, "chain {c}");
         }
         for (w, m) in &model {
             assert_eq!(idx.precise_len(wk(*w)), m.engine.len(), "worker {w}");
