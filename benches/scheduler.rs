@@ -10,8 +10,8 @@
 //!   fewest-in-flight picker. In `prefix_1k_bytes` every worker holds the prompt
 //!   and the pool is idle (the pick may stop at the first idle holder); in
 //!   `prefix_1k_bytes_busy` every worker holds it and carries load, so every
-//!   holder is scored; in `unheld_1k_bytes_busy` no worker holds it and every
-//!   one carries load, so every candidate is scored;
+//!   holder is scored; in `one_holder_1k_bytes_busy` every worker carries load
+//!   and none held the prompt before the first pick, which records it on one;
 //! - `hash/*` and `lookup/*`: the two prefix stages alone;
 //! - `index_insert`: approximate-mode insert throughput (blocks per second), of
 //!   prompts a worker holds already and of half-new prompts that make it evict;
@@ -152,7 +152,8 @@ enum Load {
     Idle,
     /// Every worker carries load (1–7 blocks); some worker holds the prompt.
     Busy,
-    /// Every worker carries load; no worker holds the prompt.
+    /// Every worker carries load; no worker holds the prompt before the
+    /// first pick.
     BusyUnheld,
 }
 
@@ -237,7 +238,7 @@ fn bench_decision(c: &mut Criterion) {
         for (name, prompt, load) in [
             ("prefix_1k_bytes", &short, Load::Idle),
             ("prefix_1k_bytes_busy", &short, Load::Busy),
-            ("unheld_1k_bytes_busy", &unheld, Load::BusyUnheld),
+            ("one_holder_1k_bytes_busy", &unheld, Load::BusyUnheld),
         ] {
             bench_pick(&mut g, name, workers, &conversation, prompt, load);
         }

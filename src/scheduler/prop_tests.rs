@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 
 use super::*;
-use crate::endpoints::{ActiveLoad, Endpoint, EndpointTable, Role, ScrapedLoad};
+use crate::endpoints::{ActiveLoad, Endpoint, EndpointTable, Role};
 
 /// A JSON number, mostly within `0..=max`, else of any magnitude or sign, or
 /// a value of the wrong type.
@@ -216,14 +216,7 @@ proptest! {
                 ep.health().record(crate::health::Outcome::Failure, now, &health);
             }
             if let Some((queue, running, kv_usage)) = m.scrape {
-                ep.set_scraped(ScrapedLoad {
-                    queue,
-                    running,
-                    kv_usage,
-                    block_size: None,
-                    num_blocks: None,
-                    at: now,
-                });
+                super::tests::scrape(ep, queue, running, kv_usage, now);
             }
             for (rank, &(load, held, provisional)) in m.ranks.iter().take(m.dp as usize).enumerate() {
                 let key = ep.key(rank as u32);

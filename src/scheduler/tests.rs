@@ -138,7 +138,8 @@ fn load_outweighs_overlap_when_the_holder_is_busy() {
     assert_eq!(keys.len(), 2, "the busy holder does not get everything");
 }
 
-fn scrape(
+/// Records a fresh scrape of `ep` taken `at`.
+pub(super) fn scrape(
     ep: &crate::endpoints::EndpointState,
     queue: f64,
     running: f64,
