@@ -1620,6 +1620,11 @@ impl Overlaps {
         self.levels.get(k).map_or(0, |(_, d)| *d as usize)
     }
 
+    /// How many workers level `k` holds (deeper levels' included).
+    pub fn level_len(&self, k: usize) -> usize {
+        self.levels.get(k).map_or(0, |(s, _)| s.len())
+    }
+
     /// Calls `f` with each worker of level `k` that is in no deeper level (those
     /// whose overlap is at most [`Overlaps::level_depth`]`(k)` and more than the
     /// level below's), starting at a place chosen by `start` and wrapping around,

@@ -89,6 +89,11 @@ impl<'s, 'r> Pool<'s, 'r> {
         self.serves(ep, side) && (self.all_ejected || ep.health().available_at(self.now))
     }
 
+    /// How many endpoints the snapshot holds.
+    pub(super) fn endpoints(&self) -> usize {
+        self.snapshot.endpoints.len()
+    }
+
     /// Whether [`Pool::get`] answers without a pass over the pool (no two
     /// endpoints share an instance id).
     pub(super) fn direct(&self) -> bool {

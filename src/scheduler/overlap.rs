@@ -77,6 +77,11 @@ pub(super) struct HolderLevel<'a> {
 }
 
 impl HolderLevel<'_> {
+    /// How many workers it holds (deeper levels' included).
+    pub(super) fn len(&self) -> usize {
+        self.of.level_len(self.k)
+    }
+
     /// Calls `f` with the level's workers that are in no deeper level of the
     /// same answer, from a place chosen by `start`, until `f` breaks.
     pub(super) fn try_for_each(

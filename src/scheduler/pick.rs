@@ -206,7 +206,10 @@ impl Scheduler {
     /// others are skipped. Those holding nothing share the floor of the whole
     /// prompt; they are read from a random endpoint on, until one costs that
     /// floor. A busy pool's pick thus reads the prompt's holders and a few
-    /// others, not every endpoint.
+    /// others, not every endpoint. Holders are found by key, except in a level
+    /// of over a quarter of the pool: then the pool is read in order, from a
+    /// random endpoint, each with its overlap, until one costs that level's
+    /// floor.
     fn choose<'s>(&self, at: &Scoring<'s, '_>, side: Side, w_prefill: f64) -> Option<Cand<'s>> {
         let cost = |c: &Cand<'_>, overlap: usize| {
             let new_blocks = at.prompt.uncached(overlap);
@@ -236,6 +239,17 @@ impl Scheduler {
             let mut levels = o.levels_deepest_first().peekable();
             while let Some(level) = levels.next() {
                 let within = floor(level.depth).unwrap_or(no_overlap);
+                if level.len() * 4 > at.pool.endpoints() {
+                    // A level of a good part of the pool: reading the pool in
+                    // order costs less than finding each holder by its key.
+                    for c in at.pool.iter_from(side, start) {
+                        least.offer(c, cost(&c, at.overlap(&c)));
+                        if least.cost <= within {
+                            break;
+                        }
+                    }
+                    return least.best;
+                }
                 let found = level.try_for_each(start, |key| {
                     if let Some(c) = at.pool.get(key, side) {
                         least.offer(c, cost(&c, o.get(&c)));

@@ -1086,3 +1086,32 @@ fn an_uncached_image_costs_its_tokens_in_prefill_not_one_block() {
     );
     assert_eq!(again.overlap_blocks, again.prompt_blocks);
 }
+
+#[test]
+fn a_pool_read_in_order_still_finds_its_least_costly_holder() {
+    // Every worker holds the prompt (one level of the whole pool, read in
+    // order from a random endpoint); all but one carry 3 blocks, that one 1:
+    // each pick takes it, wherever the read starts.
+    let s = Scheduler::default();
+    let t = both(8);
+    let snap = t.snapshot();
+    let p = prompt(&"x".repeat(640));
+    let hashes = s.block_hashes(&p);
+    let now = Instant::now();
+    for (i, ep) in snap.endpoints.iter().enumerate() {
+        s.index().insert(ep.key(0), &hashes, now);
+        let blocks = if i == 5 { 1 } else { 3 };
+        ep.book(
+            0,
+            ActiveLoad {
+                blocks,
+                uncached: 0,
+            },
+        );
+    }
+    for _ in 0..32 {
+        let d = s.pick_at(&with_body(&p), &snap, now).unwrap();
+        assert_eq!(d.decode.key(), snap.endpoints[5].key(0));
+        s.finish_at(&d, Some(200), now);
+    }
+}
