@@ -633,12 +633,12 @@ impl StreamState {
             self.shared.metrics.record_decision(started.elapsed());
             self.shared.metrics.record_result(RequestResult::Routed);
         }
-        let address = decision.decode.endpoint.endpoint.address_string();
+        let address = decision.decode.endpoint().address_string();
         debug!(
             endpoint = %address,
-            worker = decision.decode.endpoint.endpoint.instance_id,
+            worker = decision.decode.endpoint().instance_id,
             dp_rank = decision.decode.rank,
-            prefill = ?decision.prefill.as_ref().map(|p| p.endpoint.endpoint.instance_id),
+            prefill = ?decision.prefill.as_ref().map(|p| p.endpoint().instance_id),
             "routed"
         );
         let via = match reopen_rehomed_session(parsed, &decision, via) {
@@ -674,7 +674,7 @@ impl StreamState {
                 let format = match self
                     .routed
                     .as_ref()
-                    .map(|r| r.decision.decode.endpoint.endpoint.engine)
+                    .map(|r| r.decision.decode.endpoint().engine)
                 {
                     Some(Engine::Sglang) => Some(hints::HintFormat::Sglang),
                     Some(Engine::Vllm) => Some(hints::HintFormat::Vllm),
@@ -721,7 +721,7 @@ impl StreamState {
     /// The header mutation carrying a decision: every routing header kvpick sets
     /// overwrites the client's, and every other routing header the client sent is removed.
     fn routing_mutation(&self, d: &Decision) -> HeaderMutation {
-        let decode = &d.decode.endpoint.endpoint;
+        let decode = &d.decode.endpoint();
         let mut set = vec![
             set_header(DESTINATION_KEY, &decode.address_string()),
             set_header(WORKER_ID_HEADER, &decode.instance_id.to_string()),
@@ -730,13 +730,13 @@ impl StreamState {
         if let Some(p) = &d.prefill {
             set.push(set_header(
                 PREFILL_ID_HEADER,
-                &p.endpoint.endpoint.instance_id.to_string(),
+                &p.endpoint().instance_id.to_string(),
             ));
             set.push(set_header(PREFILL_DP_RANK_HEADER, &p.rank.to_string()));
             if let (Some(port), Some(room)) = (d.bootstrap_port, d.bootstrap_room) {
                 set.push(set_header(
                     BOOTSTRAP_HOST_HEADER,
-                    &p.endpoint.endpoint.address.ip().to_string(),
+                    &p.endpoint().address.ip().to_string(),
                 ));
                 set.push(set_header(BOOTSTRAP_PORT_HEADER, &port.to_string()));
                 set.push(set_header(BOOTSTRAP_ROOM_HEADER, &room.to_string()));
@@ -869,9 +869,9 @@ impl StreamState {
         {
             self.shared.metrics.endpoint_ejections.inc();
             warn!(
-                endpoint = %decision.decode.endpoint.endpoint.address,
+                endpoint = %decision.decode.endpoint().address,
                 status,
-                failures = decision.decode.endpoint.health().failures(),
+                failures = decision.decode.state.health().failures(),
                 "endpoint ejected after failing responses"
             );
         }

@@ -274,7 +274,7 @@ fn repeated_or_early_response_headers_change_nothing() {
     s.handle(post_headers());
     let out = s.handle(body_chunk(br#"{"model":"m","prompt":"hi"}"#, true));
     let to = destination(&out[0]).unwrap();
-    let ep = Arc::clone(&s.routed.as_ref().unwrap().decision.decode.endpoint);
+    let ep = Arc::clone(&s.routed.as_ref().unwrap().decision.decode.state);
     // One real failure, then forged repeats of it on the same stream: enough to
     // eject the worker (3 failures) if each counted.
     let not_last = |status: &str| {
@@ -356,7 +356,7 @@ fn the_first_response_body_chunk_ends_the_prefill_once() {
     let (mut first, second) = (route("a"), route("b"));
     let decision = |s: &StreamState| s.routed.as_ref().unwrap().decision.clone();
     let (d1, d2) = (decision(&first), decision(&second));
-    let load = || d1.decode.endpoint.active_load(d1.decode.rank);
+    let load = || d1.decode.state.active_load(d1.decode.rank);
     assert!(d1.uncached_blocks >= 10 && d2.uncached_blocks >= 10);
     assert_eq!(load().uncached, d1.uncached_blocks + d2.uncached_blocks);
     // Streamed response headers may precede the first token: no signal yet.

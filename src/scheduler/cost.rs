@@ -57,7 +57,7 @@ pub(super) struct Cand<'a> {
 impl Cand<'_> {
     pub(super) fn target(&self) -> Target {
         Target {
-            endpoint: Arc::clone(self.ep),
+            state: Arc::clone(self.ep),
             rank: self.rank,
         }
     }

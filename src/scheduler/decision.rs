@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::endpoints::{ActiveLoad, EndpointState, InFlightGuard, WorkerKey};
+use crate::endpoints::{ActiveLoad, Endpoint, EndpointState, InFlightGuard, WorkerKey};
 use crate::request::InferenceRequest;
 use crate::sessions::SessionTurn;
 
@@ -37,22 +37,27 @@ pub struct PickRequest<'a> {
 /// One chosen (worker, rank).
 #[derive(Debug, Clone)]
 pub struct Target {
-    /// The endpoint.
-    pub endpoint: Arc<EndpointState>,
+    /// The endpoint's live state (load, health, scrape).
+    pub state: Arc<EndpointState>,
     /// The data-parallel rank inside it.
     pub rank: u32,
 }
 
 impl Target {
+    /// The endpoint as discovered (address, instance id, role, engine).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.state.endpoint
+    }
+
     /// The (worker, rank) key.
     pub fn key(&self) -> WorkerKey {
-        self.endpoint.key(self.rank)
+        self.state.key(self.rank)
     }
 
     /// Blocks of load booked on this rank by unfinished requests.
     #[cfg(test)]
     pub(crate) fn booked_blocks(&self) -> u64 {
-        self.endpoint.active_load(self.rank).blocks
+        self.state.active_load(self.rank).blocks
     }
 }
 
@@ -124,6 +129,6 @@ impl Decision {
 
     /// Starts counting the request as in flight on its decode rank.
     pub fn begin(&self) -> InFlightGuard {
-        self.decode.endpoint.begin_request(self.decode.rank)
+        self.decode.state.begin_request(self.decode.rank)
     }
 }

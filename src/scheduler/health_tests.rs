@@ -46,7 +46,7 @@ fn pick_on(
 }
 
 fn addr(d: &Decision) -> String {
-    d.decode.endpoint.endpoint.address_string()
+    d.decode.endpoint().address_string()
 }
 
 #[test]

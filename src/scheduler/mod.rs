@@ -249,11 +249,11 @@ impl Scheduler {
     /// response path): feeds the decode endpoint's passive health. Returns true
     /// when this response ejected the endpoint.
     pub fn record_response(&self, decision: &Decision, status: u16, now: Instant) -> bool {
-        decision.decode.endpoint.health().record(
-            Outcome::of_status(status),
-            now,
-            &self.config.health,
-        )
+        decision
+            .decode
+            .state
+            .health()
+            .record(Outcome::of_status(status), now, &self.config.health)
     }
 
     /// The request has finished; `status` is the response's HTTP status when one arrived.
@@ -294,9 +294,9 @@ impl Scheduler {
     /// Releases `part` of the load the decision booked on each of its ranks.
     fn release(&self, decision: &Decision, part: impl Fn(ActiveLoad) -> ActiveLoad) {
         let d = &decision.decode;
-        d.endpoint.release(d.rank, part(decision.decode_load()));
+        d.state.release(d.rank, part(decision.decode_load()));
         if let Some(p) = &decision.prefill {
-            p.endpoint.release(p.rank, part(decision.prefill_load()));
+            p.state.release(p.rank, part(decision.prefill_load()));
         }
     }
 

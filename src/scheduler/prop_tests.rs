@@ -250,7 +250,7 @@ proptest! {
         match (explained, picked) {
             (Ok(e), Ok(d)) => {
                 let cost_of = |t: &Target, prefill: bool| {
-                    let address = t.endpoint.endpoint.address_string();
+                    let address = t.endpoint().address_string();
                     e.candidates
                         .iter()
                         .find(|c| {

@@ -225,7 +225,7 @@ fn queued_requests_count_at_their_uncached_size() {
     let long = prompt(&"x".repeat(64 * 100));
     let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
     // Sent after the first (same worker) before its prefill is done.
-    let only = [first.decode.endpoint.endpoint.address_string()];
+    let only = [first.decode.endpoint().address_string()];
     let there = PickRequest {
         subset: Some(&only),
         ..with_body(&long)
@@ -258,7 +258,7 @@ fn queued_requests_count_at_their_uncached_size() {
         blocks: d.load_blocks,
         uncached: 0,
     };
-    assert_eq!(d.decode.endpoint.active_load(d.decode.rank), left);
+    assert_eq!(d.decode.state.active_load(d.decode.rank), left);
 }
 
 #[test]
@@ -273,7 +273,7 @@ fn prefill_done_releases_the_booked_uncached_blocks_once() {
     let first = s.pick(&with_body(&a), &snap).unwrap();
     let second = s.pick(&with_body(&b), &snap).unwrap();
     let (d, p) = (&first.decode, first.prefill.as_ref().unwrap());
-    let load = |t: &Target| t.endpoint.active_load(t.rank);
+    let load = |t: &Target| t.state.active_load(t.rank);
     let both = |x: fn(&Decision) -> ActiveLoad| ActiveLoad {
         blocks: x(&first).blocks + x(&second).blocks,
         uncached: x(&first).uncached + x(&second).uncached,
@@ -493,7 +493,7 @@ fn gone_worker_is_repicked_and_counted() {
     let open = session("s3", Some("open"), "x");
     let d = s.pick_at(&with_body(&open), &t.snapshot(), t0).unwrap();
     s.finish_at(&d, Some(200), t0);
-    let gone = d.decode.endpoint.endpoint.address;
+    let gone = d.decode.endpoint().address;
     let rest: Vec<Endpoint> = t
         .snapshot()
         .endpoints
@@ -504,7 +504,7 @@ fn gone_worker_is_repicked_and_counted() {
     t.replace(rest);
     let turn = session("s3", None, "y");
     let d2 = s.pick_at(&with_body(&turn), &t.snapshot(), t0).unwrap();
-    assert_ne!(d2.decode.endpoint.endpoint.address, gone);
+    assert_ne!(d2.decode.endpoint().address, gone);
     assert_eq!(s.stats().session_repicks.load(Ordering::Relaxed), 1);
     s.finish_at(&d2, Some(200), t0);
     assert_eq!(s.sessions().get("s3", t0), Some(d2.decode.key()));
@@ -639,7 +639,7 @@ fn gone_worker_rehomes_the_session_as_an_open_with_its_timeout() {
     let d = s.pick_at(&with_body(&open), &t.snapshot(), t0).unwrap();
     assert!(!d.session.as_ref().unwrap().rehomed);
     s.finish_at(&d, Some(200), t0);
-    let gone = d.decode.endpoint.endpoint.address;
+    let gone = d.decode.endpoint().address;
     t.replace(
         t.snapshot()
             .endpoints
@@ -835,7 +835,7 @@ fn disaggregated_pool_picks_prefill_by_overlap() {
     let long = prompt(&"p".repeat(64 * 50));
     let first = s.pick(&with_body(&long), &snap).unwrap();
     let pf = first.prefill.as_ref().unwrap().key();
-    assert_eq!(first.decode.endpoint.endpoint.role, Role::Decode);
+    assert_eq!(first.decode.endpoint().role, Role::Decode);
     assert!(first.bootstrap_room.is_some_and(|r| r < 1 << 63));
     s.finish(&first, Some(200));
     for _ in 0..3 {
@@ -913,7 +913,7 @@ fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
     s.finish_at(&first, Some(200), now);
     let worker = first.decode.key();
     let cand = Cand {
-        ep: &first.decode.endpoint,
+        ep: &first.decode.state,
         rank: first.decode.rank,
         key: worker,
     };
@@ -1063,7 +1063,7 @@ fn an_uncached_image_costs_its_tokens_in_prefill_not_one_block() {
     s.finish(&first, Some(200));
     let holder = first.decode.key();
     // The holder gets 20 blocks of other load in flight.
-    let only_holder = vec![first.decode.endpoint.endpoint.address.to_string()];
+    let only_holder = vec![first.decode.endpoint().address.to_string()];
     let other = prompt(&"o".repeat(64 * 20));
     let busy = s
         .pick(

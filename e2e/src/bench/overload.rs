@@ -268,7 +268,7 @@ impl Sim<'_> {
             .scheduler
             .pick_at(&req, &self.snapshot, self.at(now))
             .expect("the simulated pool is never empty");
-        let w = self.worker_of[&decision.decode.endpoint.endpoint.instance_id];
+        let w = self.worker_of[&decision.decode.endpoint().instance_id];
         let guard = decision.begin();
         self.routed[r] = Some(Routed {
             decision,

@@ -849,7 +849,7 @@ impl RoutingPolicy for Kvpick {
             .scheduler
             .pick_at(&req, &self.snapshot, now)
             .expect("the simulated pool is never empty");
-        let w = self.worker_of[&decision.decode.endpoint.endpoint.instance_id];
+        let w = self.worker_of[&decision.decode.endpoint().instance_id];
         if self.precise {
             self.hashes.insert(id, self.scheduler.block_hashes(&body));
         }

@@ -254,7 +254,7 @@ fn pick(table: &EndpointTable) -> Option<String> {
     Scheduler::default()
         .pick(&PickRequest::default(), &table.snapshot())
         .ok()
-        .map(|d| d.decode.endpoint.endpoint.address_string())
+        .map(|d| d.decode.endpoint().address_string())
 }
 
 #[tokio::test(start_paused = true)]
