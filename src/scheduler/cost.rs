@@ -96,6 +96,20 @@ pub const PENDING_PREFILL_WEIGHT: f64 = 0.05;
 pub const SATURATION_KV_USAGE: f64 = 0.8;
 
 impl Scheduler {
+    /// The least [`Scheduler::cost_terms`] total of any candidate left
+    /// `new_blocks` to prefill at prefill weight `w_prefill`: its prefill
+    /// term's floor, every other term being at least zero (scraped figures are
+    /// stored non-negative). `None` when a weight is negative (or NaN), so no
+    /// such floor holds. The pick skips candidates on this bound: a term that
+    /// can go below zero must lower it.
+    pub(super) fn cost_floor(&self, new_blocks: usize, w_prefill: f64) -> Option<f64> {
+        let w = &self.config.weights;
+        [w_prefill, w.decode, w.queue, w.kv_usage]
+            .iter()
+            .all(|w| *w >= 0.0)
+            .then_some(w_prefill * new_blocks as f64)
+    }
+
     /// The cost of sending a request of `size` blocks, `new_blocks` of which the
     /// candidate must still prefill, to candidate `c`, term by term, at `now`
     /// coded by [`Epoch::process`](crate::time::Epoch::process).
@@ -114,20 +128,6 @@ impl Scheduler {
     /// Queued requests count at the blocks they have left to prefill (the mean
     /// uncached blocks of the requests kvpick has in flight there), the work
     /// this request waits behind.
-    /// The least [`Scheduler::cost_terms`] total of any candidate left
-    /// `new_blocks` to prefill at prefill weight `w_prefill`: its prefill
-    /// term's floor, every other term being at least zero (scraped figures are
-    /// stored non-negative). `None` when a weight is negative (or NaN), so no
-    /// such floor holds. The pick skips candidates on this bound: a term that
-    /// can go below zero must lower it.
-    pub(super) fn cost_floor(&self, new_blocks: usize, w_prefill: f64) -> Option<f64> {
-        let w = &self.config.weights;
-        [w_prefill, w.decode, w.queue, w.kv_usage]
-            .iter()
-            .all(|w| *w >= 0.0)
-            .then_some(w_prefill * new_blocks as f64)
-    }
-
     #[inline(always)]
     pub(super) fn cost_terms(
         &self,
