@@ -721,7 +721,7 @@ impl StreamState {
     /// The header mutation carrying a decision: every routing header kvpick sets
     /// overwrites the client's, and every other routing header the client sent is removed.
     fn routing_mutation(&self, d: &Decision) -> HeaderMutation {
-        let decode = &d.decode.endpoint();
+        let decode = d.decode.endpoint();
         let mut set = vec![
             set_header(DESTINATION_KEY, &decode.address_string()),
             set_header(WORKER_ID_HEADER, &decode.instance_id.to_string()),

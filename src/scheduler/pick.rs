@@ -102,7 +102,7 @@ impl Scheduler {
         let uncached_blocks = (prompt.uncached(overlap) as u64).min(load_blocks);
         let prefill_target = p.map(|c| c.target());
         let bootstrap_port = prefill_target.as_ref().and_then(|p| {
-            let ep = &p.endpoint();
+            let ep = p.endpoint();
             ep.bootstrap_port.or_else(|| {
                 (ep.engine == Engine::Sglang)
                     .then_some(self.config.sglang_bootstrap_port)
