@@ -109,26 +109,29 @@ impl<'s, 'r> Pool<'s, 'r> {
                 key,
             })
         };
-        match self.direct() {
-            true => found(self.snapshot.by_instance(key.instance_id)?),
-            false => self
-                .snapshot
-                .endpoints
-                .iter()
-                .filter(|e| e.endpoint.instance_id == key.instance_id)
-                .find_map(found),
-        }
+        self.named(key.instance_id).find_map(found)
+    }
+
+    /// The endpoints with `instance_id`: the snapshot's map answers when no two
+    /// endpoints share an id ([`Pool::direct`]), else a pass over the pool.
+    fn named(&self, instance_id: u64) -> impl Iterator<Item = &'s Arc<EndpointState>> + '_ {
+        let snapshot = self.snapshot;
+        let (one, scan) = match self.direct() {
+            true => (snapshot.by_instance(instance_id), &snapshot.endpoints[..0]),
+            false => (None, &snapshot.endpoints[..]),
+        };
+        one.into_iter().chain(
+            scan.iter()
+                .filter(move |e| e.endpoint.instance_id == instance_id),
+        )
     }
 
     /// Whether `key` is a live decode worker the subset hint leaves out (a
     /// session bound there keeps its binding while the turn goes elsewhere).
     pub(super) fn outside_subset(&self, key: WorkerKey) -> bool {
         self.subset.is_some()
-            && self.snapshot.endpoints.iter().any(|e| {
-                e.serves_decode()
-                    && e.endpoint.instance_id == key.instance_id
-                    && key.dp_rank < e.ranks()
-                    && e.health().available_at(self.now)
+            && self.named(key.instance_id).any(|e| {
+                e.serves_decode() && key.dp_rank < e.ranks() && e.health().available_at(self.now)
             })
     }
 
