@@ -528,6 +528,16 @@ async fn prime(
     }
 }
 
+/// The stream of `worker`'s engine publishing on this host's `port`.
+fn loopback(worker: WorkerKey, port: u16, replay_port: Option<u16>) -> Target {
+    Target {
+        worker,
+        host: "127.0.0.1".parse().unwrap(),
+        port,
+        replay_port,
+    }
+}
+
 /// The ingest thread is owned: it applies what was queued, including a stopped
 /// subscription's forget, and ends once the handles and subscriptions are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -536,12 +546,7 @@ async fn the_ingest_thread_ends_once_every_sender_is_gone() {
     let sink = Arc::new(MemorySink::default());
     let (events, ingest) = start(&sink, None);
     let worker = w(9, 0);
-    let sub = events.subscribe(Target {
-        worker,
-        host: "127.0.0.1".parse().unwrap(),
-        port,
-        replay_port: None,
-    });
+    let sub = events.subscribe(loopback(worker, port, None));
     let a: Vec<u32> = (0..8).collect();
     let ha = chain(seed_of(MODEL, None), None, &a, BS);
     let first = batch_array(vec![stored_array(ints(&[1, 2]), Value::Nil, &a)], None);
@@ -562,12 +567,7 @@ async fn loopback_events_reach_the_index_and_gaps_reset() {
     let sink = Arc::new(MemorySink::default());
     let (events, _ingest) = start(&sink, None);
     let worker = w(42, 0);
-    let _sub = events.subscribe(Target {
-        worker,
-        host: "127.0.0.1".parse().unwrap(),
-        port,
-        replay_port: None,
-    });
+    let _sub = events.subscribe(loopback(worker, port, None));
     eventually("precise mode", || sink.precise(worker)).await;
 
     let a: Vec<u32> = (0..8).collect();
@@ -690,12 +690,7 @@ async fn gaps_are_repaired_from_the_replay_socket() {
     let sink = Arc::new(MemorySink::default());
     let (events, _ingest) = start(&sink, Some(replay_port));
     let worker = w(7, 0);
-    let _sub = events.subscribe(Target {
-        worker,
-        host: "127.0.0.1".parse().unwrap(),
-        port,
-        replay_port: Some(replay_port),
-    });
+    let _sub = events.subscribe(loopback(worker, port, Some(replay_port)));
     eventually("precise mode", || sink.precise(worker)).await;
     let hashes: Vec<Vec<u64>> = blocks
         .iter()
