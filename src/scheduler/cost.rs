@@ -103,7 +103,7 @@ pub const LONG_PROMPT_TOKENS: usize = 24_576;
 /// is worth waiting behind that much work when a worker could start at once.
 ///
 /// [`Snapshot::idle_ranks`]: crate::endpoints::Snapshot::idle_ranks
-pub const MAX_WAIT_BESIDE_IDLE_TOKENS: usize = 98_304;
+pub const MAX_WAIT_BESIDE_IDLE_TOKENS: usize = 131_072;
 
 /// How one pick counts a candidate's wait behind pending prefills, read once
 /// per pick and side: the thresholds in blocks, and whether some rank has

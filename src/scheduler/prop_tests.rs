@@ -188,7 +188,7 @@ proptest! {
     ) {
         // Token blocks of 1,024 tokens bring the pending-wait thresholds within
         // the case: every non-holder of the 24-block prompt is long (24
-        // blocks), and a holder's wait beyond 96 blocks counts in full while
+        // blocks), and a holder's wait beyond 128 blocks counts in full while
         // some rank has nothing pending.
         let token_block = if coarse_blocks { 1024 } else { SchedulerConfig::default().token_block };
         let s = Scheduler::new(SchedulerConfig { token_block, ..Default::default() });

@@ -9,7 +9,7 @@ use super::*;
 use crate::endpoints::ActiveLoad;
 
 /// 512-token blocks (2,048 bytes of text each): long from 48 blocks to
-/// prefill, the wait beside an idle rank counting in full beyond 192.
+/// prefill, the wait beside an idle rank counting in full beyond 256.
 fn scheduler() -> Scheduler {
     Scheduler::new(SchedulerConfig {
         token_block: 512,
@@ -18,7 +18,7 @@ fn scheduler() -> Scheduler {
     })
 }
 
-/// `shared` blocks of the 250-block prompt `x`, then `own` blocks of `c`.
+/// `shared` blocks of the 350-block prompt `x`, then `own` blocks of `c`.
 fn text(shared: usize, own: usize, c: &str) -> InferenceRequest {
     prompt(&("x".repeat(2048 * shared) + &c.repeat(2048 * own)))
 }
@@ -33,10 +33,10 @@ fn thresholds_are_tokens_in_the_configured_blocks() {
         near(busy.weigh(100.0, 48), 100.0),
         "a long prompt waits in full"
     );
-    assert!(near(idle.weigh(192.0, 10), 9.6));
+    assert!(near(idle.weigh(256.0, 10), 12.8));
     assert!(
-        near(idle.weigh(300.0, 10), 9.6 + 108.0),
-        "beyond 192 beside an idle rank"
+        near(idle.weigh(300.0, 10), 12.8 + 44.0),
+        "beyond 256 beside an idle rank"
     );
     assert!(
         near(busy.weigh(300.0, 10), 15.0),
@@ -49,8 +49,8 @@ fn thresholds_are_tokens_in_the_configured_blocks() {
         "16-token blocks: long from 1,536"
     );
     assert!(near(default.weigh(100.0, 1536), 100.0));
-    assert!(near(default.weigh(6144.0, 0), 0.05 * 6144.0));
-    assert!(near(default.weigh(6145.0, 0), 0.05 * 6144.0 + 1.0));
+    assert!(near(default.weigh(8192.0, 0), 0.05 * 8192.0));
+    assert!(near(default.weigh(8193.0, 0), 0.05 * 8192.0 + 1.0));
 }
 
 #[test]
@@ -63,18 +63,18 @@ fn a_short_prompt_leaves_a_long_wait_only_while_another_rank_is_idle() {
         scrape(ep, 0.0, 0.0, 0.0, now);
     }
     let first = s
-        .pick_at(&with_body(&text(250, 0, "x")), &snap, now)
+        .pick_at(&with_body(&text(350, 0, "x")), &snap, now)
         .unwrap();
     let holder = first.decode.key();
     let other = snap.endpoints.iter().find(|e| e.key(0) != holder).unwrap();
     assert_eq!(snap.idle_ranks(true), 1);
 
-    // 30 blocks held of 40: 10 to prefill behind 220 pending beyond them.
-    // Beside the idle worker: 10 + 0.05 × 192 + 28 = 47.6 > 40.
+    // 30 blocks held of 40: 10 to prefill behind 320 pending beyond them.
+    // Beside the idle worker: 10 + 0.05 × 256 + 64 = 86.8 > 40.
     let short = text(30, 10, "s");
     let explained = s.explain(&with_body(&short), &snap, now).unwrap();
     let at_holder = explained.candidates.iter().find(|c| c.key == holder);
-    assert!((at_holder.unwrap().terms.prefill - 47.6).abs() < 1e-9);
+    assert!((at_holder.unwrap().terms.prefill - 86.8).abs() < 1e-9);
     let d = s.pick_at(&with_body(&short), &snap, now).unwrap();
     assert_ne!(d.decode.key(), holder, "the idle worker starts at once");
     // Withdrawn, and what it recorded there forgotten: the other worker
@@ -85,7 +85,7 @@ fn a_short_prompt_leaves_a_long_wait_only_while_another_rank_is_idle() {
     };
     forget(&d);
 
-    // The other worker has a prefill pending too: 10 + 0.05 × 220 = 21 beats
+    // The other worker has a prefill pending too: 10 + 0.05 × 320 = 26 beats
     // its 40 + 0.05 × 2.
     other.book(
         0,
@@ -100,7 +100,7 @@ fn a_short_prompt_leaves_a_long_wait_only_while_another_rank_is_idle() {
     s.cancel(&d);
 
     // A long prompt (50 blocks to prefill there) waits in full, idle worker
-    // or not: 50 + 220 against 80 + 2.
+    // or not: 50 + 320 against 80 + 2.
     let d = s
         .pick_at(&with_body(&text(30, 50, "l")), &snap, now)
         .unwrap();
