@@ -47,9 +47,21 @@ pub enum ServeError {
     /// The metrics server failed.
     #[error("metrics server: {0}")]
     Metrics(std::io::Error),
-    /// Discovery failed.
+    /// Kubernetes discovery was misconfigured or stopped.
     #[error("discovery: {0}")]
-    Discovery(String),
+    Kube(#[from] crate::discovery::kube::KubeError),
+    /// The endpoints file could not be watched.
+    #[error("discovery: {0}")]
+    File(#[from] crate::discovery::file::FileError),
+    /// The kubeconfig file could not be read or used.
+    #[error("Kubernetes client: {0}")]
+    Kubeconfig(#[from] kube::config::KubeconfigError),
+    /// No in-cluster or local Kubernetes configuration was found.
+    #[error("Kubernetes client: {0}")]
+    InferConfig(#[from] kube::config::InferConfigError),
+    /// The Kubernetes client could not be built from its configuration.
+    #[error("Kubernetes client: {0}")]
+    KubeClient(#[from] kube::Error),
     /// The session key file could not be read.
     #[error("session key file {path}: {source}")]
     SessionKey {
@@ -359,18 +371,16 @@ impl EndpointSource {
         if let Some(path) = &args.endpoints_file {
             return Ok(EndpointSource::File(path.clone()));
         }
-        let bad = |e: discovery::kube::KubeError| ServeError::Discovery(e.to_string());
         let source = match (&args.pool_name, &args.endpoint_selector) {
             (Some(name), _) if !name.trim().is_empty() => discovery::kube::Source::Pool {
                 name: name.trim().to_string(),
-                group: discovery::kube::PoolGroup::parse(&args.pool_group).map_err(bad)?,
+                group: discovery::kube::PoolGroup::parse(&args.pool_group)?,
             },
             (_, Some(selector)) if !selector.trim().is_empty() => {
                 discovery::kube::Source::selector(
                     selector,
                     args.endpoint_target_ports.as_deref().unwrap_or_default(),
-                )
-                .map_err(bad)?
+                )?
             }
             _ => return Err(ServeError::NoSource),
         };
@@ -382,17 +392,14 @@ impl EndpointSource {
 }
 
 async fn kube_client(args: &Args) -> Result<kube::Client, ServeError> {
-    let err = |e: &dyn std::fmt::Display| ServeError::Discovery(format!("Kubernetes client: {e}"));
     let config = match &args.kubeconfig {
         Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| err(&e))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-                .await
-                .map_err(|e| err(&e))?
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?
         }
-        None => kube::Config::infer().await.map_err(|e| err(&e))?,
+        None => kube::Config::infer().await?,
     };
-    kube::Client::try_from(config).map_err(|e| err(&e))
+    Ok(kube::Client::try_from(config)?)
 }
 
 /// The multimodal routing mode the flags allow.
@@ -525,9 +532,7 @@ pub async fn run_until(
     let mut _objective_watch: Option<AbortOnDrop> = None;
     let discovery: Pin<Box<dyn Future<Output = Result<(), ServeError>> + Send>> = match source {
         EndpointSource::File(path) => Box::pin(async move {
-            discovery::file::watch(path, table, Duration::from_secs(1))
-                .await
-                .map_err(|e| ServeError::Discovery(e.to_string()))
+            Ok(discovery::file::watch(path, table, Duration::from_secs(1)).await?)
         }),
         EndpointSource::Kube { namespace, source } => {
             let client = kube_client(&args).await?;
@@ -550,11 +555,9 @@ pub async fn run_until(
                     objectives,
                 ))));
             }
-            Box::pin(async move {
-                discovery::kube::run(client, &namespace, source, table)
-                    .await
-                    .map_err(|e| ServeError::Discovery(e.to_string()))
-            })
+            Box::pin(
+                async move { Ok(discovery::kube::run(client, &namespace, source, table).await?) },
+            )
         }
     };
     let scrape = crate::scrape::run(
@@ -740,11 +743,11 @@ mod tests {
         ));
         assert!(matches!(
             source(&["kvpick", "--endpoint-selector", "app=x"]),
-            Err(ServeError::Discovery(_))
+            Err(ServeError::Kube(_))
         ));
         assert!(matches!(
             source(&["kvpick", "--pool-name", "p", "--pool-group", "example.com"]),
-            Err(ServeError::Discovery(_))
+            Err(ServeError::Kube(_))
         ));
         assert!(matches!(source(&["kvpick"]), Err(ServeError::NoSource)));
     }

@@ -39,7 +39,7 @@ use tokio::sync::Semaphore;
 use crate::multimodal::dims::image_size;
 use crate::multimodal::identity::{self, ImageIdentity};
 use crate::multimodal::remote::{KnownImages, RemoteImages};
-use crate::multimodal::routing::{expand_images, PromptImage};
+use crate::multimodal::routing::{expand_images, ExpandError, PromptImage};
 use crate::multimodal::{MmRouting, MmStats, VisionPrompt};
 use crate::request::{
     ChatInput, ContentPart, InferenceRequest, MessageField, PromptPart, Segment, TemplateInput,
@@ -58,13 +58,13 @@ pub enum TokenizeError {
     },
     /// `tokenizer.json` is not a tokenizer the `tokenizers` crate can load.
     #[error("loading tokenizer.json: {0}")]
-    Load(String),
+    Load(#[source] tokenizers::Error),
     /// `tokenizer_config.json` is not valid JSON.
     #[error("tokenizer_config.json: {0}")]
-    Config(String),
+    Config(#[source] serde_json::Error),
     /// The chat template does not compile or failed to render.
     #[error("chat template: {0}")]
-    Template(String),
+    Template(#[source] minijinja::Error),
     /// A chat request arrived but the model has no chat template.
     #[error("the model directory has no chat template")]
     NoTemplate,
@@ -82,14 +82,19 @@ pub enum TokenizeError {
     NoTemplateInput,
     /// Encoding failed.
     #[error("encoding: {0}")]
-    Encode(String),
-    /// The vision model does not fit the tokenizer, or a prompt's image tokens
-    /// do not pair with its images.
+    Encode(#[source] tokenizers::Error),
+    /// The vision model's image token is not a single token id, or encodes to none.
+    #[error("vision: image token {0:?} is not one token")]
+    ImageToken(String),
+    /// A prompt's image tokens do not pair with its images.
     #[error("vision: {0}")]
-    Vision(String),
-    /// The tokenization task was cancelled.
+    ImagePairing(#[source] ExpandError),
+    /// The tokenizer's task pool is closed (the process is shutting down).
+    #[error("tokenization pool closed: {0}")]
+    Closed(#[source] tokio::sync::AcquireError),
+    /// The blocking tokenization task panicked or was cancelled.
     #[error("tokenization task failed: {0}")]
-    Task(String),
+    Task(#[source] tokio::task::JoinError),
 }
 
 const TEMPLATE: &str = "chat";
@@ -167,13 +172,9 @@ impl Tokenizer {
             path: path.display().to_string(),
             source: std::io::ErrorKind::NotFound.into(),
         })?;
-        let inner: tokenizers::Tokenizer = json
-            .parse()
-            .map_err(|e| TokenizeError::Load(format!("{e}")))?;
+        let inner: tokenizers::Tokenizer = json.parse().map_err(TokenizeError::Load)?;
         let config: Map<String, Value> = match read(&dir.join("tokenizer_config.json"))? {
-            Some(s) => {
-                serde_json::from_str(&s).map_err(|e| TokenizeError::Config(e.to_string()))?
-            }
+            Some(s) => serde_json::from_str(&s).map_err(TokenizeError::Config)?,
             None => Map::new(),
         };
         let template = match read(&dir.join("chat_template.jinja"))? {
@@ -227,10 +228,7 @@ impl Tokenizer {
             None => self.encode(&prompt.image_token, false)?,
         };
         if image_token_ids.is_empty() {
-            return Err(TokenizeError::Vision(format!(
-                "image token {:?} encodes to no tokens",
-                prompt.image_token
-            )));
+            return Err(TokenizeError::ImageToken(prompt.image_token.clone()));
         }
         self.vision = Some(Vision {
             prompt,
@@ -286,10 +284,10 @@ impl Tokenizer {
         ctx.insert("add_generation_prompt".into(), Value::Bool(true));
         let template = env
             .get_template(TEMPLATE)
-            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+            .map_err(TokenizeError::Template)?;
         let text = template
             .render(JValue::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+            .map_err(TokenizeError::Template)?;
         Ok((text, images))
     }
 
@@ -390,7 +388,7 @@ impl Tokenizer {
         }
         if sized.len() == images.len() {
             let tokens = expand_images(&ids, &v.image_token_ids, &sized)
-                .map_err(|e| TokenizeError::Vision(e.to_string()))?;
+                .map_err(TokenizeError::ImagePairing)?;
             return Ok((vec![Segment::Tokens(tokens)], images));
         }
         // Cut at the first image of unknown size.
@@ -411,14 +409,11 @@ impl Tokenizer {
                 i += 1;
             }
         }
-        let at = at.ok_or_else(|| {
-            TokenizeError::Vision(format!(
-                "prompt has fewer image tokens than {} images",
-                urls.len()
-            ))
-        })?;
-        let head = expand_images(&ids[..at], ph, &sized)
-            .map_err(|e| TokenizeError::Vision(e.to_string()))?;
+        let at = at.ok_or(TokenizeError::ImagePairing(ExpandError::Count {
+            found: seen,
+            images: urls.len(),
+        }))?;
+        let head = expand_images(&ids[..at], ph, &sized).map_err(TokenizeError::ImagePairing)?;
         let mut out = vec![Segment::Tokens(head), Segment::Image(urls[cut].clone())];
         let tail = &ids[at + ph.len()..];
         if !tail.is_empty() {
@@ -455,7 +450,7 @@ impl Tokenizer {
         self.inner
             .encode_fast(text, special)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizeError::Encode(e.to_string()))
+            .map_err(TokenizeError::Encode)
     }
 }
 
@@ -574,7 +569,7 @@ fn chat_environment(template: String) -> Result<Environment<'static>, TokenizeEr
             .trim_blocks(true)
             .lstrip_blocks(true)
             .build()
-            .map_err(|e| TokenizeError::Template(e.to_string()))?,
+            .map_err(TokenizeError::Template)?,
     );
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |msg: String| -> Result<JValue, JError> {
@@ -586,7 +581,7 @@ fn chat_environment(template: String) -> Result<Environment<'static>, TokenizeEr
     });
     env.add_filter("tojson", py_tojson);
     env.add_template_owned(TEMPLATE, template)
-        .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        .map_err(TokenizeError::Template)?;
     Ok(env)
 }
 
@@ -740,11 +735,11 @@ impl TokenizerPool {
             .permits
             .acquire()
             .await
-            .map_err(|e| TokenizeError::Task(e.to_string()))?;
+            .map_err(TokenizeError::Closed)?;
         let tok = Arc::clone(&self.tokenizer);
         tokio::task::spawn_blocking(move || tok.tokenize_input(&input, &known))
             .await
-            .map_err(|e| TokenizeError::Task(e.to_string()))?
+            .map_err(TokenizeError::Task)?
     }
 }
 

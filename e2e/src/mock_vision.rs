@@ -44,10 +44,11 @@ impl MockVision {
     /// Loads the model's tokenizer directory for `prompt`'s vision model.
     pub fn load(dir: &Path, prompt: VisionPrompt) -> Result<Self, TokenizeError> {
         let model = prompt.model.clone();
+        let prompt_token = prompt.image_token.clone();
         let tokenizer = Tokenizer::load(dir)?.with_vision(prompt)?;
         let image_token = tokenizer
             .image_token_id()
-            .ok_or_else(|| TokenizeError::Vision("the image token is not one token".into()))?;
+            .ok_or_else(|| TokenizeError::ImageToken(prompt_token.clone()))?;
         Ok(MockVision {
             tokenizer: Arc::new(tokenizer),
             model,
