@@ -455,6 +455,8 @@ pub struct Snapshot {
     instances: HashMap<u64, u32, KeyHash>,
     /// No two endpoints share an instance id.
     unique_instances: bool,
+    /// Some endpoint serves prefill only (a disaggregated pool).
+    prefill_only: bool,
 }
 
 impl Snapshot {
@@ -470,10 +472,12 @@ impl Snapshot {
                 Entry::Occupied(_) => unique_instances = false,
             }
         }
+        let prefill_only = endpoints.iter().any(|e| !e.serves_decode());
         Snapshot {
             endpoints,
             instances,
             unique_instances,
+            prefill_only,
         }
     }
 
@@ -487,6 +491,12 @@ impl Snapshot {
     /// [`Snapshot::by_instance`] finds the only one).
     pub fn unique_instances(&self) -> bool {
         self.unique_instances
+    }
+
+    /// Whether some endpoint serves prefill only: without one, no request
+    /// has a prefill worker to pick.
+    pub fn has_prefill_only(&self) -> bool {
+        self.prefill_only
     }
 
     /// Finds a ready endpoint by address.
@@ -618,6 +628,20 @@ mod tests {
         assert!(!snap.unique_instances());
         let first = snap.by_instance(snap.endpoints[0].endpoint.instance_id);
         assert!(Arc::ptr_eq(first.unwrap(), &snap.endpoints[0]));
+    }
+
+    #[test]
+    fn a_snapshot_knows_whether_some_endpoint_serves_prefill_only() {
+        let table = EndpointTable::new();
+        let mut decode = ep("10.0.0.2:8000");
+        decode.role = Role::Decode;
+        table.replace(vec![ep("10.0.0.1:8000"), decode]);
+        assert!(!table.snapshot().has_prefill_only());
+        let mut prefill = ep("10.0.0.3:8000");
+        prefill.role = Role::Prefill;
+        table.replace(vec![ep("10.0.0.1:8000"), prefill]);
+        assert!(table.snapshot().has_prefill_only());
+        assert!(!Snapshot::default().has_prefill_only());
     }
 
     #[test]
