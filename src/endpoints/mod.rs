@@ -534,6 +534,12 @@ impl Snapshot {
         self.unique_instances
     }
 
+    /// Whether some endpoint serves prefill only: without one, no request
+    /// has a prefill worker to pick.
+    pub fn has_prefill_only(&self) -> bool {
+        self.ranks[0] > 0
+    }
+
     /// Finds a ready endpoint by address.
     pub fn by_address(&self, address: &SocketAddr) -> Option<&Arc<EndpointState>> {
         self.endpoints
@@ -678,6 +684,20 @@ mod tests {
         assert!(!snap.unique_instances());
         let first = snap.by_instance(snap.endpoints[0].endpoint.instance_id);
         assert!(Arc::ptr_eq(first.unwrap(), &snap.endpoints[0]));
+    }
+
+    #[test]
+    fn a_snapshot_knows_whether_some_endpoint_serves_prefill_only() {
+        let table = EndpointTable::new();
+        let mut decode = ep("10.0.0.2:8000");
+        decode.role = Role::Decode;
+        table.replace(vec![ep("10.0.0.1:8000"), decode]);
+        assert!(!table.snapshot().has_prefill_only());
+        let mut prefill = ep("10.0.0.3:8000");
+        prefill.role = Role::Prefill;
+        table.replace(vec![ep("10.0.0.1:8000"), prefill]);
+        assert!(table.snapshot().has_prefill_only());
+        assert!(!Snapshot::default().has_prefill_only());
     }
 
     #[test]

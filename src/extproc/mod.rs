@@ -2,12 +2,14 @@
 //!
 //! Thin glue: each stream drives [`stream::StreamState`] inside its own response
 //! stream (no task of its own), so a panic in one stream ends that stream with an
-//! INTERNAL status and never touches others.
+//! INTERNAL status and never touches others. The answers go from the work to the
+//! response stream through an [`Outbox`] that wakes nobody: both run in one task.
 
 pub mod budget;
 pub mod messages;
 pub mod stream;
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -20,7 +22,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures::{FutureExt, Stream, StreamExt};
-use tokio::sync::{mpsc, Semaphore};
+use parking_lot::Mutex;
+use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
 
@@ -134,12 +137,49 @@ impl ExternalProcessor for ExtProcService {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(16);
+        let outbox = Outbox::default();
         let shared = Arc::clone(&self.shared);
         let metrics = Arc::clone(&shared.metrics);
         let heavy = Arc::clone(&self.heavy);
-        let work = run_stream(shared, heavy, inbound, tx);
-        Ok(Response::new(Box::pin(Contained::new(metrics, rx, work))))
+        let work = run_stream(shared, heavy, inbound, outbox.clone());
+        Ok(Response::new(Box::pin(Contained::new(
+            metrics, outbox, work,
+        ))))
+    }
+}
+
+/// Answers an [`Outbox`] holds before the work waits for the response stream
+/// to take some (a body streamed back is queued a chunk at a time, never whole).
+const OUTBOX_ANSWERS: usize = 16;
+
+/// The answers of one stream on their way from its work to its response stream
+/// ([`Contained`]), which polls the work itself: so nothing is ever woken
+/// through the outbox. The response stream polls the work whenever the outbox
+/// is empty, and returns pending only after a poll that left it empty; work
+/// that finds the outbox full waits for that next poll, which comes because
+/// the outbox is not empty.
+#[derive(Clone, Default)]
+struct Outbox(Arc<Mutex<VecDeque<ProcessingResponse>>>);
+
+impl Outbox {
+    /// Queues `answer` once the outbox has room.
+    async fn send(&self, answer: ProcessingResponse) {
+        let mut answer = Some(answer);
+        std::future::poll_fn(|_| {
+            let mut queue = self.0.lock();
+            if queue.len() >= OUTBOX_ANSWERS {
+                // The response stream polls the work again once it took one.
+                return Poll::Pending;
+            }
+            queue.extend(answer.take());
+            Poll::Ready(())
+        })
+        .await
+    }
+
+    /// The oldest answer queued.
+    fn pop(&self) -> Option<ProcessingResponse> {
+        self.0.lock().pop_front()
     }
 }
 
@@ -151,7 +191,7 @@ impl ExternalProcessor for ExtProcService {
 /// after the answers already sent.
 struct Contained {
     work: Option<Pin<Box<dyn Future<Output = std::thread::Result<()>> + Send>>>,
-    answers: mpsc::Receiver<Result<ProcessingResponse, Status>>,
+    answers: Outbox,
     failed: Option<Status>,
     metrics: Arc<Metrics>,
 }
@@ -159,7 +199,7 @@ struct Contained {
 impl Contained {
     fn new(
         metrics: Arc<Metrics>,
-        answers: mpsc::Receiver<Result<ProcessingResponse, Status>>,
+        answers: Outbox,
         work: impl Future<Output = ()> + Send + 'static,
     ) -> Self {
         metrics.streams.inc();
@@ -177,6 +217,9 @@ impl Stream for Contained {
     type Item = Result<ProcessingResponse, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(answer) = self.answers.pop() {
+            return Poll::Ready(Some(Ok(answer)));
+        }
         if let Some(work) = self.work.as_mut() {
             if let Poll::Ready(done) = work.as_mut().poll(cx) {
                 // Dropping the work drops its sender: the answers end after
@@ -194,9 +237,11 @@ impl Stream for Contained {
                 }
             }
         }
-        match self.answers.poll_recv(cx) {
-            Poll::Ready(None) => Poll::Ready(self.failed.take().map(Err)),
-            answer => answer,
+        match self.answers.pop() {
+            Some(answer) => Poll::Ready(Some(Ok(answer))),
+            // The work waits on Envoy, a timer or a hand-off, which wake this task.
+            None if self.work.is_some() => Poll::Pending,
+            None => Poll::Ready(self.failed.take().map(Err)),
         }
     }
 }
@@ -211,7 +256,7 @@ async fn run_stream(
     shared: Arc<Shared>,
     heavy: Arc<Semaphore>,
     mut inbound: Streaming<ProcessingRequest>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    tx: Outbox,
 ) {
     let body_wait = shared.config.body_wait;
     // Boxed: the stream's future stays small, so spawning and polling it moves
@@ -238,9 +283,7 @@ async fn run_stream(
                     } else {
                         state.body_wait_expired()
                     };
-                    if !send_answers(&tx, &mut state, out).await {
-                        return;
-                    }
+                    send_answers(&tx, &mut state, out).await;
                     if state.is_done() {
                         return linger(&mut inbound).await;
                     }
@@ -267,18 +310,14 @@ async fn run_stream(
         } else {
             state.handle(msg)
         };
-        if !send_answers(&tx, &mut state, out).await {
-            return;
-        }
+        send_answers(&tx, &mut state, out).await;
         // A complete text body waits for its token ids (off the async threads).
         // The rare waits (tokenizing, image fetches, flow control) are boxed so
         // the stream's own future stays small for every request.
         if let Some(job) = state.take_tokenize_job() {
             let tokens = Box::pin(job.run()).await;
             let out = state.tokenized(tokens);
-            if !send_answers(&tx, &mut state, out).await {
-                return;
-            }
+            send_answers(&tx, &mut state, out).await;
         }
         if let Some(ticket) = state.take_ticket() {
             if !Box::pin(wait_admission(ticket, &mut state, &mut inbound, &tx)).await {
@@ -335,12 +374,12 @@ async fn handle_blocking(
 /// Holds the stream's answer while its body waits in a flow-control queue. Envoy
 /// messages arriving meanwhile are handled after the verdict; if the stream goes
 /// away first, dropping the ticket takes the request out of its queue at once.
-/// False when the stream is over.
+/// False when Envoy ended its side meanwhile.
 async fn wait_admission(
     mut ticket: Ticket,
     state: &mut StreamState,
     inbound: &mut Streaming<ProcessingRequest>,
-    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    tx: &Outbox,
 ) -> bool {
     let mut held = Vec::new();
     let verdict = loop {
@@ -350,51 +389,27 @@ async fn wait_admission(
                 Some(Ok(msg)) => held.push(msg),
                 _ => return false,
             },
-            _ = tx.closed() => return false,
         }
     };
     drop(ticket);
     let out = state.admitted(verdict);
-    if !send_answers(tx, state, out).await {
-        return false;
-    }
+    send_answers(tx, state, out).await;
     for msg in held {
         let out = state.handle(msg);
-        if !send_answers(tx, state, out).await {
-            return false;
-        }
+        send_answers(tx, state, out).await;
     }
     true
 }
 
 /// Sends `out`, then the body the stream streams back, chunk by chunk (so the
-/// body is never copied whole into the channel).
-async fn send_answers(
-    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
-    state: &mut StreamState,
-    out: Vec<ProcessingResponse>,
-) -> bool {
-    if !send_all(tx, out).await {
-        return false;
+/// body is never copied whole into the outbox).
+async fn send_answers(tx: &Outbox, state: &mut StreamState, out: Vec<ProcessingResponse>) {
+    for msg in out {
+        tx.send(msg).await;
     }
     while let Some(msg) = state.next_echo() {
-        if tx.send(Ok(msg)).await.is_err() {
-            return false;
-        }
+        tx.send(msg).await;
     }
-    true
-}
-
-async fn send_all(
-    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
-    out: Vec<ProcessingResponse>,
-) -> bool {
-    for msg in out {
-        if tx.send(Ok(msg)).await.is_err() {
-            return false;
-        }
-    }
-    true
 }
 
 #[cfg(test)]
@@ -487,9 +502,9 @@ mod tests {
     #[tokio::test]
     async fn a_panicking_stream_ends_with_internal_and_others_go_on() {
         let metrics = Arc::new(Metrics::new("t"));
-        let (tx, rx) = mpsc::channel(4);
-        let mut failing = Contained::new(Arc::clone(&metrics), rx, async move {
-            let _ = tx.send(Ok(ProcessingResponse::default())).await;
+        let tx = Outbox::default();
+        let mut failing = Contained::new(Arc::clone(&metrics), tx.clone(), async move {
+            tx.send(ProcessingResponse::default()).await;
             panic!("boom")
         });
         assert_eq!(metrics.streams.get(), 1);
@@ -499,9 +514,9 @@ mod tests {
         assert_eq!(status.code(), tonic::Code::Internal);
         assert!(failing.next().await.is_none());
         // Another stream still runs and answers normally.
-        let (tx2, rx2) = mpsc::channel(4);
-        let mut fine = Contained::new(Arc::clone(&metrics), rx2, async move {
-            let _ = tx2.send(Ok(ProcessingResponse::default())).await;
+        let tx2 = Outbox::default();
+        let mut fine = Contained::new(Arc::clone(&metrics), tx2.clone(), async move {
+            tx2.send(ProcessingResponse::default()).await;
         });
         assert!(fine.next().await.unwrap().is_ok());
         assert!(fine.next().await.is_none());
@@ -513,16 +528,49 @@ mod tests {
     #[tokio::test]
     async fn dropping_the_response_stream_drops_its_work() {
         let metrics = Arc::new(Metrics::new("t"));
-        let (tx, rx) = mpsc::channel(1);
-        let (alive, mut gone) = mpsc::channel::<()>(1);
-        let mut stream = Contained::new(Arc::clone(&metrics), rx, async move {
+        let tx = Outbox::default();
+        let (alive, mut gone) = tokio::sync::mpsc::channel::<()>(1);
+        let mut stream = Contained::new(Arc::clone(&metrics), tx.clone(), async move {
             let _alive = alive;
-            let _ = tx.send(Ok(ProcessingResponse::default())).await;
+            tx.send(ProcessingResponse::default()).await;
             std::future::pending::<()>().await
         });
         assert!(stream.next().await.unwrap().is_ok());
         drop(stream);
         assert!(gone.recv().await.is_none(), "the work outlived its stream");
         assert_eq!(metrics.streams.get(), 0);
+    }
+
+    /// `f`, or a panic if it stalls.
+    async fn within<F: Future>(f: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(5), f)
+            .await
+            .expect("stalled")
+    }
+
+    #[tokio::test]
+    async fn a_full_outbox_holds_the_work_until_its_answers_are_taken() {
+        let metrics = Arc::new(Metrics::new("t"));
+        let outbox = Outbox::default();
+        let tx = outbox.clone();
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let chunk = |i: u8| messages::streamed_body(&[i], false, false).remove(0);
+        let mut stream = Contained::new(Arc::clone(&metrics), outbox.clone(), async move {
+            for i in 0..40 {
+                tx.send(chunk(i)).await;
+            }
+            // Then a wait only a waker outside the outbox ends.
+            let _ = wait.await;
+            tx.send(chunk(40)).await;
+        });
+        for i in 0..40 {
+            let answer = within(stream.next()).await.unwrap().unwrap();
+            assert_eq!(answer, chunk(i), "answers in order");
+            assert!(outbox.0.lock().len() < OUTBOX_ANSWERS, "bounded");
+        }
+        let last = tokio::spawn(async move { stream.next().await.map(Result::unwrap) });
+        tokio::task::yield_now().await;
+        go.send(()).unwrap();
+        assert_eq!(within(last).await.unwrap(), Some(chunk(40)));
     }
 }

@@ -23,7 +23,7 @@ use crate::admission::priority::{FAIRNESS_ID_HEADER, OBJECTIVE_HEADER};
 use crate::admission::{
     Permit, Rejection, RequestClass, RequestSignals, Ticket, Verdict, DROPPED_REASON_HEADER,
 };
-use crate::endpoints::{Engine, InFlightGuard};
+use crate::endpoints::{Engine, InFlightGuard, Snapshot};
 use crate::multimodal::hints;
 use crate::multimodal::identity::{identify, ImageIdentity};
 use crate::multimodal::remote::KnownImages;
@@ -60,10 +60,12 @@ pub const BOOTSTRAP_PORT_HEADER: &str = "x-prefill-bootstrap-port";
 /// Prefill bootstrap room (SGLang disaggregation).
 pub const BOOTSTRAP_ROOM_HEADER: &str = "x-prefill-bootstrap-room";
 
-/// Whether a request header name is a routing header kvpick must own.
+/// Whether a request header name is a routing header kvpick must own (any case).
 fn is_routing_header(name: &str) -> bool {
-    let name = name.to_ascii_lowercase();
-    name.starts_with(DESTINATION_KEY) || ROUTING_HEADERS.contains(&name.as_str())
+    let destination = name
+        .get(..DESTINATION_KEY.len())
+        .is_some_and(|head| head.eq_ignore_ascii_case(DESTINATION_KEY));
+    destination || ROUTING_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(name))
 }
 
 /// How Envoy sends the request body on this stream.
@@ -228,7 +230,8 @@ impl StreamState {
         let Admitting { parsed, via, .. } = *admitting;
         match verdict {
             Ok(permit) => {
-                let out = self.route(Some(&parsed), via);
+                let snapshot = self.shared.endpoints.snapshot();
+                let out = self.route(Some(&parsed), via, &snapshot);
                 drop(permit);
                 out
             }
@@ -257,7 +260,7 @@ impl StreamState {
         let snapshot = self.shared.endpoints.snapshot();
         match self.shared.admission.admit(class, &snapshot) {
             Verdict::Go(permit) => {
-                let out = self.route(Some(&parsed), via);
+                let out = self.route(Some(&parsed), via, &snapshot);
                 drop(permit);
                 out
             }
@@ -372,7 +375,8 @@ impl StreamState {
         }
         debug!("no body after headers: inferring BUFFERED request body mode");
         self.request_mode = BodyMode::Buffered;
-        let out = self.route(None, RouteVia::Headers);
+        let snapshot = self.shared.endpoints.snapshot();
+        let out = self.route(None, RouteVia::Headers, &snapshot);
         if !self.is_done() {
             self.phase = Phase::RequestBody;
         }
@@ -467,7 +471,8 @@ impl StreamState {
         self.meta = Some(meta);
         if h.end_of_stream || self.request_mode == BodyMode::None {
             // Header-only request (GET /v1/models) or a body Envoy will never send.
-            return self.route(None, RouteVia::Headers);
+            let snapshot = self.shared.endpoints.snapshot();
+            return self.route(None, RouteVia::Headers, &snapshot);
         }
         self.phase = Phase::RequestBody;
         if self.request_mode == BodyMode::Buffered {
@@ -594,15 +599,16 @@ impl StreamState {
         self.admit(parsed, via)
     }
 
+    /// Picks the request's target in `snapshot` and answers with the decision.
     fn route(
         &mut self,
         parsed: Option<&InferenceRequest>,
         via: RouteVia,
+        snapshot: &Snapshot,
     ) -> Vec<ProcessingResponse> {
         // The body leaves the stream's buffer with this answer.
         self.reservation.release();
         let started = Instant::now();
-        let snapshot = self.shared.endpoints.snapshot();
         let meta = self.meta.as_ref();
         let req = PickRequest {
             body: parsed,
@@ -610,7 +616,7 @@ impl StreamState {
             session_id: meta.and_then(|m| m.session_id.as_deref()),
             session_token: meta.and_then(|m| m.session_token.as_deref()),
         };
-        let decision = match self.shared.scheduler.pick(&req, &snapshot) {
+        let decision = match self.shared.scheduler.pick(&req, snapshot) {
             Ok(d) => d,
             Err(e) => {
                 let result = match e {
@@ -648,7 +654,7 @@ impl StreamState {
                 return vec![self.reject(400, "invalid_request_error", &e.to_string())];
             }
         };
-        let mut mutation = self.routing_mutation(&decision);
+        let mut mutation = self.routing_mutation(&decision, &address);
         let metadata = Some(messages::destination_metadata(&address));
         let guard = decision.begin();
         self.routed = Some(Routed {
@@ -720,10 +726,11 @@ impl StreamState {
 
     /// The header mutation carrying a decision: every routing header kvpick sets
     /// overwrites the client's, and every other routing header the client sent is removed.
-    fn routing_mutation(&self, d: &Decision) -> HeaderMutation {
+    /// `address` is the decode endpoint's.
+    fn routing_mutation(&self, d: &Decision, address: &str) -> HeaderMutation {
         let decode = d.decode.endpoint();
         let mut set = vec![
-            set_header(DESTINATION_KEY, &decode.address_string()),
+            set_header(DESTINATION_KEY, address),
             set_header(WORKER_ID_HEADER, &decode.instance_id.to_string()),
             set_header(DP_RANK_HEADER, &d.decode.rank.to_string()),
         ];

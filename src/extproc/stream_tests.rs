@@ -380,3 +380,26 @@ fn the_first_response_body_chunk_ends_the_prefill_once() {
     assert!(first.is_done());
     assert_eq!(load(), d2.decode_load());
 }
+
+#[test]
+fn routing_headers_are_known_in_any_case_without_panicking_on_any_name() {
+    for name in [
+        "x-gateway-destination-endpoint",
+        "X-Gateway-Destination-Endpoint",
+        "x-gateway-destination-endpoint-subset",
+        "X-WORKER-INSTANCE-ID",
+        "x-prefill-bootstrap-room",
+    ] {
+        assert!(is_routing_header(name), "{name}");
+    }
+    for name in [
+        "",
+        "x-worker",
+        "content-length",
+        "x-gateway-destination-endpoin",
+        "x-gateway-destination-endpoinü",
+        "ü-gateway-destination-endpoint",
+    ] {
+        assert!(!is_routing_header(name), "{name}");
+    }
+}

@@ -100,6 +100,12 @@ impl<'s, 'r> Pool<'s, 'r> {
         self.snapshot.endpoints.len()
     }
 
+    /// Whether some endpoint of the snapshot serves prefill only, so the
+    /// request may have a prefill candidate (else none is looked for).
+    pub(super) fn has_prefill_workers(&self) -> bool {
+        self.snapshot.has_prefill_only()
+    }
+
     /// Whether [`Pool::get`] answers without a pass over the pool (no two
     /// endpoints share an instance id).
     pub(super) fn direct(&self) -> bool {

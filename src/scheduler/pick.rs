@@ -81,10 +81,12 @@ impl Scheduler {
                     .choose(&scoring, Side::Decode, w.prefill)
                     .ok_or(PickError::NoDecodeEndpoint)?,
             };
+            // Without a prefill-only endpoint there is no prefill candidate to
+            // look for (a pass over the pool would find none).
             let p = match req.body {
-                Some(_) => pinned_prefill
+                Some(_) if pool.has_prefill_workers() => pinned_prefill
                     .or_else(|| self.choose(&scoring, Side::Prefill, w.prefill_overlap)),
-                None => None,
+                _ => None,
             };
             (d, scoring.overlap(&d), p)
         };
