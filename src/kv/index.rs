@@ -311,9 +311,9 @@ impl PrefixIndex {
     /// chunk). A lookup that does not take the lock within [`LET_IN`] was
     /// descheduled while waiting: the writer goes on, and does not wait for
     /// that one again (waiting for it on every chunk burned the writer's CPU
-    /// until it ran again). While it waits for a lookup it yields its core
-    /// (the lookup may be waiting for that core); for the lock it polls as
-    /// [`poll_for`] does, and after [`SPIN`] sleeps on it.
+    /// until it ran again). The writer polls for the lock as [`poll_for`] does
+    /// (so a lookup sharing its core gets the core), and after [`SPIN`]
+    /// sleeps on it.
     fn write(&self) -> FairWrite<'_> {
         let announced = self.lookups_announced.load(Ordering::SeqCst);
         let mut let_in = announced > self.writers_gave_up_at.load(Ordering::Relaxed);
@@ -321,8 +321,6 @@ impl PrefixIndex {
         let polled = poll_for(SPIN, || {
             if let_in && self.lookups_waiting.load(Ordering::SeqCst) > 0 {
                 if start.elapsed() < LET_IN {
-                    // The lookup may be waiting for this core.
-                    std::thread::yield_now();
                     return None;
                 }
                 self.writers_gave_up_at
