@@ -19,8 +19,12 @@ use tokio::sync::watch;
 
 use crate::health::PassiveHealth;
 use crate::kv::index::KeyHash;
+use pending::{PendingBlocks, PendingRanks};
 use scrape_cell::{Scrape, ScrapeCell};
 
+#[cfg(test)]
+mod idle_tests;
+mod pending;
 mod scrape_cell;
 
 /// What a worker does in a (possibly disaggregated) pool.
@@ -172,6 +176,9 @@ pub struct EndpointState {
     /// The latest scrape, read lock-free by every pick.
     scrape: ScrapeCell,
     health: PassiveHealth,
+    /// The table's count of ranks with prefill pending, which this endpoint's
+    /// ranks move as their pending blocks come and go.
+    pending_ranks: Arc<PendingRanks>,
     /// Identity and configuration.
     pub endpoint: Endpoint,
 }
@@ -216,7 +223,7 @@ struct RankLoad {
     blocks: AtomicU64,
     /// Of them, the prompt blocks they had left to prefill when routed, until
     /// their prefill is done.
-    uncached: AtomicU64,
+    uncached: PendingBlocks,
     /// The prefix index's slot for this rank as last seen: a hint the index
     /// checks (see `Overlaps::get_hinted`), so any value is safe.
     index_slot: AtomicU32,
@@ -266,7 +273,8 @@ pub enum LoadView {
 }
 
 impl EndpointState {
-    fn new(endpoint: Endpoint) -> Self {
+    /// The state of `endpoint`, its pending ranks counted in `pending_ranks`.
+    fn new(endpoint: Endpoint, pending_ranks: Arc<PendingRanks>) -> Self {
         let ranks = endpoint.dp_size.clamp(1, MAX_DP_SIZE) as usize;
         EndpointState {
             ranks: RankLoads::new(ranks),
@@ -274,7 +282,21 @@ impl EndpointState {
             role: endpoint.role,
             scrape: ScrapeCell::default(),
             health: PassiveHealth::default(),
+            pending_ranks,
             endpoint,
+        }
+    }
+
+    /// The count of pending ranks this endpoint's side moves.
+    fn pending_count(&self) -> &std::sync::atomic::AtomicI64 {
+        self.pending_ranks.side(self.serves_decode())
+    }
+
+    /// The endpoint has left the table: its ranks no longer count as pending
+    /// or idle there.
+    fn detach(&self) {
+        for r in self.ranks.iter() {
+            r.uncached.detach(self.pending_count());
         }
     }
 
@@ -317,7 +339,7 @@ impl EndpointState {
             .get(rank)
             .map_or(ActiveLoad::default(), |r| ActiveLoad {
                 blocks: r.blocks.load(Ordering::Relaxed),
-                uncached: r.uncached.load(Ordering::Relaxed),
+                uncached: r.uncached.get(),
             })
     }
 
@@ -327,22 +349,25 @@ impl EndpointState {
         self.ranks.get(rank).map(|r| &r.index_slot)
     }
 
-    /// Books `load` on `rank`.
+    /// Books `load` on `rank` (a rank given blocks to prefill counts as
+    /// pending: [`Snapshot::idle_ranks`]).
     pub fn book(&self, rank: u32, load: ActiveLoad) {
         if let Some(r) = self.ranks.get(rank) {
             r.blocks.fetch_add(load.blocks, Ordering::Relaxed);
-            r.uncached.fetch_add(load.uncached, Ordering::Relaxed);
+            r.uncached.add(load.uncached, self.pending_count());
         }
     }
 
-    /// Releases `load` booked on `rank` (each figure never below zero).
+    /// Releases `load` booked on `rank` (each figure never below zero; a rank
+    /// left with nothing to prefill counts as idle).
     pub fn release(&self, rank: u32, load: ActiveLoad) {
         if let Some(r) = self.ranks.get(rank) {
-            for (counter, n) in [(&r.blocks, load.blocks), (&r.uncached, load.uncached)] {
-                let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                    Some(v.saturating_sub(n))
+            let _ = r
+                .blocks
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(load.blocks))
                 });
-            }
+            r.uncached.sub(load.uncached, self.pending_count());
         }
     }
 
@@ -455,15 +480,19 @@ pub struct Snapshot {
     instances: HashMap<u64, u32, KeyHash>,
     /// No two endpoints share an instance id.
     unique_instances: bool,
-    /// Some endpoint serves prefill only (a disaggregated pool).
-    prefill_only: bool,
+    /// Ranks of the prefill-only endpoints and of those serving decode.
+    ranks: [u64; 2],
+    /// The table's ranks with prefill pending.
+    pending_ranks: Arc<PendingRanks>,
 }
 
 impl Snapshot {
-    /// The view of `endpoints`, sorted by address with each address once.
-    fn new(endpoints: Vec<Arc<EndpointState>>) -> Self {
+    /// The view of `endpoints`, sorted by address with each address once,
+    /// whose pending ranks `pending_ranks` counts.
+    fn new(endpoints: Vec<Arc<EndpointState>>, pending_ranks: Arc<PendingRanks>) -> Self {
         let mut instances = HashMap::with_capacity_and_hasher(endpoints.len(), KeyHash::default());
         let mut unique_instances = true;
+        let mut ranks = [0; 2];
         for (i, e) in endpoints.iter().enumerate() {
             match instances.entry(e.instance_id) {
                 Entry::Vacant(v) => {
@@ -471,14 +500,26 @@ impl Snapshot {
                 }
                 Entry::Occupied(_) => unique_instances = false,
             }
+            ranks[usize::from(e.serves_decode())] += u64::from(e.ranks());
         }
-        let prefill_only = endpoints.iter().any(|e| !e.serves_decode());
         Snapshot {
             endpoints,
             instances,
             unique_instances,
-            prefill_only,
+            ranks,
+            pending_ranks,
         }
+    }
+
+    /// How many ranks of the endpoints that serve decode (`serves_decode`),
+    /// or of the prefill-only ones, have no prefill pending: kvpick has booked
+    /// them no prompt block still to prefill. O(1): counted as load is booked
+    /// and released, not read from the ranks. Health and subset hints play no
+    /// part. Exact while this is the table's current set and no booking is
+    /// under way; an older set reads the current set's pending ranks.
+    pub fn idle_ranks(&self, serves_decode: bool) -> u64 {
+        let ranks = self.ranks[usize::from(serves_decode)];
+        ranks.saturating_sub(self.pending_ranks.get(serves_decode))
     }
 
     /// Finds a ready endpoint by instance id (the first, if several share it).
@@ -496,7 +537,7 @@ impl Snapshot {
     /// Whether some endpoint serves prefill only: without one, no request
     /// has a prefill worker to pick.
     pub fn has_prefill_only(&self) -> bool {
-        self.prefill_only
+        self.ranks[0] > 0
     }
 
     /// Finds a ready endpoint by address.
@@ -513,13 +554,17 @@ impl Snapshot {
 pub struct EndpointTable {
     current: ArcSwap<Snapshot>,
     synced: watch::Sender<bool>,
+    /// Ranks of the current set with prefill pending.
+    pending_ranks: Arc<PendingRanks>,
 }
 
 impl Default for EndpointTable {
     fn default() -> Self {
+        let pending_ranks = Arc::new(PendingRanks::default());
         EndpointTable {
-            current: ArcSwap::from_pointee(Snapshot::default()),
+            current: ArcSwap::from_pointee(Snapshot::new(Vec::new(), Arc::clone(&pending_ranks))),
             synced: watch::channel(false).0,
+            pending_ranks,
         }
     }
 }
@@ -536,8 +581,9 @@ impl EndpointTable {
     }
 
     /// Replaces the endpoint set with `endpoints` and marks the table synced.
-    /// Endpoints whose identity is unchanged keep their load state.
-    /// Returns the endpoints that left the set.
+    /// Endpoints whose identity is unchanged keep their load state; the
+    /// others' states leave the table's pending count
+    /// ([`Snapshot::idle_ranks`]). Returns the endpoints that left the set.
     pub fn replace(&self, mut endpoints: Vec<Endpoint>) -> Vec<Endpoint> {
         endpoints.sort_by_key(|e| e.address);
         endpoints.dedup_by(|a, b| a.address == b.address);
@@ -547,11 +593,15 @@ impl EndpointTable {
             .iter()
             .map(|s| (s.endpoint.address, s))
             .collect();
+        let mut replaced = Vec::new();
         let next: Vec<Arc<EndpointState>> = endpoints
             .into_iter()
             .map(|ep| match previous.remove(&ep.address) {
                 Some(state) if state.endpoint == ep => Arc::clone(state),
-                _ => Arc::new(EndpointState::new(ep)),
+                other => {
+                    replaced.extend(other);
+                    Arc::new(EndpointState::new(ep, Arc::clone(&self.pending_ranks)))
+                }
             })
             .collect();
         let removed = old
@@ -564,7 +614,13 @@ impl EndpointTable {
             })
             .map(|s| s.endpoint.clone())
             .collect();
-        self.current.store(Arc::new(Snapshot::new(next)));
+        self.current.store(Arc::new(Snapshot::new(
+            next,
+            Arc::clone(&self.pending_ranks),
+        )));
+        for state in replaced.into_iter().chain(previous.into_values()) {
+            state.detach();
+        }
         self.synced.send_replace(true);
         removed
     }
@@ -646,7 +702,7 @@ mod tests {
 
     #[test]
     fn scraped_counts_below_zero_are_stored_as_zero() {
-        let state = EndpointState::new(ep("10.0.0.1:8000"));
+        let state = EndpointState::new(ep("10.0.0.1:8000"), Default::default());
         let t0 = Instant::now();
         state.set_scraped(ScrapedLoad {
             queue: -3.0,
@@ -669,7 +725,7 @@ mod tests {
     fn in_flight_never_underflows_and_counts_per_rank() {
         let mut e = ep("10.0.0.1:8000");
         e.dp_size = 2;
-        let state = Arc::new(EndpointState::new(e));
+        let state = Arc::new(EndpointState::new(e, Default::default()));
         let a = state.begin_request(1);
         let b = state.begin_request(1);
         assert_eq!((state.in_flight(0), state.in_flight(1)), (0, 2));
@@ -684,7 +740,7 @@ mod tests {
 
     #[test]
     fn a_failing_or_stale_scrape_is_suspect_never_fresh() {
-        let state = EndpointState::new(ep("10.0.0.1:8000"));
+        let state = EndpointState::new(ep("10.0.0.1:8000"), Default::default());
         let t0 = Instant::now();
         let max_age = std::time::Duration::from_secs(5);
         assert_eq!(state.load_view(t0, max_age), LoadView::Unknown);
@@ -715,7 +771,7 @@ mod tests {
             at: t0,
         });
         assert_eq!(state.load_view(t0, max_age), LoadView::Fresh(load));
-        let never = EndpointState::new(ep("10.0.0.2:8000"));
+        let never = EndpointState::new(ep("10.0.0.2:8000"), Default::default());
         never.set_scrape_failed(t0);
         assert_eq!(never.load_view(t0, max_age), LoadView::Suspect(None));
     }

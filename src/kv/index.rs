@@ -53,9 +53,10 @@
 //! request path's approximate inserts. Lookups share the lock; writers hold it
 //! for at most [`WRITE_CHUNK`] blocks at a time (large batches, worker clears
 //! and purges are cut into chunks), so a lookup waits behind ingest for at most
-//! one chunk, a few microseconds. Waiting lookups spin rather than sleep
-//! (waking a sleeper costs more than a chunk) and say so: a writer lets them in
-//! before taking the lock for its next chunk. A precise store plans each chunk
+//! one chunk, a few microseconds. Waiting lookups poll rather than sleep
+//! (waking a sleeper costs more than a chunk), yielding their core after a few
+//! microseconds (the writer may be descheduled on it), and say so: a writer
+//! lets them in before taking the lock for its next chunk. A precise store plans each chunk
 //! under the read lock (what each block is for its worker, with the cache
 //! misses that costs), changes the runs under the write lock, and records the
 //! new locations in its worker's engine map after letting it go.
@@ -262,12 +263,12 @@ pub struct PrefixIndex {
     base: Instant,
     entries: AtomicUsize,
     precise_dropped: AtomicU64,
-    /// Lookups spinning for the lock; writers let them in before their next chunk.
+    /// Lookups waiting for the lock; writers let them in before their next chunk.
     lookups_waiting: AtomicUsize,
-    /// Lookups that ever spun for the lock (a writer waits for each at most once).
+    /// Lookups that ever waited for the lock (a writer waits for each at most once).
     lookups_announced: AtomicU64,
     /// `lookups_announced` when a writer last stopped waiting for a lookup that
-    /// did not take the lock within [`YIELD`] (descheduled while spinning).
+    /// did not take the lock within [`LET_IN`] (descheduled while waiting).
     writers_gave_up_at: AtomicU64,
 }
 
@@ -305,19 +306,23 @@ impl PrefixIndex {
         }
     }
 
-    /// The write lock, never taken while a lookup is spinning for it, and
+    /// The write lock, never taken while a lookup is waiting for it, and
     /// released fairly (a lookup asleep on it goes before this writer's next
-    /// chunk). A lookup that does not take the lock within [`YIELD`] was
-    /// descheduled while spinning: the writer goes on, and does not wait for
+    /// chunk). A lookup that does not take the lock within [`LET_IN`] was
+    /// descheduled while waiting: the writer goes on, and does not wait for
     /// that one again (waiting for it on every chunk burned the writer's CPU
-    /// until it ran again). After [`SPIN`] the writer sleeps on the lock.
+    /// until it ran again). While it waits for a lookup it yields its core
+    /// (the lookup may be waiting for that core); for the lock it polls as
+    /// [`poll_for`] does, and after [`SPIN`] sleeps on it.
     fn write(&self) -> FairWrite<'_> {
         let announced = self.lookups_announced.load(Ordering::SeqCst);
         let mut let_in = announced > self.writers_gave_up_at.load(Ordering::Relaxed);
         let start = Instant::now();
-        let spun = spin_for(SPIN, || {
+        let polled = poll_for(SPIN, || {
             if let_in && self.lookups_waiting.load(Ordering::SeqCst) > 0 {
-                if start.elapsed() < YIELD {
+                if start.elapsed() < LET_IN {
+                    // The lookup may be waiting for this core.
+                    std::thread::yield_now();
                     return None;
                 }
                 self.writers_gave_up_at
@@ -326,7 +331,7 @@ impl PrefixIndex {
             }
             self.inner.try_write()
         });
-        FairWrite(Some(spun.unwrap_or_else(|| self.inner.write())))
+        FairWrite(Some(polled.unwrap_or_else(|| self.inner.write())))
     }
 
     /// Runs `f` with the engine maps locked, on `worker`'s slot (a new one with
@@ -349,24 +354,25 @@ impl PrefixIndex {
     }
 
     /// The read lock for a lookup: while a writer holds it (one chunk, a few
-    /// microseconds), spin and announce the wait, so the writer's next chunk waits
-    /// for this lookup. After [`SPIN`] (the writer was descheduled holding it)
-    /// keep polling but yield the core between polls: never sleep on the lock, so
-    /// that the lookup runs the moment the writer lets go instead of waiting to be
-    /// woken and then for a core, and is never handed the lock while it waits for
-    /// one (which would stall the writer behind it).
+    /// microseconds), poll and announce the wait, so the writer's next chunk
+    /// waits for this lookup. Polls as [`poll_for`] does: past [`BRIEF`] (the
+    /// writer is descheduled, maybe by this very lookup on its core) it yields
+    /// the core between polls, so a writer sharing the core finishes its chunk.
+    /// Never sleeps on the lock, so that the lookup runs the moment the writer
+    /// lets go instead of waiting to be woken and then for a core, and is never
+    /// handed the lock while it waits for one (which would stall the writer
+    /// behind it).
     fn read_for_lookup(&self) -> RwLockReadGuard<'_, Inner> {
         if let Some(g) = self.inner.try_read() {
             return g;
         }
         self.lookups_waiting.fetch_add(1, Ordering::SeqCst);
         self.lookups_announced.fetch_add(1, Ordering::SeqCst);
-        let g = spin_for(SPIN, || self.inner.try_read()).unwrap_or_else(|| loop {
-            std::thread::yield_now();
-            if let Some(g) = spin_for(Duration::ZERO, || self.inner.try_read()) {
+        let g = loop {
+            if let Some(g) = poll_for(SPIN, || self.inner.try_read()) {
                 break g;
             }
-        });
+        };
         self.lookups_waiting.fetch_sub(1, Ordering::SeqCst);
         g
     }
@@ -923,18 +929,27 @@ impl PrefixIndex {
     }
 }
 
-/// How long a writer or a lookup spins for the lock before yielding the core
-/// between polls: a writer holds it for one chunk and a lookup or a plan for
-/// one walk, microseconds all, while a thread descheduled holding it is away
-/// for milliseconds.
+/// How long a writer polls for the lock before sleeping on it: a writer holds
+/// it for one chunk and a lookup or a plan for one walk, microseconds all,
+/// while a thread descheduled holding it is away for milliseconds.
 const SPIN: Duration = Duration::from_micros(50);
 
-/// How long a writer waits for a lookup spinning for the lock to take it: a
-/// running lookup takes it within nanoseconds of the writer's last chunk.
-const YIELD: Duration = Duration::from_micros(5);
+/// How long a thread waiting for the lock spins before it yields its core
+/// between polls: longer than a chunk or a walk holds the lock while its
+/// holder runs. Past it the holder is most likely descheduled, perhaps by the
+/// waiter itself on the holder's core (a lookup thread woken there), and a
+/// waiter that kept spinning would keep the holder off the core until the
+/// scheduler's next tick.
+const BRIEF: Duration = Duration::from_micros(4);
 
-/// Polls `f` until it yields or `limit` has passed.
-fn spin_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+/// How long a writer waits for a lookup waiting for the lock to take it: a
+/// running lookup takes it within nanoseconds of the writer's last chunk, one
+/// that shares the writer's core once the writer yields it.
+const LET_IN: Duration = Duration::from_micros(20);
+
+/// Polls `f` until it yields or `limit` has passed: spinning for [`BRIEF`],
+/// then yielding the core between polls.
+fn poll_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     if let Some(t) = f() {
         return Some(t);
     }
@@ -946,8 +961,12 @@ fn spin_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
             }
             std::hint::spin_loop();
         }
-        if start.elapsed() >= limit {
+        let waited = start.elapsed();
+        if waited >= limit {
             return None;
+        }
+        if waited >= BRIEF {
+            std::thread::yield_now();
         }
     }
 }

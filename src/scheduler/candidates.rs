@@ -89,6 +89,12 @@ impl<'s, 'r> Pool<'s, 'r> {
         self.serves(ep, side) && (self.all_ejected || ep.health().available_at(self.now))
     }
 
+    /// Ranks of `side` with no prefill pending, in the whole snapshot (health
+    /// and the subset hint aside; see [`Snapshot::idle_ranks`]).
+    pub(super) fn idle_ranks(&self, side: Side) -> u64 {
+        self.snapshot.idle_ranks(side == Side::Decode)
+    }
+
     /// How many endpoints the snapshot holds.
     pub(super) fn endpoints(&self) -> usize {
         self.snapshot.endpoints.len()

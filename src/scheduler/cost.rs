@@ -88,20 +88,78 @@ impl CostTerms {
 /// (routed there, prefill not done) beyond this prompt's overlap. Dynamo counts
 /// such blocks at 1 (`prefill_load_scale`); on the tuning trace (BENCHMARKS.md
 /// §2) 1 scatters bursts that share a prefix while their first prefill runs,
-/// and 0.05 keeps the hit rate while the TTFT tail drops.
+/// and 0.05 keeps the hit rate while the TTFT tail drops. Two waits count in
+/// full instead ([`LONG_PROMPT_TOKENS`], [`MAX_WAIT_BESIDE_IDLE_TOKENS`]).
 pub const PENDING_PREFILL_WEIGHT: f64 = 0.05;
+
+/// A prompt with at least this many tokens still to prefill on a candidate
+/// counts the pending prefills there in full: its own prefill is long, so the
+/// hits it could gain by queueing are few beside the wait (on the tuning
+/// trace, the longest prompts make the light-load TTFT tail).
+pub const LONG_PROMPT_TOKENS: usize = 24_576;
+
+/// Pending prefill beyond this many tokens on a candidate counts in full while
+/// some other rank has none pending ([`Snapshot::idle_ranks`]): no prefix hit
+/// is worth waiting behind that much work when a worker could start at once.
+///
+/// [`Snapshot::idle_ranks`]: crate::endpoints::Snapshot::idle_ranks
+pub const MAX_WAIT_BESIDE_IDLE_TOKENS: usize = 131_072;
+
+/// How one pick counts a candidate's wait behind pending prefills, read once
+/// per pick and side: the thresholds in blocks, and whether some rank has
+/// nothing pending.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PendingWait {
+    /// [`LONG_PROMPT_TOKENS`] in blocks.
+    long_prompt_blocks: usize,
+    /// [`MAX_WAIT_BESIDE_IDLE_TOKENS`] in blocks, while a rank of the side has
+    /// nothing pending; `None` otherwise.
+    beside_idle_blocks: Option<f64>,
+}
+
+impl PendingWait {
+    /// The pending blocks a prompt with `new_blocks` left to prefill counts,
+    /// for `pending` blocks it would wait behind: [`PENDING_PREFILL_WEIGHT`]
+    /// each, all of them for a long prompt, and those beyond the wait allowed
+    /// beside an idle rank in full. Never below zero, never above `pending`.
+    pub(super) fn weigh(&self, pending: f64, new_blocks: usize) -> f64 {
+        if new_blocks >= self.long_prompt_blocks {
+            return pending;
+        }
+        match self.beside_idle_blocks {
+            Some(max) if pending > max => PENDING_PREFILL_WEIGHT * max + (pending - max),
+            _ => PENDING_PREFILL_WEIGHT * pending,
+        }
+    }
+}
 
 /// KV-cache usage from which a worker counts as saturated (the Inference
 /// Extension's saturation detector default, `kvCacheUtilThreshold` 0.8).
 pub const SATURATION_KV_USAGE: f64 = 0.8;
 
 impl Scheduler {
+    /// How this pick counts waits behind pending prefills, with `idle_ranks`
+    /// ranks of its side having nothing pending ([`Snapshot::idle_ranks`]: the
+    /// whole pool's, health and subset hints aside). A candidate with blocks
+    /// pending is never one of them, so any idle rank is another one.
+    ///
+    /// [`Snapshot::idle_ranks`]: crate::endpoints::Snapshot::idle_ranks
+    pub(super) fn pending_wait(&self, idle_ranks: u64) -> PendingWait {
+        let block = self.config.token_block.max(1);
+        PendingWait {
+            long_prompt_blocks: LONG_PROMPT_TOKENS.div_ceil(block),
+            beside_idle_blocks: (idle_ranks > 0)
+                .then_some(MAX_WAIT_BESIDE_IDLE_TOKENS.div_ceil(block) as f64),
+        }
+    }
+
     /// The least [`Scheduler::cost_terms`] total of any candidate left
     /// `new_blocks` to prefill at prefill weight `w_prefill`: its prefill
     /// term's floor, every other term being at least zero (scraped figures are
     /// stored non-negative). `None` when a weight is negative (or NaN), so no
     /// such floor holds. The pick skips candidates on this bound: a term that
-    /// can go below zero must lower it.
+    /// can go below zero must lower it (a wait behind pending prefills counts
+    /// zero or more, [`PendingWait`]).
     pub(super) fn cost_floor(&self, new_blocks: usize, w_prefill: f64) -> Option<f64> {
         let w = &self.config.weights;
         [w_prefill, w.decode, w.queue, w.kv_usage]
@@ -118,7 +176,7 @@ impl Scheduler {
     /// kvpick routed there whose prefill is not done ([`Scheduler::prefill_done`]):
     /// a prefill in progress, which no scraped queue shows. Those beyond this
     /// prompt's overlap count: a pending prefill of the shared prefix ends as
-    /// this request's hits there.
+    /// this request's hits there. They count as `wait` weighs them.
     ///
     /// Sticky until saturated: a candidate whose fresh scrape shows KV room
     /// (usage under [`SATURATION_KV_USAGE`]) adds no decode cost for its running
@@ -135,6 +193,7 @@ impl Scheduler {
         new_blocks: usize,
         size: u64,
         w_prefill: f64,
+        wait: PendingWait,
         now: i64,
     ) -> CostTerms {
         let w = &self.config.weights;
@@ -180,7 +239,7 @@ impl Scheduler {
         // counts as a request of this size still running there.
         decode += f64::from(c.ep.health().failures()) * size;
         CostTerms {
-            prefill: w_prefill * (new_blocks as f64 + PENDING_PREFILL_WEIGHT * pending),
+            prefill: w_prefill * (new_blocks as f64 + wait.weigh(pending, new_blocks)),
             decode: w.decode * decode,
             queue: w.queue * queue,
             kv_usage: w.kv_usage * kv,

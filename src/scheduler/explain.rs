@@ -126,19 +126,23 @@ impl Scheduler {
         });
 
         let w = self.config.weights;
+        let waits = [true, false].map(|decode| self.pending_wait(snapshot.idle_ranks(decode)));
         let mut candidates: Vec<CandidateScore> = all
             .iter()
             .map(|(c, address, filtered, _)| {
                 let prefill = !c.ep.serves_decode();
                 let overlap = overlaps.as_ref().map_or(0, |o| o.get(c));
-                let weight = if prefill {
-                    w.prefill_overlap
+                let (weight, wait) = if prefill {
+                    (w.prefill_overlap, waits[1])
                 } else {
-                    w.prefill
+                    (w.prefill, waits[0])
                 };
                 let terms = match filtered {
                     Some(_) => CostTerms::default(),
-                    None => self.cost_terms(c, prompt.uncached(overlap), load_blocks, weight, tick),
+                    None => {
+                        let new_blocks = prompt.uncached(overlap);
+                        self.cost_terms(c, new_blocks, load_blocks, weight, wait, tick)
+                    }
                 };
                 let pinned = bound.is_some_and(|b| {
                     if prefill {

@@ -35,6 +35,8 @@ mod prop_tests;
 mod stats;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod wait_tests;
 
 pub use cost::{CostTerms, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};

@@ -213,9 +213,10 @@ impl Scheduler {
     /// random endpoint, each with its overlap, until one costs that level's
     /// floor.
     fn choose<'s>(&self, at: &Scoring<'s, '_>, side: Side, w_prefill: f64) -> Option<Cand<'s>> {
+        let wait = self.pending_wait(at.pool.idle_ranks(side));
         let cost = |c: &Cand<'_>, overlap: usize| {
             let new_blocks = at.prompt.uncached(overlap);
-            self.cost_terms(c, new_blocks, at.size, w_prefill, at.now)
+            self.cost_terms(c, new_blocks, at.size, w_prefill, wait, at.now)
                 .total()
         };
         let temperature = self.config.temperature;

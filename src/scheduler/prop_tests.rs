@@ -124,7 +124,8 @@ proptest! {
 
 /// One endpoint of an arbitrary pool: whether it shares the previous one's
 /// instance id, data-parallel ranks, role, consecutive failures (3 eject it),
-/// a scrape (queue, running, KV usage), and per rank its booked load and the
+/// a scrape (queue, running, KV usage), and per rank its booked load (half of
+/// it pending prefill) and the
 /// prompt blocks it holds in the index (when the case's share of holders
 /// keeps it) and provisionally.
 #[derive(Debug, Clone)]
@@ -139,7 +140,7 @@ struct PoolMember {
 
 fn pool_member(depth: usize) -> impl Strategy<Value = PoolMember> {
     let rank = (
-        prop_oneof![2 => Just(0u64), 2 => 1u64..8, 2 => 8u64..60],
+        prop_oneof![2 => Just(0u64), 2 => 1u64..8, 2 => 8u64..60, 1 => 60u64..400],
         prop_oneof![3 => Just(0usize), 2 => 1..=depth],
         prop_oneof![6 => Just(0usize), 1 => 1..=depth],
     );
@@ -183,8 +184,14 @@ proptest! {
         subset in prop::option::of(prop::collection::vec(0usize..200, 0..6)),
         ttl_expired in prop::bool::ANY,
         held_share in 1u64..=8,
+        coarse_blocks in prop::bool::ANY,
     ) {
-        let s = Scheduler::default();
+        // Token blocks of 1,024 tokens bring the pending-wait thresholds within
+        // the case: every non-holder of the 24-block prompt is long (24
+        // blocks), and a holder's wait beyond 128 blocks counts in full while
+        // some rank has nothing pending.
+        let token_block = if coarse_blocks { 1024 } else { SchedulerConfig::default().token_block };
+        let s = Scheduler::new(SchedulerConfig { token_block, ..Default::default() });
         let t = EndpointTable::new();
         let addr = |i: usize| format!("10.0.{}.{}:80", i / 256, i % 256);
         t.replace(

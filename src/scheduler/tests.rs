@@ -25,7 +25,7 @@ fn table(specs: &[(&str, u32, Role)]) -> EndpointTable {
     t
 }
 
-fn both(n: usize) -> EndpointTable {
+pub(super) fn both(n: usize) -> EndpointTable {
     let addrs: Vec<String> = (1..=n).map(|i| format!("10.0.0.{i}:80")).collect();
     let specs: Vec<(&str, u32, Role)> = addrs.iter().map(|a| (a.as_str(), 1, Role::Both)).collect();
     table(&specs)
@@ -35,7 +35,7 @@ fn body(json: &str) -> InferenceRequest {
     crate::request::parse(json.as_bytes(), None).unwrap()
 }
 
-fn prompt(text: &str) -> InferenceRequest {
+pub(super) fn prompt(text: &str) -> InferenceRequest {
     body(&serde_json::json!({"model": "m", "prompt": text}).to_string())
 }
 
@@ -50,7 +50,7 @@ fn session(id: &str, action: Option<&str>, text: &str) -> InferenceRequest {
     )
 }
 
-fn with_body(b: &InferenceRequest) -> PickRequest<'_> {
+pub(super) fn with_body(b: &InferenceRequest) -> PickRequest<'_> {
     PickRequest {
         body: Some(b),
         ..Default::default()

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Seed means of `kvpick-anchors replay` matrices, and issue 17's landing rule.
+
+usage: replay_seed_means.py BASE_DIR CAND_DIR [SEEDS]
+  BASE_DIR, CAND_DIR: one directory per binary holding sS/matrix.md (S = seed),
+  written by `kvpick-anchors replay ... --seed S --out DIR/sS/matrix.md`;
+  SEEDS: a range, default 1-8.
+Prints, per kvpick mode, the seed means (hit / TTFT p99 ms (ratio to BASE) /
+spread) of both binaries and the peers, then every point where CAND breaks the
+rule (BENCHMARKS.md §2): p99 above BASE's, hit more than 0.3 points below
+BASE's, hit not above both peers' where BASE's was, spread worse by over 0.05.
+"""
+import math
+import statistics as st
+import sys
+from pathlib import Path
+
+POINTS = [(b, s) for b in (1000, 4000) for s in ("0.5×", "1×", "2×")]
+
+
+def load(directory, seeds):
+    """(blocks, speed, policy) -> [hit %, spread, p50, p99] over the seeds."""
+    rows = {}
+    for seed in seeds:
+        for line in (Path(directory) / f"s{seed}" / "matrix.md").read_text().splitlines():
+            c = [x.strip() for x in line.strip().strip("|").split("|")]
+            if len(c) != 9 or not c[0].isdigit() or c[2].startswith("ceiling"):
+                continue
+            figures = (float(c[3].rstrip("%")), float(c[5]), float(c[7]), float(c[8]))
+            rows.setdefault((int(c[0]), c[1], c[2]), []).append(figures)
+    return {k: [st.mean(x[i] for x in v) for i in range(4)] for k, v in rows.items()}
+
+
+def main():
+    base_dir, cand_dir = sys.argv[1], sys.argv[2]
+    lo, hi = map(int, (sys.argv[3] if len(sys.argv) > 3 else "1-8").split("-"))
+    seeds = range(lo, hi + 1)
+    base, cand = load(base_dir, seeds), load(cand_dir, seeds)
+    met, ratios = True, []
+    for mode in ("kvpick-precise", "kvpick-approx"):
+        print(f"\n{mode}, mean of seeds {lo}-{hi} (hit / TTFT p99 ms (ratio to base) / spread):\n")
+        print("| binary | " + " | ".join(f"{b}@{s}" for b, s in POINTS) + " |")
+        print("| --- " * (len(POINTS) + 1) + "|")
+        for label, table, policy in (("base", base, mode), ("candidate", cand, mode),
+                                     ("llm-d", base, "llm-d"), ("dynamo", base, "dynamo")):
+            cells = []
+            for b, s in POINTS:
+                hit, spread, _, p99 = table[(b, s, policy)]
+                ratio = f" ({p99 / base[(b, s, mode)][3]:.3f})" if policy == mode else ""
+                cells.append(f"{hit:.2f}% / {p99:,.0f}{ratio} / {spread:.2f}")
+            print(f"| {label} | " + " | ".join(cells) + " |")
+        for b, s in POINTS:
+            a, c = base[(b, s, mode)], cand[(b, s, mode)]
+            peers = max(base[(b, s, p)][0] for p in ("llm-d", "dynamo"))
+            ratios.append(c[3] / a[3])
+            misses = []
+            if c[3] > a[3]:
+                misses.append(f"p99 {c[3]:,.1f} > {a[3]:,.1f} ({c[3] / a[3]:.4f})")
+            if c[0] < a[0] - 0.3 - 1e-9:
+                misses.append(f"hit {c[0]:.3f} < {a[0]:.3f} - 0.3")
+            if a[0] > peers >= c[0]:
+                misses.append(f"hit {c[0]:.3f} not above the peers' {peers:.3f}")
+            if c[1] > a[1] + 0.05 + 1e-9:
+                misses.append(f"spread {c[1]:.3f} > {a[1]:.3f} + 0.05")
+            if misses:
+                met = False
+                print(f"miss {mode} {b}@{s}: " + "; ".join(misses))
+    geo = math.exp(st.mean(math.log(r) for r in ratios))
+    print(f"\np99 ratios {min(ratios):.3f}-{max(ratios):.3f}, geometric mean {geo:.3f}")
+    print("rule met" if met else "rule not met")
+
+
+if __name__ == "__main__":
+    main()
