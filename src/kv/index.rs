@@ -389,15 +389,43 @@ impl PrefixIndex {
     /// than the worker's capacity only the leading blocks that fit are recorded:
     /// the rest would evict the prompt's own prefix, the part a later request can match.
     pub fn insert(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
-        let cap = {
-            let g = self.inner.read();
-            g.slots
-                .get(&worker)
-                .and_then(|s| g.workers[*s as usize].capacity)
-                .unwrap_or(self.config.default_capacity)
-        };
-        let hashes = &hashes[..hashes.len().min(cap)];
+        self.insert_unless(worker, hashes, now, |_, _, _| false)
+    }
+
+    /// [`PrefixIndex::insert`] of a chain: each of `hashes` names every block
+    /// before it too (kvpick's prompt hashes). A prompt this worker's entries
+    /// already hold from an insert within the same second (its last recorded
+    /// block carries this second's stamp, so that insert touched every block
+    /// before it then) is left as it is: inserting it again would only reorder
+    /// its blocks among that second's touches.
+    pub fn insert_chain(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
+        self.insert_unless(worker, hashes, now, |w, last, stamp| {
+            !w.precise && w.recency.stamp(last) == Some(stamp.max(w.last_stamp))
+        })
+    }
+
+    /// [`PrefixIndex::insert`], unless `recorded(worker's entries, the last
+    /// block that fits, stamp)` says the insert would change nothing.
+    fn insert_unless(
+        &self,
+        worker: WorkerKey,
+        hashes: &[u64],
+        now: Instant,
+        recorded: impl Fn(&Worker, u64, u32) -> bool,
+    ) {
         let stamp = self.stamp(now);
+        let hashes = {
+            let g = self.inner.read();
+            let w = g.slots.get(&worker).map(|s| &g.workers[*s as usize]);
+            let cap = w
+                .and_then(|w| w.capacity)
+                .unwrap_or(self.config.default_capacity);
+            let hashes = &hashes[..hashes.len().min(cap)];
+            match (w, hashes.last()) {
+                (Some(w), Some(&last)) if recorded(w, last, stamp) => return,
+                _ => hashes,
+            }
+        };
         let mut prev = None;
         let mut placed = Vec::new();
         for chunk in hashes.chunks(WRITE_CHUNK) {
@@ -1770,6 +1798,30 @@ mod tests {
         // Recording all five would have kept 3, 4, 5 and lost the prefix.
         assert_eq!(idx.lookup(&[1, 2, 3, 4, 5], &[wk(1)], t), vec![3]);
         assert_eq!(idx.len(), 3);
+    }
+
+    #[test]
+    fn a_chain_recorded_this_second_is_not_touched_again_until_the_next() {
+        let (idx, t) = index(6, None);
+        let (a, b, c) = ([1, 2], [3, 4], [5, 6]);
+        idx.insert_chain(wk(1), &a, t);
+        idx.insert_chain(wk(1), &b, t);
+        // Held from this second: left as it is, so a stays the oldest.
+        idx.insert_chain(wk(1), &a, t + Duration::from_millis(500));
+        idx.insert_chain(wk(1), &c, t);
+        idx.insert_chain(wk(1), &[7, 8], t);
+        assert_eq!(idx.lookup(&a, &[wk(1)], t), vec![0]);
+        assert_eq!(idx.lookup(&b, &[wk(1)], t), vec![2]);
+        // A longer chain is recorded: its last block is new.
+        idx.insert_chain(wk(1), &[3, 4, 9], t);
+        assert_eq!(idx.lookup(&[3, 4, 9], &[wk(1)], t), vec![3]);
+        // In the next second the same chain is touched again: b becomes the newest.
+        let later = t + Duration::from_secs(1);
+        idx.insert_chain(wk(1), &b, later);
+        idx.insert_chain(wk(1), &[10, 11, 12, 13], later);
+        assert_eq!(idx.lookup(&b, &[wk(1)], later), vec![2]);
+        assert_eq!(idx.lookup(&[3, 4, 9], &[wk(1)], later), vec![2]);
+        assert_eq!(idx.len(), 6);
     }
 
     #[test]

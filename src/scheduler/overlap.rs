@@ -107,8 +107,8 @@ impl Scheduler {
     /// approximate worker, provisional ones for a precise worker.
     pub(super) fn record_prompt(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
         match self.index.is_precise(worker) {
-            true => self.provisional.insert(worker, hashes, now),
-            false => self.index.insert(worker, hashes, now),
+            true => self.provisional.insert_chain(worker, hashes, now),
+            false => self.index.insert_chain(worker, hashes, now),
         }
     }
 
