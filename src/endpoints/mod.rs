@@ -9,7 +9,7 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -288,7 +288,7 @@ impl EndpointState {
     }
 
     /// The count of pending ranks this endpoint's side moves.
-    fn pending_count(&self) -> &std::sync::atomic::AtomicI64 {
+    fn pending_count(&self) -> &AtomicI64 {
         self.pending_ranks.side(self.serves_decode())
     }
 

@@ -61,11 +61,12 @@ impl PendingBlocks {
         if before & DETACHED != 0 {
             return;
         }
-        match (before == 0, f(before) == 0) {
-            (true, false) => count.fetch_add(1, Ordering::Relaxed),
-            (false, true) => count.fetch_sub(1, Ordering::Relaxed),
-            _ => return,
-        };
+        let (was_pending, is_pending) = (before != 0, f(before) != 0);
+        if is_pending && !was_pending {
+            count.fetch_add(1, Ordering::Relaxed);
+        } else if was_pending && !is_pending {
+            count.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 

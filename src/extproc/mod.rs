@@ -222,8 +222,7 @@ impl Stream for Contained {
         }
         if let Some(work) = self.work.as_mut() {
             if let Poll::Ready(done) = work.as_mut().poll(cx) {
-                // Dropping the work drops its sender: the answers end after
-                // what it queued.
+                // The work is over: the answers end after what it queued.
                 self.work = None;
                 if let Err(panic) = done {
                     let what = panic

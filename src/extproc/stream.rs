@@ -375,8 +375,7 @@ impl StreamState {
         }
         debug!("no body after headers: inferring BUFFERED request body mode");
         self.request_mode = BodyMode::Buffered;
-        let snapshot = self.shared.endpoints.snapshot();
-        let out = self.route(None, RouteVia::Headers, &snapshot);
+        let out = self.route_without_body();
         if !self.is_done() {
             self.phase = Phase::RequestBody;
         }
@@ -471,8 +470,7 @@ impl StreamState {
         self.meta = Some(meta);
         if h.end_of_stream || self.request_mode == BodyMode::None {
             // Header-only request (GET /v1/models) or a body Envoy will never send.
-            let snapshot = self.shared.endpoints.snapshot();
-            return self.route(None, RouteVia::Headers, &snapshot);
+            return self.route_without_body();
         }
         self.phase = Phase::RequestBody;
         if self.request_mode == BodyMode::Buffered {
@@ -597,6 +595,13 @@ impl StreamState {
             return Vec::new();
         }
         self.admit(parsed, via)
+    }
+
+    /// Routes a request that has no body on its headers alone, in the current
+    /// endpoint set.
+    fn route_without_body(&mut self) -> Vec<ProcessingResponse> {
+        let snapshot = self.shared.endpoints.snapshot();
+        self.route(None, RouteVia::Headers, &snapshot)
     }
 
     /// Picks the request's target in `snapshot` and answers with the decision.

@@ -40,9 +40,7 @@ impl PromptOverlaps {
             .as_ref()
             .map_or(held, |p| held.max(p.get(c.key)))
     }
-}
 
-impl PromptOverlaps {
     /// The holder levels of both answers, deepest first: a worker's overlap is
     /// at most the depth of the first level it is found in, and a worker found
     /// in none holds nothing of the prompt.
