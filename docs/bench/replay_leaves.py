@@ -12,6 +12,11 @@ Per policy and age of that last use, prints the requests that went to the
 holder (stay) and elsewhere (leave), each with blocks hit / blocks shared.
 A leave of a recent prefix usually gives up hits the holder still had; an
 old one mostly finds the prefix evicted everywhere.
+Then, from the pools themselves at each arrival: the blocks the best worker's
+pool held, those the chosen worker's held, the picks below the best and the
+blocks they gave up, and how the chosen worker's hits moved from arrival to the
+start of the prefill (a prefill of the same prefix ahead of it adds hits;
+evictions while it waits take them).
 """
 import csv
 import gzip
@@ -68,6 +73,20 @@ def main():
             label = f"{lo}–{hi}" if hi is not None else f"≥ {lo}"
             print(f"| {label} | {len(stay)} | {sum(x[1] for x in stay):,} / {sum(x[0] for x in stay):,} "
                   f"| {len(leave)} | {sum(x[1] for x in leave):,} / {sum(x[0] for x in leave):,} |")
+        placement(rows)
+
+
+def placement(rows):
+    """The pools at arrival against the pick (columns of the eleventh session on)."""
+    if not rows or "best_arrival_hit_blocks" not in rows[0]:
+        return
+    best = [int(r["best_arrival_hit_blocks"]) for r in rows]
+    chosen = [int(r["arrival_hit_blocks"]) for r in rows]
+    hits = sum(int(r["hit_blocks"]) for r in rows)
+    below = [(b, c) for b, c in zip(best, chosen) if b > c]
+    print(f"\nat arrival: best pool {sum(best):,} blocks, chosen pool {sum(chosen):,}; "
+          f"{len(below)} picks below the best gave up {sum(b - c for b, c in below):,}; "
+          f"hits at prefill start {hits:,} ({hits - sum(chosen):+,} from arrival)")
 
 
 if __name__ == "__main__":
