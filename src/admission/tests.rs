@@ -21,7 +21,7 @@ fn class(priority: i32, flow: &str) -> RequestClass {
     RequestClass {
         priority,
         flow: flow.into(),
-        objective: String::new(),
+        objective: "".into(),
         model: "m".into(),
         bytes: 100,
     }

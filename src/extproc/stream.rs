@@ -5,7 +5,7 @@
 //! trailers, and the response path. [`StreamState::handle`] is synchronous and
 //! returns the messages to send back, so the protocol can be tested without a server.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
@@ -59,6 +59,11 @@ pub const BOOTSTRAP_HOST_HEADER: &str = "x-prefill-bootstrap-host";
 pub const BOOTSTRAP_PORT_HEADER: &str = "x-prefill-bootstrap-port";
 /// Prefill bootstrap room (SGLang disaggregation).
 pub const BOOTSTRAP_ROOM_HEADER: &str = "x-prefill-bootstrap-room";
+
+/// The edit every forwarded body gets ([`request::NvExtEdit::strip_client_routing`]),
+/// built once.
+static STRIP_CLIENT_ROUTING: LazyLock<request::NvExtEdit> =
+    LazyLock::new(request::NvExtEdit::strip_client_routing);
 
 /// Whether a request header name is a routing header kvpick must own (any case).
 fn is_routing_header(name: &str) -> bool {
@@ -563,15 +568,14 @@ impl StreamState {
         };
         // A client must not pick its worker through the body either: whenever the
         // body has `nvext`, every copy of the worker fields is removed.
-        let (body, rewritten) =
-            match parsed.rewrite_body(&body, &request::NvExtEdit::strip_client_routing()) {
-                Ok(Some(clean)) => (clean, true),
-                Ok(None) => (body, false),
-                Err(e) => {
-                    self.shared.metrics.record_result(RequestResult::BadRequest);
-                    return vec![self.reject(400, "invalid_request_error", &e.to_string())];
-                }
-            };
+        let (body, rewritten) = match parsed.rewrite_body(&body, &STRIP_CLIENT_ROUTING) {
+            Ok(Some(clean)) => (clean, true),
+            Ok(None) => (body, false),
+            Err(e) => {
+                self.shared.metrics.record_result(RequestResult::BadRequest);
+                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+            }
+        };
         let images: Vec<ImageIdentity> = image_urls(&parsed).map(identify).collect();
         if self.shared.tokenizer.is_none() && !images.is_empty() {
             // Approximate mode: the tokenizer, which counts the others, never sees it.
