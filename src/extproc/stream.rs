@@ -705,7 +705,7 @@ impl StreamState {
                 if rewritten {
                     mutation
                         .set_headers
-                        .push(set_header("content-length", &body.len().to_string()));
+                        .push(set_header("content-length", body.len().to_string()));
                 }
                 if self.headers_answered {
                     // Buffered: the decision rides on the body answer.
@@ -740,22 +740,22 @@ impl StreamState {
         let decode = d.decode.endpoint();
         let mut set = vec![
             set_header(DESTINATION_KEY, address),
-            set_header(WORKER_ID_HEADER, &decode.instance_id.to_string()),
-            set_header(DP_RANK_HEADER, &d.decode.rank.to_string()),
+            set_header(WORKER_ID_HEADER, decode.instance_id.to_string()),
+            set_header(DP_RANK_HEADER, d.decode.rank.to_string()),
         ];
         if let Some(p) = &d.prefill {
             set.push(set_header(
                 PREFILL_ID_HEADER,
-                &p.endpoint().instance_id.to_string(),
+                p.endpoint().instance_id.to_string(),
             ));
-            set.push(set_header(PREFILL_DP_RANK_HEADER, &p.rank.to_string()));
+            set.push(set_header(PREFILL_DP_RANK_HEADER, p.rank.to_string()));
             if let (Some(port), Some(room)) = (d.bootstrap_port, d.bootstrap_room) {
                 set.push(set_header(
                     BOOTSTRAP_HOST_HEADER,
-                    &p.endpoint().address.ip().to_string(),
+                    p.endpoint().address.ip().to_string(),
                 ));
-                set.push(set_header(BOOTSTRAP_PORT_HEADER, &port.to_string()));
-                set.push(set_header(BOOTSTRAP_ROOM_HEADER, &room.to_string()));
+                set.push(set_header(BOOTSTRAP_PORT_HEADER, port.to_string()));
+                set.push(set_header(BOOTSTRAP_ROOM_HEADER, room.to_string()));
             }
         }
         let remove = self
@@ -825,7 +825,7 @@ impl StreamState {
             .filter(|_| ok)
             .and_then(|r| self.shared.scheduler.response_headers(&r.decision))
             .map(|headers| HeaderMutation {
-                set_headers: headers.iter().map(|(k, v)| set_header(k, v)).collect(),
+                set_headers: headers.into_iter().map(|(k, v)| set_header(&k, v)).collect(),
                 ..Default::default()
             });
         if self.response_mode == BodyMode::None {
