@@ -6,7 +6,7 @@
 //! returns the messages to send back, so the protocol can be tested without a server.
 
 use std::sync::{Arc, LazyLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -140,9 +140,9 @@ pub struct StreamState {
     body: Vec<u8>,
     /// The buffered body's share of the process-wide budget.
     reservation: Reservation,
-    /// When the request headers arrived (the body deadline counts from here).
+    /// When the request headers arrived: the body deadline and the request's
+    /// duration count from here.
     headers_at: Option<Instant>,
-    body_started: Option<Instant>,
     routed: Option<Routed>,
     response_status: Option<u16>,
     /// Response headers arrived (only the first count).
@@ -152,7 +152,6 @@ pub struct StreamState {
     admitting: Option<Box<Admitting>>,
     /// The request's admission class, once its body is parsed.
     class: Option<RequestClass>,
-    started: Instant,
     /// The routed body being streamed back (full duplex).
     echo: Option<messages::Echo>,
     /// The response body's length and tail (for the engine's token usage).
@@ -207,14 +206,12 @@ impl StreamState {
             body: Vec::new(),
             reservation,
             headers_at: None,
-            body_started: None,
             routed: None,
             response_status: None,
             response_seen: false,
             tokenizing: None,
             admitting: None,
             class: None,
-            started: Instant::now(),
             echo: None,
             response_tail: ResponseTail::default(),
         }
@@ -497,7 +494,6 @@ impl StreamState {
                 BodyMode::FullDuplex
             };
         }
-        self.body_started.get_or_insert_with(Instant::now);
         if self.body.len() + b.body.len() > self.shared.config.max_body_bytes {
             let msg = format!(
                 "request body exceeds the {} byte limit",
@@ -825,7 +821,10 @@ impl StreamState {
             .filter(|_| ok)
             .and_then(|r| self.shared.scheduler.response_headers(&r.decision))
             .map(|headers| HeaderMutation {
-                set_headers: headers.into_iter().map(|(k, v)| set_header(&k, v)).collect(),
+                set_headers: headers
+                    .into_iter()
+                    .map(|(k, v)| set_header(&k, v))
+                    .collect(),
                 ..Default::default()
             });
         if self.response_mode == BodyMode::None {
@@ -902,7 +901,8 @@ impl StreamState {
                 .finish(&r.decision, self.response_status);
             if let (Some(class), Some(m)) = (&self.class, &self.shared.admission_metrics) {
                 let tail = &self.response_tail;
-                m.finished(class, self.started.elapsed(), tail.total(), tail.usage());
+                let took = self.headers_at.map_or(Duration::ZERO, |at| at.elapsed());
+                m.finished(class, took, tail.total(), tail.usage());
             }
         }
         self.phase = Phase::Done;
