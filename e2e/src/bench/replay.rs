@@ -146,7 +146,7 @@ pub struct ReplayArgs {
     /// The trace (JSON lines with timestamp, input_length, output_length,
     /// hash_ids; `.gz` read gunzipped): a path, or `synthetic` (the public
     /// synthetic Mooncake trace, for tuning) or `conversation` (the held-out
-    /// Mooncake conversation trace in `e2e/data`, never tuned on).
+    /// Mooncake conversation trace, read from `../shared/data`, never tuned on).
     #[arg(long, default_value = "synthetic")]
     pub trace: PathBuf,
     /// Simulated workers.
