@@ -41,6 +41,18 @@ impl<V: Copy + Default> Default for BlockTable<V> {
     }
 }
 
+/// Where a key is or would go in a [`BlockTable`] (valid until the next insert
+/// or removal other than [`BlockTable::claim`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place(usize);
+
+impl Place {
+    /// The place of key 0, which lives beside the slots.
+    const ZERO: Place = Place(usize::MAX);
+    /// A key's place in a table with no slots yet.
+    const NONE: Place = Place(usize::MAX - 1);
+}
+
 /// Slots of the first allocation.
 const MIN_SLOTS: usize = 16;
 
@@ -104,12 +116,20 @@ impl<V: Copy + Default> BlockTable<V> {
     }
 
     /// Makes room for `additional` more entries without growing in between.
+    #[inline]
     pub fn reserve(&mut self, additional: usize) {
         let need = self.len + additional;
         // At most 3/4 full.
-        if need * 4 <= self.slots.len() * 3 {
-            return;
+        if need * 4 > self.slots.len() * 3 {
+            self.grow(need);
         }
+    }
+
+    /// Rehashes into the smallest power-of-two array holding `need` entries at
+    /// most 3/4 full.
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self, need: usize) {
         let mut n = self.slots.len().max(MIN_SLOTS);
         while need * 4 > n * 3 {
             n *= 2;
@@ -159,6 +179,62 @@ impl<V: Copy + Default> BlockTable<V> {
         self.slots[i] = Slot { key, value };
         self.len += 1;
         true
+    }
+
+    /// Where `key` is (with its value), else where it would go: a [`Place`] for
+    /// [`BlockTable::claim`] and [`BlockTable::set`], so that a key first looked
+    /// up and later given its value is probed once.
+    pub fn place(&self, key: u64) -> Result<(Place, V), Place> {
+        if key == 0 {
+            return self.zero.map(|v| (Place::ZERO, v)).ok_or(Place::ZERO);
+        }
+        if self.slots.is_empty() {
+            return Err(Place::NONE);
+        }
+        let mut i = self.home(key);
+        loop {
+            match self.slots[i].key {
+                k if k == key => return Ok((Place(i), self.slots[i].value)),
+                0 => return Err(Place(i)),
+                _ => i = self.next(i),
+            }
+        }
+    }
+
+    /// Adds `key` with the default value at `place`, where [`BlockTable::place`]
+    /// last found it missing (no write since but other claims, and room
+    /// [`BlockTable::reserve`]d for every claim); returns where it now is.
+    pub fn claim(&mut self, place: Place, key: u64) -> Place {
+        if key == 0 {
+            debug_assert!(place == Place::ZERO && self.zero.is_none());
+            self.zero = Some(V::default());
+            self.len += 1;
+            return Place::ZERO;
+        }
+        if place == Place::NONE {
+            // The table had no array: make one and probe again.
+            self.reserve(1);
+            return match self.place(key) {
+                Err(p) => self.claim(p, key),
+                Ok((p, _)) => p,
+            };
+        }
+        debug_assert!(self.slots[place.0].key == 0 && (self.len + 1) * 4 <= self.slots.len() * 3);
+        self.slots[place.0] = Slot {
+            key,
+            value: V::default(),
+        };
+        self.len += 1;
+        place
+    }
+
+    /// Sets the value at `place` (a key's place from [`BlockTable::place`] or
+    /// [`BlockTable::claim`], with no insert or removal since).
+    pub fn set(&mut self, place: Place, value: V) {
+        match place {
+            Place::ZERO => self.zero = Some(value),
+            Place(i) => self.slots[i].value = value,
+        }
     }
 
     /// The slot holding `key` (not 0), else the empty slot where it would go,
@@ -239,6 +315,8 @@ mod tests {
         InsertNew(u64, u32),
         Remove(u64),
         Get(u64),
+        /// A batch looked up and claimed place by place, then given values.
+        Claim(Vec<(u64, u32)>),
     }
 
     /// Keys from a small range (so operations meet) plus 0 and colliding ones.
@@ -252,6 +330,7 @@ mod tests {
             (key(), any::<u32>()).prop_map(|(k, v)| Op::InsertNew(k, v)),
             key().prop_map(Op::Remove),
             key().prop_map(Op::Get),
+            proptest::collection::vec((key(), any::<u32>()), 0..80).prop_map(Op::Claim),
         ]
     }
 
@@ -272,6 +351,28 @@ mod tests {
                     }
                     Op::Remove(k) => prop_assert_eq!(t.remove(k), m.remove(&k)),
                     Op::Get(k) => prop_assert_eq!(t.get(k), m.get(&k).copied()),
+                    Op::Claim(batch) => {
+                        t.reserve(batch.len());
+                        let mut places = Vec::new();
+                        for &(k, v) in &batch {
+                            let place = match t.place(k) {
+                                Ok((place, old)) => {
+                                    prop_assert_eq!(Some(old), m.get(&k).copied());
+                                    place
+                                }
+                                Err(place) => {
+                                    prop_assert!(!m.contains_key(&k));
+                                    m.insert(k, 0);
+                                    t.claim(place, k)
+                                }
+                            };
+                            places.push((place, k, v));
+                        }
+                        for (place, k, v) in places {
+                            t.set(place, v);
+                            m.insert(k, v);
+                        }
+                    }
                 }
                 prop_assert_eq!(t.len(), m.len());
             }
