@@ -564,13 +564,15 @@ impl PrefixIndex {
         for (k, chunk) in blocks.chunks(WRITE_CHUNK).enumerate() {
             // Room for the plan to claim every block's place without a rehash.
             e.reserve(chunk.len());
+            // Both: a new block's engine hash is settled by its tags, and then
+            // claims its home slot or one close by.
             e.prefetch(chunk.iter().map(|(e, _)| e));
             {
                 let g = self.inner.read();
                 // The write looks each new block up in the block table (chained,
                 // to find a run it may start; else to give it an entry): load
-                // those slots now, while lookups can still run.
-                g.blocks.prefetch(chunk.iter().map(|(_, h)| h));
+                // their tags now, while lookups can still run.
+                g.blocks.prefetch_tags(chunk.iter().map(|(_, h)| h));
                 if k == 0 {
                     if let Some(p) = parent {
                         let found = e.get(p).and_then(|l| g.hash_at(l).map(|h| (h, l)));
