@@ -959,7 +959,7 @@ mod dashboard_tests {
         let class = RequestClass {
             priority: 0,
             flow: "m".into(),
-            objective: String::new(),
+            objective: "".into(),
             model: "m".into(),
             bytes: 10,
         };

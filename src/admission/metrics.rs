@@ -36,10 +36,10 @@ const DURATION_BUCKETS: [f64; 35] = [
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct QueueDurationLabels {
-    fairness_id: String,
-    priority: String,
+    fairness_id: Arc<str>,
+    priority: i32,
     outcome: &'static str,
-    inference_pool: String,
+    inference_pool: Arc<str>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -57,25 +57,25 @@ struct SaturationLabels {
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ObjectiveLabels {
-    objective: String,
-    model_name: String,
-    target_model_name: String,
-    priority: String,
+    objective: Arc<str>,
+    model_name: Arc<str>,
+    target_model_name: Arc<str>,
+    priority: i32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ObjectiveErrorLabels {
-    objective: String,
-    model_name: String,
-    target_model_name: String,
+    objective: Arc<str>,
+    model_name: Arc<str>,
+    target_model_name: Arc<str>,
     error_code: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ObjectiveDurationLabels {
-    objective: String,
-    model_name: String,
-    target_model_name: String,
+    objective: Arc<str>,
+    model_name: Arc<str>,
+    target_model_name: Arc<str>,
 }
 
 /// Reads one figure of a queue level.
@@ -108,7 +108,7 @@ fn token_histogram() -> Histogram {
 /// The admission metrics; also the gate's [`AdmissionObserver`].
 #[derive(Debug)]
 pub struct AdmissionMetrics {
-    pool: String,
+    pool: Arc<str>,
     queue_duration: HistogramFamily<QueueDurationLabels>,
     requests: Family<ObjectiveLabels, Counter>,
     errors: Family<ObjectiveErrorLabels, Counter>,
@@ -185,7 +185,7 @@ impl AdmissionMetrics {
     /// Creates the metrics and registers them with `metrics` (pool label from it).
     pub fn register(metrics: &Metrics, pool: &str) -> Arc<Self> {
         let m = AdmissionMetrics {
-            pool: pool.to_string(),
+            pool: pool.into(),
             queue_duration: Family::new_with_constructor(queue_histogram),
             requests: Family::default(),
             errors: Family::default(),
@@ -314,7 +314,7 @@ impl AdmissionObserver for AdmissionMetrics {
                 objective: class.objective.clone(),
                 model_name: class.model.clone(),
                 target_model_name: class.model.clone(),
-                priority: class.priority.to_string(),
+                priority: class.priority,
             })
             .inc();
     }
@@ -323,7 +323,7 @@ impl AdmissionObserver for AdmissionMetrics {
         self.queue_duration
             .get_or_create(&QueueDurationLabels {
                 fairness_id: class.flow.clone(),
-                priority: class.priority.to_string(),
+                priority: class.priority,
                 outcome: outcome.as_str(),
                 inference_pool: self.pool.clone(),
             })

@@ -412,7 +412,13 @@ impl Drop for Permit {
             .gate
             .pending
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(1));
-        self.gate.wake.notify_one();
+        // The dispatcher has work only while a request waits (one queued later
+        // is dispatched or woken for by `admit`), so a permit released with the
+        // queues empty wakes nobody. Not locked here: a permit is dropped under
+        // the queues' lock when its waiter has gone; then the wake is kept.
+        if !self.gate.queues.try_lock().is_some_and(|q| q.is_empty()) {
+            self.gate.wake.notify_one();
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 //! `x-gateway-inference-fairness-id` header, or the model when it is absent.
 
 use std::collections::HashMap;
+use std::sync::{Arc, LazyLock};
 
 use parking_lot::RwLock;
 
@@ -78,17 +79,18 @@ pub fn parse_objectives(spec: &str) -> Result<HashMap<String, i32>, ObjectiveSpe
         .collect()
 }
 
-/// What flow control needs to know about a request.
+/// What flow control needs to know about a request. Its names are shared, so
+/// cloning the class or labelling a metric with them allocates nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestClass {
     /// Higher is served first; negative is sheddable.
     pub priority: i32,
     /// The fairness flow.
-    pub flow: String,
+    pub flow: Arc<str>,
     /// The objective the request named (empty when none), for metric labels.
-    pub objective: String,
+    pub objective: Arc<str>,
     /// The model the request asked for, for metric labels.
-    pub model: String,
+    pub model: Arc<str>,
     /// Bytes the request holds while queued.
     pub bytes: usize,
 }
@@ -127,19 +129,25 @@ pub fn classify(
         .flatten()
         .or(signals.hint_priority)
         .unwrap_or(default_priority);
-    let flow = signals
-        .fairness_id
-        .map(str::trim)
-        .filter(|f| !f.is_empty())
-        .unwrap_or(signals.model);
+    let model: Arc<str> = signals.model.into();
+    let flow = match signals.fairness_id.map(str::trim) {
+        Some(f) if !f.is_empty() && f != signals.model => f.into(),
+        _ => Arc::clone(&model),
+    };
     RequestClass {
         priority,
-        flow: flow.to_string(),
-        objective: objective.to_string(),
-        model: signals.model.to_string(),
+        flow,
+        objective: match objective {
+            "" => Arc::clone(&NO_OBJECTIVE),
+            named => named.into(),
+        },
+        model,
         bytes: signals.bytes,
     }
 }
+
+/// The objective of a request that names none (one shared empty name).
+static NO_OBJECTIVE: LazyLock<Arc<str>> = LazyLock::new(|| "".into());
 
 #[cfg(test)]
 mod tests {
@@ -165,7 +173,7 @@ mod tests {
             ..hinted
         };
         let class = c(named);
-        assert_eq!((class.priority, class.objective.as_str()), (-1, "batch"));
+        assert_eq!((class.priority, &*class.objective), (-1, "batch"));
         assert!(class.is_sheddable());
         // An unknown objective falls through to the hint.
         let unknown = RequestSignals {
@@ -182,12 +190,34 @@ mod tests {
             model: "llama",
             ..Default::default()
         };
-        assert_eq!(classify(&o, 0, s).flow, "llama");
+        assert_eq!(&*classify(&o, 0, s).flow, "llama");
         let s = RequestSignals {
             fairness_id: Some("tenant-a"),
             ..s
         };
-        assert_eq!(classify(&o, 0, s).flow, "tenant-a");
+        assert_eq!(&*classify(&o, 0, s).flow, "tenant-a");
+    }
+
+    #[test]
+    fn a_class_shares_its_names() {
+        let o = Objectives::default();
+        let s = RequestSignals {
+            model: "llama",
+            ..Default::default()
+        };
+        let (a, b) = (classify(&o, 0, s), classify(&o, 0, s));
+        // The flow is the model's own name; every unnamed objective is one name.
+        assert!(Arc::ptr_eq(&a.flow, &a.model));
+        assert!(Arc::ptr_eq(&a.objective, &b.objective) && a.objective.is_empty());
+        let copy = a.clone();
+        assert!(Arc::ptr_eq(&copy.model, &a.model));
+        // A fairness id equal to the model is the model's name too.
+        let same = RequestSignals {
+            fairness_id: Some(" llama "),
+            ..s
+        };
+        let c = classify(&o, 0, same);
+        assert!(Arc::ptr_eq(&c.flow, &c.model));
     }
 
     #[test]

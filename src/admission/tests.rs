@@ -21,7 +21,7 @@ fn class(priority: i32, flow: &str) -> RequestClass {
     RequestClass {
         priority,
         flow: flow.into(),
-        objective: String::new(),
+        objective: "".into(),
         model: "m".into(),
         bytes: 100,
     }
@@ -45,6 +45,29 @@ fn an_idle_pool_lets_requests_through_at_once() {
     assert!(matches!(gate.admit(class(0, "a"), &snap), Verdict::Go(_)));
     assert!(matches!(gate.admit(class(-5, "a"), &snap), Verdict::Go(_)));
     assert_eq!(gate.queued(), 0);
+}
+
+#[test]
+fn a_released_permit_wakes_the_dispatcher_only_while_a_request_waits() {
+    use futures::FutureExt;
+    let woken = |gate: &Gate| gate.inner.wake.notified().now_or_never().is_some();
+    let (table, gate) = pool(2);
+    let snap = table.snapshot();
+    let go = |gate: &Gate| match gate.admit(class(0, "a"), &snap) {
+        Verdict::Go(permit) => permit,
+        other => panic!("expected to go, got {other:?}"),
+    };
+    // Nothing waits: the dispatcher sleeps on.
+    drop(go(&gate));
+    assert!(!woken(&gate));
+    // The pool is full and a request waits: releasing a permit wakes it.
+    let permit = go(&gate);
+    let _running = busy(&snap, 1);
+    let waiting = ticket(gate.admit(class(0, "b"), &snap));
+    woken(&gate);
+    drop(permit);
+    assert!(woken(&gate));
+    drop(waiting);
 }
 
 /// Frees one running slot at a time and returns the order the waiters went in.

@@ -41,12 +41,12 @@ pub fn find_header(map: Option<&HeaderMap>, name: &str) -> Option<String> {
 }
 
 /// An overwrite-or-add header option, value sent as `raw_value` as Envoy expects.
-pub fn set_header(key: &str, value: &str) -> HeaderValueOption {
+pub fn set_header(key: &str, value: impl Into<Vec<u8>>) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_string(),
             value: String::new(),
-            raw_value: value.as_bytes().to_vec(),
+            raw_value: value.into(),
         }),
         append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..Default::default()

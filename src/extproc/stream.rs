@@ -5,8 +5,8 @@
 //! trailers, and the response path. [`StreamState::handle`] is synchronous and
 //! returns the messages to send back, so the protocol can be tested without a server.
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -59,6 +59,11 @@ pub const BOOTSTRAP_HOST_HEADER: &str = "x-prefill-bootstrap-host";
 pub const BOOTSTRAP_PORT_HEADER: &str = "x-prefill-bootstrap-port";
 /// Prefill bootstrap room (SGLang disaggregation).
 pub const BOOTSTRAP_ROOM_HEADER: &str = "x-prefill-bootstrap-room";
+
+/// The edit every forwarded body gets ([`request::NvExtEdit::strip_client_routing`]),
+/// built once.
+static STRIP_CLIENT_ROUTING: LazyLock<request::NvExtEdit> =
+    LazyLock::new(request::NvExtEdit::strip_client_routing);
 
 /// Whether a request header name is a routing header kvpick must own (any case).
 fn is_routing_header(name: &str) -> bool {
@@ -135,9 +140,9 @@ pub struct StreamState {
     body: Vec<u8>,
     /// The buffered body's share of the process-wide budget.
     reservation: Reservation,
-    /// When the request headers arrived (the body deadline counts from here).
+    /// When the request headers arrived: the body deadline and the request's
+    /// duration count from here.
     headers_at: Option<Instant>,
-    body_started: Option<Instant>,
     routed: Option<Routed>,
     response_status: Option<u16>,
     /// Response headers arrived (only the first count).
@@ -147,7 +152,6 @@ pub struct StreamState {
     admitting: Option<Box<Admitting>>,
     /// The request's admission class, once its body is parsed.
     class: Option<RequestClass>,
-    started: Instant,
     /// The routed body being streamed back (full duplex).
     echo: Option<messages::Echo>,
     /// The response body's length and tail (for the engine's token usage).
@@ -202,14 +206,12 @@ impl StreamState {
             body: Vec::new(),
             reservation,
             headers_at: None,
-            body_started: None,
             routed: None,
             response_status: None,
             response_seen: false,
             tokenizing: None,
             admitting: None,
             class: None,
-            started: Instant::now(),
             echo: None,
             response_tail: ResponseTail::default(),
         }
@@ -492,7 +494,6 @@ impl StreamState {
                 BodyMode::FullDuplex
             };
         }
-        self.body_started.get_or_insert_with(Instant::now);
         if self.body.len() + b.body.len() > self.shared.config.max_body_bytes {
             let msg = format!(
                 "request body exceeds the {} byte limit",
@@ -563,15 +564,14 @@ impl StreamState {
         };
         // A client must not pick its worker through the body either: whenever the
         // body has `nvext`, every copy of the worker fields is removed.
-        let (body, rewritten) =
-            match parsed.rewrite_body(&body, &request::NvExtEdit::strip_client_routing()) {
-                Ok(Some(clean)) => (clean, true),
-                Ok(None) => (body, false),
-                Err(e) => {
-                    self.shared.metrics.record_result(RequestResult::BadRequest);
-                    return vec![self.reject(400, "invalid_request_error", &e.to_string())];
-                }
-            };
+        let (body, rewritten) = match parsed.rewrite_body(&body, &STRIP_CLIENT_ROUTING) {
+            Ok(Some(clean)) => (clean, true),
+            Ok(None) => (body, false),
+            Err(e) => {
+                self.shared.metrics.record_result(RequestResult::BadRequest);
+                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
+            }
+        };
         let images: Vec<ImageIdentity> = image_urls(&parsed).map(identify).collect();
         if self.shared.tokenizer.is_none() && !images.is_empty() {
             // Approximate mode: the tokenizer, which counts the others, never sees it.
@@ -701,7 +701,7 @@ impl StreamState {
                 if rewritten {
                     mutation
                         .set_headers
-                        .push(set_header("content-length", &body.len().to_string()));
+                        .push(set_header("content-length", body.len().to_string()));
                 }
                 if self.headers_answered {
                     // Buffered: the decision rides on the body answer.
@@ -736,22 +736,22 @@ impl StreamState {
         let decode = d.decode.endpoint();
         let mut set = vec![
             set_header(DESTINATION_KEY, address),
-            set_header(WORKER_ID_HEADER, &decode.instance_id.to_string()),
-            set_header(DP_RANK_HEADER, &d.decode.rank.to_string()),
+            set_header(WORKER_ID_HEADER, decode.instance_id.to_string()),
+            set_header(DP_RANK_HEADER, d.decode.rank.to_string()),
         ];
         if let Some(p) = &d.prefill {
             set.push(set_header(
                 PREFILL_ID_HEADER,
-                &p.endpoint().instance_id.to_string(),
+                p.endpoint().instance_id.to_string(),
             ));
-            set.push(set_header(PREFILL_DP_RANK_HEADER, &p.rank.to_string()));
+            set.push(set_header(PREFILL_DP_RANK_HEADER, p.rank.to_string()));
             if let (Some(port), Some(room)) = (d.bootstrap_port, d.bootstrap_room) {
                 set.push(set_header(
                     BOOTSTRAP_HOST_HEADER,
-                    &p.endpoint().address.ip().to_string(),
+                    p.endpoint().address.ip().to_string(),
                 ));
-                set.push(set_header(BOOTSTRAP_PORT_HEADER, &port.to_string()));
-                set.push(set_header(BOOTSTRAP_ROOM_HEADER, &room.to_string()));
+                set.push(set_header(BOOTSTRAP_PORT_HEADER, port.to_string()));
+                set.push(set_header(BOOTSTRAP_ROOM_HEADER, room.to_string()));
             }
         }
         let remove = self
@@ -821,7 +821,10 @@ impl StreamState {
             .filter(|_| ok)
             .and_then(|r| self.shared.scheduler.response_headers(&r.decision))
             .map(|headers| HeaderMutation {
-                set_headers: headers.iter().map(|(k, v)| set_header(k, v)).collect(),
+                set_headers: headers
+                    .into_iter()
+                    .map(|(k, v)| set_header(&k, v))
+                    .collect(),
                 ..Default::default()
             });
         if self.response_mode == BodyMode::None {
@@ -898,7 +901,8 @@ impl StreamState {
                 .finish(&r.decision, self.response_status);
             if let (Some(class), Some(m)) = (&self.class, &self.shared.admission_metrics) {
                 let tail = &self.response_tail;
-                m.finished(class, self.started.elapsed(), tail.total(), tail.usage());
+                let took = self.headers_at.map_or(Duration::ZERO, |at| at.elapsed());
+                m.finished(class, took, tail.total(), tail.usage());
             }
         }
         self.phase = Phase::Done;

@@ -656,16 +656,17 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
         self.out
             .text(role.as_ref().map_or("user", |r| r.0.as_ref()));
         self.out.text("\n");
-        let pieces = match content {
-            None | Some(ContentValue::Null) => Vec::new(),
-            Some(ContentValue::Text(t)) => vec![Piece::Text(t)],
-            Some(ContentValue::Parts(p)) => p,
-        };
-        for piece in pieces {
-            match piece {
-                Piece::Text(t) => self.out.text(&t),
-                Piece::Image(u) => self.out.image(u.into_owned()),
-                Piece::Other { json, .. } => self.out.text(&json),
+        match content {
+            None | Some(ContentValue::Null) => {}
+            Some(ContentValue::Text(t)) => self.out.text(&t),
+            Some(ContentValue::Parts(pieces)) => {
+                for piece in pieces {
+                    match piece {
+                        Piece::Text(t) => self.out.text(&t),
+                        Piece::Image(u) => self.out.image(u.into_owned()),
+                        Piece::Other { json, .. } => self.out.text(&json),
+                    }
+                }
             }
         }
         if let Some(calls) = tool_calls {

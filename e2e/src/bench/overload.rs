@@ -413,9 +413,9 @@ fn simulate(
                 let (_, priority) = CLASSES[classes[r]];
                 let class = RequestClass {
                     priority,
-                    flow: trace::MODEL.to_string(),
-                    objective: String::new(),
-                    model: trace::MODEL.to_string(),
+                    flow: trace::MODEL.into(),
+                    objective: "".into(),
+                    model: trace::MODEL.into(),
                     bytes: trace[r].input_length * 4,
                 };
                 sim.scrape(now);
