@@ -146,7 +146,7 @@ pub struct ReplayArgs {
     /// The trace (JSON lines with timestamp, input_length, output_length,
     /// hash_ids; `.gz` read gunzipped): a path, or `synthetic` (the public
     /// synthetic Mooncake trace, for tuning) or `conversation` (the held-out
-    /// Mooncake conversation trace in `e2e/data`, never tuned on).
+    /// Mooncake conversation trace, read from `../shared/data`, never tuned on).
     #[arg(long, default_value = "synthetic")]
     pub trace: PathBuf,
     /// Simulated workers.
@@ -312,6 +312,11 @@ pub struct RequestFigures {
     pub blocks: usize,
     /// Leading prompt blocks found cached when its prefill started.
     pub hit_blocks: usize,
+    /// Leading prompt blocks in its worker's pool when it arrived.
+    pub arrival_hit_blocks: usize,
+    /// The most leading prompt blocks any worker's pool held when it arrived:
+    /// above `arrival_hit_blocks`, the placement gave up blocks on hand.
+    pub best_arrival_hit_blocks: usize,
     /// Time from arrival to the start of its prefill.
     pub wait_ms: f64,
     /// Its prefill time.
@@ -320,11 +325,12 @@ pub struct RequestFigures {
 
 impl RequestFigures {
     const CSV_HEADER: &'static str = "request,worker,arrival_ms,ahead,ahead_tokens,in_flight,\
-        pool_in_flight,input_tokens,blocks,hit_blocks,wait_ms,prefill_ms,ttft_ms";
+        pool_in_flight,input_tokens,blocks,hit_blocks,arrival_hit_blocks,best_arrival_hit_blocks,\
+        wait_ms,prefill_ms,ttft_ms";
 
     fn csv_row(&self, index: usize) -> String {
         format!(
-            "{index},{},{:.3},{},{},{},{:.3},{},{},{},{:.3},{:.3},{:.3}",
+            "{index},{},{:.3},{},{},{},{:.3},{},{},{},{},{},{:.3},{:.3},{:.3}",
             self.worker,
             self.arrival_ms,
             self.ahead,
@@ -334,6 +340,8 @@ impl RequestFigures {
             self.input_tokens,
             self.blocks,
             self.hit_blocks,
+            self.arrival_hit_blocks,
+            self.best_arrival_hit_blocks,
             self.wait_ms,
             self.prefill_ms,
             self.wait_ms + self.prefill_ms
@@ -1165,6 +1173,8 @@ pub fn simulate(
                 let views = sim.views();
                 let w = policy.route(r, &trace[r], &views, now);
                 sim.routed_to[r] = w;
+                let ids = &trace[r].hash_ids;
+                let held = |x: &Worker| x.pool.prefix_hits(ids);
                 let pool_in_flight = sim.workers.iter().map(|w| w.in_flight).sum::<usize>() as f64
                     / sim.workers.len() as f64;
                 let worker = &sim.workers[w];
@@ -1178,6 +1188,8 @@ pub fn simulate(
                     pool_in_flight,
                     input_tokens: trace[r].input_length,
                     blocks: trace[r].hash_ids.len(),
+                    arrival_hit_blocks: held(worker),
+                    best_arrival_hit_blocks: sim.workers.iter().map(held).max().unwrap_or(0),
                     ..RequestFigures::default()
                 };
                 sim.workers[w].in_flight += 1;
@@ -1517,9 +1529,45 @@ mod tests {
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines.len(), 3, "{csv}");
         assert!(
-            lines[2].starts_with("1,0,1.000,1,1024,1,1.000,1024,2,0,"),
+            lines[2].starts_with("1,0,1.000,1,1024,1,1.000,1024,2,0,0,0,"),
             "{csv}"
         );
+    }
+
+    #[test]
+    fn requests_record_the_blocks_their_worker_and_the_best_one_held_at_arrival() {
+        // Round robin on two workers, each request after the last has finished:
+        // request 1 goes to worker 1, which holds none of the 2 blocks worker 0
+        // holds; request 2 goes back to worker 0 (2 of its blocks) while worker
+        // 1 holds 3.
+        let t: Vec<TraceRequest> = [vec![1, 2], vec![1, 2, 3], vec![1, 2, 3, 4]]
+            .into_iter()
+            .enumerate()
+            .map(|(i, hash_ids)| TraceRequest {
+                timestamp: i as u64 * 60_000,
+                input_length: hash_ids.len() * BLOCK_TOKENS,
+                output_length: 1,
+                hash_ids,
+            })
+            .collect();
+        let cfg = ReplayConfig {
+            workers: 2,
+            capacity_blocks: 16,
+            ..ReplayConfig::default()
+        };
+        let f = simulate(&mut RoundRobin::default(), &t, &cfg);
+        let at = |r: usize| {
+            let q = f.requests[r];
+            (
+                q.worker,
+                q.arrival_hit_blocks,
+                q.best_arrival_hit_blocks,
+                q.hit_blocks,
+            )
+        };
+        assert_eq!(at(0), (0, 0, 0, 0));
+        assert_eq!(at(1), (1, 0, 2, 0));
+        assert_eq!(at(2), (0, 2, 3, 2));
     }
 
     #[test]

@@ -40,12 +40,10 @@ pub struct TraceRequest {
 /// The public synthetic Mooncake trace (tuning trace), relative to the repo root.
 pub const SYNTHETIC: &str = "../shared/data/mooncake_synthetic_trace.jsonl";
 
-/// The held-out Mooncake conversation trace, gzipped in this crate (see
-/// `e2e/data/README.md`): results on it count, never tune on it.
-pub const CONVERSATION: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/data/mooncake_conversation_trace.jsonl.gz"
-);
+/// The held-out Mooncake conversation trace (results on it count, never tune on
+/// it), where the steering repo keeps public data beside the synthetic trace. It
+/// is not in this repository: a fetched data file is never committed here.
+pub const CONVERSATION: &str = "../shared/data/mooncake_conversation_trace.jsonl";
 
 /// The trace file a `--trace` value names: `synthetic` or `conversation`, else a path.
 pub fn resolve(choice: &Path) -> &Path {
@@ -138,11 +136,31 @@ mod tests {
     }
 
     #[test]
-    fn the_held_out_trace_loads_gunzipped() {
-        let t = load(resolve(Path::new("conversation"))).unwrap();
-        assert_eq!(t.len(), 12_031);
-        assert!(t.iter().all(|r| r.hash_ids.first() == Some(&0)));
+    fn trace_names_resolve_beside_the_repository_and_paths_stay_paths() {
+        assert_eq!(resolve(Path::new("synthetic")), Path::new(SYNTHETIC));
+        assert_eq!(resolve(Path::new("conversation")), Path::new(CONVERSATION));
         assert_eq!(resolve(Path::new("x.jsonl")), Path::new("x.jsonl"));
+    }
+
+    #[test]
+    fn a_gzipped_trace_is_read_gunzipped() {
+        let path =
+            std::env::temp_dir().join(format!("kvpick-trace-{}.jsonl.gz", std::process::id()));
+        let mut gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(&path).unwrap(),
+            flate2::Compression::fast(),
+        );
+        std::io::Write::write_all(
+            &mut gz,
+            b"{\"timestamp\": 5, \"input_length\": 600, \"output_length\": 2, \"hash_ids\": [0, 1]}\n",
+        )
+        .unwrap();
+        gz.finish().unwrap();
+        let t = load(&path);
+        std::fs::remove_file(&path).unwrap();
+        let t = t.unwrap();
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0].hash_ids, vec![0, 1]);
     }
 
     #[test]
