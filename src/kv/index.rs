@@ -72,7 +72,7 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use crate::endpoints::WorkerKey;
 use crate::kv::lru::Lru;
 use crate::kv::slots::SlotSet;
-use crate::kv::table::BlockTable;
+use crate::kv::table::{BlockTable, Place};
 
 /// Default LRU bound per worker in blocks, when neither the engine's capacity nor
 /// a flag says otherwise (the GIE prefix plugin's default).
@@ -562,13 +562,17 @@ impl PrefixIndex {
     ) {
         let mut prev: Option<(u64, Loc)> = None;
         for (k, chunk) in blocks.chunks(WRITE_CHUNK).enumerate() {
+            // Room for the plan to claim every block's place without a rehash.
+            e.reserve(chunk.len());
+            // Both: a new block's engine hash is settled by its tags, and then
+            // claims its home slot or one close by.
             e.prefetch(chunk.iter().map(|(e, _)| e));
             {
                 let g = self.inner.read();
                 // The write looks each new block up in the block table (chained,
                 // to find a run it may start; else to give it an entry): load
-                // those slots now, while lookups can still run.
-                g.blocks.prefetch(chunk.iter().map(|(_, h)| h));
+                // their tags now, while lookups can still run.
+                g.blocks.prefetch_tags(chunk.iter().map(|(_, h)| h));
                 if k == 0 {
                     if let Some(p) = parent {
                         let found = e.get(p).and_then(|l| g.hash_at(l).map(|h| (h, l)));
@@ -588,7 +592,7 @@ impl PrefixIndex {
                 let mut g = self.write();
                 g.add_holder_runs(&plan.chain, prev, slot, false, placed, &self.entries);
                 let w = &mut g.workers[slot as usize];
-                for &i in &plan.mapped {
+                for &(i, _) in &plan.mapped {
                     let hash = chunk[i].1;
                     if w.precise {
                         if placed[i].1 {
@@ -607,8 +611,8 @@ impl PrefixIndex {
                 plan.released.extend(here);
                 g.release_precise(slot, &plan.released, &self.entries);
             }
-            for &i in &plan.mapped {
-                e.insert(chunk[i].0, placed[i].0);
+            for &(i, place) in &plan.mapped {
+                e.set(place, placed[i].0);
             }
             if let Some(i) = plan.stopped {
                 let dropped = blocks.len() - k * WRITE_CHUNK - i;
@@ -985,8 +989,10 @@ impl Drop for FairWrite<'_> {
 struct StorePlan {
     /// The blocks to hold, in chain order: the chunk, up to `stopped`.
     chain: Vec<u64>,
-    /// Chain indexes of the engine hashes mapped by this chunk.
-    mapped: Vec<usize>,
+    /// Chain indexes of the engine hashes mapped by this chunk, with their
+    /// places in the engine map (claimed by the plan for new ones; their
+    /// locations are set once the write has placed the blocks).
+    mapped: Vec<(usize, Place)>,
     /// Blocks that engine hashes remapped by this chunk named before it.
     released: Vec<(u64, Loc)>,
     /// Remapped engine hashes first mapped earlier in this chunk (chain index).
@@ -999,7 +1005,7 @@ impl StorePlan {
     /// Plans `chunk` for a worker whose engine map is `map` and cap `limit`: a
     /// block already stored under its engine hash is kept for the chain's
     /// context, an engine hash naming another block releases that one.
-    fn make(&mut self, g: &Inner, map: &BlockTable<Loc>, chunk: &[(u64, u64)], limit: usize) {
+    fn make(&mut self, g: &Inner, map: &mut BlockTable<Loc>, chunk: &[(u64, u64)], limit: usize) {
         self.chain.clear();
         self.mapped.clear();
         self.released.clear();
@@ -1009,7 +1015,6 @@ impl StorePlan {
         // (1,024 bits for [`WRITE_CHUNK`] hashes: a repeat is rarely suspected
         // wrongly, and a suspected one is checked).
         let mut in_chunk = [0u64; 16];
-        let mut len = map.len();
         for (i, &(engine, hash)) in chunk.iter().enumerate() {
             let (word, bit) = ((engine >> 6) as usize % 16, 1u64 << (engine % 64));
             let earlier = if in_chunk[word] & bit != 0 {
@@ -1017,36 +1022,41 @@ impl StorePlan {
                     .iter()
                     .rev()
                     .copied()
-                    .find(|&j| chunk[j].0 == engine)
+                    .find(|&(j, _)| chunk[j].0 == engine)
             } else {
                 None
             };
-            let old = match earlier {
-                Some(j) => Some(Err(j)),
-                None => map.get(engine).map(Ok),
-            };
-            match old {
-                Some(Ok(l)) => match g.hash_at(l) {
-                    Some(h) if h == hash => {
-                        self.chain.push(hash);
-                        continue;
-                    }
-                    Some(h) => self.released.push((h, l)),
-                    None => {}
-                },
-                Some(Err(j)) if chunk[j].1 == hash => {
+            let place = match earlier {
+                Some((j, _)) if chunk[j].1 == hash => {
                     self.chain.push(hash);
                     continue;
                 }
-                Some(Err(j)) => self.released_here.push(j),
-                None if len >= limit => {
-                    self.stopped = Some(i);
-                    break;
+                Some((j, place)) => {
+                    self.released_here.push(j);
+                    place
                 }
-                None => len += 1,
-            }
+                None => match map.place(engine) {
+                    Ok((place, l)) => {
+                        match g.hash_at(l) {
+                            Some(h) if h == hash => {
+                                self.chain.push(hash);
+                                continue;
+                            }
+                            Some(h) => self.released.push((h, l)),
+                            None => {}
+                        }
+                        place
+                    }
+                    Err(_) if map.len() >= limit => {
+                        self.stopped = Some(i);
+                        break;
+                    }
+                    // Claimed now (one probe per block), its location set after the write.
+                    Err(place) => map.claim(place, engine),
+                },
+            };
             in_chunk[word] |= bit;
-            self.mapped.push(i);
+            self.mapped.push((i, place));
             self.chain.push(hash);
         }
     }
