@@ -10,7 +10,8 @@
 //! lives (splits keep them), so a block's (lineage, position) can be kept aside.
 //! A table from block hash to that location finds where a prompt's blocks are
 //! ([`BlockTable`]: open addressing placed by a per-table secret, so chosen
-//! hashes cannot pile up in one probe sequence). With chained hashes
+//! hashes cannot pile up in one probe sequence, with a tag byte per slot so an
+//! absent block is settled without reading slots). With chained hashes
 //! ([`IndexConfig::chained`]) it holds only each run's first block (and the
 //! blocks approximate entries hold): any other block sits right after its parent,
 //! which is how lookups and stores reach it; a worker's precise entries keep
