@@ -126,17 +126,17 @@ impl Scheduler {
         });
 
         let w = self.config.weights;
-        let waits = [true, false].map(|decode| self.pending_wait(snapshot.idle_ranks(decode)));
         let mut candidates: Vec<CandidateScore> = all
             .iter()
             .map(|(c, address, filtered, _)| {
                 let prefill = !c.ep.serves_decode();
                 let overlap = overlaps.as_ref().map_or(0, |o| o.get(c));
-                let (weight, wait) = if prefill {
-                    (w.prefill_overlap, waits[1])
+                let weight = if prefill {
+                    w.prefill_overlap
                 } else {
-                    (w.prefill, waits[0])
+                    w.prefill
                 };
+                let wait = self.pending_wait(snapshot.idle_ranks(!prefill));
                 let terms = match filtered {
                     Some(_) => CostTerms::default(),
                     None => {
