@@ -61,6 +61,7 @@
 //! misses that costs), changes the runs under the write lock, and records the
 //! new locations in its worker's engine map after letting it go.
 
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::ControlFlow;
@@ -69,6 +70,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use smallvec::SmallVec;
 
 use crate::endpoints::WorkerKey;
 use crate::kv::lru::Lru;
@@ -218,18 +220,14 @@ impl Default for IndexConfig {
 struct Lineage {
     /// Its runs by start; empty: the lineage is free.
     pieces: Vec<u32>,
-    /// The run when it is the only one, else `u32::MAX`: most lineages have one
-    /// piece, and a lookup then finds the run without reading `pieces`.
-    only: u32,
 }
 
-impl Lineage {
-    fn settle(&mut self) {
-        self.only = match self.pieces.as_slice() {
-            [run] => *run,
-            _ => u32::MAX,
-        };
-    }
+/// Which worker each slot is, both ways.
+#[derive(Debug, Default, Clone)]
+struct SlotNames {
+    slots: Map<WorkerKey, u32>,
+    /// Slot → worker, the inverse of `slots`.
+    keys: Vec<Option<WorkerKey>>,
 }
 
 #[derive(Debug, Default)]
@@ -239,13 +237,15 @@ struct Inner {
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     lineages: Vec<Lineage>,
+    /// Per lineage, its run when it has only one, else `u32::MAX`: most have
+    /// one, and a lookup then finds the run without reading the lineage's
+    /// pieces, in an array dense enough to stay in cache.
+    only_run: Vec<u32>,
     free_lineages: Vec<u32>,
     /// [`IndexConfig::chained`].
     chained: bool,
     /// Shared with the [`Overlaps`] answers still alive (copied on write then).
-    slots: Arc<Map<WorkerKey, u32>>,
-    /// Slot → worker, the inverse of `slots` (shared and copied the same way).
-    keys: Arc<Vec<Option<WorkerKey>>>,
+    names: Arc<SlotNames>,
     workers: Vec<Worker>,
     free_slots: Vec<u32>,
     /// (oldest approximate stamp, slot) of every worker with approximate entries.
@@ -339,7 +339,7 @@ impl PrefixIndex {
         f: impl FnOnce(u32, &mut BlockTable<Loc>, &mut StorePlan, &mut Vec<(Loc, bool)>) -> T,
     ) -> Option<T> {
         let mut engines = self.engines.lock();
-        let known = self.inner.read().slots.get(&worker).copied();
+        let known = self.inner.read().names.slots.get(&worker).copied();
         let slot = match known {
             Some(s) => s,
             None if create => self.write().slot(worker),
@@ -417,7 +417,7 @@ impl PrefixIndex {
         let stamp = self.stamp(now);
         let hashes = {
             let g = self.inner.read();
-            let w = g.slots.get(&worker).map(|s| &g.workers[*s as usize]);
+            let w = g.names.slots.get(&worker).map(|s| &g.workers[*s as usize]);
             let cap = w
                 .and_then(|w| w.capacity)
                 .unwrap_or(self.config.default_capacity);
@@ -469,7 +469,7 @@ impl PrefixIndex {
     fn evict(&self, worker: WorkerKey, now: u32) {
         loop {
             let mut g = self.write();
-            let Some(&slot) = g.slots.get(&worker) else {
+            let Some(&slot) = g.names.slots.get(&worker) else {
                 return;
             };
             let cap = g.workers[slot as usize]
@@ -510,7 +510,7 @@ impl PrefixIndex {
         for chunk in hashes.chunks(WRITE_CHUNK) {
             self.inner.read().blocks.prefetch(chunk);
             let mut g = self.write();
-            let Some(&slot) = g.slots.get(&worker) else {
+            let Some(&slot) = g.names.slots.get(&worker) else {
                 return;
             };
             let w = &mut g.workers[slot as usize];
@@ -657,10 +657,11 @@ impl PrefixIndex {
             let mut engines = self.engines.lock();
             let engine = engines.maps.remove(&worker);
             let mut g = self.write();
-            let Some(slot) = Arc::make_mut(&mut g.slots).remove(&worker) else {
+            let names = Arc::make_mut(&mut g.names);
+            let Some(slot) = names.slots.remove(&worker) else {
                 return;
             };
-            Arc::make_mut(&mut g.keys)[slot as usize] = None;
+            names.keys[slot as usize] = None;
             g.set_oldest(slot, u32::MAX);
             let w = std::mem::take(&mut g.workers[slot as usize]);
             let locs: Vec<Loc> = engine.map(|e| e.values().collect()).unwrap_or_default();
@@ -694,7 +695,7 @@ impl PrefixIndex {
         items.sort_unstable_by_key(|(_, l)| *l);
         for chunk in items.chunks(WRITE_CHUNK) {
             let mut g = self.write();
-            if owner.is_some_and(|k| g.slots.get(&k) != Some(&slot)) {
+            if owner.is_some_and(|k| g.names.slots.get(&k) != Some(&slot)) {
                 return;
             }
             g.remove_holder_runs(chunk, slot, &self.entries);
@@ -733,7 +734,8 @@ impl PrefixIndex {
     /// Whether `worker` is fed by KV events.
     pub fn is_precise(&self, worker: WorkerKey) -> bool {
         let g = self.inner.read();
-        g.slots
+        g.names
+            .slots
             .get(&worker)
             .is_some_and(|s| g.workers[*s as usize].precise)
     }
@@ -743,7 +745,8 @@ impl PrefixIndex {
     pub fn set_capacity(&self, worker: WorkerKey, blocks: usize) {
         {
             let g = self.inner.read();
-            if g.slots
+            if g.names
+                .slots
                 .get(&worker)
                 .is_some_and(|s| g.workers[*s as usize].capacity == Some(blocks))
             {
@@ -763,7 +766,8 @@ impl PrefixIndex {
     pub fn set_precise_limit(&self, worker: WorkerKey, blocks: usize) {
         {
             let g = self.inner.read();
-            if g.slots
+            if g.names
+                .slots
                 .get(&worker)
                 .is_some_and(|s| g.workers[*s as usize].precise_limit == Some(blocks))
             {
@@ -810,8 +814,7 @@ impl PrefixIndex {
         let g = self.read_for_lookup();
         let levels = g.walk(hashes);
         let mut ov = Overlaps {
-            slots: Arc::clone(&g.slots),
-            keys: Arc::clone(&g.keys),
+            names: Arc::clone(&g.names),
             levels,
             corrected: Vec::new(),
         };
@@ -868,7 +871,7 @@ impl PrefixIndex {
 
     /// Workers the index holds anything about.
     pub fn workers(&self) -> Vec<WorkerKey> {
-        self.inner.read().slots.keys().copied().collect()
+        self.inner.read().names.slots.keys().copied().collect()
     }
 
     /// Indexed (block, worker) entries.
@@ -905,17 +908,19 @@ impl PrefixIndex {
             + g.blocks.heap_bytes()
             + g.runs.capacity() * size_of::<Run>()
             + g.lineages.capacity() * size_of::<Lineage>()
+            + g.only_run.capacity() * size_of::<u32>()
             + g.lineages
                 .iter()
                 .map(|l| l.pieces.capacity() * 4)
                 .sum::<usize>()
-            + table::<WorkerKey, u32>(g.slots.capacity())
-            + g.keys.capacity() * size_of::<Option<WorkerKey>>()
+            + table::<WorkerKey, u32>(g.names.slots.capacity())
+            + g.names.keys.capacity() * size_of::<Option<WorkerKey>>()
             + g.workers.capacity() * size_of::<Worker>();
         for r in &g.runs {
             bytes += r.hashes.capacity() * 8
                 + match &r.holders {
-                    SlotSet::Few(v) => v.capacity() * 4,
+                    SlotSet::Few(v) if v.spilled() => v.capacity() * 4,
+                    SlotSet::Few(_) => 0,
                     SlotSet::Many { words, .. } => words.capacity() * 8,
                 };
         }
@@ -1066,7 +1071,7 @@ impl StorePlan {
 impl Inner {
     /// The slot of `key`, allocating one if needed.
     fn slot(&mut self, key: WorkerKey) -> u32 {
-        if let Some(s) = self.slots.get(&key) {
+        if let Some(s) = self.names.slots.get(&key) {
             return *s;
         }
         let slot = match self.free_slots.pop() {
@@ -1081,8 +1086,9 @@ impl Inner {
             oldest: u32::MAX,
             ..Default::default()
         };
-        Arc::make_mut(&mut self.slots).insert(key, slot);
-        let keys = Arc::make_mut(&mut self.keys);
+        let names = Arc::make_mut(&mut self.names);
+        names.slots.insert(key, slot);
+        let keys = &mut names.keys;
         if keys.len() <= slot as usize {
             keys.resize(slot as usize + 1, None);
         }
@@ -1120,7 +1126,7 @@ impl Inner {
     /// slots of only the blocks its LRU does not hold yet (the insert adds
     /// holders for those alone; a repeated prompt's blocks are mostly held).
     fn warm_insert(&self, worker: WorkerKey, chunk: &[u64]) {
-        match self.slots.get(&worker) {
+        match self.names.slots.get(&worker) {
             Some(&slot) => {
                 let absent = self.workers[slot as usize].recency.prefetch(chunk);
                 self.blocks.prefetch(absent);
@@ -1131,10 +1137,9 @@ impl Inner {
 
     /// The run covering `loc`.
     fn run_at(&self, loc: Loc) -> Option<u32> {
-        let lineage = self.lineages.get(loc.lineage as usize)?;
-        let run = match lineage.only {
+        let run = match *self.only_run.get(loc.lineage as usize)? {
             u32::MAX => {
-                let pieces = &lineage.pieces;
+                let pieces = &self.lineages[loc.lineage as usize].pieces;
                 let k = pieces.partition_point(|r| self.runs[*r as usize].start <= loc.pos);
                 *pieces.get(k.checked_sub(1)?)?
             }
@@ -1153,6 +1158,12 @@ impl Inner {
     /// The run and location of block `hash`, if it has a table entry.
     fn find(&self, hash: u64) -> Option<(u32, Loc)> {
         let loc = self.blocks.get(hash)?;
+        Some((self.run_at(loc)?, loc))
+    }
+
+    /// [`Inner::find`] for a block a lookup expects to find.
+    fn find_likely(&self, hash: u64) -> Option<(u32, Loc)> {
+        let loc = self.blocks.get_likely_present(hash)?;
         Some((self.run_at(loc)?, loc))
     }
 
@@ -1208,10 +1219,8 @@ impl Inner {
 
     fn new_lineage(&mut self) -> u32 {
         self.free_lineages.pop().unwrap_or_else(|| {
-            self.lineages.push(Lineage {
-                pieces: Vec::new(),
-                only: u32::MAX,
-            });
+            self.lineages.push(Lineage { pieces: Vec::new() });
+            self.only_run.push(u32::MAX);
             (self.lineages.len() - 1) as u32
         })
     }
@@ -1229,9 +1238,8 @@ impl Inner {
             }
         };
         let (k, l) = self.piece_of(id);
-        let lineage = &mut self.lineages[l as usize];
-        lineage.pieces.insert(k, id);
-        lineage.settle();
+        self.lineages[l as usize].pieces.insert(k, id);
+        self.settle_lineage(l);
         id
     }
 
@@ -1246,14 +1254,22 @@ impl Inner {
     /// Takes `run` out of its lineage's pieces (freeing an emptied lineage).
     fn unlist(&mut self, run: u32) {
         let (k, l) = self.piece_of(run);
-        let lineage = &mut self.lineages[l as usize];
-        debug_assert_eq!(lineage.pieces.get(k), Some(&run));
-        lineage.pieces.remove(k);
-        lineage.settle();
-        if lineage.pieces.is_empty() {
-            lineage.pieces.shrink_to_fit();
+        let pieces = &mut self.lineages[l as usize].pieces;
+        debug_assert_eq!(pieces.get(k), Some(&run));
+        pieces.remove(k);
+        if pieces.is_empty() {
+            pieces.shrink_to_fit();
             self.free_lineages.push(l);
         }
+        self.settle_lineage(l);
+    }
+
+    /// Records in `only_run` whether lineage `l` has one run.
+    fn settle_lineage(&mut self, l: u32) {
+        self.only_run[l as usize] = match self.lineages[l as usize].pieces.as_slice() {
+            [run] => *run,
+            _ => u32::MAX,
+        };
     }
 
     /// Forgets `run` (no holder left) and its blocks' table entries.
@@ -1552,19 +1568,26 @@ impl Inner {
     /// Walks `hashes` run by run: returns the holder sets of the first block
     /// shrinking at run boundaries, each (set, leading blocks its members hold),
     /// every set a subset of the one before.
-    fn walk(&self, hashes: &[u64]) -> Vec<(SlotSet, u32)> {
-        let mut levels = Vec::new();
-        let Some((mut run, mut loc)) = hashes.first().and_then(|h| self.find(*h)) else {
+    fn walk(&self, hashes: &[u64]) -> Levels {
+        let mut levels = Levels::new();
+        let Some((mut run, mut loc)) = hashes.first().and_then(|h| self.find_likely(*h)) else {
             return levels;
         };
-        let mut active = self.runs[run as usize].holders.clone();
+        // Borrowed until a boundary narrows it: most walks never copy a set but
+        // the last.
+        let mut active = Cow::Borrowed(&self.runs[run as usize].holders);
         let mut i = 1usize;
         while i < hashes.len() {
             let r = &self.runs[run as usize];
-            let off = (loc.pos + 1 - r.start) as usize;
+            let off = ((loc.pos + 1 - r.start) as usize).min(r.hashes.len());
+            // Where the next run starts if the prompt follows this one to its
+            // end: its table slot loads while the run is compared.
+            if let Some(end) = hashes.get(i + r.hashes.len() - off) {
+                self.blocks.prefetch([end]);
+            }
             let same = hashes[i..]
                 .iter()
-                .zip(r.hashes.range(off.min(r.hashes.len())..))
+                .zip(r.hashes.range(off..))
                 .take_while(|(a, b)| a == b)
                 .count();
             i += same;
@@ -1572,13 +1595,15 @@ impl Inner {
                 break;
             }
             // The next block starts a run (or is unknown).
-            let Some((next, at)) = self.find(hashes[i]) else {
+            let Some((next, at)) = self.find_likely(hashes[i]) else {
                 break;
             };
             if next != run {
-                let kept = active.intersection(&self.runs[next as usize].holders);
-                if kept.len() < active.len() {
-                    levels.push((std::mem::replace(&mut active, kept), i as u32));
+                if let Some(kept) = active.narrowed_by(&self.runs[next as usize].holders) {
+                    levels.push((
+                        std::mem::replace(&mut active, Cow::Owned(kept)).into_owned(),
+                        i as u32,
+                    ));
                     if active.is_empty() {
                         return levels;
                     }
@@ -1588,21 +1613,22 @@ impl Inner {
             loc = at;
             i += 1;
         }
-        levels.push((active, i as u32));
+        levels.push((active.into_owned(), i as u32));
         levels
     }
 }
+
+/// A walk's holder sets with their depths (most walks have one or two).
+type Levels = SmallVec<[(SlotSet, u32); 2]>;
 
 /// Every worker's overlap with one prompt ([`PrefixIndex::overlaps`]): nested
 /// holder sets with their depths, read per worker without the index's lock.
 #[derive(Debug, Clone)]
 pub struct Overlaps {
-    /// The index's worker → slot map when the answer was made.
-    slots: Arc<Map<WorkerKey, u32>>,
-    /// Its inverse, slot → worker, to check a caller's slot hint.
-    keys: Arc<Vec<Option<WorkerKey>>>,
+    /// The index's slots when the answer was made.
+    names: Arc<SlotNames>,
     /// (holders, leading blocks held), each set a subset of the one before.
-    levels: Vec<(SlotSet, u32)>,
+    levels: Levels,
     /// (slot, depth) for workers whose expired approximate entries the walk counted.
     corrected: Vec<(u32, usize)>,
 }
@@ -1614,7 +1640,10 @@ impl Overlaps {
             // No worker holds the first block: no need to find this one's slot.
             return 0;
         }
-        self.slots.get(&worker).map_or(0, |s| self.visible(*s))
+        self.names
+            .slots
+            .get(&worker)
+            .map_or(0, |s| self.visible(*s))
     }
 
     /// [`Overlaps::get`] for a caller that keeps `worker`'s slot in `hint`: a
@@ -1626,10 +1655,10 @@ impl Overlaps {
             return 0;
         }
         let slot = hint.load(Ordering::Relaxed);
-        if self.keys.get(slot as usize) == Some(&Some(worker)) {
+        if self.names.keys.get(slot as usize) == Some(&Some(worker)) {
             return self.visible(slot);
         }
-        match self.slots.get(&worker) {
+        match self.names.slots.get(&worker) {
             Some(&slot) => {
                 hint.store(slot, Ordering::Relaxed);
                 self.visible(slot)
@@ -1641,7 +1670,8 @@ impl Overlaps {
     /// Every worker holding at least the first block, with its overlap (order
     /// unspecified; walks every known worker).
     pub fn iter(&self) -> impl Iterator<Item = (WorkerKey, usize)> + '_ {
-        self.slots
+        self.names
+            .slots
             .iter()
             .map(|(k, s)| (*k, self.visible(*s)))
             .filter(|(_, d)| *d > 0)
@@ -1678,7 +1708,7 @@ impl Overlaps {
             return ControlFlow::Continue(());
         };
         let deeper = self.levels.get(k + 1).map(|(s, _)| s);
-        let mut visit = |slot: u32| match self.keys.get(slot as usize) {
+        let mut visit = |slot: u32| match self.names.keys.get(slot as usize) {
             Some(Some(worker)) if !deeper.is_some_and(|d| d.contains(slot)) => f(*worker),
             _ => ControlFlow::Continue(()),
         };

@@ -5,11 +5,14 @@
 //! active set with it at each run boundary, so a lookup costs per run, not per
 //! holder of each block.
 
+use smallvec::{smallvec, SmallVec};
+
 /// A set of slots.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum SlotSet {
-    /// Sorted, distinct.
-    Few(Vec<u32>),
+    /// Sorted, distinct; up to four slots inline (most runs have one holder, and
+    /// a lookup copies its first run's set), more on the heap.
+    Few(SmallVec<[u32; 4]>),
     /// One bit per slot; `len` bits set.
     Many { words: Vec<u64>, len: u32 },
 }
@@ -19,14 +22,14 @@ const MIN_BITSET: usize = 64;
 
 impl Default for SlotSet {
     fn default() -> Self {
-        SlotSet::Few(Vec::new())
+        SlotSet::Few(SmallVec::new())
     }
 }
 
 impl SlotSet {
     /// The set holding only `slot`.
     pub(crate) fn one(slot: u32) -> Self {
-        SlotSet::Few(vec![slot])
+        SlotSet::Few(smallvec![slot])
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -125,8 +128,7 @@ impl SlotSet {
             SlotSet::Many { words, len }
                 if (*len as usize) < MIN_BITSET / 2 || words.len() > *len as usize =>
             {
-                let v: Vec<u32> = iter_bits(words).collect();
-                *self = SlotSet::Few(v);
+                *self = SlotSet::Few(iter_bits(words).collect());
             }
             _ => {}
         }
@@ -139,6 +141,22 @@ impl SlotSet {
             SlotSet::Few(v) => Box::new(v.iter().copied()),
             SlotSet::Many { words, .. } => Box::new(iter_bits(words)),
         }
+    }
+
+    /// The slots of this set that `other` holds too, or `None` when that is all
+    /// of them (then nothing is allocated).
+    pub(crate) fn narrowed_by(&self, other: &SlotSet) -> Option<SlotSet> {
+        let all = match (self, other) {
+            (SlotSet::Few(a), _) => a.iter().all(|s| other.contains(*s)),
+            (SlotSet::Many { words: a, .. }, SlotSet::Many { words: b, .. }) => a
+                .iter()
+                .enumerate()
+                .all(|(i, x)| x & !b.get(i).copied().unwrap_or(0) == 0),
+            (SlotSet::Many { len, .. }, SlotSet::Few(b)) => {
+                b.iter().filter(|s| self.contains(**s)).count() == *len as usize
+            }
+        };
+        (!all).then(|| self.intersection(other))
     }
 
     /// The slots in both sets.
@@ -202,7 +220,18 @@ mod tests {
                 o.insert(*s);
             }
             let kept: BTreeSet<u32> = model.intersection(&other).copied().collect();
-            for both in [set.intersection(&o), o.intersection(&set)] {
+            prop_assert_eq!(set.narrowed_by(&o).is_none(), model.is_subset(&other));
+            prop_assert_eq!(o.narrowed_by(&set).is_none(), other.is_subset(&model));
+            // A subset of the set, in whichever shape it takes.
+            let sub = set.intersection(&o);
+            prop_assert!(sub.narrowed_by(&set).is_none());
+            prop_assert_eq!(set.narrowed_by(&sub).is_none(), sub.len() == set.len());
+            for both in [
+                set.intersection(&o),
+                o.intersection(&set),
+                set.narrowed_by(&o).unwrap_or_else(|| set.clone()),
+                o.narrowed_by(&set).unwrap_or_else(|| o.clone()),
+            ] {
                 prop_assert_eq!(both.len(), kept.len());
                 prop_assert_eq!(both.iter().collect::<BTreeSet<_>>(), kept.clone());
             }
