@@ -1580,10 +1580,13 @@ impl Inner {
         while i < hashes.len() {
             let r = &self.runs[run as usize];
             let off = ((loc.pos + 1 - r.start) as usize).min(r.hashes.len());
-            // Where the next run starts if the prompt follows this one to its
-            // end: its table slot loads while the run is compared.
-            if let Some(end) = hashes.get(i + r.hashes.len() - off) {
-                self.blocks.prefetch([end]);
+            // The run after this one if the prompt follows it to its end, found
+            // (and its first blocks loaded) before this run is compared: the two
+            // chains of cache misses then overlap instead of queueing.
+            let end = i + r.hashes.len() - off;
+            let ahead = hashes.get(end).and_then(|h| self.find_likely(*h));
+            if let Some((next, _)) = ahead {
+                std::hint::black_box(self.runs[next as usize].hashes.front().copied());
             }
             let same = hashes[i..]
                 .iter()
@@ -1595,7 +1598,12 @@ impl Inner {
                 break;
             }
             // The next block starts a run (or is unknown).
-            let Some((next, at)) = self.find_likely(hashes[i]) else {
+            let found = if i == end {
+                ahead
+            } else {
+                self.find_likely(hashes[i])
+            };
+            let Some((next, at)) = found else {
                 break;
             };
             if next != run {
