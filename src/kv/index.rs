@@ -20,9 +20,10 @@
 //! A lookup probes the map for the prompt's first block, then compares the prompt
 //! with the run in place (no probe per block) until the run ends or differs, then
 //! probes again (the probe for where the run ends is made before the comparison,
-//! so that the two chains of cache misses overlap). At each run boundary it intersects the set of workers still
-//! matching with the new run's holders; a worker dropped there scores the blocks
-//! before it, and the walk stops when no worker is left. The answer
+//! so that the two chains of cache misses overlap). At each run boundary it
+//! intersects the set of workers still matching with the new run's holders; a
+//! worker dropped there scores the blocks before it, and the walk stops when no
+//! worker is left. The answer
 //! ([`Overlaps`]) keeps those shrinking sets with their depths instead of a
 //! (worker, depth) pair per holder, so building it costs the runs crossed, not the
 //! workers holding the prompt; it is read per worker afterwards, without the lock
