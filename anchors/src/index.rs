@@ -640,8 +640,8 @@ fn digest(mut o: Overlaps) -> u64 {
 /// Digests each query's overlaps, then times the index's own lookup call on
 /// each, right after an untimed pass of the same calls. That pass puts every
 /// index in the same state for the timed one: the digest pass takes each index
-/// a different time (kvpick's reads every worker's overlap: 10 ms for 1,000
-/// queries at 1,024 workers, against Dynamo's 1 ms), and a query's blocks left
+/// a different time (kvpick's reads every worker's overlap: about 5 ms for 1,000
+/// queries at 1,024 workers, against Dynamo's 1.7 ms), and a query's blocks left
 /// that long ago are colder when it is timed.
 fn timed_lookups(subject: &dyn Subject, queries: &[Vec<u64>]) -> (Vec<Duration>, Vec<u64>) {
     let digests = queries
