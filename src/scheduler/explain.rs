@@ -126,17 +126,19 @@ impl Scheduler {
         });
 
         let w = self.config.weights;
+        // Each side's wait read once, as a pick reads it once per side.
+        let decode_wait = self.pending_wait(snapshot.idle_ranks(true));
+        let prefill_wait = self.pending_wait(snapshot.idle_ranks(false));
         let mut candidates: Vec<CandidateScore> = all
             .iter()
             .map(|(c, address, filtered, _)| {
                 let prefill = !c.ep.serves_decode();
                 let overlap = overlaps.as_ref().map_or(0, |o| o.get(c));
-                let weight = if prefill {
-                    w.prefill_overlap
+                let (weight, wait) = if prefill {
+                    (w.prefill_overlap, prefill_wait)
                 } else {
-                    w.prefill
+                    (w.prefill, decode_wait)
                 };
-                let wait = self.pending_wait(snapshot.idle_ranks(!prefill));
                 let terms = match filtered {
                     Some(_) => CostTerms::default(),
                     None => {
