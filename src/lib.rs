@@ -1,29 +1,26 @@
 //! kvpick: a KV-cache-aware endpoint picker (EPP) for the Kubernetes Gateway API
 //! Inference Extension.
 //!
-//! The core ([`request`], [`endpoints`], [`kv`], [`sessions`], [`scheduler`], [`admission`],
-//! [`identity`]) is plain Rust. The glue ([`extproc`], [`discovery`], [`telemetry`],
-//! [`server`]) speaks gRPC, HTTP and Kubernetes.
+//! The routing core lives in the `kvpick-core` crate and is re-exported here under
+//! its module names ([`request`], [`endpoints`], [`kv`], [`sessions`], [`scheduler`],
+//! [`admission`], ...). This crate is the glue: [`extproc`] (Envoy's protocol),
+//! [`discovery`] (Kubernetes or a file), [`kvevents`] and [`scrape`] (the workers),
+//! [`telemetry`], [`admin`] and [`server`], which wires them together.
+
+pub use kvpick_core::{
+    admission, endpoints, health, identity, keys, kv, multimodal, request, scheduler, sessions,
+    time, tokenize,
+};
 
 pub mod admin;
-pub mod admission;
+pub mod admission_metrics;
 pub mod config;
 pub mod discovery;
 pub mod endpoint_picker_config;
-pub mod endpoints;
 pub mod extproc;
-pub mod health;
-pub mod identity;
 pub mod image_fetch;
-pub mod kv;
 pub mod kvevents;
-pub mod multimodal;
-pub mod request;
-pub mod scheduler;
 pub mod scrape;
 pub mod server;
-pub mod sessions;
 pub mod telemetry;
-pub mod time;
 pub mod tls;
-pub mod tokenize;

@@ -13,8 +13,8 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 use tracing::{info, warn};
 
-use crate::admission::metrics::AdmissionMetrics;
 use crate::admission::{AdmissionConfig, Gate, Objectives};
+use crate::admission_metrics::AdmissionMetrics;
 use crate::config::Args;
 use crate::discovery;
 use crate::endpoints::EndpointTable;

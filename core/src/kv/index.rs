@@ -65,7 +65,6 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -74,7 +73,8 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use smallvec::SmallVec;
 
-use crate::endpoints::WorkerKey;
+use crate::keys::WorkerKey;
+pub use crate::keys::{KeyHash, KeyHasher};
 use crate::kv::lru::Lru;
 use crate::kv::slots::SlotSet;
 use crate::kv::table::{BlockTable, Place};
@@ -94,31 +94,6 @@ pub const DEFAULT_PRECISE_SLACK: f64 = 1.5;
 
 /// Blocks a writer handles per lock acquisition.
 pub const WRITE_CHUNK: usize = 64;
-
-/// A fast hasher for small keys such as [`WorkerKey`] and block hashes (FxHash's
-/// mixing step): every lookup and write hashes keys on the hot path.
-#[derive(Default)]
-pub struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.write_u64(u64::from(*b));
-        }
-    }
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(u64::from(n));
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-}
-
-/// Build-hasher for maps keyed by [`WorkerKey`] or block hashes.
-pub type KeyHash = BuildHasherDefault<KeyHasher>;
 
 type Map<K, V> = HashMap<K, V, KeyHash>;
 

@@ -19,7 +19,6 @@
 //! no decode worker is never queued: the scheduler answers 503 for it, and 503
 //! stays reserved for that.
 
-pub mod metrics;
 pub mod priority;
 pub mod queue;
 pub mod saturation;

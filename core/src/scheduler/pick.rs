@@ -1,6 +1,5 @@
 //! The pick: candidates → session pin → hash → lookup → score → book.
 
-use std::net::SocketAddr;
 use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -10,8 +9,8 @@ use rand::Rng;
 use super::candidates::{Pool, Side};
 use super::cost::{pick_index, Cand, Least};
 use super::overlap::PromptOverlaps;
-use super::{Decision, FilteredOut, PickError, PickRequest, Scheduler, Stage};
-use crate::endpoints::{ActiveLoad, EndpointState, Engine, Snapshot, WorkerKey};
+use super::{Decision, PickError, PickRequest, Scheduler, Stage};
+use crate::endpoints::{ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -301,32 +300,6 @@ impl Scheduler {
             self.record_prompt(c.key, hashes, now);
         }
         c.ep.book(c.rank, load);
-    }
-}
-
-/// The subset hint's addresses, parsed and sorted once per pick (an entry that
-/// is no socket address matches no endpoint).
-pub(super) fn parsed_subset(subset: Option<&[String]>) -> Option<Vec<SocketAddr>> {
-    subset.map(|s| {
-        let mut addrs: Vec<SocketAddr> = s.iter().filter_map(|a| a.parse().ok()).collect();
-        addrs.sort_unstable();
-        addrs
-    })
-}
-
-/// Why `ep` can take no part in `req` whatever its health: outside the subset
-/// hint (`subset`, from [`parsed_subset`]), or prefill-only with no body.
-pub(super) fn excluded(
-    req: &PickRequest<'_>,
-    subset: Option<&[SocketAddr]>,
-    ep: &EndpointState,
-) -> Option<FilteredOut> {
-    if subset.is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err()) {
-        Some(FilteredOut::NotInSubset)
-    } else if !ep.serves_decode() && req.body.is_none() {
-        Some(FilteredOut::NoBody)
-    } else {
-        None
     }
 }
 

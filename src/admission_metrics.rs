@@ -17,7 +17,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-use super::{AdmissionObserver, Gate, Outcome, RequestClass};
+use crate::admission::{AdmissionObserver, Gate, Outcome, RequestClass};
 use crate::request::usage::Usage;
 use crate::telemetry::Metrics;
 
@@ -79,7 +79,7 @@ struct ObjectiveDurationLabels {
 }
 
 /// Reads one figure of a queue level.
-type LevelValue = fn(&super::QueueLevel) -> i64;
+type LevelValue = fn(&crate::admission::QueueLevel) -> i64;
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 

@@ -11,8 +11,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use super::cost::Cand;
-use super::pick::{excluded, parsed_subset};
-use super::{PickError, PickRequest};
+use super::{FilteredOut, PickError, PickRequest};
 use crate::endpoints::{EndpointState, Snapshot, WorkerKey};
 
 /// Which list of candidates: decode (destination) or prefill workers.
@@ -172,5 +171,31 @@ impl<'s, 'r> Pool<'s, 'r> {
     /// Every candidate for `side`, in snapshot order.
     pub(super) fn iter(&self, side: Side) -> impl Iterator<Item = Cand<'s>> + '_ {
         self.iter_from(side, 0)
+    }
+}
+
+/// The subset hint's addresses, parsed and sorted once per pick (an entry that
+/// is no socket address matches no endpoint).
+pub(super) fn parsed_subset(subset: Option<&[String]>) -> Option<Vec<SocketAddr>> {
+    subset.map(|s| {
+        let mut addrs: Vec<SocketAddr> = s.iter().filter_map(|a| a.parse().ok()).collect();
+        addrs.sort_unstable();
+        addrs
+    })
+}
+
+/// Why `ep` can take no part in `req` whatever its health: outside the subset
+/// hint (`subset`, from [`parsed_subset`]), or prefill-only with no body.
+pub(super) fn excluded(
+    req: &PickRequest<'_>,
+    subset: Option<&[SocketAddr]>,
+    ep: &EndpointState,
+) -> Option<FilteredOut> {
+    if subset.is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err()) {
+        Some(FilteredOut::NotInSubset)
+    } else if !ep.serves_decode() && req.body.is_none() {
+        Some(FilteredOut::NoBody)
+    } else {
+        None
     }
 }

@@ -9,8 +9,8 @@
 
 use std::time::Instant;
 
+use super::candidates::{excluded, parsed_subset};
 use super::cost::{Cand, CostTerms};
-use super::pick::{excluded, parsed_subset};
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
 use crate::time::Epoch;

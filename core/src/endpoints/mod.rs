@@ -7,7 +7,6 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -18,7 +17,8 @@ use serde::Deserialize;
 use tokio::sync::watch;
 
 use crate::health::PassiveHealth;
-use crate::kv::index::KeyHash;
+use crate::keys::KeyHash;
+pub use crate::keys::WorkerKey;
 use pending::{PendingBlocks, PendingRanks};
 use scrape_cell::{Scrape, ScrapeCell};
 
@@ -84,21 +84,6 @@ impl Engine {
 
 /// Most data-parallel ranks one endpoint may have (each gets its own counters).
 pub const MAX_DP_SIZE: u32 = 1024;
-
-/// One (worker, data-parallel rank): the unit that owns a KV cache and a load.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct WorkerKey {
-    /// The worker's instance id (`x-worker-instance-id`).
-    pub instance_id: u64,
-    /// The data-parallel rank inside the worker (`x-dp-rank`).
-    pub dp_rank: u32,
-}
-
-impl fmt::Display for WorkerKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.instance_id, self.dp_rank)
-    }
-}
 
 /// A worker endpoint as discovery describes it: immutable identity and configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]

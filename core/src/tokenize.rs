@@ -804,7 +804,7 @@ mod tests {
     }
 
     fn fixture(template: &str) -> Tokenizer {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer");
         let mut tok = Tokenizer::load(dir).unwrap();
         tok.env = Some(chat_environment(template.to_string()).unwrap());
         tok.parts_content = false;

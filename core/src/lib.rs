@@ -1,0 +1,27 @@
+//! kvpick's routing core: everything that decides where a request goes, in plain
+//! Rust. No gRPC, HTTP, Kubernetes or Prometheus type appears here (this crate's
+//! Cargo.toml does not have them, so the compiler keeps the boundary); the
+//! `kvpick` crate speaks those protocols and feeds the core through its types and
+//! traits ([`multimodal::remote::ImageFetcher`], [`admission::AdmissionObserver`]).
+//!
+//! - [`request`]: one pass over an inference body (model, prompt, `nvext`, images).
+//! - [`endpoints`]: the live table of workers and their load.
+//! - [`kv`]: prefix block hashing and the prefix index.
+//! - [`sessions`]: sticky session bindings.
+//! - [`scheduler`]: candidates, costs and the pick.
+//! - [`admission`]: priorities, fairness, saturation and queueing.
+//! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
+//! - [`health`], [`identity`], [`keys`], [`time`]: small shared pieces.
+
+pub mod admission;
+pub mod endpoints;
+pub mod health;
+pub mod identity;
+pub mod keys;
+pub mod kv;
+pub mod multimodal;
+pub mod request;
+pub mod scheduler;
+pub mod sessions;
+pub mod time;
+pub mod tokenize;
