@@ -20,6 +20,7 @@ pub mod identity;
 pub mod keys;
 pub mod kv;
 pub mod multimodal;
+pub mod pipeline;
 pub mod request;
 pub mod scheduler;
 pub mod sessions;
