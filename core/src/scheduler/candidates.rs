@@ -100,7 +100,11 @@ impl<'s, 'r> Pool<'s, 'r> {
         let (mut strict, mut yielding) = (0, 0);
         for (i, f) in filters.iter().enumerate().take(MAX_FILTERS) {
             if f.applies(&at) {
-                *(if f.yields() { &mut yielding } else { &mut strict }) |= 1 << i;
+                *(if f.yields() {
+                    &mut yielding
+                } else {
+                    &mut strict
+                }) |= 1 << i;
             }
         }
         pool.strict.mask = strict;

@@ -55,10 +55,10 @@ pub use cost::{PendingWait, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation};
 pub use plugins::Plugins;
-pub use terms::CostTerms;
 pub use stats::{
     HistogramSnapshot, LatencyHistogram, SchedulerStats, Stage, StageTimer, LATENCY_BUCKETS,
 };
+pub use terms::CostTerms;
 
 use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;

@@ -107,7 +107,12 @@ impl Scheduler {
             (d, scoring.overlap(&d), p)
         };
         if O::EXPLAINS {
-            obs.chosen(&scoring, &d, p.as_ref(), (pinned.is_some(), pinned_prefill.is_some()));
+            obs.chosen(
+                &scoring,
+                &d,
+                p.as_ref(),
+                (pinned.is_some(), pinned_prefill.is_some()),
+            );
         } else {
             self.count_blocks(prompt.hashes.len(), overlap);
         }
@@ -297,9 +302,8 @@ impl Scheduler {
             }
             return best.map(|(c, _)| c);
         }
-        let cost = |c: &Cand<'_>, overlap: usize| {
-            self.cost(c, at.prompt.uncached(overlap), &req, at.now)
-        };
+        let cost =
+            |c: &Cand<'_>, overlap: usize| self.cost(c, at.prompt.uncached(overlap), &req, at.now);
         if let Choice::Sample { temperature } = self.plugins.choice() {
             let cands: Vec<Cand<'s>> = at.pool.iter(side).collect();
             let costs: Vec<f64> = cands.iter().map(|c| cost(c, at.overlap(c))).collect();

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use super::filters::{body::PrefillNeedsBody, ejected::Ejected, subset::Subset, Filter};
 use super::pickers::{max_score::MaxScore, Choice, Picker};
-use super::terms::{kv_usage::KvUsage, load::ActiveLoad, prefix::PrefixCache, queue::Queue};
 use super::terms::Scorer;
+use super::terms::{kv_usage::KvUsage, load::ActiveLoad, prefix::PrefixCache, queue::Queue};
 use super::Weights;
 
 /// Filters, terms and picker of a scheduler.
@@ -23,7 +23,11 @@ pub struct Plugins {
 impl Plugins {
     /// The filters every scheduler runs (the Inference Extension's contract).
     pub fn builtin_filters() -> Vec<Arc<dyn Filter>> {
-        vec![Arc::new(Subset), Arc::new(PrefillNeedsBody), Arc::new(Ejected)]
+        vec![
+            Arc::new(Subset),
+            Arc::new(PrefillNeedsBody),
+            Arc::new(Ejected),
+        ]
     }
 
     /// The default list: every built-in term at `weights` (in the order

@@ -14,8 +14,8 @@ use serde::Serialize;
 
 use super::filters::Filter;
 use super::pickers::{max_score::MaxScore, Picker};
-use super::terms::{kv_usage::KvUsage, load::ActiveLoad, prefix::PrefixCache, queue::Queue};
 use super::terms::Scorer;
+use super::terms::{kv_usage::KvUsage, load::ActiveLoad, prefix::PrefixCache, queue::Queue};
 use super::Weights;
 
 /// What a plugin type is to kvpick.
@@ -221,7 +221,9 @@ where
     let read = read.as_object();
     for key in given.keys() {
         if !read.is_some_and(|r| r.contains_key(key)) {
-            args.warn(format_args!("parameter {key:?} is not read by kvpick; ignored"));
+            args.warn(format_args!(
+                "parameter {key:?} is not read by kvpick; ignored"
+            ));
         }
     }
     Ok(params)

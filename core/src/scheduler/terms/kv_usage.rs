@@ -39,7 +39,8 @@ impl Scorer for KvUsage {
         let kv = if c.suspect() {
             size
         } else {
-            c.scraped().map_or(0.0, |s| s.kv_usage.clamp(0.0, 1.0) * size)
+            c.scraped()
+                .map_or(0.0, |s| s.kv_usage.clamp(0.0, 1.0) * size)
         };
         self.weight * kv
     }
