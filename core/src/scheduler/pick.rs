@@ -129,6 +129,7 @@ impl Scheduler {
         if let Some(p) = p {
             self.record(&p, hashes, decision.prefill_load(), now);
         }
+        self.share_decision(&decision, hashes);
         Ok(decision)
     }
 
