@@ -226,7 +226,7 @@ impl ReplicaSync {
             tx,
             metrics: Arc::clone(&metrics),
         });
-        if false && !scheduler.set_replica_sink(sink.clone()) {
+        if !scheduler.set_replica_sink(sink.clone()) {
             tracing::warn!("replica sync: the scheduler already had a sink");
         }
         let peers = Arc::new(PeerLoads::new(config.lease, 1_024));
