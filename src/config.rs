@@ -324,7 +324,11 @@ pub struct Args {
 
     /// Longest a replica's warm start (loading the shared state) holds
     /// readiness back; past it the replica is Ready on its local state.
-    #[arg(long, env = "KVPICK_REPLICA_SYNC_WARM_START_MS", default_value_t = 10_000)]
+    #[arg(
+        long,
+        env = "KVPICK_REPLICA_SYNC_WARM_START_MS",
+        default_value_t = 10_000
+    )]
     pub replica_sync_warm_start_ms: u64,
 
     /// Silence after which a peer replica's bookings are released.

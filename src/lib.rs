@@ -10,8 +10,7 @@
 
 pub use kvpick_core::{
     admission, endpoints, health, identity, keys, kv, multimodal, replica, request, scheduler,
-    sessions,
-    time, tokenize,
+    sessions, time, tokenize,
 };
 
 pub mod admin;

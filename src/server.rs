@@ -508,9 +508,7 @@ pub async fn run_until(
     let source = EndpointSource::from_args(&args)?;
     let pool = pool_label(&args);
     let mut app = App::with_scheduler(&pool, args.scheduler(session_key(&args)?));
-    let replica_sync = args
-        .replica_sync(&pool)?
-        .map(|c| app.spawn_replica_sync(c));
+    let replica_sync = args.replica_sync(&pool)?.map(|c| app.spawn_replica_sync(c));
     let vision = args.vision_prompt();
     let mut image_token = None;
     if let Some(dir) = &args.tokenizer_dir {

@@ -70,7 +70,9 @@ fn request_id(conversation: usize, turn: usize) -> String {
 
 /// `CONVERSATIONS` conversations with ids from `first`.
 fn conversations(first: usize) -> Vec<Conversation> {
-    (first..first + CONVERSATIONS).map(Conversation::new).collect()
+    (first..first + CONVERSATIONS)
+        .map(Conversation::new)
+        .collect()
 }
 
 /// Sends turns `turns` of every conversation, the conversations concurrently,
@@ -130,7 +132,11 @@ async fn converged(r: &Replicas, within: Duration) -> Duration {
 async fn no_load(r: &Replicas, within: Duration) {
     let start = Instant::now();
     while r.loads().iter().flatten().any(|&l| l != (0, 0)) {
-        assert!(start.elapsed() < within, "load left behind: {:?}", r.loads());
+        assert!(
+            start.elapsed() < within,
+            "load left behind: {:?}",
+            r.loads()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -141,7 +147,10 @@ async fn alternating_replicas_keep_follow_ups_on_the_conversations_worker() {
         return;
     };
     let one = Replicas::start(WORKERS, worker(), 1, None).await.unwrap();
-    assert_eq!(converse(&one, &mut conversations(0), 0..TURNS, |_, _| 0).await, 0);
+    assert_eq!(
+        converse(&one, &mut conversations(0), 0..TURNS, |_, _| 0).await,
+        0
+    );
     let baseline = same_worker_rate(&one, 0);
 
     let two = Replicas::start(WORKERS, worker(), 2, Some(&redis.url()))
@@ -149,7 +158,10 @@ async fn alternating_replicas_keep_follow_ups_on_the_conversations_worker() {
         .unwrap();
     // Consecutive turns of each conversation go to alternating replicas.
     let alternate = |c: usize, t: usize| (c + t) % 2;
-    assert_eq!(converse(&two, &mut conversations(0), 0..TURNS, alternate).await, 0);
+    assert_eq!(
+        converse(&two, &mut conversations(0), 0..TURNS, alternate).await,
+        0
+    );
     let synced = same_worker_rate(&two, 0);
     eprintln!("same-worker rate of follow-ups: one replica {baseline:.2}, two synced replicas alternating {synced:.2}");
     assert!(
@@ -224,9 +236,11 @@ async fn a_sync_server_killed_mid_run_fails_nothing_and_replicas_converge_after_
         assert!(m.peers.peers() <= 1);
     }
     // Load routed by replica 0 while the server is down is not seen by replica 1...
-    let slow = Replicas::start(WORKERS, slow_worker(), 2, Some(&redis.url()))
-        .await;
-    assert!(slow.is_ok(), "replicas become Ready even without their sync server");
+    let slow = Replicas::start(WORKERS, slow_worker(), 2, Some(&redis.url())).await;
+    assert!(
+        slow.is_ok(),
+        "replicas become Ready even without their sync server"
+    );
     let slow = slow.unwrap();
     let held = hold_requests(&slow, 0, 6).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -260,5 +274,8 @@ async fn a_restarted_replica_loads_the_shared_state_before_ready() {
     assert!(m.ready.has_changed().is_ok());
     let rate = same_worker_rate(&r, 0);
     eprintln!("same-worker rate across a replica restart: {rate:.2}");
-    assert!(rate >= 0.95, "restarted replica routed without the shared state: {rate:.2}");
+    assert!(
+        rate >= 0.95,
+        "restarted replica routed without the shared state: {rate:.2}"
+    );
 }

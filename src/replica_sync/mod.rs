@@ -148,11 +148,7 @@ impl SyncMetrics {
                 "1 while the subscriber is connected",
                 m.connected.clone(),
             );
-            r.register(
-                "peers",
-                "Peers holding a booking lease",
-                m.peers.clone(),
-            );
+            r.register("peers", "Peers holding a booking lease", m.peers.clone());
             r.register(
                 "warm_start_timeouts",
                 "Warm starts that reached their bound before loading the state",
@@ -536,7 +532,11 @@ async fn warm_start(
                 b"COUNT",
                 b"1000",
             ];
-            let entries = match conn.cmd(&args, Duration::ZERO).await.and_then(Value::into_array) {
+            let entries = match conn
+                .cmd(&args, Duration::ZERO)
+                .await
+                .and_then(Value::into_array)
+            {
                 Ok(e) => e,
                 Err(e) => {
                     applier.metrics.errors.inc();
@@ -548,7 +548,10 @@ async fn warm_start(
             if entries.is_empty() {
                 return last;
             }
-            applier.metrics.warm_start_entries.inc_by(entries.len() as u64);
+            applier
+                .metrics
+                .warm_start_entries
+                .inc_by(entries.len() as u64);
             for e in entries {
                 match applier.entry(own, e, true) {
                     Ok(id) => last = id,
@@ -560,5 +563,7 @@ async fn warm_start(
             tokio::task::yield_now().await;
         }
     };
-    tokio::time::timeout(config.warm_start_timeout, work).await.ok()
+    tokio::time::timeout(config.warm_start_timeout, work)
+        .await
+        .ok()
 }

@@ -175,7 +175,9 @@ impl Conn {
 /// Reads one reply (nested arrays iteratively bounded by [`MAX_ARRAY`] each).
 async fn read_value(io: &mut BufReader<TcpStream>) -> Result<Value, RespError> {
     let line = read_line(io).await?;
-    let (kind, rest) = line.split_first().ok_or(RespError::Protocol("empty line"))?;
+    let (kind, rest) = line
+        .split_first()
+        .ok_or(RespError::Protocol("empty line"))?;
     let text = || String::from_utf8_lossy(rest).into_owned();
     let int = || -> Result<i64, RespError> {
         std::str::from_utf8(rest)
@@ -223,7 +225,10 @@ async fn read_value(io: &mut BufReader<TcpStream>) -> Result<Value, RespError> {
 /// One CRLF-terminated line, without the CRLF (at most 64 KiB).
 async fn read_line(io: &mut BufReader<TcpStream>) -> Result<Vec<u8>, RespError> {
     let mut line = Vec::new();
-    let n = (&mut *io).take(64 << 10).read_until(b'\n', &mut line).await?;
+    let n = (&mut *io)
+        .take(64 << 10)
+        .read_until(b'\n', &mut line)
+        .await?;
     if n == 0 {
         return Err(RespError::Io(std::io::ErrorKind::UnexpectedEof.into()));
     }
@@ -241,7 +246,10 @@ mod tests {
     #[test]
     fn urls_parse() {
         let t = Target::parse("redis://10.0.0.1:7000/2").unwrap();
-        assert_eq!((t.addr.as_str(), t.password, t.db), ("10.0.0.1:7000", None, Some(2)));
+        assert_eq!(
+            (t.addr.as_str(), t.password, t.db),
+            ("10.0.0.1:7000", None, Some(2))
+        );
         let t = Target::parse("redis://:secret@sync").unwrap();
         assert_eq!(t.addr, "sync:6379");
         assert_eq!(t.password.as_deref(), Some("secret"));

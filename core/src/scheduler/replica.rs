@@ -119,9 +119,7 @@ impl Scheduler {
                 worker,
                 load,
                 requests,
-            } if bookings && peers.heard(from, now) => {
-                peers.release(from, worker, load, requests)
-            }
+            } if bookings && peers.heard(from, now) => peers.release(from, worker, load, requests),
             Delta::Loads(loads) if bookings && peers.heard(from, now) => {
                 peers.replace(from, snapshot, &loads)
             }

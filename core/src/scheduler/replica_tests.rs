@@ -49,8 +49,7 @@ fn replica(workers: usize) -> Replica {
 fn sync(from: &Replica, id: u64, to: &Replica, now: Instant) {
     let snap = to.table.snapshot();
     for d in from.sink.take() {
-        to.scheduler
-            .apply_peer(id, d, &to.peers, &snap, true, now);
+        to.scheduler.apply_peer(id, d, &to.peers, &snap, true, now);
     }
 }
 
@@ -129,7 +128,11 @@ fn a_loads_report_replaces_what_lost_deltas_left_behind() {
     let now = Instant::now();
     let d = a
         .scheduler
-        .pick_at(&with_body(&prompt("lost release")), &a.table.snapshot(), now)
+        .pick_at(
+            &with_body(&prompt("lost release")),
+            &a.table.snapshot(),
+            now,
+        )
         .unwrap();
     sync(&a, 3, &b, now);
     a.scheduler.finish_at(&d, Some(200), now);
