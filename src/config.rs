@@ -316,6 +316,25 @@ pub struct Args {
           default_value_t = crate::kvevents::subscriber::DEFAULT_MAX_MESSAGE_BYTES)]
     pub kv_events_max_message_bytes: usize,
 
+    /// Share routing state with the pool's other kvpick replicas through this
+    /// Redis/Valkey server (`redis://[:password@]host[:port][/db]`; see
+    /// docs/replicas.md). Unset: a single replica, nothing shared.
+    #[arg(long, env = "KVPICK_REPLICA_SYNC")]
+    pub replica_sync: Option<String>,
+
+    /// Longest a replica's warm start (loading the shared state) holds
+    /// readiness back; past it the replica is Ready on its local state.
+    #[arg(
+        long,
+        env = "KVPICK_REPLICA_SYNC_WARM_START_MS",
+        default_value_t = 10_000
+    )]
+    pub replica_sync_warm_start_ms: u64,
+
+    /// Silence after which a peer replica's bookings are released.
+    #[arg(long, env = "KVPICK_REPLICA_SYNC_LEASE_MS", default_value_t = 5_000)]
+    pub replica_sync_lease_ms: u64,
+
     /// Model directory with `tokenizer.json` (and `tokenizer_config.json` with the
     /// chat template): tokenize requests in-process so their blocks match KV events.
     #[arg(long, env = "KVPICK_TOKENIZER_DIR")]
@@ -851,6 +870,21 @@ impl Args {
             max_message_bytes: self.kv_events_max_message_bytes,
             ..SubscriberConfig::default()
         })
+    }
+
+    /// Replica sync settings, when `--replica-sync` is set; the stream is
+    /// keyed by `pool`.
+    pub fn replica_sync(
+        &self,
+        pool: &str,
+    ) -> Result<Option<crate::replica_sync::SyncConfig>, crate::replica_sync::resp::RespError> {
+        let Some(url) = &self.replica_sync else {
+            return Ok(None);
+        };
+        let mut c = crate::replica_sync::SyncConfig::new(url, pool)?;
+        c.warm_start_timeout = Duration::from_millis(self.replica_sync_warm_start_ms);
+        c.lease = Duration::from_millis(self.replica_sync_lease_ms.max(1));
+        Ok(Some(c))
     }
 
     /// The scheduler settings these flags describe; `session_key` is loaded by the caller.

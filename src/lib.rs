@@ -5,11 +5,12 @@
 //! its module names ([`request`], [`endpoints`], [`kv`], [`sessions`], [`scheduler`],
 //! [`admission`], ...). This crate is the glue: [`extproc`] (Envoy's protocol),
 //! [`discovery`] (Kubernetes or a file), [`kvevents`] and [`scrape`] (the workers),
+//! [`replica_sync`] (routing state shared between replicas through Redis),
 //! [`telemetry`], [`admin`] and [`server`], which wires them together.
 
 pub use kvpick_core::{
-    admission, endpoints, health, identity, keys, kv, multimodal, pipeline, request, scheduler,
-    sessions, time, tokenize,
+    admission, endpoints, health, identity, keys, kv, multimodal, pipeline, replica, request,
+    scheduler, sessions, time, tokenize,
 };
 
 pub mod admin;
@@ -20,6 +21,7 @@ pub mod endpoint_picker_config;
 pub mod extproc;
 pub mod image_fetch;
 pub mod kvevents;
+pub mod replica_sync;
 pub mod scrape;
 pub mod server;
 pub mod telemetry;

@@ -23,6 +23,7 @@ use crate::kvevents::subscriber::{IngestThread, KvEventMetrics, KvEvents, Subscr
 use crate::kvevents::KvEventSink;
 use crate::multimodal::MmRouting;
 use crate::pipeline::Pipeline;
+use crate::replica_sync::ReplicaSync;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::telemetry::{self, Metrics};
 use crate::tls::ServerTls;
@@ -45,6 +46,9 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
+    /// The replica-sync URL is not usable.
+    #[error(transparent)]
+    ReplicaSync(#[from] crate::replica_sync::resp::RespError),
     /// The metrics server failed.
     #[error("metrics server: {0}")]
     Metrics(std::io::Error),
@@ -168,6 +172,17 @@ impl App {
             follow: tokio::spawn(events.follow(Arc::clone(&self.endpoints), every)),
             ingest: Some(ingest),
         }
+    }
+
+    /// Starts replica sync: the scheduler's decisions go to the stream, peers'
+    /// come back from it (see [`crate::replica_sync`]). Stops when dropped.
+    pub fn spawn_replica_sync(&self, config: crate::replica_sync::SyncConfig) -> ReplicaSync {
+        ReplicaSync::start(
+            config,
+            Arc::clone(&self.scheduler),
+            Arc::clone(&self.endpoints),
+            crate::replica_sync::SyncMetrics::register(&self.metrics),
+        )
     }
 
     /// Runs the scheduler's periodic upkeep (session reaping, index expiry,
@@ -495,7 +510,9 @@ pub async fn run_until(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let source = EndpointSource::from_args(&args)?;
-    let mut app = App::with_scheduler(&pool_label(&args), args.scheduler(session_key(&args)?));
+    let pool = pool_label(&args);
+    let mut app = App::with_scheduler(&pool, args.scheduler(session_key(&args)?));
+    let replica_sync = args.replica_sync(&pool)?.map(|c| app.spawn_replica_sync(c));
     let vision = args.vision_prompt();
     let mut image_token = None;
     if let Some(dir) = &args.tokenizer_dir {
@@ -622,7 +639,13 @@ pub async fn run_until(
     // Everything but ext_proc: runs until it fails (never, normally).
     let others = async {
         tokio::select! {
-            r = serve_health_until(health, Arc::clone(&app.endpoints), draining) => r,
+            r = async {
+                // A replica serves health (and so turns Ready) once its warm start is over.
+                if let Some(sync) = &replica_sync {
+                    sync.wait_ready().await;
+                }
+                serve_health_until(health, Arc::clone(&app.endpoints), draining).await
+            } => r,
             r = telemetry::serve_metrics(metrics, Arc::clone(&app.metrics), Arc::clone(&app.endpoints)) => r.map_err(ServeError::Metrics),
             r = discovery => r,
             () = scrape => Ok(()),

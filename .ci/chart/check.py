@@ -168,8 +168,18 @@ def lint(chart_dir: pathlib.Path, values: dict[str, Any], kube: str) -> None:
         raise CheckFailed(f"helm lint --strict: {bad}")
 
 
+def kvpick_deployment(objs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """kvpick's Deployment (not the bundled replica-sync server's)."""
+    return next(
+        o
+        for _, o in objs
+        if o["kind"] == "Deployment"
+        and any(c["name"] == "kvpick" for c in o["spec"]["template"]["spec"]["containers"])
+    )
+
+
 def kvpick_container(objs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    deployment = next(o for _, o in objs if o["kind"] == "Deployment")
+    deployment = kvpick_deployment(objs)
     return next(
         c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "kvpick"
     )
@@ -195,12 +205,12 @@ def check_promises(objs: list[tuple[str, dict[str, Any]]], kvpick: str | None) -
     if "http-metrics" not in {p["name"] for p in container["ports"]}:
         raise CheckFailed("the metrics port must be named http-metrics (GIE's monitors)")
     for _, o in objs:
-        if o["kind"] == "Service":
+        component = o["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+        if o["kind"] == "Service" and component == "endpoint-picker":
             names = {p["name"] for p in o["spec"]["ports"]}
             if "http-metrics" not in names:
                 raise CheckFailed(f"Service ports {sorted(names)} lack http-metrics")
-    deployment = next(o for _, o in objs if o["kind"] == "Deployment")
-    pod = deployment["spec"]["template"]["spec"]
+    pod = kvpick_deployment(objs)["spec"]["template"]["spec"]
     args = container["args"]
     drain = next(int(a.split("=", 1)[1]) for a in args if a.startswith("--drain-timeout-ms="))
     pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
@@ -250,7 +260,7 @@ def check_network_policy(objs: list[tuple[str, dict[str, Any]]], values: dict[st
     if len(policies) != 1:
         raise CheckFailed(f"networkPolicy.enabled renders {len(policies)} NetworkPolicies, not 1")
     policy = policies[0]["spec"]
-    deployment = next(o for _, o in objs if o["kind"] == "Deployment")
+    deployment = kvpick_deployment(objs)
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     selected = policy.get("podSelector", {}).get("matchLabels", {})
     if not selected or any(pod_labels.get(k) != v for k, v in selected.items()):
@@ -340,6 +350,16 @@ MUST_FAIL: list[tuple[str, dict[str, Any] | None, str]] = [
         "istio with the default NetworkPolicy and no gateway namespace",
         {"provider": {"name": "istio"}},
         "networkPolicy.gatewayNamespace is required with provider.name=istio",
+    ),
+    (
+        "replica sync forced on without a server",
+        {"replicaSync": {"enabled": True}},
+        "replicaSync.enabled=true needs a server",
+    ),
+    (
+        "replica sync URL that is not redis://",
+        {"replicaSync": {"url": "nats://sync:4222"}},
+        "/replicaSync/url",
     ),
 ]
 

@@ -8,6 +8,7 @@
 //! - [`endpoints`]: the live table of workers and their load.
 //! - [`kv`]: prefix block hashing and the prefix index.
 //! - [`sessions`]: sticky session bindings.
+//! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
 //! - [`scheduler`]: candidates, costs and the pick.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
@@ -23,6 +24,7 @@ pub mod keys;
 pub mod kv;
 pub mod multimodal;
 pub mod pipeline;
+pub mod replica;
 pub mod request;
 pub mod scheduler;
 pub mod sessions;

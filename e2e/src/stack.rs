@@ -35,6 +35,9 @@ pub enum StackError {
     /// The precise-mode tokenizer could not be loaded.
     #[error(transparent)]
     Tokenizer(#[from] kvpick::tokenize::TokenizeError),
+    /// The replica-sync URL is not usable.
+    #[error(transparent)]
+    ReplicaSync(#[from] kvpick::replica_sync::resp::RespError),
     /// kvpick did not load the expected endpoints in time.
     #[error("kvpick did not pick up {0} endpoints in time")]
     NotSynced(usize),
@@ -137,6 +140,10 @@ pub struct Kvpick {
     tasks: Vec<JoinHandle<()>>,
     /// Precise mode's subscribers and ingest thread.
     events: Option<kvpick::server::KvEventsTask>,
+    /// The replica-sync server URL, if this kvpick is one of several replicas.
+    replica_sync: Option<String>,
+    /// Replica sync's tasks.
+    sync: Option<kvpick::replica_sync::ReplicaSync>,
 }
 
 impl Kvpick {
@@ -159,39 +166,62 @@ impl Kvpick {
         tls: Option<kvpick::tls::ServerTls>,
         precise: Option<Precise>,
     ) -> Result<Kvpick, StackError> {
-        let front = TcpListener::bind(addr).await?;
-        let addr = front.local_addr()?;
-        let (app, tasks, events) =
-            Self::launch(front, &endpoints_file, poll, tls.clone(), precise.as_ref()).await?;
-        Ok(Kvpick {
+        let mut k = Kvpick {
             addr,
             tls,
             precise,
             endpoints_file,
             poll,
-            app,
-            tasks,
-            events,
-        })
+            app: App::new("e2e"),
+            tasks: Vec::new(),
+            events: None,
+            replica_sync: None,
+            sync: None,
+        };
+        k.launch(TcpListener::bind(addr).await?).await?;
+        Ok(k)
     }
 
-    async fn launch(
-        front: TcpListener,
-        endpoints_file: &Path,
+    /// Starts one kvpick replica sharing routing state through the Redis
+    /// server at `sync_url`; returns once its warm start is over (Ready).
+    pub async fn start_replica(
+        endpoints_file: PathBuf,
         poll: Duration,
-        tls: Option<kvpick::tls::ServerTls>,
-        precise: Option<&Precise>,
-    ) -> Result<
-        (
-            App,
-            Vec<JoinHandle<()>>,
-            Option<kvpick::server::KvEventsTask>,
-        ),
-        StackError,
-    > {
+        sync_url: &str,
+    ) -> Result<Kvpick, StackError> {
+        let mut k = Kvpick {
+            addr: ([127, 0, 0, 1], 0).into(),
+            tls: None,
+            precise: None,
+            endpoints_file,
+            poll,
+            app: App::new("e2e"),
+            tasks: Vec::new(),
+            events: None,
+            replica_sync: Some(sync_url.to_string()),
+            sync: None,
+        };
+        k.launch(TcpListener::bind(k.addr).await?).await?;
+        Ok(k)
+    }
+
+    /// Replica sync's state (peers, metrics), when this kvpick is a replica.
+    pub fn replica_sync(&self) -> Option<&kvpick::replica_sync::ReplicaSync> {
+        self.sync.as_ref()
+    }
+
+    /// The routing core.
+    pub fn scheduler(&self) -> &Arc<kvpick::scheduler::Scheduler> {
+        &self.app.scheduler
+    }
+
+    /// Starts a fresh kvpick behind `front` (replacing any state), and with
+    /// replica sync waits for its warm start.
+    async fn launch(&mut self, front: TcpListener) -> Result<(), StackError> {
+        self.addr = front.local_addr()?;
         let mut app = App::new("e2e");
         let mut events = None;
-        if let Some(p) = precise {
+        if let Some(p) = &self.precise {
             let mut tok = kvpick::tokenize::Tokenizer::load(&p.tokenizer_dir)?;
             if let Some(v) = p.vision.clone() {
                 tok = tok.with_vision(v)?;
@@ -208,23 +238,43 @@ impl Kvpick {
                 Duration::from_millis(50),
             ));
         }
+        let sync = match &self.replica_sync {
+            Some(url) => {
+                let mut c = kvpick::replica_sync::SyncConfig::new(url, "e2e")?;
+                c.lease = Duration::from_secs(2);
+                c.report_every = Duration::from_millis(200);
+                c.warm_start_timeout = Duration::from_secs(5);
+                Some(app.spawn_replica_sync(c))
+            }
+            None => None,
+        };
         let inner = TcpListener::bind("127.0.0.1:0").await?;
         let inner_addr = inner.local_addr()?;
         let service = app.ext_proc(ExtProcConfig::default());
+        let tls = self.tls.clone();
         let grpc = tokio::spawn(async move {
             if let Err(e) = kvpick::server::serve_ext_proc(inner, service, tls).await {
                 tracing::error!(error = %e, "kvpick ext_proc server stopped");
             }
         });
         let table = Arc::clone(&app.endpoints);
-        let path = endpoints_file.to_path_buf();
+        let path = self.endpoints_file.clone();
+        let poll = self.poll;
         let discovery = tokio::spawn(async move {
             if let Err(e) = kvpick::discovery::file::watch(path, table, poll).await {
                 tracing::error!(error = %e, "kvpick file discovery stopped");
             }
         });
+        if let Some(s) = &sync {
+            // Ready only after loading the shared state (or the bound).
+            s.wait_ready().await;
+        }
         let proxy = tokio::spawn(tcp_front(front, inner_addr));
-        Ok((app, vec![grpc, discovery, proxy], events))
+        self.app = app;
+        self.tasks = vec![grpc, discovery, proxy];
+        self.events = events;
+        self.sync = sync;
+        Ok(())
     }
 
     /// The ext_proc address the gateway dials.
@@ -279,24 +329,14 @@ impl Kvpick {
         if let Some(events) = self.events.take() {
             events.shutdown().await;
         }
+        self.sync = None;
     }
 
     /// Starts a fresh kvpick (new state) on the same address.
     pub async fn restart(&mut self) -> Result<(), StackError> {
         self.stop().await;
         let front = TcpListener::bind(self.addr).await?;
-        let (app, tasks, events) = Self::launch(
-            front,
-            &self.endpoints_file,
-            self.poll,
-            self.tls.clone(),
-            self.precise.as_ref(),
-        )
-        .await?;
-        self.app = app;
-        self.tasks = tasks;
-        self.events = events;
-        Ok(())
+        self.launch(front).await
     }
 }
 

@@ -104,3 +104,30 @@ app.kubernetes.io/managed-by: envoy-gateway
 {{- end }}
 {{- join "," $pairs }}
 {{- end }}
+
+{{/*
+The replica-sync server URL when sync is on, else empty: on when
+replicaSync.enabled is true, or `auto` with replicaCount > 1 and a server (an
+external url, or the bundled one). `true` without a server fails.
+*/}}
+{{- define "kvpick.replicaSyncUrl" -}}
+{{- $s := .Values.replicaSync -}}
+{{- $server := $s.url -}}
+{{- if and (not $server) $s.bundled.enabled -}}
+{{- $server = printf "redis://%s-sync:6379" (include "kvpick.fullname" .) -}}
+{{- end -}}
+{{- $on := or (eq (toString $s.enabled) "true") (and (eq (toString $s.enabled) "auto") (gt (int .Values.replicaCount) 1)) -}}
+{{- if and $on (not $server) (eq (toString $s.enabled) "true") -}}
+{{- fail "replicaSync.enabled=true needs a server: set replicaSync.url or replicaSync.bundled.enabled=true" -}}
+{{- end -}}
+{{- if $on -}}{{ $server }}{{- end -}}
+{{- end -}}
+
+{{/* Labels on the bundled replica-sync server's objects. */}}
+{{- define "kvpick.syncLabels" -}}
+helm.sh/chart: {{ include "kvpick.chart" . }}
+app.kubernetes.io/name: {{ include "kvpick.name" . }}-sync
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: replica-sync
+{{- end }}

@@ -202,7 +202,8 @@ impl RankLoads {
 /// The load kvpick itself put on one rank, read lock-free by every pick.
 #[derive(Debug, Default)]
 struct RankLoad {
-    /// Requests routed there that have not finished.
+    /// Requests routed there (by this replica or, with replica sync, its
+    /// peers) that have not finished.
     in_flight: AtomicU32,
     /// Blocks those requests booked (prompt and expected output).
     blocks: AtomicU64,
@@ -353,6 +354,24 @@ impl EndpointState {
                     Some(v.saturating_sub(load.blocks))
                 });
             r.uncached.sub(load.uncached, self.pending_count());
+        }
+    }
+
+    /// Counts `n` requests another replica routed to `rank` (see [`crate::replica`]).
+    pub fn add_peer_requests(&self, rank: u32, n: u32) {
+        if let Some(r) = self.ranks.get(rank) {
+            r.in_flight.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Stops counting `n` requests another replica routed to `rank` (never below zero).
+    pub fn sub_peer_requests(&self, rank: u32, n: u32) {
+        if let Some(r) = self.ranks.get(rank) {
+            let _ = r
+                .in_flight
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                    Some(v.saturating_sub(n))
+                });
         }
     }
 

@@ -43,6 +43,9 @@ mod plugins;
 #[cfg(test)]
 mod prop_tests;
 pub mod registry;
+mod replica;
+#[cfg(test)]
+mod replica_tests;
 mod stats;
 pub mod terms;
 #[cfg(test)]
@@ -62,13 +65,14 @@ pub use terms::CostTerms;
 
 use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::endpoints::{ActiveLoad, Snapshot, WorkerKey};
 use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
 use crate::kv::index::{IndexConfig, PrefixIndex};
+use crate::replica::ReplicaSink;
 use crate::request::InferenceRequest;
 use crate::sessions::{SessionConfig, SessionStore};
 
@@ -191,6 +195,8 @@ pub struct Scheduler {
     stats: SchedulerStats,
     /// Tie-breaks drawn so far (with [`SchedulerConfig::tie_break_seed`]).
     tie_breaks: AtomicU64,
+    /// Where decisions' effects go for peer replicas (unset: a single replica).
+    replica: OnceLock<Arc<dyn ReplicaSink>>,
 }
 
 impl Default for Scheduler {
@@ -219,6 +225,7 @@ impl Scheduler {
                 .plugins
                 .clone()
                 .unwrap_or_else(|| Plugins::from_weights(config.weights, config.temperature)),
+            replica: OnceLock::new(),
             config,
         }
     }
@@ -301,6 +308,7 @@ impl Scheduler {
             let prefill = decision.prefill.as_ref().map(Target::key);
             self.sessions
                 .settle(turn, decision.decode.key(), prefill, status, now);
+            self.share_settle(turn, decision.decode.key(), prefill, status);
         }
     }
 
@@ -309,7 +317,7 @@ impl Scheduler {
     /// the rest stays booked until it finishes. Only the first call releases.
     pub fn prefill_done(&self, decision: &Decision) {
         if decision.prefilled.mark() {
-            self.release(decision, |l| ActiveLoad { blocks: 0, ..l });
+            self.release(decision, |l| ActiveLoad { blocks: 0, ..l }, false);
         }
     }
 
@@ -318,18 +326,27 @@ impl Scheduler {
     /// already did); its session turn is neither settled nor bound.
     pub fn cancel(&self, decision: &Decision) {
         let pending = decision.prefilled.mark();
-        self.release(decision, |l| ActiveLoad {
-            uncached: if pending { l.uncached } else { 0 },
-            ..l
-        });
+        self.release(
+            decision,
+            |l| ActiveLoad {
+                uncached: if pending { l.uncached } else { 0 },
+                ..l
+            },
+            true,
+        );
     }
 
-    /// Releases `part` of the load the decision booked on each of its ranks.
-    fn release(&self, decision: &Decision, part: impl Fn(ActiveLoad) -> ActiveLoad) {
+    /// Releases `part` of the load the decision booked on each of its ranks
+    /// (`last`: the request is over, it leaves the decode rank's in-flight count).
+    fn release(&self, decision: &Decision, part: impl Fn(ActiveLoad) -> ActiveLoad, last: bool) {
         let d = &decision.decode;
-        d.state.release(d.rank, part(decision.decode_load()));
+        let decode = part(decision.decode_load());
+        d.state.release(d.rank, decode);
+        self.share_release(d.key(), decode, u32::from(last));
         if let Some(p) = &decision.prefill {
-            p.state.release(p.rank, part(decision.prefill_load()));
+            let prefill = part(decision.prefill_load());
+            p.state.release(p.rank, prefill);
+            self.share_release(p.key(), prefill, 0);
         }
     }
 

@@ -152,6 +152,7 @@ impl Scheduler {
                 self.record(&p, hashes, decision.prefill_load(), now);
             }
         }
+        self.share_decision(&decision, hashes);
         Ok(decision)
     }
 

@@ -1,0 +1,138 @@
+//! The scheduler's side of replica sync ([`crate::replica`]): each decision's
+//! effects go to the sink as they happen here, and peers' deltas are applied
+//! as if this replica had made them, off the request path.
+//!
+//! Without a sink nothing is built: the hot path's cost is one unset check.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Decision, Scheduler};
+use crate::endpoints::{ActiveLoad, Snapshot, WorkerKey};
+use crate::replica::{Delta, PeerLoads, ReplicaId, ReplicaSink};
+use crate::request::SessionAction;
+use crate::sessions::SessionTurn;
+
+impl Scheduler {
+    /// Sends every decision's effects to `sink` from now on; false if a sink
+    /// was already set.
+    pub fn set_replica_sink(&self, sink: Arc<dyn ReplicaSink>) -> bool {
+        self.replica.set(sink).is_ok()
+    }
+
+    /// A decision was booked: its prompt and load on each of its ranks.
+    pub(super) fn share_decision(&self, decision: &Decision, hashes: &[u64]) {
+        let Some(sink) = self.replica.get() else {
+            return;
+        };
+        let d = &decision.decode;
+        if !hashes.is_empty() {
+            sink.push(Delta::Prompt {
+                worker: d.key(),
+                hashes: hashes.to_vec(),
+            });
+        }
+        sink.push(Delta::Book {
+            worker: d.key(),
+            load: decision.decode_load(),
+            requests: 1,
+        });
+        if let Some(p) = &decision.prefill {
+            if !hashes.is_empty() {
+                sink.push(Delta::Prompt {
+                    worker: p.key(),
+                    hashes: hashes.to_vec(),
+                });
+            }
+            sink.push(Delta::Book {
+                worker: p.key(),
+                load: decision.prefill_load(),
+                requests: 0,
+            });
+        }
+    }
+
+    /// Load was released on `worker`.
+    pub(super) fn share_release(&self, worker: WorkerKey, load: ActiveLoad, requests: u32) {
+        if let Some(sink) = self.replica.get() {
+            if load != ActiveLoad::default() || requests > 0 {
+                sink.push(Delta::Release {
+                    worker,
+                    load,
+                    requests,
+                });
+            }
+        }
+    }
+
+    /// A session turn settled as [`crate::sessions::SessionStore::settle`] did.
+    pub(super) fn share_settle(
+        &self,
+        turn: &SessionTurn,
+        decode: WorkerKey,
+        prefill: Option<WorkerKey>,
+        status: Option<u16>,
+    ) {
+        let Some(sink) = self.replica.get() else {
+            return;
+        };
+        if turn.action == Some(SessionAction::Close) {
+            sink.push(Delta::Unbind {
+                session: turn.id.clone(),
+            });
+        } else if status.is_some_and(|c| (200..300).contains(&c)) {
+            sink.push(Delta::Bind {
+                session: turn.id.clone(),
+                decode,
+                prefill,
+                timeout: turn.timeout,
+            });
+        }
+    }
+
+    /// Applies a peer's delta: its prompts become index entries here, its
+    /// bookings load (kept per peer in `peers`), its sessions bindings.
+    /// `bookings: false` applies prompts and sessions only (a warm start
+    /// replaying deltas older than a lease). Emits nothing.
+    pub fn apply_peer(
+        &self,
+        from: ReplicaId,
+        delta: Delta,
+        peers: &PeerLoads,
+        snapshot: &Snapshot,
+        bookings: bool,
+        now: Instant,
+    ) {
+        match delta {
+            Delta::Prompt { worker, hashes } => {
+                let limit = self.config.max_prefix_blocks;
+                self.record_prompt(worker, &hashes[..hashes.len().min(limit)], now);
+            }
+            Delta::Book {
+                worker,
+                load,
+                requests,
+            } if bookings && peers.heard(from, now) => {
+                peers.book(from, snapshot, worker, load, requests)
+            }
+            Delta::Release {
+                worker,
+                load,
+                requests,
+            } if bookings && peers.heard(from, now) => peers.release(from, worker, load, requests),
+            Delta::Loads(loads) if bookings && peers.heard(from, now) => {
+                peers.replace(from, snapshot, &loads)
+            }
+            Delta::Bind {
+                session,
+                decode,
+                prefill,
+                timeout,
+            } => self.sessions.bind(&session, decode, prefill, timeout, now),
+            Delta::Unbind { session } => {
+                self.sessions.unbind(&session);
+            }
+            Delta::Book { .. } | Delta::Release { .. } | Delta::Loads(_) => {}
+        }
+    }
+}
