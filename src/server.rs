@@ -371,7 +371,8 @@ pub enum EndpointSource {
 }
 
 impl EndpointSource {
-    /// The source `args` select: an endpoints file wins, then a pool, then a selector.
+    /// The source `args` select: an endpoints file, a pool or a selector (the
+    /// flags allow one; see [`Args`]).
     pub fn from_args(args: &Args) -> Result<EndpointSource, ServeError> {
         if let Some(path) = &args.endpoints_file {
             return Ok(EndpointSource::File(path.clone()));
@@ -747,9 +748,18 @@ mod tests {
     #[test]
     fn flags_choose_the_endpoint_source() {
         assert!(matches!(
-            source(&["kvpick", "--endpoints-file", "e.yaml", "--pool-name", "p"]),
+            source(&["kvpick", "--endpoints-file", "e.yaml"]),
             Ok(EndpointSource::File(_))
         ));
+        // Two sources are refused, not resolved by precedence.
+        for two in [
+            &["--endpoints-file", "e.yaml", "--pool-name", "p"],
+            &["--pool-name", "p", "--endpoint-selector", "app=x"],
+        ] {
+            let argv = std::iter::once("kvpick").chain(two.iter().copied());
+            let err = Args::try_parse_from(argv).unwrap_err();
+            assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+        }
         match source(&["kvpick", "--pool-name", "p", "--pool-namespace", "team"]).unwrap() {
             EndpointSource::Kube { namespace, source } => {
                 assert_eq!(namespace, "team");
