@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{ArgAction, Args as ClapArgs, Parser, Subcommand};
+use clap::{ArgAction, ArgGroup, Args as ClapArgs, Parser, Subcommand};
 
 use crate::endpoint_picker_config::{EndpointPickerConfigError, Mapping};
 use crate::extproc::ExtProcConfig;
@@ -16,8 +16,12 @@ use crate::scheduler::{SchedulerConfig, Weights};
 use crate::telemetry::LogFormat;
 
 /// kvpick: a KV-cache-aware endpoint picker for the Gateway API Inference Extension.
+///
+/// The endpoint sources (`--endpoints-file`, `--pool-name`, `--endpoint-selector`)
+/// exclude each other: passing two is an error, not a silent choice.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "kvpick", version, about)]
+#[command(group(ArgGroup::new("endpoint_source").args(["endpoints_file", "pool_name", "endpoint_selector"])))]
 pub struct Args {
     /// A subcommand instead of serving.
     #[command(subcommand)]

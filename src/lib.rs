@@ -9,8 +9,8 @@
 //! [`telemetry`], [`admin`] and [`server`], which wires them together.
 
 pub use kvpick_core::{
-    admission, endpoints, health, identity, keys, kv, multimodal, pipeline, replica, request,
-    scheduler, sessions, time, tokenize,
+    admission, endpoints, error_chain, health, identity, keys, kv, multimodal, pipeline, replica,
+    request, scheduler, sessions, time, tokenize,
 };
 
 pub mod admin;

@@ -33,6 +33,7 @@ use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
 use crate::endpoints::{EndpointState, EndpointTable, Engine, ScrapedLoad};
+use crate::error_chain::ErrorChain;
 
 /// Largest metrics page read, in bytes.
 const MAX_PAGE_BYTES: usize = 8 << 20;
@@ -401,7 +402,7 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>, errors: Arc<Sc
         tick.tick().await;
         while let Some(done) = scrapes.try_join_next() {
             if let Err(e) = done {
-                warn!(error = %e, "a metrics scrape task failed");
+                warn!(error = %ErrorChain(&e), "a metrics scrape task failed");
             }
         }
         let snapshot = table.snapshot();
@@ -449,9 +450,9 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>, errors: Arc<Sc
                         errors.record(e.reason());
                         state.set_scrape_failed(std::time::Instant::now());
                         if !track.failing {
-                            warn!(endpoint = %addr, error = %e, "metrics scrape failed");
+                            warn!(endpoint = %addr, error = %ErrorChain(&e), "metrics scrape failed");
                         } else {
-                            debug!(endpoint = %addr, error = %e, "metrics scrape failed");
+                            debug!(endpoint = %addr, error = %ErrorChain(&e), "metrics scrape failed");
                         }
                         track.failing = true;
                     }

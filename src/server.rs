@@ -18,6 +18,7 @@ use crate::admission_metrics::AdmissionMetrics;
 use crate::config::Args;
 use crate::discovery;
 use crate::endpoints::EndpointTable;
+use crate::error_chain::ErrorChain;
 use crate::extproc::{ExtProcService, Shared};
 use crate::kvevents::subscriber::{IngestThread, KvEventMetrics, KvEvents, SubscriberConfig};
 use crate::kvevents::KvEventSink;
@@ -33,7 +34,7 @@ use crate::tokenize::{TokenizeError, Tokenizer, TokenizerPool};
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     /// A listener could not bind.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         /// The address.
         addr: SocketAddr,
@@ -44,31 +45,31 @@ pub enum ServeError {
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
     /// The gRPC server failed.
-    #[error("gRPC server: {0}")]
+    #[error("gRPC server failed")]
     Grpc(#[from] tonic::transport::Error),
     /// The replica-sync URL is not usable.
     #[error(transparent)]
     ReplicaSync(#[from] crate::replica_sync::resp::RespError),
     /// The metrics server failed.
-    #[error("metrics server: {0}")]
-    Metrics(std::io::Error),
+    #[error("metrics server failed")]
+    Metrics(#[source] std::io::Error),
     /// Kubernetes discovery was misconfigured or stopped.
-    #[error("discovery: {0}")]
+    #[error("Kubernetes discovery failed")]
     Kube(#[from] crate::discovery::kube::KubeError),
     /// The endpoints file could not be watched.
-    #[error("discovery: {0}")]
+    #[error("file discovery failed")]
     File(#[from] crate::discovery::file::FileError),
     /// The kubeconfig file could not be read or used.
-    #[error("Kubernetes client: {0}")]
+    #[error("cannot use the kubeconfig")]
     Kubeconfig(#[from] kube::config::KubeconfigError),
     /// No in-cluster or local Kubernetes configuration was found.
-    #[error("Kubernetes client: {0}")]
+    #[error("no Kubernetes configuration found")]
     InferConfig(#[from] kube::config::InferConfigError),
     /// The Kubernetes client could not be built from its configuration.
-    #[error("Kubernetes client: {0}")]
+    #[error("cannot build the Kubernetes client")]
     KubeClient(#[from] kube::Error),
     /// The session key file could not be read.
-    #[error("session key file {path}: {source}")]
+    #[error("cannot read session key file {path}")]
     SessionKey {
         /// The file.
         path: std::path::PathBuf,
@@ -76,10 +77,10 @@ pub enum ServeError {
         source: std::io::Error,
     },
     /// The tokenizer directory could not be loaded.
-    #[error("tokenizer: {0}")]
+    #[error("cannot load the tokenizer")]
     Tokenizer(#[from] TokenizeError),
     /// The remote image fetcher could not be set up.
-    #[error("image fetch: {0}")]
+    #[error("cannot set up image fetching")]
     ImageFetch(#[from] crate::image_fetch::ImageFetchSetupError),
     /// `--inference-objectives` is malformed.
     #[error(transparent)]
@@ -296,7 +297,7 @@ pub async fn shutdown_signal() {
                 s.recv().await;
             }
             Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                tracing::error!(error = %ErrorChain(&e), "cannot listen for SIGTERM");
                 std::future::pending::<()>().await
             }
         }
@@ -306,7 +307,7 @@ pub async fn shutdown_signal() {
         r = tokio::signal::ctrl_c() => match r {
             Ok(()) => info!("SIGINT received"),
             Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGINT");
+                tracing::error!(error = %ErrorChain(&e), "cannot listen for SIGINT");
                 std::future::pending::<()>().await
             }
         },
@@ -385,7 +386,8 @@ pub enum EndpointSource {
 }
 
 impl EndpointSource {
-    /// The source `args` select: an endpoints file wins, then a pool, then a selector.
+    /// The source `args` select: an endpoints file, a pool or a selector (the
+    /// flags allow one; see [`Args`]).
     pub fn from_args(args: &Args) -> Result<EndpointSource, ServeError> {
         if let Some(path) = &args.endpoints_file {
             return Ok(EndpointSource::File(path.clone()));
@@ -736,6 +738,32 @@ mod tests {
     use super::*;
     use clap::Parser;
 
+    #[test]
+    fn a_stop_error_prints_each_cause_once() {
+        let io = || std::io::Error::other("address in use");
+        let chain = |e: &ServeError| ErrorChain(e).to_string();
+        assert_eq!(
+            chain(&ServeError::Metrics(io())),
+            "metrics server failed: address in use"
+        );
+        let bind = ServeError::Bind {
+            addr: "0.0.0.0:9002".parse().unwrap(),
+            source: io(),
+        };
+        assert_eq!(
+            chain(&bind),
+            "cannot listen on 0.0.0.0:9002: address in use"
+        );
+        let tokenizer = ServeError::Tokenizer(TokenizeError::Io {
+            path: "tokenizer.json".into(),
+            source: io(),
+        });
+        assert_eq!(
+            chain(&tokenizer),
+            "cannot load the tokenizer: cannot read tokenizer.json: address in use"
+        );
+    }
+
     fn source(argv: &[&str]) -> Result<EndpointSource, ServeError> {
         EndpointSource::from_args(&Args::try_parse_from(argv).unwrap())
     }
@@ -743,9 +771,18 @@ mod tests {
     #[test]
     fn flags_choose_the_endpoint_source() {
         assert!(matches!(
-            source(&["kvpick", "--endpoints-file", "e.yaml", "--pool-name", "p"]),
+            source(&["kvpick", "--endpoints-file", "e.yaml"]),
             Ok(EndpointSource::File(_))
         ));
+        // Two sources are refused, not resolved by precedence.
+        for two in [
+            &["--endpoints-file", "e.yaml", "--pool-name", "p"],
+            &["--pool-name", "p", "--endpoint-selector", "app=x"],
+        ] {
+            let argv = std::iter::once("kvpick").chain(two.iter().copied());
+            let err = Args::try_parse_from(argv).unwrap_err();
+            assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+        }
         match source(&["kvpick", "--pool-name", "p", "--pool-namespace", "team"]).unwrap() {
             EndpointSource::Kube { namespace, source } => {
                 assert_eq!(namespace, "team");

@@ -30,6 +30,8 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn};
 
+use crate::error_chain::ErrorChain;
+
 /// Why TLS could not be set up, or why changed files were not taken.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -201,7 +203,7 @@ impl ServerTls {
         let read = source.read();
         let digest = match &read {
             Ok(contents) => contents.digest(),
-            Err(e) => Sha256::digest(error_chain(e)).into(),
+            Err(e) => Sha256::digest(ErrorChain(e).to_string()).into(),
         };
         if !source.set_seen(digest) {
             return;
@@ -215,7 +217,7 @@ impl ServerTls {
             Err(e) => {
                 self.stats.rejected.fetch_add(1, Ordering::Relaxed);
                 warn!(
-                    error = %error_chain(&e),
+                    error = %ErrorChain(&e),
                     "ext_proc TLS files changed but are not usable; keeping the current certificate"
                 );
             }
@@ -241,7 +243,7 @@ impl ServerTls {
                             handshakes.spawn(tls.handshake(tcp));
                         }
                         Err(e) => {
-                            debug!(error = %e, "ext_proc accept failed");
+                            debug!(error = %ErrorChain(&e), "ext_proc accept failed");
                             tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
                         }
                     },
@@ -266,7 +268,7 @@ impl ServerTls {
             match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
                 Ok(Ok(stream)) => Some(stream),
                 Ok(Err(e)) => {
-                    debug!(error = %e, "ext_proc TLS handshake failed");
+                    debug!(error = %ErrorChain(&e), "ext_proc TLS handshake failed");
                     None
                 }
                 Err(_) => {
@@ -456,18 +458,6 @@ fn server_config(
         })?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
-}
-
-/// `e` and its sources, for one log line.
-fn error_chain(e: &TlsError) -> String {
-    let mut out = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 #[cfg(test)]

@@ -782,8 +782,8 @@ fn chat_template_renders_like_transformers() {
     let bad = serde_json::json!({"model": "m", "messages": [{"role": "robot", "content": "hi"}]});
     let err = tok
         .tokenize_request(&parsed(ApiKind::Chat, &bad))
-        .unwrap_err()
-        .to_string();
+        .unwrap_err();
+    let err = kvpick::error_chain::ErrorChain(&err).to_string();
     assert!(err.contains("unknown role: robot"), "{err}");
 }
 

@@ -14,10 +14,11 @@
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
 //!   body it is forwarded with.
-//! - [`health`], [`identity`], [`keys`], [`time`]: small shared pieces.
+//! - [`health`], [`identity`], [`keys`], [`time`], [`error_chain`]: small shared pieces.
 
 pub mod admission;
 pub mod endpoints;
+pub mod error_chain;
 pub mod health;
 pub mod identity;
 pub mod keys;

@@ -49,7 +49,7 @@ use crate::request::{
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
     /// A file could not be read.
-    #[error("reading {path}: {source}")]
+    #[error("cannot read {path}")]
     Io {
         /// The file.
         path: String,
@@ -57,13 +57,13 @@ pub enum TokenizeError {
         source: std::io::Error,
     },
     /// `tokenizer.json` is not a tokenizer the `tokenizers` crate can load.
-    #[error("loading tokenizer.json: {0}")]
+    #[error("cannot load tokenizer.json")]
     Load(#[source] tokenizers::Error),
     /// `tokenizer_config.json` is not valid JSON.
-    #[error("tokenizer_config.json: {0}")]
+    #[error("tokenizer_config.json is not valid JSON")]
     Config(#[source] serde_json::Error),
     /// The chat template does not compile or failed to render.
-    #[error("chat template: {0}")]
+    #[error("chat template failed")]
     Template(#[source] minijinja::Error),
     /// A chat request arrived but the model has no chat template.
     #[error("the model directory has no chat template")]
@@ -81,19 +81,19 @@ pub enum TokenizeError {
     #[error("the request was parsed without its template input")]
     NoTemplateInput,
     /// Encoding failed.
-    #[error("encoding: {0}")]
+    #[error("encoding failed")]
     Encode(#[source] tokenizers::Error),
     /// The vision model's image token is not a single token id, or encodes to none.
     #[error("vision: image token {0:?} is not one token")]
     ImageToken(String),
     /// A prompt's image tokens do not pair with its images.
-    #[error("vision: {0}")]
+    #[error("vision: the prompt's image tokens do not pair with its images")]
     ImagePairing(#[source] ExpandError),
     /// The tokenizer's task pool is closed (the process is shutting down).
-    #[error("tokenization pool closed: {0}")]
+    #[error("tokenization pool closed")]
     Closed(#[source] tokio::sync::AcquireError),
     /// The blocking tokenization task panicked or was cancelled.
-    #[error("tokenization task failed: {0}")]
+    #[error("tokenization task failed")]
     Task(#[source] tokio::task::JoinError),
 }
 

@@ -21,12 +21,13 @@ use serde::Deserialize;
 use tracing::{info, warn};
 
 use crate::endpoints::{Endpoint, EndpointTable, Engine, Role, MAX_DP_SIZE};
+use crate::error_chain::ErrorChain;
 
 /// Why an endpoints file could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
     /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Read {
         /// The file.
         path: PathBuf,
@@ -138,7 +139,7 @@ pub async fn watch(
                 table.replace(eps);
             }
             Err(e) => {
-                warn!(error = %e, "endpoints file changed but is invalid; keeping the last set")
+                warn!(error = %ErrorChain(&e), "endpoints file changed but is invalid; keeping the last set")
             }
         }
     }

@@ -32,6 +32,7 @@ use super::pool::{
     InferencePool, InferencePoolV1Alpha2, PoolShape, PoolTarget, GROUP_V1, GROUP_V1ALPHA2,
 };
 use crate::endpoints::{Endpoint, EndpointTable};
+use crate::error_chain::ErrorChain;
 
 /// Why Kubernetes discovery could not start.
 #[derive(Debug, thiserror::Error)]
@@ -286,7 +287,7 @@ pub async fn run(
                 }
             }
             Err(e) => {
-                warn!(error = %e, "Kubernetes watch failed; serving the last known endpoints and retrying")
+                warn!(error = %ErrorChain(&e), "Kubernetes watch failed; serving the last known endpoints and retrying")
             }
         }
     }

@@ -25,6 +25,7 @@ use tracing::{debug, info, warn};
 
 use super::pool::GROUP_V1;
 use crate::admission::Objectives;
+use crate::error_chain::ErrorChain;
 
 /// API group of the llm-d Router's InferenceObjective.
 pub const GROUP_LLMD: &str = "llm-d.ai";
@@ -256,7 +257,7 @@ pub async fn run(
             Err(e) => {
                 // A missing CRD fails every retry: say so once per failure streak.
                 if !failing.insert(group, true).unwrap_or(false) {
-                    warn!(?group, error = %e, "InferenceObjective watch failed; retrying");
+                    warn!(?group, error = %ErrorChain(&e), "InferenceObjective watch failed; retrying");
                 }
             }
         }

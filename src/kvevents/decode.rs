@@ -30,7 +30,7 @@ pub enum DecodeError {
     #[error("sequence frame must be 8 bytes, got {0}")]
     SeqLength(usize),
     /// The payload is not valid msgpack.
-    #[error("payload is not msgpack: {0}")]
+    #[error("payload is not msgpack")]
     Msgpack(#[source] rmpv::decode::Error),
     /// The payload is msgpack but not an event batch.
     #[error("malformed event batch: {0}")]

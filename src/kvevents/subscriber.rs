@@ -42,6 +42,7 @@ use super::decode::{decode_batch, decode_seq, parse_topic};
 use super::zmtp::{Connection, Limits, ZmtpError};
 use super::{ApplyStats, Ingest, KvEventSink, SeqCheck, SeqTracker};
 use crate::endpoints::{EndpointTable, Engine, WorkerKey};
+use crate::error_chain::ErrorChain;
 use crate::telemetry::Metrics;
 
 /// Subscriber settings.
@@ -315,7 +316,7 @@ fn ingest_loop(
                     Ok(b) => b,
                     Err(e) => {
                         metrics.decode_errors.inc();
-                        debug!(%worker, error = %e, "undecodable KV event batch");
+                        debug!(%worker, error = %ErrorChain(&e), "undecodable KV event batch");
                         // The batch's effect is unknown: start over for this worker.
                         ingest.reset(worker);
                         metrics.reset(worker, ResetReason::Gap);
@@ -568,7 +569,7 @@ async fn run_subscriber(
         match follow_stream(&target, &config, &tx, &metrics).await {
             Ok(()) => delay = config.retry_delay,
             Err(e) => {
-                debug!(worker = %target.worker, port = target.port, error = %e, "KV event stream unavailable")
+                debug!(worker = %target.worker, port = target.port, error = %ErrorChain(&e), "KV event stream unavailable")
             }
         }
         if tx.is_closed() {
@@ -610,9 +611,9 @@ async fn follow_stream(
             Err(e) => {
                 if !matches!(e, ZmtpError::Io(_)) {
                     metrics.decode_errors.inc();
-                    warn!(%worker, error = %e, "KV event stream dropped");
+                    warn!(%worker, error = %ErrorChain(&e), "KV event stream dropped");
                 } else {
-                    debug!(%worker, error = %e, "KV event stream ended");
+                    debug!(%worker, error = %ErrorChain(&e), "KV event stream ended");
                 }
                 break;
             }
@@ -636,7 +637,7 @@ async fn follow_stream(
                     Some(port) => replay(target.host, port, from, to, config)
                         .await
                         .unwrap_or_else(|e| {
-                            debug!(%worker, error = %e, "KV event replay failed");
+                            debug!(%worker, error = %ErrorChain(&e), "KV event replay failed");
                             Vec::new()
                         }),
                     None => Vec::new(),

@@ -32,6 +32,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::endpoints::EndpointTable;
+use crate::error_chain::ErrorChain;
 use crate::replica::{Delta, PeerLoads, ReplicaId, ReplicaSink};
 use crate::scheduler::Scheduler;
 use crate::telemetry::Metrics;
@@ -290,7 +291,7 @@ async fn connect(config: &SyncConfig, metrics: &SyncMetrics, first: &mut bool) -
             }
             Err(e) => {
                 metrics.errors.inc();
-                tracing::debug!(error = %e, "replica sync cannot connect");
+                tracing::debug!(error = %ErrorChain(&e), "replica sync cannot connect");
             }
         }
         tokio::time::sleep(backoff).await;
@@ -341,7 +342,7 @@ async fn publish(
             Err(e) => {
                 metrics.errors.inc();
                 metrics.dropped.inc_by(batch.len() as u64);
-                tracing::warn!(error = %e, "replica sync publish failed; routing on local state");
+                tracing::warn!(error = %ErrorChain(&e), "replica sync publish failed; routing on local state");
                 conn = None;
             }
         }
@@ -413,7 +414,7 @@ impl Applier {
             }
             Err(e) => {
                 self.metrics.decode_errors.inc();
-                tracing::debug!(error = %e, "replica sync entry skipped");
+                tracing::debug!(error = %ErrorChain(&e), "replica sync entry skipped");
             }
         }
         Ok(id)
@@ -476,7 +477,7 @@ async fn subscribe(
             Ok(e) => e,
             Err(e) => {
                 applier.metrics.errors.inc();
-                tracing::warn!(error = %e, "replica sync read failed; routing on local state");
+                tracing::warn!(error = %ErrorChain(&e), "replica sync read failed; routing on local state");
                 conn = None;
                 continue;
             }
@@ -490,7 +491,7 @@ async fn subscribe(
                 Ok(id) => last = Some(id),
                 Err(e) => {
                     applier.metrics.decode_errors.inc();
-                    tracing::debug!(error = %e, "replica sync entry skipped");
+                    tracing::debug!(error = %ErrorChain(&e), "replica sync entry skipped");
                 }
             }
         }
@@ -540,7 +541,7 @@ async fn warm_start(
                 Ok(e) => e,
                 Err(e) => {
                     applier.metrics.errors.inc();
-                    tracing::warn!(error = %e, "replica sync warm start read failed; retrying");
+                    tracing::warn!(error = %ErrorChain(&e), "replica sync warm start read failed; retrying");
                     conn = connect(config, &applier.metrics, first).await;
                     continue;
                 }

@@ -124,7 +124,7 @@ pub enum DataUrlError {
     #[error("data: URL has no ',' before its data")]
     NoComma,
     /// The base64 payload does not decode.
-    #[error("data: URL base64 payload: {0}")]
+    #[error("data: URL base64 payload does not decode")]
     Base64(#[source] base64::DecodeError),
 }
 

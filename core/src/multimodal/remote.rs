@@ -28,6 +28,7 @@ use tokio::sync::Semaphore;
 
 use super::dims::{image_size, ImageSize};
 use super::identity::{self, ImageIdentity};
+use crate::error_chain::ErrorChain;
 
 /// Longest URL fetched; longer ones keep their URL identity.
 pub const MAX_URL_BYTES: usize = 2048;
@@ -54,7 +55,7 @@ pub enum Refusal {
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
     /// The policy forbids fetching this URL.
-    #[error("refused: {0}")]
+    #[error("fetch refused")]
     Refused(#[source] Refusal),
     /// The image is larger than the fetcher's cap.
     #[error("image larger than {limit} bytes")]
@@ -344,7 +345,7 @@ impl RemoteImages {
         match tokio::time::timeout(self.limits.timeout, fetch).await {
             Err(_) => (FetchOutcome::Timeout, None),
             Ok(Err(e)) => {
-                tracing::debug!(url, error = %e, "image fetch failed: URL identity");
+                tracing::debug!(url, error = %ErrorChain(&e), "image fetch failed: URL identity");
                 (FetchOutcome::of(&e), None)
             }
             Ok(Ok(bytes)) => match image_size(&bytes) {

@@ -7,6 +7,7 @@
 use tracing::debug;
 
 use crate::admission::RequestSignals;
+use crate::error_chain::ErrorChain;
 use crate::multimodal::hints;
 use crate::multimodal::identity::identify;
 use crate::multimodal::remote::KnownImages;
@@ -110,7 +111,9 @@ impl Prepared {
         }
         match tokens {
             Ok(segments) => self.request.segments = segments,
-            Err(e) => debug!(error = %e, "tokenization failed: routing on text blocks"),
+            Err(e) => {
+                debug!(error = %ErrorChain(&e), "tokenization failed: routing on text blocks")
+            }
         }
     }
 
