@@ -34,21 +34,15 @@ mod cost;
 mod decision;
 mod explain;
 pub mod filters;
-#[cfg(test)]
-mod health_tests;
 mod overlap;
 mod pick;
 pub mod pickers;
 mod plugins;
-#[cfg(test)]
-mod prop_tests;
 pub mod registry;
 mod stats;
 pub mod terms;
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod wait_tests;
 
 pub use candidates::Side;
 pub use cost::{PendingWait, Weights};

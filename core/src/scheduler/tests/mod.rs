@@ -9,6 +9,11 @@ use super::*;
 use crate::endpoints::ActiveLoad;
 use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
 
+mod health;
+mod plugins;
+mod prop;
+mod wait;
+
 fn table(specs: &[(&str, u32, Role)]) -> EndpointTable {
     let t = EndpointTable::new();
     t.replace(

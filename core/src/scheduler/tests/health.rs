@@ -3,9 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::cost::pick_index;
-use super::*;
 use crate::endpoints::{Endpoint, EndpointTable, ScrapedLoad};
+use crate::scheduler::cost::pick_index;
+use crate::scheduler::*;
 
 /// A snapshot of two endpoints, 10.0.0.1:80 and 10.0.0.2:80.
 fn two() -> Arc<Snapshot> {
