@@ -15,6 +15,8 @@
 
 pub mod admission;
 pub mod endpoints;
+#[cfg(any(test, feature = "fixtures"))]
+pub mod fixtures;
 pub mod health;
 pub mod identity;
 pub mod keys;
