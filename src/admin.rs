@@ -18,7 +18,8 @@ use std::time::Instant;
 use tonic::codegen::{http, BoxFuture, Service, StdError};
 
 use crate::endpoints::EndpointTable;
-use crate::request::{self, ApiKind, Segment};
+use crate::pipeline::{Pipeline, RequestHead};
+use crate::request::ApiKind;
 use crate::scheduler::{Explanation, PickRequest, Scheduler};
 use crate::tokenize::TokenizerPool;
 
@@ -109,22 +110,23 @@ pub const EXPLAIN_PATH: &str = "/kvpick.admin.v1.Admin/Explain";
 pub struct Admin {
     scheduler: Arc<Scheduler>,
     endpoints: Arc<EndpointTable>,
-    tokenizer: Option<TokenizerPool>,
+    pipeline: Pipeline,
 }
 
 impl Admin {
     /// The service over the routing state (and the tokenizer, so precise-mode
-    /// requests are hashed as the ext_proc path hashes them, remote images
+    /// requests are prepared as the ext_proc path prepares them, remote images
     /// fetched when it fetches them).
     pub fn new(
         scheduler: Arc<Scheduler>,
         endpoints: Arc<EndpointTable>,
         tokenizer: Option<TokenizerPool>,
     ) -> Self {
+        let pipeline = Pipeline::new(scheduler.config().prompt_token_limit(), tokenizer);
         Admin {
             scheduler,
             endpoints,
-            tokenizer,
+            pipeline,
         }
     }
 
@@ -135,37 +137,21 @@ impl Admin {
 
     /// Answers one `Explain`.
     pub async fn explain(&self, req: ExplainRequest) -> Result<ExplainResponse, tonic::Status> {
-        let kind = ApiKind::from_path(&req.path);
-        let limit = self.scheduler.config().prompt_token_limit();
-        let options = request::ParseOptions {
-            token_limit: limit,
-            template: self.tokenizer.is_some(),
+        let head = RequestHead {
+            kind: ApiKind::from_path(&req.path),
+            path: req.path,
+            ..Default::default()
         };
-        let mut parsed = request::parse_with(&req.body, kind, options)
+        let mut prepared = self
+            .pipeline
+            .prepare(req.body, &head)
             .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
-        let has_text = parsed
-            .segments
-            .iter()
-            .any(|s| matches!(s, Segment::Text(_)));
-        let input = parsed.template.take();
-        if let (Some(pool), Some(input), true) = (&self.tokenizer, input, has_text) {
-            // As the ext_proc path: remote images are fetched when `--mm-fetch` is on.
-            let urls: Vec<String> = parsed
-                .segments
-                .iter()
-                .filter_map(|s| match s {
-                    Segment::Image(u) => Some(u.clone()),
-                    _ => None,
-                })
-                .collect();
-            let (tokens, _) = pool.tokenize_fetching(input, &urls).await;
-            if let Ok(tokens) = tokens {
-                parsed.segments = tokens;
-            }
+        if let Some(job) = prepared.take_tokenize_job() {
+            prepared.tokenized(job.run().await);
         }
         let snapshot = self.endpoints.snapshot();
         let pick = PickRequest {
-            body: Some(&parsed),
+            body: Some(&prepared.request),
             subset: (!req.subset.is_empty()).then_some(req.subset.as_slice()),
             session_id: (!req.session_id.is_empty()).then_some(req.session_id.as_str()),
             session_token: None,
@@ -323,6 +309,7 @@ pub async fn call_explain(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request;
     use prost::Message;
 
     /// `(field number, wire type)` of each field of `message` in the `.proto`.
