@@ -336,13 +336,12 @@ fn profile_plugins(
                 }
             }
             Some(Built::Filter(f)) => filters.push(Arc::clone(f)),
-            Some(Built::Picker(p)) => {
-                if picker.replace(Arc::clone(p)).is_some() {
-                    return Err(EndpointPickerConfigError::Pickers {
-                        profile: profile.name.clone(),
-                    });
-                }
+            Some(Built::Picker(_)) if picker.is_some() => {
+                return Err(EndpointPickerConfigError::Pickers {
+                    profile: profile.name.clone(),
+                });
             }
+            Some(Built::Picker(p)) => picker = Some(Arc::clone(p)),
             None => {}
         }
     }
