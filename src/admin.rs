@@ -363,9 +363,7 @@ mod tests {
     }
 
     fn chat(text: &str) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({"model": "m", "messages": [
-            {"role": "user", "content": text}]}))
-        .unwrap()
+        serde_json::to_vec(&kvpick_core::fixtures::chat("m", text)).unwrap()
     }
 
     #[tokio::test]

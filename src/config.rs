@@ -294,6 +294,9 @@ pub struct Args {
     /// to [0, 1] with this temperature.
     #[arg(long, env = "KVPICK_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
+    /// The scheduler's plugin list an `EndpointPickerConfig` built (not a flag).
+    #[arg(skip)]
+    pub plugins: Option<crate::scheduler::Plugins>,
     /// Follow the workers' KV events (precise prefix mode) where engines publish them.
     #[arg(long, env = "KVPICK_KV_EVENTS", default_value_t = true,
           action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
@@ -908,7 +911,7 @@ impl Args {
                 prefill_overlap: self.weight_prefill_overlap,
             },
             temperature: self.temperature.max(0.0),
-            plugins: None,
+            plugins: self.plugins.clone(),
             tie_break_seed: None,
             scrape_max_age: self.scrape_staleness(),
             index: IndexConfig {
@@ -939,8 +942,9 @@ impl Args {
         }
     }
 
-    /// Reads `--config-file` / `--config-text` and sets the cost weights from
-    /// its scorers (see [`crate::endpoint_picker_config`]); `None` without one.
+    /// Reads `--config-file` / `--config-text`, sets the cost weights from its
+    /// scorers and the scheduler's plugin list from its main profile (see
+    /// [`crate::endpoint_picker_config`]); `None` without one.
     pub fn apply_endpoint_picker_config(
         &mut self,
     ) -> Result<Option<Mapping>, EndpointPickerConfigError> {
@@ -962,7 +966,8 @@ impl Args {
             kv_usage: self.weight_kv_usage,
             prefill_overlap: self.weight_prefill_overlap,
         };
-        let mapping = crate::endpoint_picker_config::map(&text, base)?;
+        let mapping = crate::endpoint_picker_config::map(&text, base, self.temperature.max(0.0))?;
+        self.plugins = mapping.plugins.clone();
         let w = mapping.weights;
         self.weight_prefill = w.prefill;
         self.weight_decode = w.decode;

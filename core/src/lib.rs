@@ -19,6 +19,8 @@
 pub mod admission;
 pub mod endpoints;
 pub mod error_chain;
+#[cfg(any(test, feature = "fixtures"))]
+pub mod fixtures;
 pub mod health;
 pub mod identity;
 pub mod keys;

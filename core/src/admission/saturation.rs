@@ -120,13 +120,7 @@ mod tests {
     use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
 
     fn table(n: usize) -> EndpointTable {
-        let t = EndpointTable::new();
-        t.replace(
-            (0..n)
-                .map(|i| Endpoint::new(format!("10.0.0.{}:8000", i + 1).parse().unwrap()))
-                .collect(),
-        );
-        t
+        crate::fixtures::pool(n, 8000)
     }
 
     fn load(queue: f64, kv: f64, at: Instant) -> ScrapedLoad {

@@ -1,8 +1,10 @@
 //! The cost of sending a request to a candidate, and the choice among candidates.
 //!
-//! Costs are in KV blocks of work (see `docs/scheduling.md`): blocks the candidate
-//! must still prefill, its active load, and its scraped queue and KV usage counted
-//! at the request's size.
+//! Costs are in KV blocks of work (see `docs/scheduling.md`): the sum of the
+//! scheduler's cost terms ([`super::terms`]; by default the blocks the candidate
+//! must still prefill, its active load, and its scraped queue and KV usage
+//! counted at the request's size), read from one look at the candidate. The
+//! pruned argmin's floor is the sum of the terms' lower bounds.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -34,14 +34,10 @@ mod cost;
 mod decision;
 mod explain;
 pub mod filters;
-#[cfg(test)]
-mod health_tests;
 mod overlap;
 mod pick;
 pub mod pickers;
 mod plugins;
-#[cfg(test)]
-mod prop_tests;
 pub mod registry;
 mod replica;
 #[cfg(test)]
@@ -50,8 +46,6 @@ mod stats;
 pub mod terms;
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod wait_tests;
 
 pub use candidates::Side;
 pub use cost::{PendingWait, Weights};

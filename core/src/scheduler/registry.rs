@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::filters::Filter;
-use super::pickers::{max_score::MaxScore, Picker};
+use super::pickers::{self, max_score::MaxScore, Picker};
 use super::terms::Scorer;
 use super::terms::{kv_usage::KvUsage, load::ActiveLoad, prefix::PrefixCache, queue::Queue};
 use super::Weights;
@@ -101,6 +101,9 @@ pub static REGISTRY: &[Entry] = &[
     scorer("queue-scorer", "queue", queue),
     scorer("kv-cache-utilization-scorer", "kv_usage", kv_usage),
     picker("max-score-picker", max_score),
+    picker("random-picker", |a| {
+        Ok(Arc::new(pickers::random::Random::from_config(a)?))
+    }),
     // kvpick keeps sessions on their worker through signed session tokens.
     builtin("session-affinity-scorer"),
     builtin("session-affinity-filter"),

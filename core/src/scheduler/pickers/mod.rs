@@ -6,6 +6,7 @@
 //! `from_config`, and one line in [`super::registry::REGISTRY`].
 
 pub mod max_score;
+pub mod random;
 
 use std::fmt;
 

@@ -8,7 +8,7 @@
 //! - [`Scorer::lower_bound`] is at most the cost of any candidate of that
 //!   request holding the given overlap (`None` when no bound holds, e.g. a
 //!   negative weight: the pick then scores every candidate). The pick skips
-//!   candidates once the least total found is no above the sum of the terms'
+//!   candidates once the least total found is at most the sum of the terms'
 //!   bounds for what they could hold.
 //!
 //! Adding a term: one file here with a type implementing [`Scorer`] and its

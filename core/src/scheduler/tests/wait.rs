@@ -4,9 +4,9 @@
 
 use std::time::Instant;
 
-use super::tests::{both, prompt, scrape, with_body};
-use super::*;
+use super::{both, prompt, scrape, with_body};
 use crate::endpoints::ActiveLoad;
+use crate::scheduler::*;
 
 /// 512-token blocks (2,048 bytes of text each): long from 48 blocks to
 /// prefill, the wait beside an idle rank counting in full beyond 256.

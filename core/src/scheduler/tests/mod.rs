@@ -7,36 +7,17 @@ use std::time::Duration;
 use super::cost::{pick_index, Cand};
 use super::*;
 use crate::endpoints::ActiveLoad;
-use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
+use crate::endpoints::{Endpoint, EndpointTable, Role};
+pub(super) use crate::fixtures::{parse as body, pool, prompt, scrape, table, with_body};
 
-fn table(specs: &[(&str, u32, Role)]) -> EndpointTable {
-    let t = EndpointTable::new();
-    t.replace(
-        specs
-            .iter()
-            .map(|(a, dp, role)| {
-                let mut e = Endpoint::new(a.parse().unwrap());
-                e.dp_size = *dp;
-                e.role = *role;
-                e
-            })
-            .collect(),
-    );
-    t
-}
+mod health;
+mod plugins;
+mod prop;
+mod wait;
 
+/// `n` endpoints at `10.0.0.{1..=n}:80`.
 pub(super) fn both(n: usize) -> EndpointTable {
-    let addrs: Vec<String> = (1..=n).map(|i| format!("10.0.0.{i}:80")).collect();
-    let specs: Vec<(&str, u32, Role)> = addrs.iter().map(|a| (a.as_str(), 1, Role::Both)).collect();
-    table(&specs)
-}
-
-fn body(json: &str) -> InferenceRequest {
-    crate::request::parse(json.as_bytes(), None).unwrap()
-}
-
-pub(super) fn prompt(text: &str) -> InferenceRequest {
-    body(&serde_json::json!({"model": "m", "prompt": text}).to_string())
+    pool(n, 80)
 }
 
 fn session(id: &str, action: Option<&str>, text: &str) -> InferenceRequest {
@@ -48,13 +29,6 @@ fn session(id: &str, action: Option<&str>, text: &str) -> InferenceRequest {
         &serde_json::json!({"model": "m", "prompt": text, "nvext": {"session_control": sc}})
             .to_string(),
     )
-}
-
-pub(super) fn with_body(b: &InferenceRequest) -> PickRequest<'_> {
-    PickRequest {
-        body: Some(b),
-        ..Default::default()
-    }
 }
 
 #[test]
@@ -136,24 +110,6 @@ fn load_outweighs_overlap_when_the_holder_is_busy() {
         .collect();
     let keys: HashSet<_> = held.iter().map(|d| d.decode.key()).collect();
     assert_eq!(keys.len(), 2, "the busy holder does not get everything");
-}
-
-/// Records a fresh scrape of `ep` taken `at`.
-pub(super) fn scrape(
-    ep: &crate::endpoints::EndpointState,
-    queue: f64,
-    running: f64,
-    kv_usage: f64,
-    at: Instant,
-) {
-    ep.set_scraped(ScrapedLoad {
-        queue,
-        running,
-        kv_usage,
-        block_size: None,
-        num_blocks: None,
-        at,
-    });
 }
 
 /// A scheduler with these decode and queue weights over two workers, and a clock.

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
-use super::*;
 use crate::endpoints::{ActiveLoad, Endpoint, EndpointTable, Role};
+use crate::scheduler::*;
 
 /// A JSON number, mostly within `0..=max`, else of any magnitude or sign, or
 /// a value of the wrong type.
@@ -225,7 +225,7 @@ proptest! {
                 ep.health().record(crate::health::Outcome::Failure, now, &health);
             }
             if let Some((queue, running, kv_usage)) = m.scrape {
-                super::tests::scrape(ep, queue, running, kv_usage, now);
+                super::scrape(ep, queue, running, kv_usage, now);
             }
             for (rank, &(load, held, provisional)) in m.ranks.iter().take(m.dp as usize).enumerate() {
                 let key = ep.key(rank as u32);

@@ -3,9 +3,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::cost::pick_index;
-use super::*;
 use crate::endpoints::{Endpoint, EndpointTable, ScrapedLoad};
+use crate::fixtures::with_body;
+use crate::scheduler::cost::pick_index;
+use crate::scheduler::*;
 
 /// A snapshot of two endpoints, 10.0.0.1:80 and 10.0.0.2:80.
 fn two() -> Arc<Snapshot> {
@@ -18,15 +19,7 @@ fn two() -> Arc<Snapshot> {
 }
 
 fn prompt() -> InferenceRequest {
-    crate::request::parse(br#"{"model": "m", "prompt": "hello there"}"#, None).unwrap()
-}
-
-/// A request with `body` and nothing else.
-fn with_body(body: &InferenceRequest) -> PickRequest<'_> {
-    PickRequest {
-        body: Some(body),
-        ..Default::default()
-    }
+    crate::fixtures::prompt("hello there")
 }
 
 /// A pick forced onto endpoint `i` with a subset hint.

@@ -1,0 +1,78 @@
+//! `random-picker`: a candidate uniformly at random, whatever its cost (llm-d's
+//! random picker; filters still apply). As sampling with an infinite
+//! temperature, every finite cost weighs the same.
+
+use serde::{Deserialize, Serialize};
+
+use super::{Choice, Picker};
+use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+
+/// Picks uniformly among the candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Random;
+
+/// llm-d's parameters.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Params {
+    /// How many endpoints to return (kvpick routes to one).
+    max_num_of_endpoints: Option<u32>,
+}
+
+impl Random {
+    /// The picker the registry builds.
+    pub fn from_config(args: &mut PluginArgs<'_>) -> Result<Self, PluginError> {
+        let p: Params = decode_params(args)?;
+        match p.max_num_of_endpoints {
+            Some(0) => Err(args.invalid("maxNumOfEndpoints must be at least 1")),
+            _ => Ok(Random),
+        }
+    }
+}
+
+impl Picker for Random {
+    fn name(&self) -> &'static str {
+        "random-picker"
+    }
+
+    fn choice(&self) -> Choice {
+        Choice::Sample {
+            temperature: f64::INFINITY,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::scheduler::tests::{both, prompt, with_body};
+    use crate::scheduler::{registry, Plugins, Scheduler, SchedulerConfig, Weights};
+
+    #[test]
+    fn it_is_registered_and_spreads_a_repeated_prompt_over_every_worker() {
+        assert!(registry::lookup("random-picker").is_some());
+        let plugins = Plugins {
+            picker: Arc::new(Random),
+            ..Plugins::from_weights(Weights::default(), 0.0)
+        };
+        let s = Scheduler::new(SchedulerConfig {
+            plugins: Some(plugins),
+            ..SchedulerConfig::default()
+        });
+        let t = both(4);
+        let snap = t.snapshot();
+        // The max-score picker would send every repeat to the first holder.
+        let p = prompt(&"the same prompt, over and over. ".repeat(16));
+        let workers: HashSet<_> = (0..200)
+            .map(|_| {
+                let d = s.pick(&with_body(&p), &snap).unwrap();
+                s.finish(&d, Some(200));
+                d.decode.key()
+            })
+            .collect();
+        assert_eq!(workers.len(), 4);
+    }
+}

@@ -1,0 +1,155 @@
+//! The plugin list: a scheduler runs the terms, filters and picker it is
+//! given, `explain` lists the terms by name, and a term's lower bound keeps
+//! the pruned argmin exact.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{both, prompt, with_body};
+use crate::endpoints::EndpointState;
+use crate::scheduler::filters::{Filter, FilterContext};
+use crate::scheduler::terms::{prefix::PrefixCache, Candidate, RequestCost, Scorer};
+use crate::scheduler::*;
+
+/// A term that costs `cost` on the endpoint whose last address byte is `on`,
+/// nothing elsewhere, with the bound 0.
+#[derive(Debug)]
+struct Penalty {
+    on: u8,
+    cost: f64,
+}
+
+impl Scorer for Penalty {
+    fn name(&self) -> &'static str {
+        "penalty"
+    }
+
+    fn cost(&self, c: &Candidate<'_>, _req: &RequestCost) -> f64 {
+        match c.endpoint.endpoint.address.ip() {
+            std::net::IpAddr::V4(ip) if ip.octets()[3] == self.on => self.cost,
+            _ => 0.0,
+        }
+    }
+
+    fn lower_bound(&self, _new_blocks: usize, _req: &RequestCost) -> Option<f64> {
+        Some(0.0)
+    }
+}
+
+/// Drops the endpoint whose last address byte is `not`.
+#[derive(Debug)]
+struct Not(u8);
+
+impl Filter for Not {
+    fn name(&self) -> &'static str {
+        "not-filter"
+    }
+
+    fn reason(&self) -> &'static str {
+        "not_this_one"
+    }
+
+    fn admits(&self, _at: &FilterContext<'_>, ep: &EndpointState) -> bool {
+        !matches!(ep.endpoint.address.ip(), std::net::IpAddr::V4(ip) if ip.octets()[3] == self.0)
+    }
+}
+
+fn with(plugins: Plugins) -> Scheduler {
+    Scheduler::new(SchedulerConfig {
+        plugins: Some(plugins),
+        tie_break_seed: Some(7),
+        ..SchedulerConfig::default()
+    })
+}
+
+fn prefix_only() -> Plugins {
+    Plugins {
+        scorers: vec![Arc::new(PrefixCache {
+            weight: 1.0,
+            prefill_weight: 2.0,
+        })],
+        ..Plugins::from_weights(Weights::default(), 0.0)
+    }
+}
+
+#[test]
+fn a_configured_term_moves_the_pick_and_explain_names_it() {
+    let t = both(2);
+    let snap = t.snapshot();
+    let now = Instant::now();
+    let p = prompt(&"a shared prefix of some length. ".repeat(16));
+    // Without the penalty the prompt's holder wins its repeat.
+    let s = with(prefix_only());
+    let first = s.pick_at(&with_body(&p), &snap, now).unwrap();
+    let again = s.pick_at(&with_body(&p), &snap, now).unwrap();
+    assert_eq!(again.decode.key(), first.decode.key());
+
+    // A penalty on the holder larger than the prompt sends it elsewhere.
+    let holder = match first.decode.endpoint().address.ip() {
+        std::net::IpAddr::V4(ip) => ip.octets()[3],
+        _ => unreachable!(),
+    };
+    let mut plugins = prefix_only();
+    plugins.scorers.push(Arc::new(Penalty {
+        on: holder,
+        cost: 1e6,
+    }));
+    let s = with(plugins);
+    s.index()
+        .insert_chain(first.decode.key(), &s.block_hashes(&p), now);
+    let d = s.pick_at(&with_body(&p), &snap, now).unwrap();
+    assert_ne!(d.decode.key(), first.decode.key());
+    let e = s.explain(&with_body(&p), &snap, now).unwrap();
+    for c in &e.candidates {
+        let names: Vec<&str> = c.terms.0.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ["prefill", "penalty"]);
+        let expected = if c.key == first.decode.key() {
+            1e6
+        } else {
+            0.0
+        };
+        assert_eq!(c.terms.get("penalty"), expected);
+        assert_eq!(c.chosen, c.key == d.decode.key());
+    }
+}
+
+#[test]
+fn a_configured_filter_drops_endpoints_and_explain_gives_its_reason() {
+    let t = both(3);
+    let snap = t.snapshot();
+    let now = Instant::now();
+    let mut plugins = Plugins::from_weights(Weights::default(), 0.0);
+    plugins.filters.push(Arc::new(Not(2)));
+    let s = with(plugins);
+    let p = prompt("hello");
+    for _ in 0..20 {
+        let d = s.pick_at(&with_body(&p), &snap, now).unwrap();
+        assert_ne!(d.decode.endpoint().address_string(), "10.0.0.2:80");
+        s.finish(&d, Some(200));
+    }
+    let e = s.explain(&with_body(&p), &snap, now).unwrap();
+    for c in &e.candidates {
+        let dropped = c.address == "10.0.0.2:80";
+        assert_eq!(c.filtered_out, dropped.then_some("not_this_one"), "{c:?}");
+        assert_eq!(c.terms.0.is_empty(), dropped);
+    }
+}
+
+#[test]
+fn the_floor_is_the_sum_of_the_terms_lower_bounds() {
+    let s = Scheduler::default();
+    let req = s.request_cost(Side::Decode, 10, 0);
+    // Default weights: prefill 1 per block to prefill, every other term ≥ 0.
+    assert_eq!(s.cost_floor(7, &req), Some(7.0));
+    let req = s.request_cost(Side::Prefill, 10, 0);
+    assert_eq!(s.cost_floor(7, &req), Some(14.0), "prefill_overlap 2");
+    // A term without a bound (a negative weight) leaves no floor.
+    let s = with(Plugins::from_weights(
+        Weights {
+            queue: -1.0,
+            ..Weights::default()
+        },
+        0.0,
+    ));
+    assert_eq!(s.cost_floor(7, &s.request_cost(Side::Decode, 10, 0)), None);
+}
