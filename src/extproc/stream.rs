@@ -45,6 +45,9 @@ pub const ROUTING_HEADERS: &[&str] = &[
     BOOTSTRAP_PORT_HEADER,
     BOOTSTRAP_ROOM_HEADER,
 ];
+/// The tenant whose salt seeds the prompt's block hashes, above the body's
+/// `nvext.cache_salt` and `cache_salt` ([`InferenceRequest::set_tenant`]).
+pub const TENANT_HEADER: &str = "x-tenant-id";
 /// Decode worker instance id.
 pub const WORKER_ID_HEADER: &str = "x-worker-instance-id";
 /// Decode worker data-parallel rank.
@@ -126,6 +129,8 @@ struct RequestMeta {
     fairness_id: Option<String>,
     /// `content-length`, when the client sent one.
     content_length: Option<usize>,
+    /// `x-tenant-id`: the tenant salt, above the body's.
+    tenant: Option<String>,
 }
 
 /// State of one ext_proc stream.
@@ -462,6 +467,7 @@ impl StreamState {
             objective: find_header(map, OBJECTIVE_HEADER),
             fairness_id: find_header(map, FAIRNESS_ID_HEADER),
             content_length: find_header(map, "content-length").and_then(|v| v.parse().ok()),
+            tenant: find_header(map, TENANT_HEADER),
         };
         self.headers_at = Some(Instant::now());
         if !meta.spoofed.is_empty() {
@@ -562,6 +568,7 @@ impl StreamState {
                 return vec![self.reject(400, "invalid_request_error", &e.to_string())];
             }
         };
+        parsed.set_tenant(self.meta.as_ref().and_then(|m| m.tenant.as_deref()));
         // A client must not pick its worker through the body either: whenever the
         // body has `nvext`, every copy of the worker fields is removed.
         let (body, rewritten) = match parsed.rewrite_body(&body, &STRIP_CLIENT_ROUTING) {

@@ -403,3 +403,44 @@ fn routing_headers_are_known_in_any_case_without_panicking_on_any_name() {
         assert!(!is_routing_header(name), "{name}");
     }
 }
+
+/// Routes a completions body whose request headers carry `tenant` (as
+/// `x-tenant-id`) and returns the prefix blocks it found cached.
+fn overlap_of(service: &crate::extproc::ExtProcService, tenant: Option<&str>, body: &str) -> usize {
+    let mut headers = vec![(":method", "POST"), (":path", "/v1/completions")];
+    headers.extend(tenant.map(|t| (TENANT_HEADER, t)));
+    let mut s = StreamState::new(Arc::clone(&service.shared));
+    s.handle(ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(header_map(&headers)),
+            ..Default::default()
+        })),
+        ..Default::default()
+    });
+    let out = s.handle(body_chunk(body.as_bytes(), true));
+    assert!(destination(&out[0]).is_some(), "not routed: {out:?}");
+    let overlap = s.routed.as_ref().unwrap().decision.overlap_blocks;
+    s.handle(response_headers("200"));
+    overlap
+}
+
+#[test]
+fn the_tenant_header_seeds_the_prefix_above_the_body_salt() {
+    let app = app();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let text = "words ".repeat(40);
+    let body = |salt: &str| format!(r#"{{"model":"m","prompt":"{text}","cache_salt":"{salt}"}}"#);
+    assert_eq!(overlap_of(&service, Some("tenant-a"), &body("x")), 0);
+    let blocks = overlap_of(&service, Some("tenant-a"), &body("y"));
+    assert!(
+        blocks > 0,
+        "the header, not the body's salt, names the tenant"
+    );
+    assert_eq!(
+        overlap_of(&service, None, &body("x")),
+        0,
+        "the body's salt alone"
+    );
+    assert_eq!(overlap_of(&service, Some("tenant-b"), &body("x")), 0);
+    assert_eq!(overlap_of(&service, None, &body("tenant-a")), blocks);
+}
