@@ -130,10 +130,7 @@ struct GateCollector {
 impl Collector for GateCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let gate = self.gate.lock().clone();
-        let Some(gate) = gate else {
-            return Ok(());
-        };
-        let levels = gate.levels();
+        let levels = gate.as_ref().map(Gate::levels).unwrap_or_default();
         for prefix in ["inference_extension", "llm_d_epp"] {
             let metrics: [(&str, &str, LevelValue); 2] = [
                 (
@@ -163,7 +160,20 @@ impl Collector for GateCollector {
                     };
                     ConstGauge::new(value(l)).encode(family.encode_family(&labels)?)?;
                 }
+                if levels.is_empty() {
+                    // An empty queue reads 0, not "no data" (one series, so a
+                    // dashboard's sums and derivatives have a value).
+                    let labels = QueueLabels {
+                        fairness_id: String::new(),
+                        priority: "0".into(),
+                        inference_pool: self.pool.clone(),
+                    };
+                    ConstGauge::new(0i64).encode(family.encode_family(&labels)?)?;
+                }
             }
+            let Some(gate) = &gate else {
+                continue;
+            };
             let g = ConstGauge::new(gate.last_saturation());
             let name = format!("{prefix}_flow_control_pool_saturation");
             let mut family = encoder.encode_descriptor(

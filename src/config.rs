@@ -182,6 +182,14 @@ pub struct Args {
     )]
     pub session_token_header: String,
 
+    /// GIE conformance-test hooks, as GIE's reference picker has them: the
+    /// `test-epp-endpoint-selection` request header (comma-separated pod IPs or
+    /// `ip:port`s) restricts the candidates, and responses carry the gateway's
+    /// served endpoint in `x-conformance-test-served-endpoint`. Test only: any
+    /// client could steer its own requests.
+    #[arg(long, env = "KVPICK_CONFORMANCE_TEST_HOOKS")]
+    pub conformance_test_hooks: bool,
+
     /// File holding the HMAC key that signs session tokens (mount a Secret); share
     /// it between replicas so they honour each other's tokens.
     #[arg(long, env = "KVPICK_SESSION_KEY_FILE")]
@@ -1072,6 +1080,7 @@ impl Args {
             body_deadline: Duration::from_millis(self.body_deadline_ms.max(1)),
             session_header: self.session_header.to_ascii_lowercase(),
             session_token_header: self.session_token_header.to_ascii_lowercase(),
+            conformance_test_hooks: self.conformance_test_hooks,
         }
     }
 }

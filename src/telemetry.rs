@@ -657,7 +657,75 @@ impl Metrics {
     }
 }
 
-/// Serves `/metrics` on `listener` until the task is dropped.
+/// Content type of the OpenMetrics text exposition.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Content type of the Prometheus text format, as GIE's Go EPP serves it.
+pub const PROMETHEUS_TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Whether a scraper's `Accept` header prefers OpenMetrics to the Prometheus
+/// text format (Prometheus itself lists OpenMetrics first). Without the
+/// header, or without OpenMetrics in it, the text format is served, as Go's
+/// `promhttp` does.
+pub fn wants_openmetrics(accept: Option<&str>) -> bool {
+    let (mut openmetrics, mut text) = (0.0f32, 0.0f32);
+    for range in accept.unwrap_or_default().split(',') {
+        let mut parts = range.split(';').map(str::trim);
+        let media = parts.next().unwrap_or_default().to_ascii_lowercase();
+        let q = parts
+            .find_map(|p| p.strip_prefix("q="))
+            .and_then(|q| q.parse::<f32>().ok())
+            .unwrap_or(1.0);
+        match media.as_str() {
+            "application/openmetrics-text" => openmetrics = openmetrics.max(q),
+            "text/plain" => text = text.max(q),
+            _ => {}
+        }
+    }
+    openmetrics > 0.0 && openmetrics >= text
+}
+
+/// An OpenMetrics page in the Prometheus text format (0.0.4) as Go's client
+/// writes it: a counter family `x` (samples `x_total`) is named `x_total` in
+/// its `# HELP` and `# TYPE` lines, `unknown` types are `untyped`, and the
+/// `# UNIT` and `# EOF` lines go.
+pub fn prometheus_text(openmetrics: &str) -> String {
+    let mut out = String::with_capacity(openmetrics.len() + 256);
+    let mut counters = std::collections::HashSet::new();
+    for line in openmetrics.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            if let Some((name, "counter")) = rest.split_once(' ') {
+                counters.insert(name);
+            }
+        }
+    }
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta.and_then(|(p, rest)| Some((p, rest.split_once(' ')?))) {
+            Some((p, (name, tail))) if counters.contains(name) => {
+                out.push_str(&format!("{p}{name}_total {tail}\n"));
+            }
+            Some(("# TYPE ", (name, "unknown"))) => {
+                out.push_str(&format!("# TYPE {name} untyped\n"));
+            }
+            _ => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+/// Serves `/metrics` on `listener` until the task is dropped: OpenMetrics when
+/// the scraper's `Accept` prefers it, else the Prometheus text format
+/// ([`wants_openmetrics`]).
 pub async fn serve_metrics(
     listener: TcpListener,
     metrics: Arc<Metrics>,
@@ -665,17 +733,17 @@ pub async fn serve_metrics(
 ) -> std::io::Result<()> {
     let app = Router::new().route(
         "/metrics",
-        get(move || {
-            let body = metrics.render(&table);
-            async move {
-                (
-                    [(
-                        http::header::CONTENT_TYPE,
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    )],
-                    body,
-                )
-            }
+        get(move |headers: http::HeaderMap| {
+            let page = metrics.render(&table);
+            let accept = headers
+                .get(http::header::ACCEPT)
+                .and_then(|v| v.to_str().ok());
+            let (content_type, body) = if wants_openmetrics(accept) {
+                (OPENMETRICS_CONTENT_TYPE, page)
+            } else {
+                (PROMETHEUS_TEXT_CONTENT_TYPE, prometheus_text(&page))
+            };
+            async move { ([(http::header::CONTENT_TYPE, content_type)], body) }
         }),
     );
     axum::serve(listener, app).await
@@ -986,6 +1054,67 @@ mod dashboard_tests {
                 "{name} left the dashboard: drop it here"
             );
         }
+    }
+
+    /// GIE's dashboard reads counters as `x_total` and flow-control queues
+    /// that must read 0 when empty: scraped in the Prometheus text format (as
+    /// GIE's Go EPP serves it), with nothing queued.
+    #[test]
+    fn an_empty_queue_scrapes_as_zero_and_counters_as_gies_epp_names_them() {
+        use crate::admission::{AdmissionObserver, RequestClass};
+        let dashboard = include_str!("../tests/fixtures/gie-v1.5.0/inference_gateway.json");
+        let app = crate::server::App::new("pool");
+        let class = RequestClass {
+            priority: 0,
+            flow: "m".into(),
+            objective: "".into(),
+            model: "m".into(),
+            bytes: 10,
+        };
+        app.admission_metrics.classified(&class);
+        app.admission_metrics.error(&class, "BadRequest");
+        let text = super::prometheus_text(&app.metrics.render(&app.endpoints));
+        for family in [
+            "inference_extension_flow_control_queue_size",
+            "inference_extension_flow_control_queue_bytes",
+        ] {
+            assert!(dashboard.contains(family));
+            let line =
+                format!("{family}{{fairness_id=\"\",priority=\"0\",inference_pool=\"pool\"}} 0");
+            assert!(text.lines().any(|l| l == line), "no {line} in\n{text}");
+        }
+        for counter in [
+            "inference_objective_request_total",
+            "inference_objective_request_error_total",
+        ] {
+            assert!(dashboard.contains(counter));
+            assert!(
+                text.contains(&format!("# TYPE {counter} counter\n")),
+                "{counter}\n{text}"
+            );
+            assert!(text.contains(&format!("# HELP {counter} ")), "{counter}");
+            assert!(text.contains(&format!("\n{counter}{{")), "{counter}");
+        }
+        assert!(!text.contains("# EOF") && !text.contains(" unknown\n"));
+        // Every family keeps its samples: only HELP and TYPE lines are renamed.
+        let page = app.metrics.render(&app.endpoints);
+        let samples = |t: &str| t.lines().filter(|l| !l.starts_with('#')).count();
+        assert_eq!(samples(&text), samples(&page));
+    }
+
+    #[test]
+    fn the_accept_header_picks_the_exposition_format() {
+        use super::wants_openmetrics;
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert!(wants_openmetrics(Some(prometheus)));
+        assert!(wants_openmetrics(Some("application/openmetrics-text")));
+        assert!(!wants_openmetrics(None));
+        assert!(!wants_openmetrics(Some("*/*")));
+        assert!(!wants_openmetrics(Some("text/plain;version=0.0.4")));
+        assert!(!wants_openmetrics(Some(
+            "application/openmetrics-text;q=0.3,text/plain;q=0.9"
+        )));
+        assert!(!wants_openmetrics(Some("application/openmetrics-text;q=0")));
     }
 
     #[test]

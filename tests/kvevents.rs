@@ -247,6 +247,7 @@ fn decodes_array_like_batches_with_int_hashes_and_no_dp_rank() {
                 lora_name: None,
                 group_idx: Some(0),
                 block_mm_hashes: Vec::new(),
+                cache_salt: None,
             }),
             KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![11],
@@ -898,7 +899,7 @@ mod routing {
     use kvpick::kv::hash::{model_seed, token_block_hashes};
     use kvpick::kv::index::{IndexConfig, PrefixIndex};
     use kvpick::request::parse;
-    use kvpick::scheduler::{PickRequest, SchedulerConfig};
+    use kvpick::scheduler::{PickRequest, Scheduler, SchedulerConfig};
     use kvpick::server::App;
 
     /// Picks a worker for `req` over the app's current endpoints.
@@ -1269,6 +1270,56 @@ mod routing {
                 .unwrap();
             assert_eq!(worker, target.instance_id);
         }
+    }
+
+    /// A vLLM `BlockStored` whose first block carries the request's `cache_salt`
+    /// in its `extra_keys` (later events chain from it with no salt): only
+    /// requests salted alike find the chain.
+    #[test]
+    fn salted_events_match_requests_of_the_same_tenant_only() {
+        let scheduler = Scheduler::new(SchedulerConfig {
+            token_block: BS,
+            ..SchedulerConfig::default()
+        });
+        let mut ingest = Ingest::new(Arc::clone(scheduler.index()), MODEL);
+        let (b, now) = (w(2, 0), Instant::now());
+        let prompt: Vec<u32> = (300..316).collect();
+        let mut first = stored_map(
+            Value::Array(vec![sha_like(1), sha_like(2)]),
+            Value::Nil,
+            &prompt[..8],
+        );
+        let extra = Value::Array(vec![Value::Array(vec![s("tenant-a")]), Value::Nil]);
+        if let Value::Map(fields) = &mut first {
+            fields.push((s("extra_keys"), extra));
+        }
+        let rest = stored_map(
+            Value::Array(vec![sha_like(3), sha_like(4)]),
+            sha_like(2),
+            &prompt[8..],
+        );
+        let batch = decode_batch(&batch_map(vec![first, rest], Value::from(0))).unwrap();
+        let KvEvent::BlockStored(e) = &batch.events[0] else {
+            panic!("not a BlockStored");
+        };
+        assert_eq!(e.cache_salt.as_deref(), Some("tenant-a"));
+        assert_eq!(ingest.apply(b, None, &batch, now).stored_blocks, 4);
+
+        let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+        let overlap = |salt: &str| {
+            let body = format!(
+                r#"{{"model":"{MODEL}","prompt":[{}]{salt}}}"#,
+                ids.join(",")
+            );
+            let req = parse(body.as_bytes(), Some(ApiKind::Completions)).unwrap();
+            scheduler
+                .index()
+                .lookup(&scheduler.block_hashes(&req), &[b], now)[0]
+        };
+        assert_eq!(overlap(r#","cache_salt":"tenant-a""#), 4);
+        assert_eq!(overlap(r#","nvext":{"cache_salt":"tenant-a"}"#), 4);
+        assert_eq!(overlap(r#","cache_salt":"tenant-b""#), 0, "another tenant");
+        assert_eq!(overlap(""), 0, "an unsalted request");
     }
 }
 

@@ -96,14 +96,28 @@ async fn metrics_are_exposed_with_gie_names() {
         Arc::clone(&app.metrics),
         Arc::clone(&app.endpoints),
     ));
-    let mut stream = TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await.unwrap();
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let scrape = |accept: &'static str| async move {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET /metrics HTTP/1.1\r\nhost: x\r\n{accept}connection: close\r\n\r\n");
+        stream.write_all(req.as_bytes()).await.unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await.unwrap();
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        text
+    };
+    // Prometheus asks for OpenMetrics first; a plain scraper gets GIE's format.
+    let prometheus = "accept: application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\n";
+    let open = scrape(prometheus).await;
+    assert!(open.contains("application/openmetrics-text"), "{open}");
+    assert!(open.contains("# TYPE kvpick_requests counter"), "{open}");
+    assert!(open.trim_end().ends_with("# EOF"), "{open}");
+    let text = scrape("").await;
+    assert!(text.contains("text/plain; version=0.0.4"), "{text}");
+    assert!(
+        text.contains("# TYPE kvpick_requests_total counter"),
+        "{text}"
+    );
+    assert!(!text.contains("# EOF"), "{text}");
     for needle in [
         "inference_pool_ready_pods{name=\"my-pool\"} 2",
         "kvpick_requests_total{result=\"routed\"} 1",

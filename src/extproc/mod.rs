@@ -6,6 +6,7 @@
 //! response stream through an [`Outbox`] that wakes nobody: both run in one task.
 
 pub mod budget;
+pub mod conformance;
 pub mod messages;
 pub mod stream;
 
@@ -50,6 +51,8 @@ pub struct ExtProcConfig {
     pub session_header: String,
     /// Request header carrying a signed session token from an earlier response.
     pub session_token_header: String,
+    /// GIE's conformance-test hooks ([`conformance`]); off outside tests.
+    pub conformance_test_hooks: bool,
 }
 
 impl Default for ExtProcConfig {
@@ -61,6 +64,7 @@ impl Default for ExtProcConfig {
             body_deadline: Duration::from_secs(60),
             session_header: "x-session-id".into(),
             session_token_header: "x-kvpick-session".into(),
+            conformance_test_hooks: false,
         }
     }
 }

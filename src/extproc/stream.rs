@@ -16,6 +16,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use tracing::{debug, info, warn};
 
 use super::budget::Reservation;
+use super::conformance;
 use super::messages::{self, find_header, set_header, EnvoyHeaders};
 use super::Shared;
 use crate::admission::{Permit, Rejection, RequestClass, Ticket, Verdict, DROPPED_REASON_HEADER};
@@ -94,6 +95,8 @@ pub struct StreamState {
     echo: Option<messages::Echo>,
     /// The response body's length and tail (for the engine's token usage).
     response_tail: ResponseTail,
+    /// With the conformance hooks: the served endpoint the gateway reported.
+    served: Option<String>,
 }
 
 /// A request held by flow control: routed once its ticket is answered.
@@ -137,6 +140,7 @@ impl StreamState {
             class: None,
             echo: None,
             response_tail: ResponseTail::default(),
+            served: None,
         }
     }
 
@@ -320,6 +324,11 @@ impl StreamState {
         if self.subset.is_none() {
             self.subset = messages::subset_hint(msg.metadata_context.as_ref());
         }
+        if self.shared.config.conformance_test_hooks
+            && matches!(msg.request, Some(Request::ResponseHeaders(_)))
+        {
+            self.served = Some(conformance::served(msg.metadata_context.as_ref()));
+        }
         if msg.observability_mode {
             // Envoy ignores answers in observability mode; still track the request.
             let _ = self.dispatch(msg.request);
@@ -354,6 +363,14 @@ impl StreamState {
             &cfg.session_header,
             &cfg.session_token_header,
         );
+        if cfg.conformance_test_hooks {
+            let snapshot = self.shared.endpoints.snapshot();
+            if let Some(sel) = find_header(h.headers.as_ref(), conformance::SELECTION_HEADER)
+                .and_then(|v| conformance::selected(&v, &snapshot))
+            {
+                self.subset = Some(conformance::within(sel, self.subset.as_deref()));
+            }
+        }
         self.headers_at = Some(Instant::now());
         if !head.spoofed.is_empty() {
             info!(headers = ?head.spoofed, "client sent routing headers; removing them");
@@ -587,7 +604,7 @@ impl StreamState {
             if h.end_of_stream {
                 self.finish();
             }
-            return vec![messages::response_headers(None)];
+            return vec![messages::response_headers(self.with_served(None))];
         }
         self.response_seen = true;
         self.response_status =
@@ -618,7 +635,18 @@ impl StreamState {
         if h.end_of_stream {
             self.finish();
         }
-        vec![messages::response_headers(mutation)]
+        vec![messages::response_headers(self.with_served(mutation))]
+    }
+
+    /// `mutation` plus the conformance hooks' served-endpoint header, when on.
+    fn with_served(&mut self, mutation: Option<HeaderMutation>) -> Option<HeaderMutation> {
+        let Some(served) = self.served.take() else {
+            return mutation;
+        };
+        let mut m = mutation.unwrap_or_default();
+        m.set_headers
+            .push(set_header(conformance::SERVED_HEADER, served));
+        Some(m)
     }
 
     fn on_response_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {

@@ -3,6 +3,8 @@
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 
+use std::collections::HashSet;
+
 use super::*;
 use crate::endpoints::{Endpoint, Engine};
 use crate::extproc::messages::DESTINATION_KEY;
@@ -380,4 +382,168 @@ fn the_first_response_body_chunk_ends_the_prefill_once() {
     first.handle(response_chunk(b"data: [DONE]\n\n", true));
     assert!(first.is_done());
     assert_eq!(load(), d2.decode_load());
+}
+
+/// Routes a completions body whose request headers carry `tenant` (as
+/// `x-tenant-id`) and returns the prefix blocks it found cached.
+fn overlap_of(service: &crate::extproc::ExtProcService, tenant: Option<&str>, body: &str) -> usize {
+    let mut headers = vec![(":method", "POST"), (":path", "/v1/completions")];
+    headers.extend(tenant.map(|t| (crate::pipeline::TENANT_HEADER, t)));
+    let mut s = StreamState::new(Arc::clone(&service.shared));
+    s.handle(ProcessingRequest {
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(header_map(&headers)),
+            ..Default::default()
+        })),
+        ..Default::default()
+    });
+    let out = s.handle(body_chunk(body.as_bytes(), true));
+    assert!(destination(&out[0]).is_some(), "not routed: {out:?}");
+    let overlap = s.routed.as_ref().unwrap().decision.overlap_blocks;
+    s.handle(response_headers("200"));
+    overlap
+}
+
+#[test]
+fn the_tenant_header_seeds_the_prefix_above_the_body_salt() {
+    let app = app();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let text = "words ".repeat(40);
+    let body = |salt: &str| format!(r#"{{"model":"m","prompt":"{text}","cache_salt":"{salt}"}}"#);
+    assert_eq!(overlap_of(&service, Some("tenant-a"), &body("x")), 0);
+    let blocks = overlap_of(&service, Some("tenant-a"), &body("y"));
+    assert!(
+        blocks > 0,
+        "the header, not the body's salt, names the tenant"
+    );
+    assert_eq!(
+        overlap_of(&service, None, &body("x")),
+        0,
+        "the body's salt alone"
+    );
+    assert_eq!(overlap_of(&service, Some("tenant-b"), &body("x")), 0);
+    assert_eq!(overlap_of(&service, None, &body("tenant-a")), blocks);
+}
+
+/// GIE's conformance scenarios, message by message as Envoy sends them: the
+/// selection header restricts the pick (every port of a listed pod, for
+/// data-parallel pools), a list naming no pod restricts nothing, and the
+/// response reports the gateway's served endpoint, not kvpick's pick.
+#[test]
+fn conformance_hooks_restrict_by_the_selection_header_and_echo_the_served_endpoint() {
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+
+    let app = crate::server::App::new("t");
+    // A data-parallel pod with three target ports, and two single-port pods.
+    let addrs = [
+        "10.0.0.1:8000",
+        "10.0.0.1:8001",
+        "10.0.0.1:8002",
+        "10.0.0.2:8000",
+        "10.0.0.3:8000",
+    ];
+    app.endpoints.replace(
+        addrs
+            .iter()
+            .map(|a| Endpoint::new(a.parse().unwrap()))
+            .collect(),
+    );
+    let hooks = |on: bool| {
+        app.ext_proc(ExtProcConfig {
+            conformance_test_hooks: on,
+            ..ExtProcConfig::default()
+        })
+    };
+    let served_md = |value: Option<&str>| {
+        let mut md = Metadata::default();
+        let fields = value
+            .map(|v| {
+                let v = Value {
+                    kind: Some(Kind::StringValue(v.into())),
+                };
+                (conformance::SERVED_KEY.to_string(), v)
+            })
+            .into_iter()
+            .collect();
+        md.filter_metadata
+            .insert(messages::LB_NAMESPACE.into(), Struct { fields });
+        md
+    };
+    // One request (header-only, as the suite's GETs) with `selection`; the
+    // response headers carry `metadata`. Returns (destination, served header).
+    let run = |service: &crate::extproc::ExtProcService,
+               selection: Option<&str>,
+               metadata: Option<Metadata>| {
+        let mut pairs = vec![(":method", "GET"), (":path", "/v1/models")];
+        pairs.extend(selection.map(|s| (conformance::SELECTION_HEADER, s)));
+        let mut s = StreamState::new(Arc::clone(&service.shared));
+        let out = s.handle(ProcessingRequest {
+            request: Some(Request::RequestHeaders(HttpHeaders {
+                headers: Some(header_map(&pairs)),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        });
+        let picked = destination(&out[0]).expect("routed");
+        let mut response = response_headers("200");
+        response.metadata_context = metadata;
+        let out = s.handle(response);
+        let Some(Response::ResponseHeaders(h)) = &out[0].response else {
+            panic!("not a response-headers answer: {out:?}");
+        };
+        let served = h
+            .response
+            .as_ref()
+            .and_then(|c| c.header_mutation.as_ref())
+            .and_then(|m| {
+                m.set_headers
+                    .iter()
+                    .filter_map(|o| o.header.as_ref())
+                    .find(|h| h.key == conformance::SERVED_HEADER)
+            })
+            .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned());
+        (picked, served)
+    };
+
+    let on = hooks(true);
+    let mut ports = HashSet::new();
+    for _ in 0..60 {
+        let (picked, _) = run(&on, Some("10.0.0.1"), None);
+        assert!(picked.starts_with("10.0.0.1:"), "{picked}");
+        ports.insert(picked);
+        let (picked, _) = run(&on, Some("10.0.0.9, 10.0.0.3"), None);
+        assert_eq!(picked, "10.0.0.3:8000");
+        let (picked, _) = run(&on, Some("10.0.0.1:8002"), None);
+        assert_eq!(picked, "10.0.0.1:8002");
+    }
+    assert_eq!(ports.len(), 3, "every data-parallel port is a candidate");
+    let mut anywhere = HashSet::new();
+    for _ in 0..60 {
+        anywhere.insert(run(&on, Some("10.9.9.9"), None).0);
+    }
+    assert!(anywhere.len() > 1, "a list naming no pod restricts nothing");
+
+    // The gateway's served endpoint is echoed as given, even where it differs
+    // from the pick; missing metadata is reported as a failure.
+    let (_, served) = run(&on, None, Some(served_md(Some("10.0.0.2:8000"))));
+    assert_eq!(served.as_deref(), Some("10.0.0.2:8000"));
+    let (_, served) = run(&on, None, Some(served_md(None)));
+    assert_eq!(
+        served.as_deref(),
+        Some("fail: missing destination endpoint served metadata")
+    );
+    let (_, served) = run(&on, None, None);
+    assert_eq!(served.as_deref(), Some("fail: missing envoy lb metadata"));
+
+    // Off (the default): the header steers nothing and nothing is echoed.
+    let off = hooks(false);
+    let mut picked = HashSet::new();
+    for _ in 0..60 {
+        let (p, served) = run(&off, Some("10.0.0.3"), Some(served_md(Some("x"))));
+        assert_eq!(served, None);
+        picked.insert(p);
+    }
+    assert!(picked.len() > 1, "the header is ignored without the hooks");
 }

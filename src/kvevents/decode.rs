@@ -14,7 +14,8 @@
 //! reported as [`KvEvent::Unknown`] rather than failing the batch. Block hashes are
 //! integers (signed or unsigned 64-bit) or byte strings, of which the last 8 bytes
 //! are read big-endian. vLLM's `extra_keys` are read for their multimodal
-//! hashes only ([`BlockStored::block_mm_hashes`]).
+//! hashes ([`BlockStored::block_mm_hashes`]) and the first block's cache salt
+//! ([`BlockStored::cache_salt`]).
 
 use rmpv::Value;
 
@@ -81,6 +82,10 @@ pub struct BlockStored {
     /// strings; LoRA names, cache salts and prompt-embedding keys are left out).
     /// Empty when no block has one; otherwise one entry per block, in order.
     pub block_mm_hashes: Vec<Vec<ExtraKeyHash>>,
+    /// The request's `cache_salt`, from the first block's `extra_keys`: vLLM
+    /// adds it there (after the LoRA name and mm hashes) when the block starts
+    /// the prompt. Only meaningful without a parent.
+    pub cache_salt: Option<String>,
 }
 
 /// `BlockRemoved`: blocks evicted from the cache.
@@ -240,17 +245,42 @@ fn decode_stored(f: &Fields<'_>) -> Result<BlockStored, DecodeError> {
         .and_then(Value::as_u64)
         .filter(|&b| b > 0)
         .ok_or(err("block_size"))? as usize;
+    let lora_id = opt_int(f.get(4, "lora_id"));
+    let lora_name = opt_str(f.get(6, "lora_name"));
+    let extra_keys = f.get(7, "extra_keys");
     Ok(BlockStored {
         block_hashes,
         parent_block_hash,
         token_ids,
         block_size,
-        lora_id: opt_int(f.get(4, "lora_id")),
+        lora_id,
         medium: opt_str(f.get(5, "medium")),
-        lora_name: opt_str(f.get(6, "lora_name")),
-        block_mm_hashes: extra_keys_mm_hashes(f.get(7, "extra_keys")),
+        cache_salt: extra_keys_salt(extra_keys, lora_name.as_deref(), lora_id.is_some()),
+        lora_name,
+        block_mm_hashes: extra_keys_mm_hashes(extra_keys),
         group_idx: opt_int(f.get(8, "group_idx")),
     })
+}
+
+/// The cache salt among the first block's `extra_keys`. vLLM lists a block's
+/// keys as LoRA name, mm hashes, cache salt (first block only), prompt-embedding
+/// bytes: the salt is the last plain string that is neither an mm hash nor the
+/// LoRA name (a leading string stands for the adapter when the event names it
+/// only by id).
+fn extra_keys_salt(v: Option<&Value>, lora_name: Option<&str>, lora_id: bool) -> Option<String> {
+    let first = v?.as_array()?.first()?.as_array()?;
+    let strings: Vec<&str> = first
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|s| parse_extra_key(s).is_none())
+        .collect();
+    let leading_lora = match lora_name {
+        Some(name) => strings.first() == Some(&name),
+        None => lora_id && strings.len() > 1,
+    };
+    strings[usize::from(leading_lora)..]
+        .last()
+        .map(|s| s.to_string())
 }
 
 /// The multimodal hashes of vLLM's `extra_keys`: a list aligned with the blocks,
@@ -328,6 +358,41 @@ fn opt_int(v: Option<&Value>) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cache_salt_is_read_from_the_first_blocks_extra_keys() {
+        let st = |v: &str| Value::String(v.into());
+        let mm = format!("{:064x}", 9);
+        let salt = |keys: Vec<Value>, name: Option<&str>, id: bool| {
+            let v = Value::Array(vec![Value::Array(keys), Value::Nil]);
+            extra_keys_salt(Some(&v), name, id)
+        };
+        // vLLM's order: LoRA name, mm hashes (plain or `[hash, offset]`), salt, embeds.
+        let full = vec![
+            st("adapter"),
+            Value::Array(vec![st(&mm), Value::from(0)]),
+            st(&mm),
+            st("tenant"),
+            Value::Binary(vec![1, 2]),
+        ];
+        assert_eq!(salt(full, Some("adapter"), true).as_deref(), Some("tenant"));
+        assert_eq!(salt(vec![st("adapter")], Some("adapter"), false), None);
+        assert_eq!(
+            salt(vec![st("adapter")], None, true),
+            None,
+            "named by id only"
+        );
+        let by_id = vec![st("adapter"), st("tenant")];
+        assert_eq!(salt(by_id, None, true).as_deref(), Some("tenant"));
+        assert_eq!(
+            salt(vec![st("tenant")], None, false).as_deref(),
+            Some("tenant")
+        );
+        assert_eq!(salt(vec![st(&mm)], None, false), None);
+        assert_eq!(extra_keys_salt(None, None, false), None);
+        let later_only = Value::Array(vec![Value::Nil, Value::Array(vec![st("x")])]);
+        assert_eq!(extra_keys_salt(Some(&later_only), None, false), None);
+    }
 
     #[test]
     fn topic_forms() {

@@ -24,7 +24,7 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 use crate::endpoints::WorkerKey;
-use crate::kv::hash::{mm_block_hash, model_seed, token_block_hashes};
+use crate::kv::hash::{mm_block_hash, model_seed, salted_seed, token_block_hashes};
 use crate::kv::index::PrefixIndex;
 use crate::multimodal::routing::normalize_vllm_block;
 use crate::scheduler::Scheduler;
@@ -37,7 +37,9 @@ use decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 ///
 /// Blocks are seeded with `seed(model, None)` where `model` is what requests for
 /// those blocks carry in their `model` field: the LoRA adapter's name for adapter
-/// blocks, else the topic's model or the configured model name.
+/// blocks, else the topic's model or the configured model name; a chain whose
+/// first block's `extra_keys` carry a cache salt folds it in (`kv::hash::salted_seed`),
+/// as the request side does.
 pub trait KvEventSink: Send + Sync {
     /// The chain seed for a model and LoRA adapter (`kv::hash::model_seed`).
     fn seed(&self, model: &str, lora: Option<&str>) -> u64 {
@@ -290,7 +292,10 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             }
             (None, None) => model.unwrap_or(&self.default_model),
         };
-        let seed = self.sink.seed(seed_model, None);
+        // A chain's first block carries the request's salt (vLLM folds it into
+        // that block only); later blocks inherit it through their parent.
+        let salt = e.cache_salt.as_deref().filter(|_| parent.is_none());
+        let seed = salted_seed(self.sink.seed(seed_model, None), salt);
         let mut mm = ApplyStats::default();
         let ours = if e.block_mm_hashes.is_empty() {
             self.sink

@@ -4,6 +4,14 @@
 //! own content, so equal hashes mean equal prefixes. Every chain starts from a seed
 //! derived from the model and LoRA adapter, so different models never match.
 //!
+//! Tenants: a request's salt (`x-tenant-id` > `nvext.cache_salt` > `cache_salt`)
+//! is folded into its seed ([`request_seed`]). Only the first block reads the
+//! seed, so this is vLLM's rule (the salt is an extra key of the first block
+//! only, `start_token_idx == 0`): the salt changes the first block's hash and,
+//! through the chain, every later one. KV events carry the salt the engine used
+//! in that first block's `extra_keys`, and ingest seeds the stored chain the
+//! same way, so a salted request's blocks match its own tenant's only.
+//!
 //! Block kinds:
 //! - text: byte chunks of `byte_block` bytes (default [`DEFAULT_BYTE_BLOCK`] = 64
 //!   bytes, about 16 tokens, the Gateway API Inference Extension default);
@@ -50,6 +58,30 @@ pub fn model_seed(model: &str, lora: Option<&str>) -> u64 {
         h.update(lora.as_bytes());
     }
     h.digest()
+}
+
+/// Tag of a salted seed, so a salt never equals a model name's bytes.
+const SALT_TAG: u8 = 0x04;
+
+/// `seed` with a tenant's salt folded in (`None`: `seed` unchanged, so unsalted
+/// requests hash as before). Every block of a salted chain differs from the
+/// unsalted chain's and from every other salt's.
+pub fn salted_seed(seed: u64, salt: Option<&str>) -> u64 {
+    match salt {
+        None => seed,
+        Some(salt) => {
+            let mut h = Xxh3::new();
+            h.update(&seed.to_le_bytes());
+            h.update(&[SALT_TAG]);
+            h.update(salt.as_bytes());
+            h.digest()
+        }
+    }
+}
+
+/// The chain seed of a request for `model` with tenant salt `salt`.
+pub fn request_seed(model: &str, salt: Option<&str>) -> u64 {
+    salted_seed(model_seed(model, None), salt)
 }
 
 /// Chained hashes of the full `block_size`-token blocks of `tokens`. The first block
@@ -390,6 +422,29 @@ mod tests {
             token_block_hashes(a, None, &toks, 16),
             token_block_hashes(model_seed("m2", None), None, &toks, 16)
         );
+    }
+
+    #[test]
+    fn a_salt_changes_the_first_block_and_so_the_whole_chain() {
+        let seed = model_seed("m", None);
+        assert_eq!(
+            salted_seed(seed, None),
+            seed,
+            "unsalted requests hash as before"
+        );
+        assert_eq!(request_seed("m", None), seed);
+        let toks: Vec<u32> = (0..48).collect();
+        let chain = |salt| token_block_hashes(request_seed("m", salt), None, &toks, 16);
+        let (plain, a, b) = (chain(None), chain(Some("a")), chain(Some("b")));
+        assert_eq!(a, chain(Some("a")));
+        for other in [&plain, &b] {
+            assert!(a.iter().zip(other).all(|(x, y)| x != y));
+        }
+        // Only the first block reads the salt: the rest chain from their parent.
+        assert_eq!(token_block_hashes(0, Some(a[0]), &toks[16..], 16), a[1..]);
+        // A salt never reads as a model name.
+        assert_ne!(request_seed("m", Some("x")), model_seed("mx", None));
+        assert_ne!(request_seed("m", Some("x")), model_seed("m", Some("x")));
     }
 
     #[test]

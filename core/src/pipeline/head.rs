@@ -89,7 +89,14 @@ pub struct RequestHead {
     pub fairness_id: Option<String>,
     /// `content-length`, when the client sent a number.
     pub content_length: Option<usize>,
+    /// `x-tenant-id`: the tenant salt, above the body's
+    /// ([`crate::request::InferenceRequest::set_tenant`]).
+    pub tenant: Option<String>,
 }
+
+/// The tenant whose salt seeds the prompt's block hashes, above the body's
+/// `nvext.cache_salt` and `cache_salt`.
+pub const TENANT_HEADER: &str = "x-tenant-id";
 
 impl RequestHead {
     /// Reads `headers`; `session_header` and `session_token_header` name the
@@ -117,6 +124,7 @@ impl RequestHead {
             objective: headers.get(OBJECTIVE_HEADER),
             fairness_id: headers.get(FAIRNESS_ID_HEADER),
             content_length: headers.get("content-length").and_then(|v| v.parse().ok()),
+            tenant: headers.get(TENANT_HEADER),
         }
     }
 }

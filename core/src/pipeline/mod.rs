@@ -24,7 +24,7 @@ use std::sync::Arc;
 pub use head::{
     is_routing_header, Headers, RequestHead, BOOTSTRAP_HOST_HEADER, BOOTSTRAP_PORT_HEADER,
     BOOTSTRAP_ROOM_HEADER, DESTINATION_HEADER, DP_RANK_HEADER, PREFILL_DP_RANK_HEADER,
-    PREFILL_ID_HEADER, ROUTING_HEADERS, WORKER_ID_HEADER,
+    PREFILL_ID_HEADER, ROUTING_HEADERS, TENANT_HEADER, WORKER_ID_HEADER,
 };
 pub use outcome::{outcome, ForwardBody, Outcome};
 pub use prepare::{Prepared, TokenizeJob, Tokenized};

@@ -64,6 +64,7 @@ impl Pipeline {
             template: self.tokenizer.is_some(),
         };
         let mut parsed = request::parse_with(&body, head.kind, options)?;
+        parsed.set_tenant(head.tenant.as_deref());
         let images: Vec<_> = image_urls(&parsed).map(identify).collect();
         if let (None, Some(stats), false) = (&self.tokenizer, &self.mm_stats, images.is_empty()) {
             // Approximate mode: the tokenizer, which counts the others, never sees it.

@@ -97,6 +97,11 @@ pub struct InferenceRequest {
     pub stream: bool,
     /// The `nvext` extension, if any.
     pub nvext: NvExt,
+    /// The tenant salt the prompt's block hashes are seeded with
+    /// ([`crate::kv::hash::request_seed`]): the body's `nvext.cache_salt`, else
+    /// its `cache_salt`; the ext_proc layer puts the `x-tenant-id` header above
+    /// both ([`InferenceRequest::set_tenant`]).
+    pub salt: Option<String>,
     /// Whether `nvext` names a worker (and the body must be rewritten).
     pub names_worker: bool,
     /// Prompt token ids past the parse limit ([`parse_capped`]): counted, not kept.
@@ -193,6 +198,14 @@ impl InferenceRequest {
     pub fn session(&self) -> Option<&SessionControl> {
         self.nvext.session_control.as_ref()
     }
+
+    /// Puts the `x-tenant-id` header's value above the body's salts (Dynamo's
+    /// precedence); an empty header changes nothing.
+    pub fn set_tenant(&mut self, tenant: Option<&str>) {
+        if let Some(t) = tenant.filter(|t| !t.is_empty()) {
+            self.salt = Some(t.to_string());
+        }
+    }
 }
 
 /// Parses a request body. `kind` comes from the path; when the path is unknown the
@@ -238,6 +251,47 @@ mod tests {
         match parse(body.as_bytes(), kind).unwrap_err() {
             RequestError::Field { field, .. } => field,
             RequestError::InvalidJson(_) => "<json>".into(),
+        }
+    }
+
+    #[test]
+    fn the_tenant_salt_follows_dynamos_precedence() {
+        let salt = |extra: &str| {
+            let body = format!(r#"{{"model":"m","prompt":"p"{extra}}}"#);
+            parse(body.as_bytes(), None).unwrap().salt
+        };
+        assert_eq!(salt(""), None);
+        assert_eq!(salt(r#","cache_salt":null"#), None);
+        assert_eq!(salt(r#","cache_salt":"a""#).as_deref(), Some("a"));
+        assert_eq!(salt(r#","nvext":{"cache_salt":"b"}"#).as_deref(), Some("b"));
+        let both = r#","cache_salt":"a","nvext":{"cache_salt":"b"}"#;
+        assert_eq!(salt(both).as_deref(), Some("b"), "nvext over the body");
+        let mut r = parse(
+            format!(r#"{{"model":"m","prompt":"p"{both}}}"#).as_bytes(),
+            None,
+        )
+        .unwrap();
+        r.set_tenant(Some(""));
+        assert_eq!(r.salt.as_deref(), Some("b"), "an empty header is none");
+        r.set_tenant(Some("c"));
+        assert_eq!(r.salt.as_deref(), Some("c"), "the header over both");
+        // vLLM refuses an empty salt; a repeated one is ambiguous.
+        for (bad, field) in [
+            (
+                r#"{"model":"m","prompt":"p","cache_salt":""}"#,
+                "cache_salt",
+            ),
+            (r#"{"model":"m","prompt":"p","cache_salt":5}"#, "cache_salt"),
+            (
+                r#"{"model":"m","prompt":"p","nvext":{"cache_salt":""}}"#,
+                "nvext.cache_salt",
+            ),
+            (
+                r#"{"model":"m","prompt":"p","cache_salt":"a","cache_salt":"b"}"#,
+                "cache_salt",
+            ),
+        ] {
+            assert_eq!(err_field(bad, None), field, "{bad}");
         }
     }
 

@@ -4,7 +4,7 @@
 //! Field names and types follow Dynamo: `session_control` (`session_id`, `action`,
 //! `timeout`), `agent_hints` (`priority`, `osl`, `speculative_prefill`,
 //! `latency_sensitivity`; unknown hints are ignored), `token_data`,
-//! `use_raw_prompt`, and the worker-selection fields `backend_instance_id`,
+//! `use_raw_prompt`, `cache_salt` (the tenant salt, [`parse_salt`]), and the worker-selection fields `backend_instance_id`,
 //! `decode_worker_id`, `prefill_worker_id`, `dp_rank`, `prefill_dp_rank`. The
 //! worker-selection fields are read only to be removed: a client never picks its
 //! worker (see [`CLIENT_WORKER_FIELDS`]).
@@ -106,6 +106,8 @@ pub struct NvExt {
     pub token_data: Option<Vec<u32>>,
     /// Bypass the chat template.
     pub use_raw_prompt: Option<bool>,
+    /// The tenant's cache salt (non-empty).
+    pub cache_salt: Option<String>,
     /// Worker the client asked for. Never honoured; removed from the body.
     pub backend_instance_id: Option<u64>,
     /// Decode worker the client asked for. Never honoured; removed from the body.
@@ -201,6 +203,11 @@ impl<'de> Visitor<'de> for NvExtVisitor<'_> {
                     once(&nv.use_raw_prompt, "use_raw_prompt")?;
                     nv.use_raw_prompt = map.next_value()?;
                 }
+                "cache_salt" => {
+                    self.path.push("cache_salt");
+                    once(&nv.cache_salt, "cache_salt")?;
+                    nv.cache_salt = parse_salt(&mut map)?;
+                }
                 // Worker fields may repeat: every copy is removed from the body.
                 "backend_instance_id" => {
                     self.path.push("backend_instance_id");
@@ -232,6 +239,16 @@ impl<'de> Visitor<'de> for NvExtVisitor<'_> {
             self.path.pop();
         }
         Ok(nv)
+    }
+}
+
+/// Reads a `cache_salt` value: a non-empty string, or `null` for none. vLLM
+/// refuses an empty salt, so kvpick does too (rather than hash as unsalted a
+/// request the engine would reject).
+pub(super) fn parse_salt<'de, A: MapAccess<'de>>(map: &mut A) -> Result<Option<String>, A::Error> {
+    match map.next_value::<Option<Key>>()? {
+        Some(Key(s)) if s.is_empty() => Err(de::Error::custom("must be a non-empty string")),
+        salt => Ok(salt.map(|Key(s)| s.into_owned())),
     }
 }
 

@@ -13,7 +13,7 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use serde_json::error::Category;
 use serde_json::value::RawValue;
 
-use super::nvext::{Key, NvExt, NvExtVisitor};
+use super::nvext::{parse_salt, Key, NvExt, NvExtVisitor};
 use super::{
     ApiKind, ChatInput, ContentPart, InferenceRequest, MessageField, ParseOptions, PromptPart,
     RequestError, Segment, TemplateInput, TemplateMessage,
@@ -248,6 +248,8 @@ pub(super) fn parse_body(
         omitted_tokens,
         stream: top.stream,
         names_worker: nvext.names_worker(),
+        // Dynamo's precedence: `nvext.cache_salt` over the top-level field.
+        salt: nvext.cache_salt.clone().or(top.cache_salt),
         nvext,
         template: top.template,
     })
@@ -273,6 +275,7 @@ struct TopFound<'de> {
     stream: bool,
     segments: Segments,
     nvext: Option<&'de RawValue>,
+    cache_salt: Option<String>,
     template: Option<TemplateInput>,
 }
 
@@ -306,6 +309,7 @@ impl<'de> Visitor<'de> for Top<'_> {
         let mut input: Option<(Segments, Vec<TemplateMessage>)> = None;
         let mut instructions: Option<Option<Key<'de>>> = None;
         let mut nvext: Option<&'de RawValue> = None;
+        let mut cache_salt: Option<Option<String>> = None;
         // Template-only fields: a repeated key counts its last copy, as JSON does.
         let mut tools: Option<&'de RawValue> = None;
         let mut kwargs: Option<&'de RawValue> = None;
@@ -365,6 +369,11 @@ impl<'de> Visitor<'de> for Top<'_> {
                     path.push("nvext");
                     once(&nvext, "nvext")?;
                     nvext = Some(map.next_value()?);
+                }
+                "cache_salt" => {
+                    path.push("cache_salt");
+                    once(&cache_salt, "cache_salt")?;
+                    cache_salt = Some(parse_salt(&mut map)?);
                 }
                 "tools" if keep => {
                     tools = Some(map.next_value()?);
@@ -441,6 +450,7 @@ impl<'de> Visitor<'de> for Top<'_> {
             stream: stream.flatten().unwrap_or(false),
             segments,
             nvext,
+            cache_salt: cache_salt.flatten(),
             template,
         })
     }

@@ -259,7 +259,7 @@ impl Scheduler {
     /// their tokens).
     pub fn prompt_blocks(&self, body: &InferenceRequest) -> hash::PromptBlocks {
         hash::PromptBlocks::of(
-            hash::model_seed(&body.model, None),
+            hash::request_seed(&body.model, body.salt.as_deref()),
             &body.segments,
             (self.config.byte_block, self.config.token_block),
             self.config.max_prefix_blocks,

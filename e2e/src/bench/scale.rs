@@ -237,6 +237,7 @@ pub fn run(cfg: &ScaleConfig) -> ScaleReport {
         segments: vec![Segment::Tokens(prompt.clone())],
         stream: true,
         nvext: NvExt::default(),
+        salt: None,
         names_worker: false,
         omitted_tokens: 0,
         template: None,

@@ -111,6 +111,7 @@ pub fn body(r: &TraceRequest) -> InferenceRequest {
         segments: vec![Segment::Tokens(prompt_tokens(r))],
         stream: true,
         nvext: NvExt::default(),
+        salt: None,
         names_worker: false,
         omitted_tokens: 0,
         template: None,

@@ -96,6 +96,46 @@ fn repeated_prompt_returns_to_its_worker() {
     );
 }
 
+/// Tenants (`x-tenant-id` > `nvext.cache_salt` > `cache_salt`) never share a
+/// prefix: a tenant's prompt finds nothing of another tenant's identical one.
+#[test]
+fn a_salted_prompt_never_matches_another_tenants_identical_prefix() {
+    let s = Scheduler::default();
+    let t = both(8);
+    let snap = t.snapshot();
+    let text = "the same long system prompt ".repeat(200);
+    let salted = |salt: serde_json::Value| {
+        let mut b = serde_json::json!({"model": "m", "prompt": text});
+        if let serde_json::Value::Object(m) = &mut b {
+            m.extend(salt.as_object().unwrap().clone());
+        }
+        body(&b.to_string())
+    };
+    let a = salted(serde_json::json!({"cache_salt": "tenant-a"}));
+    let first = s.pick(&with_body(&a), &snap).unwrap();
+    s.finish(&first, Some(200));
+    let again = s.pick(&with_body(&a), &snap).unwrap();
+    assert_eq!(
+        again.overlap_blocks, again.prompt_blocks,
+        "same tenant hits"
+    );
+    s.finish(&again, Some(200));
+    let mut by_header = salted(serde_json::json!({"cache_salt": "tenant-b"}));
+    by_header.set_tenant(Some("tenant-a"));
+    let same = s.pick(&with_body(&by_header), &snap).unwrap();
+    assert_eq!(same.overlap_blocks, same.prompt_blocks, "the header wins");
+    s.finish(&same, Some(200));
+    for other in [
+        salted(serde_json::json!({"cache_salt": "tenant-b"})),
+        salted(serde_json::json!({"cache_salt": "tenant-a", "nvext": {"cache_salt": "tenant-c"}})),
+        salted(serde_json::json!({})),
+    ] {
+        let d = s.pick(&with_body(&other), &snap).unwrap();
+        assert_eq!(d.overlap_blocks, 0, "{:?}", other.salt);
+        s.finish(&d, Some(200));
+    }
+}
+
 #[test]
 fn load_outweighs_overlap_when_the_holder_is_busy() {
     let s = Scheduler::default();
