@@ -35,8 +35,8 @@ use aisimulate_core::replay::{
 };
 use anyhow::Context;
 use dynamo_mocker::common::protocols::MockerConfig;
-use kvpick::endpoints::Snapshot;
 use dynamo_mocker::replay::{simulate_trace_file_with_router_mode, ReplayRouterMode};
+use kvpick::endpoints::Snapshot;
 
 use placement::{KvpickComposition, KvpickSettings, Mode, Scrapes};
 
@@ -225,18 +225,37 @@ pub struct KvpickRun {
     pub scrapes: Scrapes,
 }
 
+impl KvpickRun {
+    /// The run's figures count only if kvpick read every engine's gauges and
+    /// every booking ended with its request.
+    fn check(&self, workers: usize) -> anyhow::Result<()> {
+        let scraped = self.scrapes.workers();
+        anyhow::ensure!(
+            scraped == workers,
+            "kvpick read gauges of {scraped} of {workers} workers"
+        );
+        let left: u32 = self
+            .endpoints
+            .endpoints
+            .iter()
+            .map(|e| e.in_flight_total())
+            .sum();
+        anyhow::ensure!(left == 0, "{left} bookings outlived their requests");
+        Ok(())
+    }
+}
+
 /// Runs the matrix and prints it (and writes it to `--out`).
 pub fn run(args: AisimArgs) -> anyhow::Result<()> {
     let mut md = String::new();
     writeln!(md, "# kvpick in AISimulate: {} workers\n", args.workers)?;
     writeln!(
         md,
-        "Engine (every policy, every point): AISimulate {} backend, block size {} tokens, \
+        "Engine (every policy, every point): AISimulate vLLM backend, block size {} tokens, \
          `max_num_seqs` {}, `max_num_batched_tokens` {} (chunked prefill on, prefix caching on), \
          polynomial perf model (`dynamo-mocker`'s default `PerfModel`, no external timing \
          provider), dp 1, tp 1; `num_gpu_blocks` per table. kvpick reads the engines' gauges \
          every {} ms of virtual time. Trace hash ids are {} tokens.\n",
-        "vLLM",
         args.block_size,
         args.max_num_seqs,
         args.max_num_batched_tokens,
@@ -287,6 +306,7 @@ pub fn run(args: AisimArgs) -> anyhow::Result<()> {
                     let t = Instant::now();
                     let run = run_kvpick(&args, &config, trace, speedup, mode)
                         .with_context(|| format!("{} on {name}", mode.name()))?;
+                    run.check(args.workers)?;
                     rows.push(Figures::of(
                         mode.name(),
                         &run.report,
@@ -415,10 +435,7 @@ mod tests {
                 run.report.prefix_cache_reused_ratio,
                 rr.prefix_cache_reused_ratio
             );
-            assert_eq!(run.scrapes.workers(), 4, "{}", mode.name());
-            for e in &run.endpoints.endpoints {
-                assert_eq!(e.in_flight_total(), 0, "{}", mode.name());
-            }
+            run.check(4).unwrap();
         }
         std::fs::remove_file(trace).unwrap();
     }

@@ -186,8 +186,10 @@ impl ReplayComposition for KvpickComposition {
             bail!("kvpick placement runs dp size 1 workers, got {dp_size}");
         }
         let placement = KvpickPlacement::new(&self.settings, topology, self.scrapes.clone())?;
-        *self.table.lock().map_err(|_| anyhow!("table lock poisoned"))? =
-            Some(Arc::clone(&placement.snapshot));
+        *self
+            .table
+            .lock()
+            .map_err(|_| anyhow!("table lock poisoned"))? = Some(Arc::clone(&placement.snapshot));
         Ok(placement)
     }
 
@@ -473,7 +475,11 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
         false
     }
 
-    fn request_terminal(&mut self, request_id: Uuid, now_ms: f64) -> anyhow::Result<Vec<Placement>> {
+    fn request_terminal(
+        &mut self,
+        request_id: Uuid,
+        now_ms: f64,
+    ) -> anyhow::Result<Vec<Placement>> {
         self.finish(request_id, now_ms);
         Ok(Vec::new())
     }
@@ -491,17 +497,26 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
 
     fn worker_ready(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
         if !self.endpoint_of.contains_key(&w.worker_id) {
-            bail!("kvpick placement runs a fixed pool; worker {} joined", w.worker_id);
+            bail!(
+                "kvpick placement runs a fixed pool; worker {} joined",
+                w.worker_id
+            );
         }
         Ok(Vec::new())
     }
 
     fn worker_draining(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
-        bail!("kvpick placement runs a fixed pool; worker {} drains", w.worker_id)
+        bail!(
+            "kvpick placement runs a fixed pool; worker {} drains",
+            w.worker_id
+        )
     }
 
     fn worker_removed(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
-        bail!("kvpick placement runs a fixed pool; worker {} left", w.worker_id)
+        bail!(
+            "kvpick placement runs a fixed pool; worker {} left",
+            w.worker_id
+        )
     }
 
     fn topology_settled(&mut self, _: f64) -> anyhow::Result<Vec<Placement>> {
