@@ -18,7 +18,8 @@ use std::time::Instant;
 use tonic::codegen::{http, BoxFuture, Service, StdError};
 
 use crate::endpoints::EndpointTable;
-use crate::request::{self, ApiKind, Segment};
+use crate::pipeline::{Pipeline, RequestHead};
+use crate::request::ApiKind;
 use crate::scheduler::{Explanation, PickRequest, Scheduler};
 use crate::tokenize::TokenizerPool;
 
@@ -37,6 +38,17 @@ pub struct ExplainRequest {
     /// Addresses the gateway would restrict the choice to.
     #[prost(string, repeated, tag = "4")]
     pub subset: Vec<String>,
+}
+
+/// `Term`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Term {
+    /// The term's name.
+    #[prost(string, tag = "1")]
+    pub name: String,
+    /// Its weighted cost.
+    #[prost(double, tag = "2")]
+    pub cost: f64,
 }
 
 /// `Candidate`.
@@ -60,18 +72,6 @@ pub struct Candidate {
     /// Leading prompt blocks it holds.
     #[prost(uint64, tag = "6")]
     pub overlap_blocks: u64,
-    /// Weighted prefill term.
-    #[prost(double, tag = "7")]
-    pub prefill_cost: f64,
-    /// Weighted active-load term.
-    #[prost(double, tag = "8")]
-    pub decode_load: f64,
-    /// Weighted queue term.
-    #[prost(double, tag = "9")]
-    pub queue_load: f64,
-    /// Weighted KV-usage term.
-    #[prost(double, tag = "10")]
-    pub kv_usage_load: f64,
     /// The sum of the terms.
     #[prost(double, tag = "11")]
     pub cost: f64,
@@ -81,6 +81,9 @@ pub struct Candidate {
     /// The pick would take it.
     #[prost(bool, tag = "13")]
     pub chosen: bool,
+    /// The weighted cost terms, in summing order.
+    #[prost(message, repeated, tag = "14")]
+    pub terms: Vec<Term>,
 }
 
 /// `ExplainResponse`.
@@ -107,22 +110,23 @@ pub const EXPLAIN_PATH: &str = "/kvpick.admin.v1.Admin/Explain";
 pub struct Admin {
     scheduler: Arc<Scheduler>,
     endpoints: Arc<EndpointTable>,
-    tokenizer: Option<TokenizerPool>,
+    pipeline: Pipeline,
 }
 
 impl Admin {
     /// The service over the routing state (and the tokenizer, so precise-mode
-    /// requests are hashed as the ext_proc path hashes them, remote images
+    /// requests are prepared as the ext_proc path prepares them, remote images
     /// fetched when it fetches them).
     pub fn new(
         scheduler: Arc<Scheduler>,
         endpoints: Arc<EndpointTable>,
         tokenizer: Option<TokenizerPool>,
     ) -> Self {
+        let pipeline = Pipeline::new(scheduler.config().prompt_token_limit(), tokenizer);
         Admin {
             scheduler,
             endpoints,
-            tokenizer,
+            pipeline,
         }
     }
 
@@ -133,37 +137,21 @@ impl Admin {
 
     /// Answers one `Explain`.
     pub async fn explain(&self, req: ExplainRequest) -> Result<ExplainResponse, tonic::Status> {
-        let kind = ApiKind::from_path(&req.path);
-        let limit = self.scheduler.config().prompt_token_limit();
-        let options = request::ParseOptions {
-            token_limit: limit,
-            template: self.tokenizer.is_some(),
+        let head = RequestHead {
+            kind: ApiKind::from_path(&req.path),
+            path: req.path,
+            ..Default::default()
         };
-        let mut parsed = request::parse_with(&req.body, kind, options)
+        let mut prepared = self
+            .pipeline
+            .prepare(req.body, &head)
             .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
-        let has_text = parsed
-            .segments
-            .iter()
-            .any(|s| matches!(s, Segment::Text(_)));
-        let input = parsed.template.take();
-        if let (Some(pool), Some(input), true) = (&self.tokenizer, input, has_text) {
-            // As the ext_proc path: remote images are fetched when `--mm-fetch` is on.
-            let urls: Vec<String> = parsed
-                .segments
-                .iter()
-                .filter_map(|s| match s {
-                    Segment::Image(u) => Some(u.clone()),
-                    _ => None,
-                })
-                .collect();
-            let (tokens, _) = pool.tokenize_fetching(input, &urls).await;
-            if let Ok(tokens) = tokens {
-                parsed.segments = tokens;
-            }
+        if let Some(job) = prepared.take_tokenize_job() {
+            prepared.tokenized(job.run().await);
         }
         let snapshot = self.endpoints.snapshot();
         let pick = PickRequest {
-            body: Some(&parsed),
+            body: Some(&prepared.request),
             subset: (!req.subset.is_empty()).then_some(req.subset.as_slice()),
             session_id: (!req.session_id.is_empty()).then_some(req.session_id.as_str()),
             session_token: None,
@@ -189,13 +177,18 @@ fn response(e: Explanation) -> ExplainResponse {
                 instance_id: c.key.instance_id,
                 dp_rank: c.key.dp_rank,
                 role: if c.prefill { "prefill" } else { "decode" }.into(),
-                filtered_out: c.filtered_out.map_or("", |f| f.as_str()).into(),
+                filtered_out: c.filtered_out.unwrap_or_default().into(),
                 overlap_blocks: c.overlap_blocks as u64,
-                prefill_cost: c.terms.prefill,
-                decode_load: c.terms.decode,
-                queue_load: c.terms.queue,
-                kv_usage_load: c.terms.kv_usage,
                 cost: c.terms.total(),
+                terms: c
+                    .terms
+                    .0
+                    .iter()
+                    .map(|&(name, cost)| Term {
+                        name: name.into(),
+                        cost,
+                    })
+                    .collect(),
                 session_pinned: c.session_pinned,
                 chosen: c.chosen,
             })
@@ -209,12 +202,15 @@ pub fn to_json(r: &ExplainResponse) -> serde_json::Value {
         .candidates
         .iter()
         .map(|c| {
+            let terms: Vec<serde_json::Value> = c
+                .terms
+                .iter()
+                .map(|t| serde_json::json!({"name": t.name, "cost": t.cost}))
+                .collect();
             serde_json::json!({
                 "address": c.address, "instance_id": c.instance_id, "dp_rank": c.dp_rank,
                 "role": c.role, "filtered_out": c.filtered_out,
-                "overlap_blocks": c.overlap_blocks, "prefill_cost": c.prefill_cost,
-                "decode_load": c.decode_load, "queue_load": c.queue_load,
-                "kv_usage_load": c.kv_usage_load, "cost": c.cost,
+                "overlap_blocks": c.overlap_blocks, "terms": terms, "cost": c.cost,
                 "session_pinned": c.session_pinned, "chosen": c.chosen,
             })
         })
@@ -313,6 +309,7 @@ pub async fn call_explain(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request;
     use prost::Message;
 
     /// `(field number, wire type)` of each field of `message` in the `.proto`.
@@ -327,7 +324,7 @@ mod tests {
             .unwrap();
         body.lines()
             .map(|l| l.trim())
-            .filter(|l| !l.starts_with("//") && l.ends_with(';'))
+            .filter(|l| !l.starts_with("//") && !l.starts_with("reserved") && l.ends_with(';'))
             .map(|l| {
                 let words: Vec<&str> = l.split_whitespace().collect();
                 let ty = if words[0] == "repeated" {
@@ -426,7 +423,9 @@ mod tests {
         );
         assert_eq!(chosen[0].overlap_blocks, d.prompt_blocks as u64);
         for c in &a.candidates {
-            let terms = c.prefill_cost + c.decode_load + c.queue_load + c.kv_usage_load;
+            let names: Vec<&str> = c.terms.iter().map(|t| t.name.as_str()).collect();
+            assert_eq!(names, ["prefill", "decode_load", "queue", "kv_usage"]);
+            let terms: f64 = c.terms.iter().map(|t| t.cost).sum();
             assert!((c.cost - terms).abs() < 1e-9);
             assert_eq!(c.role, "decode");
             assert!(c.filtered_out.is_empty());
@@ -532,10 +531,10 @@ mod tests {
             role: "decode".into(),
             filtered_out: "ejected".into(),
             overlap_blocks: 1,
-            prefill_cost: 1.0,
-            decode_load: 1.0,
-            queue_load: 1.0,
-            kv_usage_load: 1.0,
+            terms: vec![Term {
+                name: "prefill".into(),
+                cost: 1.0,
+            }],
             cost: 1.0,
             session_pinned: true,
             chosen: true,
@@ -553,6 +552,7 @@ mod tests {
             candidates: vec![candidate.clone()],
         };
         let cases = [
+            ("Term", candidate.terms[0].encode_to_vec()),
             ("Candidate", candidate.encode_to_vec()),
             ("ExplainRequest", request.encode_to_vec()),
             ("ExplainResponse", response.encode_to_vec()),

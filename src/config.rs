@@ -870,6 +870,7 @@ impl Args {
                 prefill_overlap: self.weight_prefill_overlap,
             },
             temperature: self.temperature.max(0.0),
+            plugins: None,
             tie_break_seed: None,
             scrape_max_age: self.scrape_staleness(),
             index: IndexConfig {

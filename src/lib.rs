@@ -8,8 +8,8 @@
 //! [`telemetry`], [`admin`] and [`server`], which wires them together.
 
 pub use kvpick_core::{
-    admission, endpoints, health, identity, keys, kv, multimodal, request, scheduler, sessions,
-    time, tokenize,
+    admission, endpoints, health, identity, keys, kv, multimodal, pipeline, request, scheduler,
+    sessions, time, tokenize,
 };
 
 pub mod admin;

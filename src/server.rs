@@ -22,6 +22,7 @@ use crate::extproc::{ExtProcService, Shared};
 use crate::kvevents::subscriber::{IngestThread, KvEventMetrics, KvEvents, SubscriberConfig};
 use crate::kvevents::KvEventSink;
 use crate::multimodal::MmRouting;
+use crate::pipeline::Pipeline;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::telemetry::{self, Metrics};
 use crate::tls::ServerTls;
@@ -193,10 +194,13 @@ impl App {
             endpoints: Arc::clone(&self.endpoints),
             scheduler: Arc::clone(&self.scheduler),
             metrics: Arc::clone(&self.metrics),
-            tokenizer: self.tokenizer.clone(),
+            pipeline: Pipeline::new(
+                self.scheduler.config().prompt_token_limit(),
+                self.tokenizer.clone(),
+            )
+            .counting_images(Arc::clone(&self.mm_stats)),
             admission: self.admission.clone(),
             admission_metrics: Some(Arc::clone(&self.admission_metrics)),
-            mm_stats: Arc::clone(&self.mm_stats),
             body_budget: crate::extproc::budget::BodyBudget::new(config.body_budget_bytes),
             config,
         })

@@ -11,6 +11,8 @@
 //! - [`scheduler`]: candidates, costs and the pick.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
+//! - [`pipeline`]: one request from its headers and body to the headers and
+//!   body it is forwarded with.
 //! - [`health`], [`identity`], [`keys`], [`time`]: small shared pieces.
 
 pub mod admission;
@@ -20,6 +22,7 @@ pub mod identity;
 pub mod keys;
 pub mod kv;
 pub mod multimodal;
+pub mod pipeline;
 pub mod request;
 pub mod scheduler;
 pub mod sessions;

@@ -19,7 +19,7 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 /// Metadata namespace carrying the gateway's subset hint.
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Key (header and metadata) naming the destination endpoint.
-pub const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
+pub const DESTINATION_KEY: &str = crate::pipeline::DESTINATION_HEADER;
 /// Key of the subset hint inside [`SUBSET_NAMESPACE`].
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 
@@ -38,6 +38,29 @@ pub fn find_header(map: Option<&HeaderMap>, name: &str) -> Option<String> {
         .iter()
         .find(|h| h.key.eq_ignore_ascii_case(name))
         .map(header_value)
+}
+
+/// Envoy's request headers as the pipeline reads them.
+pub struct EnvoyHeaders<'a>(pub Option<&'a HeaderMap>);
+
+impl crate::pipeline::Headers for EnvoyHeaders<'_> {
+    fn get(&self, name: &str) -> Option<String> {
+        find_header(self.0, name)
+    }
+
+    fn names(&self) -> impl Iterator<Item = &str> {
+        self.0
+            .into_iter()
+            .flat_map(|m| m.headers.iter())
+            .map(|h| h.key.as_str())
+    }
+}
+
+/// A mutation replacing the whole body (buffered modes).
+pub fn replace_body(body: Vec<u8>) -> BodyMutation {
+    BodyMutation {
+        mutation: Some(Mutation::Body(body)),
+    }
 }
 
 /// An overwrite-or-add header option, value sent as `raw_value` as Envoy expects.

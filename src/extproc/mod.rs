@@ -75,16 +75,12 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// Handler settings.
     pub config: ExtProcConfig,
-    /// In-process tokenizer (`--tokenizer-dir`): text prompts become token ids so
-    /// their blocks match the engines' KV events.
-    pub tokenizer: Option<crate::tokenize::TokenizerPool>,
+    /// Parses, identifies images and tokenizes bodies; edits the forwarded one.
+    pub pipeline: crate::pipeline::Pipeline,
     /// Admission and flow control.
     pub admission: Gate,
     /// Objective metrics the stream records (request errors and durations).
     pub admission_metrics: Option<Arc<AdmissionMetrics>>,
-    /// Multimodal counters; the stream records requests routed without a
-    /// tokenizer (the tokenizer records the others).
-    pub mm_stats: Arc<crate::multimodal::MmStats>,
     /// The process-wide buffered-body budget.
     pub body_budget: budget::BodyBudget,
 }

@@ -5,10 +5,9 @@
 //! trailers, and the response path. [`StreamState::handle`] is synchronous and
 //! returns the messages to send back, so the protocol can be tested without a server.
 
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::HeaderMap;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request, HeaderMutation, HttpBody, HttpHeaders, ProcessingRequest,
@@ -17,61 +16,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use tracing::{debug, info, warn};
 
 use super::budget::Reservation;
-use super::messages::{self, find_header, set_header, DESTINATION_KEY};
+use super::messages::{self, find_header, set_header, EnvoyHeaders};
 use super::Shared;
-use crate::admission::priority::{FAIRNESS_ID_HEADER, OBJECTIVE_HEADER};
-use crate::admission::{
-    Permit, Rejection, RequestClass, RequestSignals, Ticket, Verdict, DROPPED_REASON_HEADER,
-};
-use crate::endpoints::{Engine, InFlightGuard, Snapshot};
-use crate::multimodal::hints;
-use crate::multimodal::identity::{identify, ImageIdentity};
-use crate::multimodal::remote::KnownImages;
-use crate::multimodal::MmRouting;
+use crate::admission::{Permit, Rejection, RequestClass, Ticket, Verdict, DROPPED_REASON_HEADER};
+use crate::endpoints::{InFlightGuard, Snapshot};
+use crate::pipeline::{self, Prepared, RequestHead, TokenizeJob, Tokenized};
 use crate::request::usage::ResponseTail;
-use crate::request::{self, ApiKind, InferenceRequest, Segment, TemplateInput};
 use crate::scheduler::{Decision, PickError, PickRequest};
 use crate::telemetry::RequestResult;
-use crate::tokenize::{TokenizeError, TokenizerPool};
-
-/// Routing headers kvpick owns. Any of these the client sent is removed or overwritten.
-pub const ROUTING_HEADERS: &[&str] = &[
-    DESTINATION_KEY,
-    WORKER_ID_HEADER,
-    DP_RANK_HEADER,
-    PREFILL_ID_HEADER,
-    PREFILL_DP_RANK_HEADER,
-    BOOTSTRAP_HOST_HEADER,
-    BOOTSTRAP_PORT_HEADER,
-    BOOTSTRAP_ROOM_HEADER,
-];
-/// Decode worker instance id.
-pub const WORKER_ID_HEADER: &str = "x-worker-instance-id";
-/// Decode worker data-parallel rank.
-pub const DP_RANK_HEADER: &str = "x-dp-rank";
-/// Prefill worker instance id (disaggregated pools).
-pub const PREFILL_ID_HEADER: &str = "x-prefill-instance-id";
-/// Prefill worker data-parallel rank (disaggregated pools).
-pub const PREFILL_DP_RANK_HEADER: &str = "x-prefill-dp-rank";
-/// Prefill bootstrap host (SGLang disaggregation).
-pub const BOOTSTRAP_HOST_HEADER: &str = "x-prefill-bootstrap-host";
-/// Prefill bootstrap port (SGLang disaggregation).
-pub const BOOTSTRAP_PORT_HEADER: &str = "x-prefill-bootstrap-port";
-/// Prefill bootstrap room (SGLang disaggregation).
-pub const BOOTSTRAP_ROOM_HEADER: &str = "x-prefill-bootstrap-room";
-
-/// The edit every forwarded body gets ([`request::NvExtEdit::strip_client_routing`]),
-/// built once.
-static STRIP_CLIENT_ROUTING: LazyLock<request::NvExtEdit> =
-    LazyLock::new(request::NvExtEdit::strip_client_routing);
-
-/// Whether a request header name is a routing header kvpick must own (any case).
-fn is_routing_header(name: &str) -> bool {
-    let destination = name
-        .get(..DESTINATION_KEY.len())
-        .is_some_and(|head| head.eq_ignore_ascii_case(DESTINATION_KEY));
-    destination || ROUTING_HEADERS.iter().any(|h| h.eq_ignore_ascii_case(name))
-}
 
 /// How Envoy sends the request body on this stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,22 +64,6 @@ enum Phase {
     Done,
 }
 
-struct RequestMeta {
-    path: String,
-    kind: Option<ApiKind>,
-    request_id: Option<String>,
-    session_id: Option<String>,
-    session_token: Option<String>,
-    /// Routing headers the client sent; removed unless kvpick sets them.
-    spoofed: Vec<String>,
-    /// `x-gateway-inference-objective`.
-    objective: Option<String>,
-    /// `x-gateway-inference-fairness-id`.
-    fairness_id: Option<String>,
-    /// `content-length`, when the client sent one.
-    content_length: Option<usize>,
-}
-
 /// State of one ext_proc stream.
 pub struct StreamState {
     shared: Arc<Shared>,
@@ -135,7 +71,8 @@ pub struct StreamState {
     response_mode: BodyMode,
     phase: Phase,
     headers_answered: bool,
-    meta: Option<RequestMeta>,
+    /// What the request headers said (empty until they arrive).
+    head: RequestHead,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
     /// The buffered body's share of the process-wide budget.
@@ -147,7 +84,8 @@ pub struct StreamState {
     response_status: Option<u16>,
     /// Response headers arrived (only the first count).
     response_seen: bool,
-    tokenizing: Option<Box<(InferenceRequest, RouteVia)>>,
+    /// A complete body waiting for its tokens.
+    tokenizing: Option<Box<RequestBody>>,
     /// A body waiting in a flow-control queue.
     admitting: Option<Box<Admitting>>,
     /// The request's admission class, once its body is parsed.
@@ -160,30 +98,15 @@ pub struct StreamState {
 
 /// A request held by flow control: routed once its ticket is answered.
 struct Admitting {
-    parsed: InferenceRequest,
-    via: RouteVia,
+    body: RequestBody,
     ticket: Option<Ticket>,
 }
 
-/// A request body waiting to be tokenized before it is routed.
-pub struct TokenizeJob {
-    pool: TokenizerPool,
-    input: TemplateInput,
-    /// The request's image URLs in prompt order (remote ones may be fetched).
-    image_urls: Vec<String>,
-}
-
-/// A tokenized body: its segments, and the remote images fetched for it.
-pub type Tokenized = (Result<Vec<Segment>, TokenizeError>, KnownImages);
-
-impl TokenizeJob {
-    /// Fetches the remote images (when on) and tokenizes the body on the
-    /// tokenizer pool.
-    pub async fn run(self) -> Tokenized {
-        self.pool
-            .tokenize_fetching(self.input, &self.image_urls)
-            .await
-    }
+/// A complete request body on its way to a decision.
+struct RequestBody {
+    prepared: Prepared,
+    /// The body ended the request stream (no trailers follow).
+    end_of_stream: bool,
 }
 
 struct Routed {
@@ -201,7 +124,7 @@ impl StreamState {
             response_mode: BodyMode::Unknown,
             phase: Phase::Start,
             headers_answered: false,
-            meta: None,
+            head: RequestHead::default(),
             subset: None,
             body: Vec::new(),
             reservation,
@@ -229,11 +152,10 @@ impl StreamState {
         let Some(admitting) = self.admitting.take() else {
             return Vec::new();
         };
-        let Admitting { parsed, via, .. } = *admitting;
         match verdict {
             Ok(permit) => {
                 let snapshot = self.shared.endpoints.snapshot();
-                let out = self.route(Some(&parsed), via, &snapshot);
+                let out = self.route(Some(admitting.body), &snapshot);
                 drop(permit);
                 out
             }
@@ -241,20 +163,13 @@ impl StreamState {
         }
     }
 
-    /// Passes a parsed body through admission, then routes it (or holds it, or sheds it).
-    fn admit(&mut self, parsed: InferenceRequest, via: RouteVia) -> Vec<ProcessingResponse> {
-        let meta = self.meta.as_ref();
-        let bytes = match &via {
-            RouteVia::Body { body, .. } => body.len(),
-            RouteVia::Headers => 0,
-        };
-        let class = self.shared.admission.classify(RequestSignals {
-            objective: meta.and_then(|m| m.objective.as_deref()),
-            fairness_id: meta.and_then(|m| m.fairness_id.as_deref()),
-            hint_priority: hint_priority(&parsed),
-            model: &parsed.model,
-            bytes,
-        });
+    /// Passes a prepared body through admission, then routes it (or holds it, or sheds it).
+    fn admit(&mut self, body: RequestBody) -> Vec<ProcessingResponse> {
+        let class = self
+            .shared
+            .admission
+            .classify(body.prepared.signals(&self.head));
+        let bytes = body.prepared.body_len();
         if let (Some(m), true) = (&self.shared.admission_metrics, bytes > 0) {
             m.request_size(&class, bytes);
         }
@@ -262,15 +177,14 @@ impl StreamState {
         let snapshot = self.shared.endpoints.snapshot();
         match self.shared.admission.admit(class, &snapshot) {
             Verdict::Go(permit) => {
-                let out = self.route(Some(&parsed), via, &snapshot);
+                let out = self.route(Some(body), &snapshot);
                 drop(permit);
                 out
             }
             Verdict::Wait(ticket) => {
                 debug!("pool saturated: request queued by flow control");
                 self.admitting = Some(Box::new(Admitting {
-                    parsed,
-                    via,
+                    body,
                     ticket: Some(ticket),
                 }));
                 Vec::new()
@@ -303,32 +217,17 @@ impl StreamState {
     /// The tokenization a complete body is waiting for, if any; answer with
     /// [`StreamState::tokenized`].
     pub fn take_tokenize_job(&mut self) -> Option<TokenizeJob> {
-        let (parsed, RouteVia::Body { .. }) = self.tokenizing.as_deref_mut()? else {
-            return None;
-        };
-        Some(TokenizeJob {
-            pool: self.shared.tokenizer.clone()?,
-            image_urls: image_urls(parsed).map(String::from).collect(),
-            input: parsed.template.take()?,
-        })
+        self.tokenizing.as_mut()?.prepared.take_tokenize_job()
     }
 
-    /// Routes the body that was waiting for its tokens. Without them (no chat
-    /// template, a template error) the text segments are hashed as they are.
-    /// Fetched remote images change the identities the engine is told.
-    pub fn tokenized(&mut self, (tokens, fetched): Tokenized) -> Vec<ProcessingResponse> {
-        let Some(waiting) = self.tokenizing.take() else {
+    /// Admits and routes the body that was waiting for its tokens
+    /// ([`Prepared::tokenized`]).
+    pub fn tokenized(&mut self, tokenized: Tokenized) -> Vec<ProcessingResponse> {
+        let Some(mut waiting) = self.tokenizing.take() else {
             return Vec::new();
         };
-        let (mut parsed, mut via) = *waiting;
-        if let (false, RouteVia::Body { mm_hashes, .. }) = (fetched.is_empty(), &mut via) {
-            *mm_hashes = hints::image_hashes(image_urls(&parsed), &fetched);
-        }
-        match tokens {
-            Ok(segments) => parsed.segments = segments,
-            Err(e) => debug!(error = %e, "tokenization failed: routing on text blocks"),
-        }
-        self.admit(parsed, via)
+        waiting.prepared.tokenized(tokenized);
+        self.admit(*waiting)
     }
 
     /// When the request body must be complete, while it is still arriving.
@@ -449,27 +348,19 @@ impl StreamState {
             warn!("request headers twice on one stream");
             return vec![self.reject(400, "invalid_request_error", "unexpected request headers")];
         }
-        let map = h.headers.as_ref();
-        let path = find_header(map, ":path").unwrap_or_default();
         let cfg = &self.shared.config;
-        let meta = RequestMeta {
-            kind: ApiKind::from_path(&path),
-            path,
-            request_id: find_header(map, "x-request-id"),
-            session_id: find_header(map, &cfg.session_header).filter(|s| !s.is_empty()),
-            session_token: find_header(map, &cfg.session_token_header).filter(|s| !s.is_empty()),
-            spoofed: spoofed_headers(map),
-            objective: find_header(map, OBJECTIVE_HEADER),
-            fairness_id: find_header(map, FAIRNESS_ID_HEADER),
-            content_length: find_header(map, "content-length").and_then(|v| v.parse().ok()),
-        };
+        let head = RequestHead::read(
+            &EnvoyHeaders(h.headers.as_ref()),
+            &cfg.session_header,
+            &cfg.session_token_header,
+        );
         self.headers_at = Some(Instant::now());
-        if !meta.spoofed.is_empty() {
-            info!(headers = ?meta.spoofed, "client sent routing headers; removing them");
+        if !head.spoofed.is_empty() {
+            info!(headers = ?head.spoofed, "client sent routing headers; removing them");
             self.shared.metrics.spoofed_headers.inc();
         }
-        debug!(path = %meta.path, request_id = ?meta.request_id, "request headers");
-        self.meta = Some(meta);
+        debug!(path = %head.path, request_id = ?head.request_id, "request headers");
+        self.head = head;
         if h.end_of_stream || self.request_mode == BodyMode::None {
             // Header-only request (GET /v1/models) or a body Envoy will never send.
             return self.route_without_body();
@@ -513,7 +404,7 @@ impl StreamState {
         }
         if self.body.is_empty() {
             // One allocation of the announced size instead of doubling growth.
-            let announced = self.meta.as_ref().and_then(|m| m.content_length);
+            let announced = self.head.content_length;
             if let Some(n) = announced.filter(|n| *n <= self.shared.config.max_body_bytes) {
                 self.body.reserve_exact(n);
             }
@@ -549,77 +440,42 @@ impl StreamState {
 
     fn finish_request_body(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
         let body = std::mem::take(&mut self.body);
-        let kind = self.meta.as_ref().and_then(|m| m.kind);
-        let limit = self.shared.scheduler.config().prompt_token_limit();
-        let options = request::ParseOptions {
-            token_limit: limit,
-            template: self.shared.tokenizer.is_some(),
-        };
-        let mut parsed = match request::parse_with(&body, kind, options) {
+        let prepared = match self.shared.pipeline.prepare(body, &self.head) {
             Ok(p) => p,
             Err(e) => {
                 self.shared.metrics.record_result(RequestResult::BadRequest);
                 return vec![self.reject(400, "invalid_request_error", &e.to_string())];
             }
         };
-        // A client must not pick its worker through the body either: whenever the
-        // body has `nvext`, every copy of the worker fields is removed.
-        let (body, rewritten) = match parsed.rewrite_body(&body, &STRIP_CLIENT_ROUTING) {
-            Ok(Some(clean)) => (clean, true),
-            Ok(None) => (body, false),
-            Err(e) => {
-                self.shared.metrics.record_result(RequestResult::BadRequest);
-                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
-            }
-        };
-        let images: Vec<ImageIdentity> = image_urls(&parsed).map(identify).collect();
-        if self.shared.tokenizer.is_none() && !images.is_empty() {
-            // Approximate mode: the tokenizer, which counts the others, never sees it.
-            let stats = &self.shared.mm_stats;
-            images.iter().for_each(|i| stats.record_image(i.source));
-            stats.record_request(MmRouting::Approximate);
-        }
-        let mm_hashes = images.iter().map(|i| i.mm_hash).collect();
-        let via = RouteVia::Body {
-            body,
-            rewritten,
+        let body = RequestBody {
+            prepared,
             end_of_stream,
-            mm_hashes,
         };
-        let has_text = parsed
-            .segments
-            .iter()
-            .any(|s| matches!(s, Segment::Text(_)));
-        if self.shared.tokenizer.is_some() && has_text && parsed.template.is_some() {
-            self.tokenizing = Some(Box::new((parsed, via)));
+        if body.prepared.waits_for_tokens() {
+            self.tokenizing = Some(Box::new(body));
             return Vec::new();
         }
-        self.admit(parsed, via)
+        self.admit(body)
     }
 
     /// Routes a request that has no body on its headers alone, in the current
     /// endpoint set.
     fn route_without_body(&mut self) -> Vec<ProcessingResponse> {
         let snapshot = self.shared.endpoints.snapshot();
-        self.route(None, RouteVia::Headers, &snapshot)
+        self.route(None, &snapshot)
     }
 
-    /// Picks the request's target in `snapshot` and answers with the decision.
-    fn route(
-        &mut self,
-        parsed: Option<&InferenceRequest>,
-        via: RouteVia,
-        snapshot: &Snapshot,
-    ) -> Vec<ProcessingResponse> {
+    /// Picks the target of the request (with its complete `body`, or on its
+    /// headers alone) in `snapshot` and answers with the decision.
+    fn route(&mut self, body: Option<RequestBody>, snapshot: &Snapshot) -> Vec<ProcessingResponse> {
         // The body leaves the stream's buffer with this answer.
         self.reservation.release();
         let started = Instant::now();
-        let meta = self.meta.as_ref();
         let req = PickRequest {
-            body: parsed,
+            body: body.as_ref().map(|b| &b.prepared.request),
             subset: self.subset.as_deref(),
-            session_id: meta.and_then(|m| m.session_id.as_deref()),
-            session_token: meta.and_then(|m| m.session_token.as_deref()),
+            session_id: self.head.session_id.as_deref(),
+            session_token: self.head.session_token.as_deref(),
         };
         let decision = match self.shared.scheduler.pick(&req, snapshot) {
             Ok(d) => d,
@@ -644,140 +500,69 @@ impl StreamState {
             self.shared.metrics.record_decision(started.elapsed());
             self.shared.metrics.record_result(RequestResult::Routed);
         }
-        let address = decision.decode.endpoint().address_string();
         debug!(
-            endpoint = %address,
+            endpoint = %decision.decode.endpoint().address,
             worker = decision.decode.endpoint().instance_id,
             dp_rank = decision.decode.rank,
             prefill = ?decision.prefill.as_ref().map(|p| p.endpoint().instance_id),
             "routed"
         );
-        let via = match reopen_rehomed_session(parsed, &decision, via) {
-            Ok(via) => via,
+        let end_of_stream = body.as_ref().is_some_and(|b| b.end_of_stream);
+        let outcome = match pipeline::outcome(&decision, &self.head, body.map(|b| b.prepared)) {
+            Ok(outcome) => outcome,
             Err(e) => {
                 self.shared.metrics.record_result(RequestResult::BadRequest);
                 return vec![self.reject(400, "invalid_request_error", &e.to_string())];
             }
         };
-        let mut mutation = self.routing_mutation(&decision, &address);
-        let metadata = Some(messages::destination_metadata(&address));
+        let mutation = HeaderMutation {
+            set_headers: outcome
+                .set_headers
+                .into_iter()
+                .map(|(name, value)| set_header(name, value))
+                .collect(),
+            remove_headers: outcome.remove_headers,
+        };
+        let metadata = Some(messages::destination_metadata(&outcome.destination));
         let guard = decision.begin();
         self.routed = Some(Routed {
             decision,
             _in_flight: guard,
         });
         self.phase = Phase::Routed;
-        match via {
-            RouteVia::Headers => {
+        match outcome.body {
+            Some(body) if self.headers_answered => {
+                // Buffered: the decision rides on the body answer.
+                let mut common = messages::common(Some(mutation), true);
+                if body.changed {
+                    common.body_mutation = Some(messages::replace_body(body.bytes));
+                }
+                vec![messages::body(common, metadata, false)]
+            }
+            Some(body) => {
+                // Full duplex: headers answer first, then the body streamed back.
+                self.headers_answered = true;
+                self.echo = Some(messages::Echo::new(body.bytes, end_of_stream));
+                vec![messages::request_headers(
+                    messages::common(Some(mutation), true),
+                    metadata,
+                )]
+            }
+            None => {
+                // Header-only: the decision rides on the headers answer.
                 self.headers_answered = true;
                 vec![messages::request_headers(
                     messages::common(Some(mutation), true),
                     metadata,
                 )]
             }
-            RouteVia::Body {
-                mut body,
-                mut rewritten,
-                end_of_stream,
-                mm_hashes,
-            } => {
-                // The engine hashes images with the identities kvpick routed on.
-                let format = match self
-                    .routed
-                    .as_ref()
-                    .map(|r| r.decision.decode.endpoint().engine)
-                {
-                    Some(Engine::Sglang) => Some(hints::HintFormat::Sglang),
-                    Some(Engine::Vllm) => Some(hints::HintFormat::Vllm),
-                    _ => None,
-                };
-                if let Some(new) = format
-                    .filter(|_| !mm_hashes.is_empty())
-                    .and_then(|f| hints::rewrite_body(&body, f, &mm_hashes))
-                {
-                    body = new;
-                    rewritten = true;
-                }
-                if rewritten {
-                    mutation
-                        .set_headers
-                        .push(set_header("content-length", body.len().to_string()));
-                }
-                if self.headers_answered {
-                    // Buffered: the decision rides on the body answer.
-                    let mut common = messages::common(Some(mutation), true);
-                    if rewritten {
-                        common.body_mutation = Some(
-                            envoy_types::pb::envoy::service::ext_proc::v3::BodyMutation {
-                                mutation: Some(
-                                    envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation::Body(body),
-                                ),
-                            },
-                        );
-                    }
-                    vec![messages::body(common, metadata, false)]
-                } else {
-                    // Full duplex: headers answer first, then the body streamed back.
-                    self.headers_answered = true;
-                    self.echo = Some(messages::Echo::new(body, end_of_stream));
-                    vec![messages::request_headers(
-                        messages::common(Some(mutation), true),
-                        metadata,
-                    )]
-                }
-            }
-        }
-    }
-
-    /// The header mutation carrying a decision: every routing header kvpick sets
-    /// overwrites the client's, and every other routing header the client sent is removed.
-    /// `address` is the decode endpoint's.
-    fn routing_mutation(&self, d: &Decision, address: &str) -> HeaderMutation {
-        let decode = d.decode.endpoint();
-        let mut set = vec![
-            set_header(DESTINATION_KEY, address),
-            set_header(WORKER_ID_HEADER, decode.instance_id.to_string()),
-            set_header(DP_RANK_HEADER, d.decode.rank.to_string()),
-        ];
-        if let Some(p) = &d.prefill {
-            set.push(set_header(
-                PREFILL_ID_HEADER,
-                p.endpoint().instance_id.to_string(),
-            ));
-            set.push(set_header(PREFILL_DP_RANK_HEADER, p.rank.to_string()));
-            if let (Some(port), Some(room)) = (d.bootstrap_port, d.bootstrap_room) {
-                set.push(set_header(
-                    BOOTSTRAP_HOST_HEADER,
-                    p.endpoint().address.ip().to_string(),
-                ));
-                set.push(set_header(BOOTSTRAP_PORT_HEADER, port.to_string()));
-                set.push(set_header(BOOTSTRAP_ROOM_HEADER, room.to_string()));
-            }
-        }
-        let remove = self
-            .meta
-            .iter()
-            .flat_map(|m| m.spoofed.iter())
-            .filter(|name| {
-                !set.iter()
-                    .any(|h| h.header.as_ref().is_some_and(|v| v.key == **name))
-            })
-            .cloned()
-            .collect();
-        HeaderMutation {
-            set_headers: set,
-            remove_headers: remove,
         }
     }
 
     /// Answers held request headers with CONTINUE, removing spoofed routing headers.
     fn continue_headers(&mut self) -> ProcessingResponse {
         self.headers_answered = true;
-        let remove: Vec<String> = self
-            .meta
-            .as_ref()
-            .map(|m| m.spoofed.clone())
-            .unwrap_or_default();
+        let remove = self.head.spoofed.clone();
         let mutation = (!remove.is_empty()).then(|| HeaderMutation {
             remove_headers: remove,
             ..Default::default()
@@ -923,87 +708,6 @@ impl Drop for StreamState {
             self.shared.scheduler.finish(&r.decision, None);
         }
     }
-}
-
-enum RouteVia {
-    /// Header-only request: the decision rides on the headers answer.
-    Headers,
-    /// The body is complete.
-    Body {
-        body: Vec<u8>,
-        rewritten: bool,
-        end_of_stream: bool,
-        /// Identities of the request's images, handed to the chosen engine.
-        mm_hashes: Vec<u64>,
-    },
-}
-
-/// A re-homed session turn (its worker was gone) goes to the new worker as an
-/// `open` carrying the session's timeout, so that worker's sidecar opens the
-/// engine session (Dynamo's session contract; see [`crate::sessions`]).
-fn reopen_rehomed_session(
-    parsed: Option<&InferenceRequest>,
-    decision: &Decision,
-    via: RouteVia,
-) -> Result<RouteVia, request::RequestError> {
-    let (Some(parsed), Some(turn)) = (parsed, decision.session.as_ref()) else {
-        return Ok(via);
-    };
-    let RouteVia::Body {
-        body,
-        rewritten,
-        end_of_stream,
-        mm_hashes,
-    } = via
-    else {
-        return Ok(via);
-    };
-    if !turn.rehomed || parsed.session().is_none() {
-        return Ok(RouteVia::Body {
-            body,
-            rewritten,
-            end_of_stream,
-            mm_hashes,
-        });
-    }
-    let edit = request::NvExtEdit::default()
-        .session_action(request::SessionAction::Open)
-        .session_timeout(turn.timeout.as_secs());
-    let (body, rewritten) = match parsed.clone().rewrite_body(&body, &edit)? {
-        Some(reopened) => (reopened, true),
-        None => (body, rewritten),
-    };
-    Ok(RouteVia::Body {
-        body,
-        rewritten,
-        end_of_stream,
-        mm_hashes,
-    })
-}
-
-/// The image URLs of a parsed (not yet tokenized) request, in prompt order.
-fn image_urls(parsed: &InferenceRequest) -> impl Iterator<Item = &str> {
-    parsed.segments.iter().filter_map(|s| match s {
-        Segment::Image(u) => Some(u.as_str()),
-        _ => None,
-    })
-}
-
-/// `nvext.agent_hints.priority` (the parser checks it is an i32).
-fn hint_priority(parsed: &InferenceRequest) -> Option<i32> {
-    parsed.nvext.agent_hints.as_ref()?.priority
-}
-
-fn spoofed_headers(map: Option<&HeaderMap>) -> Vec<String> {
-    let mut out: Vec<String> = map
-        .into_iter()
-        .flat_map(|m| m.headers.iter())
-        .filter(|h| is_routing_header(&h.key))
-        .map(|h| h.key.to_ascii_lowercase())
-        .collect();
-    out.sort();
-    out.dedup();
-    out
 }
 
 #[cfg(test)]

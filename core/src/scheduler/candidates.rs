@@ -1,24 +1,62 @@
 //! The candidates of one pick: the (endpoint, rank)s a request may go to, read
 //! from the snapshot where the pick needs them rather than listed up front.
 //!
-//! A candidate serves the side being picked (decode, or prefill for a request
-//! with a body), is in the subset hint if there is one, and is not passively
-//! ejected, unless every endpoint the request could use is ejected: then all
-//! of them are tried rather than none. Which of those two holds is settled once
-//! per pick ([`Pool::new`]), usually at the first endpoint.
+//! A candidate serves the side being picked (decode, or prefill) and every
+//! filter of the scheduler admits it ([`super::filters`]): the subset hint, a
+//! body for prefill-only workers, passive health. A yielding filter (passive
+//! health) is set aside when it would leave no decode candidate: then every
+//! endpoint the others admit is tried rather than none. Which of those two
+//! holds is settled once per pick ([`Pool::new`]), usually at the first
+//! endpoint. Filters with nothing to drop for the request are left out of the
+//! pick at its start, so they cost nothing per endpoint.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use super::cost::Cand;
-use super::{FilteredOut, PickError, PickRequest};
+use super::filters::{Filter, FilterContext};
+use super::{PickError, PickRequest};
 use crate::endpoints::{EndpointState, Snapshot, WorkerKey};
 
 /// Which list of candidates: decode (destination) or prefill workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Side {
+pub enum Side {
+    /// Workers that serve decode (the destination).
     Decode,
+    /// Prefill-only workers of a disaggregated pool.
     Prefill,
+}
+
+/// Most filters one scheduler runs (one bit each in a pick's masks).
+pub const MAX_FILTERS: usize = 64;
+
+/// The filters of a list that apply to one pick, one bit per place.
+#[derive(Clone, Copy)]
+struct Active<'f> {
+    filters: &'f [Arc<dyn Filter>],
+    mask: u64,
+}
+
+impl<'f> Active<'f> {
+    /// Whether every filter of the set admits `ep`.
+    #[inline]
+    fn admit(&self, at: &FilterContext<'_>, ep: &EndpointState) -> bool {
+        self.find(|f| !f.admits(at, ep)).is_none()
+    }
+
+    /// The first filter of the set for which `pred` holds.
+    #[inline]
+    fn find(&self, mut pred: impl FnMut(&dyn Filter) -> bool) -> Option<&'f dyn Filter> {
+        let mut m = self.mask;
+        while m != 0 {
+            let f = &*self.filters[m.trailing_zeros() as usize];
+            if pred(f) {
+                return Some(f);
+            }
+            m &= m - 1;
+        }
+        None
+    }
 }
 
 /// The endpoints one request may go to.
@@ -29,17 +67,20 @@ pub(super) struct Pool<'s, 'r> {
     subset: Option<Vec<SocketAddr>>,
     /// The pick's instant, coded by [`Epoch::process`](crate::time::Epoch::process).
     now: i64,
-    /// Every endpoint the request could use is ejected: all of them are tried.
-    all_ejected: bool,
+    /// Filters that never yield and apply to the request.
+    strict: Active<'r>,
+    /// Yielding filters that apply, unless they left no decode candidate.
+    yielding: Active<'r>,
 }
 
 impl<'s, 'r> Pool<'s, 'r> {
-    /// The pool of `req` in `snapshot` at `now`; errors when the subset hint
-    /// names no endpoint or no decode candidate exists.
+    /// The pool of `req` in `snapshot` at `now` under `filters`; errors when
+    /// the subset hint names no endpoint or no decode candidate exists.
     pub(super) fn new(
         req: &'r PickRequest<'r>,
         snapshot: &'s Snapshot,
         now: i64,
+        filters: &'r [Arc<dyn Filter>],
     ) -> Result<Self, PickError> {
         let subset = parsed_subset(req.subset);
         if let Some(s) = &subset {
@@ -52,40 +93,67 @@ impl<'s, 'r> Pool<'s, 'r> {
             req,
             subset,
             now,
-            all_ejected: false,
+            strict: Active { filters, mask: 0 },
+            yielding: Active { filters, mask: 0 },
         };
-        let up = |side| {
-            snapshot
-                .endpoints
-                .iter()
-                .any(|e| pool.serves(e, side) && e.health().available_at(now))
-        };
-        if !up(Side::Decode) {
-            // No decode candidate, unless nothing the request could use is up.
-            if up(Side::Prefill) {
+        let at = pool.context();
+        let (mut strict, mut yielding) = (0, 0);
+        for (i, f) in filters.iter().enumerate().take(MAX_FILTERS) {
+            if f.applies(&at) {
+                *(if f.yields() {
+                    &mut yielding
+                } else {
+                    &mut strict
+                }) |= 1 << i;
+            }
+        }
+        pool.strict.mask = strict;
+        pool.yielding.mask = yielding;
+        let up = |pool: &Self, side| snapshot.endpoints.iter().any(|e| pool.open(e, side));
+        if !up(&pool, Side::Decode) {
+            // No decode candidate, unless the yielding filters dropped
+            // everything the request could use: then they are set aside.
+            if pool.yielding.mask == 0 || up(&pool, Side::Prefill) {
                 return Err(PickError::NoDecodeEndpoint);
             }
-            pool.all_ejected = true;
-            if !snapshot
-                .endpoints
-                .iter()
-                .any(|e| pool.serves(e, Side::Decode))
-            {
+            pool.yielding.mask = 0;
+            if !up(&pool, Side::Decode) {
                 return Err(PickError::NoDecodeEndpoint);
             }
         }
         Ok(pool)
     }
 
-    /// Whether `ep` could take `side` of the request, whatever its health.
+    /// What the filters read about this pick.
+    fn context(&self) -> FilterContext<'_> {
+        FilterContext {
+            req: self.req,
+            subset: self.subset.as_deref(),
+            now: self.now,
+        }
+    }
+
+    /// Whether `ep` could take `side` of the request, yielding filters aside.
+    #[inline]
     fn serves(&self, ep: &EndpointState, side: Side) -> bool {
-        excluded(self.req, self.subset.as_deref(), ep).is_none()
-            && ep.serves_decode() == (side == Side::Decode)
+        ep.serves_decode() == (side == Side::Decode) && self.strict.admit(&self.context(), ep)
     }
 
     /// Whether `ep` is a candidate for `side`.
+    #[inline]
     fn open(&self, ep: &EndpointState, side: Side) -> bool {
-        self.serves(ep, side) && (self.all_ejected || ep.health().available_at(self.now))
+        self.serves(ep, side) && self.yielding.admit(&self.context(), ep)
+    }
+
+    /// Why `ep` sits out of this pick (the reason of the first filter that
+    /// drops it), or `None` when it is a candidate of its side.
+    pub(super) fn filtered_out(&self, ep: &EndpointState) -> Option<&'static str> {
+        let at = self.context();
+        let drops = |f: &dyn Filter| !f.admits(&at, ep);
+        self.strict
+            .find(drops)
+            .or_else(|| self.yielding.find(drops))
+            .map(|f| f.reason())
     }
 
     /// Ranks of `side` with no prefill pending, in the whole snapshot (health
@@ -146,6 +214,11 @@ impl<'s, 'r> Pool<'s, 'r> {
             })
     }
 
+    /// Every endpoint of the snapshot, in order.
+    pub(super) fn snapshot(&self) -> &'s Snapshot {
+        self.snapshot
+    }
+
     /// Every candidate for `side`, starting at the endpoint `start` picks
     /// and wrapping around.
     pub(super) fn iter_from(&self, side: Side, start: u64) -> impl Iterator<Item = Cand<'s>> + '_ {
@@ -176,26 +249,10 @@ impl<'s, 'r> Pool<'s, 'r> {
 
 /// The subset hint's addresses, parsed and sorted once per pick (an entry that
 /// is no socket address matches no endpoint).
-pub(super) fn parsed_subset(subset: Option<&[String]>) -> Option<Vec<SocketAddr>> {
+fn parsed_subset(subset: Option<&[String]>) -> Option<Vec<SocketAddr>> {
     subset.map(|s| {
         let mut addrs: Vec<SocketAddr> = s.iter().filter_map(|a| a.parse().ok()).collect();
         addrs.sort_unstable();
         addrs
     })
-}
-
-/// Why `ep` can take no part in `req` whatever its health: outside the subset
-/// hint (`subset`, from [`parsed_subset`]), or prefill-only with no body.
-pub(super) fn excluded(
-    req: &PickRequest<'_>,
-    subset: Option<&[SocketAddr]>,
-    ep: &EndpointState,
-) -> Option<FilteredOut> {
-    if subset.is_some_and(|s| s.binary_search(&ep.endpoint.address).is_err()) {
-        Some(FilteredOut::NotInSubset)
-    } else if !ep.serves_decode() && req.body.is_none() {
-        Some(FilteredOut::NoBody)
-    } else {
-        None
-    }
 }

@@ -9,8 +9,10 @@ use std::sync::Arc;
 
 use rand::Rng;
 
+use super::candidates::Side;
+use super::terms::{Candidate, CostTerms, RequestCost};
 use super::{Scheduler, Target};
-use crate::endpoints::{EndpointState, LoadView, WorkerKey};
+use crate::endpoints::{EndpointState, WorkerKey};
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
 /// The defaults (1, 0.1, 0.25, 1) come from replaying the public synthetic
@@ -63,27 +65,6 @@ impl Cand<'_> {
     }
 }
 
-/// A candidate's cost term by term, each weighted (KV blocks of work).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct CostTerms {
-    /// Blocks still to prefill there (this prompt's and those of routed
-    /// requests before their first token), times the prefill weight.
-    pub prefill: f64,
-    /// Active load (routed, unrouted running, failures), times its weight.
-    pub decode: f64,
-    /// Scraped queue at this request's size, times its weight.
-    pub queue: f64,
-    /// Scraped KV-cache usage at this request's size, times its weight.
-    pub kv_usage: f64,
-}
-
-impl CostTerms {
-    /// The cost: the sum of the terms.
-    pub fn total(&self) -> f64 {
-        self.prefill + self.decode + self.queue + self.kv_usage
-    }
-}
-
 /// Weight, within the prefill term, of a block still pending on the candidate
 /// (routed there, prefill not done) beyond this prompt's overlap. Dynamo counts
 /// such blocks at 1 (`prefill_load_scale`); on the tuning trace (BENCHMARKS.md
@@ -109,7 +90,7 @@ pub const MAX_WAIT_BESIDE_IDLE_TOKENS: usize = 131_072;
 /// per pick and side: the thresholds in blocks, and whether some rank has
 /// nothing pending.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct PendingWait {
+pub struct PendingWait {
     /// [`LONG_PROMPT_TOKENS`] in blocks.
     long_prompt_blocks: usize,
     /// [`MAX_WAIT_BESIDE_IDLE_TOKENS`] in blocks, while a rank of the side has
@@ -122,7 +103,7 @@ impl PendingWait {
     /// for `pending` blocks it would wait behind: [`PENDING_PREFILL_WEIGHT`]
     /// each, all of them for a long prompt, and those beyond the wait allowed
     /// beside an idle rank in full. Never below zero, never above `pending`.
-    pub(super) fn weigh(&self, pending: f64, new_blocks: usize) -> f64 {
+    pub fn weigh(&self, pending: f64, new_blocks: usize) -> f64 {
         if new_blocks >= self.long_prompt_blocks {
             return pending;
         }
@@ -153,97 +134,69 @@ impl Scheduler {
         }
     }
 
-    /// The least [`Scheduler::cost_terms`] total of any candidate left
-    /// `new_blocks` to prefill at prefill weight `w_prefill`: its prefill
-    /// term's floor, every other term being at least zero (scraped figures are
-    /// stored non-negative). `None` when a weight is negative (or NaN), so no
-    /// such floor holds. The pick skips candidates on this bound: a term that
-    /// can go below zero must lower it (a wait behind pending prefills counts
-    /// zero or more, [`PendingWait`]).
-    pub(super) fn cost_floor(&self, new_blocks: usize, w_prefill: f64) -> Option<f64> {
-        let w = &self.config.weights;
-        [w_prefill, w.decode, w.queue, w.kv_usage]
-            .iter()
-            .all(|w| *w >= 0.0)
-            .then_some(w_prefill * new_blocks as f64)
+    /// What the terms read about a request of `size` blocks on `side`, with
+    /// `idle_ranks` ranks of that side having nothing pending.
+    pub(super) fn request_cost(&self, side: Side, size: u64, idle_ranks: u64) -> RequestCost {
+        RequestCost {
+            size,
+            side,
+            wait: self.pending_wait(idle_ranks),
+        }
     }
 
-    /// The cost of sending a request of `size` blocks, `new_blocks` of which the
-    /// candidate must still prefill, to candidate `c`, term by term, at `now`
-    /// coded by [`Epoch::process`](crate::time::Epoch::process).
-    ///
-    /// The request's prefill waits behind the uncached blocks of the requests
-    /// kvpick routed there whose prefill is not done ([`Scheduler::prefill_done`]):
-    /// a prefill in progress, which no scraped queue shows. Those beyond this
-    /// prompt's overlap count: a pending prefill of the shared prefix ends as
-    /// this request's hits there. They count as `wait` weighs them.
-    ///
-    /// Sticky until saturated: a candidate whose fresh scrape shows KV room
-    /// (usage under [`SATURATION_KV_USAGE`]) adds no decode cost for its running
-    /// requests (they delay a new one only by holding KV; what it waits behind
-    /// is the queue, counted apart), so the prefill saving and the queue decide;
-    /// once its KV fills, its load counts in full.
-    /// Queued requests count at the blocks they have left to prefill (the mean
-    /// uncached blocks of the requests kvpick has in flight there), the work
-    /// this request waits behind.
+    /// The least cost of any candidate left `new_blocks` to prefill: the sum
+    /// of the terms' lower bounds. `None` when a term has none (a negative
+    /// weight), so no floor holds. The pick skips candidates on this bound.
+    #[inline]
+    pub(super) fn cost_floor(&self, new_blocks: usize, req: &RequestCost) -> Option<f64> {
+        let mut floor = 0.0;
+        for s in &self.plugins.scorers {
+            floor += s.lower_bound(new_blocks, req)?;
+        }
+        Some(floor)
+    }
+
+    /// What the terms read about candidate `c` left `new_blocks` to prefill,
+    /// at `now` coded by [`Epoch::process`](crate::time::Epoch::process).
     #[inline(always)]
+    fn inputs<'a>(&self, c: &Cand<'a>, new_blocks: usize, now: i64) -> Candidate<'a> {
+        Candidate {
+            endpoint: c.ep,
+            rank: c.rank,
+            booked: c.ep.active_load(c.rank),
+            view: c.ep.load_view_at(now, self.config.scrape_max_age),
+            new_blocks,
+        }
+    }
+
+    /// The cost of sending `req` to candidate `c`, left `new_blocks` to
+    /// prefill there: the sum of the terms.
+    #[inline(always)]
+    pub(super) fn cost(&self, c: &Cand<'_>, new_blocks: usize, req: &RequestCost, now: i64) -> f64 {
+        let inputs = self.inputs(c, new_blocks, now);
+        let mut total = 0.0;
+        for s in &self.plugins.scorers {
+            total += s.cost(&inputs, req);
+        }
+        total
+    }
+
+    /// [`Scheduler::cost`] term by term.
     pub(super) fn cost_terms(
         &self,
         c: &Cand<'_>,
         new_blocks: usize,
-        size: u64,
-        w_prefill: f64,
-        wait: PendingWait,
+        req: &RequestCost,
         now: i64,
     ) -> CostTerms {
-        let w = &self.config.weights;
-        let size = size as f64;
-        let load = c.ep.active_load(c.rank);
-        // Pending prefills beyond this prompt's overlap there: a prefill in
-        // progress of the shared prefix ends as a hit for this request.
-        let pending = (load.uncached as f64 - (size - new_blocks as f64)).max(0.0);
-        let active = load.blocks as f64;
-        let mut decode = active;
-        let mut queue = 0.0;
-        let mut kv = 0.0;
-        let ranks = f64::from(c.ep.ranks());
-        let view = c.ep.load_view_at(now, self.config.scrape_max_age);
-        let scraped = match view {
-            LoadView::Fresh(s) | LoadView::Suspect(Some(s)) => Some(s),
-            LoadView::Suspect(None) | LoadView::Unknown => None,
-        };
-        if let Some(s) = scraped {
-            let in_flight = f64::from(c.ep.in_flight(c.rank));
-            let (per_request, per_queued) = if in_flight > 0.0 {
-                (active / in_flight, load.uncached as f64 / in_flight)
-            } else {
-                (size, size)
-            };
-            // Running requests kvpick did not route (other replicas, direct traffic).
-            decode += (s.running / ranks - in_flight).max(0.0) * per_request;
-            let waiting = s.queue / ranks;
-            let usage = s.kv_usage.clamp(0.0, 1.0);
-            queue = waiting * per_queued;
-            kv = usage * size;
-            if matches!(view, LoadView::Fresh(_)) && usage < SATURATION_KV_USAGE {
-                decode = 0.0;
-            }
-        }
-        if let LoadView::Suspect(_) = view {
-            // A stale or failing scrape never makes a worker cheaper: its last
-            // figures stand, with a full KV cache and one more queued request.
-            queue += size;
-            kv = size;
-        }
-        // Failed responses release their load at once; until a success, each one
-        // counts as a request of this size still running there.
-        decode += f64::from(c.ep.health().failures()) * size;
-        CostTerms {
-            prefill: w_prefill * (new_blocks as f64 + wait.weigh(pending, new_blocks)),
-            decode: w.decode * decode,
-            queue: w.queue * queue,
-            kv_usage: w.kv_usage * kv,
-        }
+        let inputs = self.inputs(c, new_blocks, now);
+        CostTerms(
+            self.plugins
+                .scorers
+                .iter()
+                .map(|s| (s.name(), s.cost(&inputs, req)))
+                .collect(),
+        )
     }
 
     /// The seed of one argmin tie-break: the next draw of the configured

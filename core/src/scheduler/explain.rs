@@ -1,41 +1,23 @@
 //! Explaining a pick without making it: every (endpoint, rank) of the snapshot
-//! with why it sits out or what it would cost, term by term, and the candidate
-//! the pick would take. Nothing is booked, indexed or bound: the load, the
-//! prefix index and the session table are only read.
+//! with why it sits out (the reason of the filter that drops it) or what it
+//! would cost, term by term, and the candidate the pick would take.
 //!
-//! The choice shown is the least cost (the first of equal ones) or the live
-//! session binding; the real pick breaks exact ties at random and, with a
-//! temperature, samples, so it may take another candidate of equal or near cost.
+//! It is the pick itself ([`Scheduler::run`]) with a recording observer: the
+//! same pool, filters, session binding, prompt, overlaps and terms. Nothing is
+//! booked, indexed, bound or counted: the load, the prefix index and the
+//! session table are only read. The choice shown is the least cost (the first
+//! of equal ones) or the live session binding; a routing pick breaks exact
+//! ties at random and, with a sampling picker, samples, so it may take another
+//! candidate of equal or near cost.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
-use super::candidates::{excluded, parsed_subset};
-use super::cost::{Cand, CostTerms};
+use super::cost::Cand;
+use super::pick::{Observer, Scoring};
+use super::terms::CostTerms;
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
-use crate::time::Epoch;
-
-/// Why a candidate is not considered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FilteredOut {
-    /// The gateway's subset hint leaves it out.
-    NotInSubset,
-    /// Passively ejected after failed responses (others are available).
-    Ejected,
-    /// A prefill-only worker, and the request has no body to prefill.
-    NoBody,
-}
-
-impl FilteredOut {
-    /// Label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FilteredOut::NotInSubset => "not_in_subset",
-            FilteredOut::Ejected => "ejected",
-            FilteredOut::NoBody => "prefill_without_body",
-        }
-    }
-}
 
 /// One (endpoint, rank) as the pick sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,8 +28,9 @@ pub struct CandidateScore {
     pub address: String,
     /// Whether it is a prefill (not a decode) candidate.
     pub prefill: bool,
-    /// Why it sits out, if it does (then the scores are zero).
-    pub filtered_out: Option<FilteredOut>,
+    /// Why it sits out, if it does (the dropping filter's reason; then it has
+    /// no terms).
+    pub filtered_out: Option<&'static str>,
     /// Prompt blocks it holds (leading).
     pub overlap_blocks: usize,
     /// The cost, term by term.
@@ -71,6 +54,66 @@ pub struct Explanation {
     pub candidates: Vec<CandidateScore>,
 }
 
+/// Records what an explaining pick scored and chose.
+#[derive(Default)]
+struct Recorder {
+    /// Terms of each scored (endpoint, rank), by the endpoint's address in
+    /// memory and the rank.
+    scored: HashMap<(usize, u32), CostTerms>,
+    /// Every (endpoint, rank) of the snapshot, decode ones first.
+    candidates: Vec<CandidateScore>,
+}
+
+impl Observer for Recorder {
+    const EXPLAINS: bool = true;
+
+    fn scored(&mut self, c: &Cand<'_>, _overlap: usize, terms: CostTerms) {
+        self.scored.insert(slot(c), terms);
+    }
+
+    fn chosen(
+        &mut self,
+        at: &Scoring<'_, '_>,
+        decode: &Cand<'_>,
+        prefill: Option<&Cand<'_>>,
+        pinned: (bool, bool),
+    ) {
+        let pool = at.pool;
+        for ep in &pool.snapshot().endpoints {
+            let filtered_out = pool.filtered_out(ep);
+            let address = ep.endpoint.address_string();
+            for rank in 0..ep.ranks() {
+                let c = Cand {
+                    ep,
+                    rank,
+                    key: ep.key(rank),
+                };
+                let is = |other: Option<&Cand<'_>>| other.is_some_and(|o| slot(o) == slot(&c));
+                let (chosen, session_pinned) = match ep.serves_decode() {
+                    true => (is(Some(decode)), pinned.0 && is(Some(decode))),
+                    false => (is(prefill), pinned.1 && is(prefill)),
+                };
+                self.candidates.push(CandidateScore {
+                    key: c.key,
+                    address: address.clone(),
+                    prefill: !ep.serves_decode(),
+                    filtered_out,
+                    overlap_blocks: at.overlap(&c),
+                    terms: self.scored.remove(&slot(&c)).unwrap_or_default(),
+                    session_pinned,
+                    chosen,
+                });
+            }
+        }
+        self.candidates.sort_by_key(|c| c.prefill);
+    }
+}
+
+/// A candidate's place: its endpoint's address in memory and its rank.
+fn slot(c: &Cand<'_>) -> (usize, u32) {
+    (std::sync::Arc::as_ptr(c.ep) as usize, c.rank)
+}
+
 impl Scheduler {
     /// What [`Scheduler::pick`] would decide for `req` now, and why, without
     /// booking anything.
@@ -80,114 +123,13 @@ impl Scheduler {
         snapshot: &Snapshot,
         now: Instant,
     ) -> Result<Explanation, PickError> {
-        if snapshot.endpoints.is_empty() {
-            return Err(PickError::NoEndpoints);
-        }
-        let tick = Epoch::process().encode(now);
-        let mut all = Vec::new();
-        let mut any_available = false;
-        let subset = parsed_subset(req.subset);
-        for ep in &snapshot.endpoints {
-            let address = ep.endpoint.address_string();
-            let filtered = excluded(req, subset.as_deref(), ep);
-            let available = ep.health().available_at(tick);
-            // As the pick: only endpoints that could take the request decide
-            // whether ejected ones sit out.
-            any_available |= available && filtered.is_none();
-            for rank in 0..ep.ranks() {
-                let cand = Cand {
-                    ep,
-                    rank,
-                    key: ep.key(rank),
-                };
-                all.push((cand, address.clone(), filtered, available));
-            }
-        }
-        for (_, _, filtered, available) in &mut all {
-            if filtered.is_none() && any_available && !*available {
-                *filtered = Some(FilteredOut::Ejected);
-            }
-        }
-        if req.subset.is_some()
-            && all
-                .iter()
-                .all(|(_, _, f, _)| *f == Some(FilteredOut::NotInSubset))
-        {
-            return Err(PickError::SubsetEmpty);
-        }
-
-        let (prompt, load_blocks) = self.prompt_and_size(req.body);
-        let load_blocks = load_blocks.min(self.config.max_request_load_blocks);
-        let overlaps = self.overlaps(&prompt.hashes, now);
-        let session = crate::sessions::SessionTurn::of(req.body, req.session_id);
-        let bound = session.as_ref().and_then(|t| {
-            let b = self.sessions.binding(&t.id)?;
-            (b.expires > now).then_some(b)
-        });
-
-        let w = self.config.weights;
-        // Each side's wait read once, as a pick reads it once per side.
-        let decode_wait = self.pending_wait(snapshot.idle_ranks(true));
-        let prefill_wait = self.pending_wait(snapshot.idle_ranks(false));
-        let mut candidates: Vec<CandidateScore> = all
-            .iter()
-            .map(|(c, address, filtered, _)| {
-                let prefill = !c.ep.serves_decode();
-                let overlap = overlaps.as_ref().map_or(0, |o| o.get(c));
-                let (weight, wait) = if prefill {
-                    (w.prefill_overlap, prefill_wait)
-                } else {
-                    (w.prefill, decode_wait)
-                };
-                let terms = match filtered {
-                    Some(_) => CostTerms::default(),
-                    None => {
-                        let new_blocks = prompt.uncached(overlap);
-                        self.cost_terms(c, new_blocks, load_blocks, weight, wait, tick)
-                    }
-                };
-                let pinned = bound.is_some_and(|b| {
-                    if prefill {
-                        b.prefill == Some(c.key)
-                    } else {
-                        b.worker == c.key
-                    }
-                });
-                CandidateScore {
-                    key: c.key,
-                    address: address.clone(),
-                    prefill,
-                    filtered_out: *filtered,
-                    overlap_blocks: overlap,
-                    terms,
-                    session_pinned: pinned && filtered.is_none(),
-                    chosen: false,
-                }
-            })
-            .collect();
-        candidates.sort_by_key(|c| c.prefill);
-        for prefill in [false, true] {
-            let open = || {
-                candidates
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, c)| c.prefill == prefill && c.filtered_out.is_none())
-            };
-            let chosen = open()
-                .find(|(_, c)| c.session_pinned)
-                .or_else(|| open().min_by(|a, b| a.1.terms.total().total_cmp(&b.1.terms.total())))
-                .map(|(i, _)| i);
-            match chosen {
-                Some(i) => candidates[i].chosen = true,
-                None if !prefill => return Err(PickError::NoDecodeEndpoint),
-                None => {}
-            }
-        }
+        let mut recorder = Recorder::default();
+        let decision = self.run(req, snapshot, now, &mut recorder)?;
         Ok(Explanation {
-            prompt_blocks: prompt.hashes.len(),
-            load_blocks,
-            session_id: session.map(|t| t.id),
-            candidates,
+            prompt_blocks: decision.prompt_blocks,
+            load_blocks: decision.load_blocks,
+            session_id: decision.session.map(|t| t.id),
+            candidates: recorder.candidates,
         })
     }
 }

@@ -12,11 +12,18 @@
 //!    (re-picked, forwarded as an `open`; see [`crate::sessions`]);
 //! 2. hash: the prompt becomes chained prefix block hashes ([`crate::kv::hash`]);
 //! 3. lookup: the prefix index says which workers hold how many leading blocks;
-//! 4. score: a cost per candidate (see [`Weights`] and `docs/scheduling.md`), argmin
-//!    with a random tie-break, or softmax sampling with a temperature. The
-//!    argmin reads the prompt's holders first and skips every candidate whose
-//!    least possible cost is no lower than the best found (see `pick.rs`), so
-//!    in a large pool it seldom reads every endpoint.
+//! 4. score: a cost per candidate, the sum of the cost terms ([`terms`]; see
+//!    [`Weights`] and `docs/scheduling.md`), then the picker's choice
+//!    ([`pickers`]): argmin with a random tie-break, or softmax sampling with a
+//!    temperature. The argmin reads the prompt's holders first and skips every
+//!    candidate whose least possible cost (the sum of the terms' lower bounds)
+//!    is no lower than the best found (see `pick.rs`), so in a large pool it
+//!    seldom reads every endpoint.
+//!
+//! Candidates are the endpoints every [`filters`] filter admits. Filters, terms
+//! and picker are plugins ([`Plugins`]), registered under the llm-d Router's
+//! plugin type names ([`registry`]) so an `EndpointPickerConfig` builds the
+//! list; `explain` is the same pick with a recording observer.
 //!
 //! The chosen ranks then get the request's blocks in the index (approximate mode)
 //! and its size added to their active load until [`Scheduler::finish`] (the
@@ -26,24 +33,32 @@ mod candidates;
 mod cost;
 mod decision;
 mod explain;
+pub mod filters;
 #[cfg(test)]
 mod health_tests;
 mod overlap;
 mod pick;
+pub mod pickers;
+mod plugins;
 #[cfg(test)]
 mod prop_tests;
+pub mod registry;
 mod stats;
+pub mod terms;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod wait_tests;
 
-pub use cost::{CostTerms, Weights};
+pub use candidates::Side;
+pub use cost::{PendingWait, Weights};
 pub use decision::{Decision, PickError, PickRequest, Target};
-pub use explain::{CandidateScore, Explanation, FilteredOut};
+pub use explain::{CandidateScore, Explanation};
+pub use plugins::Plugins;
 pub use stats::{
     HistogramSnapshot, LatencyHistogram, SchedulerStats, Stage, StageTimer, LATENCY_BUCKETS,
 };
+pub use terms::CostTerms;
 
 use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
@@ -72,10 +87,14 @@ pub struct SchedulerConfig {
     /// worth its cost, and an approximate index would evict the prompt's own
     /// prefix to keep it.
     pub max_prefix_blocks: usize,
-    /// Cost weights.
+    /// Cost weights of the default plugin list.
     pub weights: Weights,
-    /// 0 picks the cheapest candidate; above 0, softmax sampling over normalised costs.
+    /// 0 picks the cheapest candidate; above 0, softmax sampling over
+    /// normalised costs (the default plugin list's picker).
     pub temperature: f64,
+    /// The filters, terms and picker to run (`None`: the built-in terms at
+    /// `weights`, the max-score picker at `temperature`).
+    pub plugins: Option<Plugins>,
     /// Seeds the tie-break among equally cheap candidates, so a replay repeats
     /// itself (`None`: the thread's random generator).
     pub tie_break_seed: Option<u64>,
@@ -126,6 +145,7 @@ impl Default for SchedulerConfig {
             max_prefix_blocks: DEFAULT_MAX_PREFIX_TOKENS / DEFAULT_TOKEN_BLOCK,
             weights: Weights::default(),
             temperature: 0.0,
+            plugins: None,
             tie_break_seed: None,
             scrape_max_age: Duration::from_secs(5),
             index: IndexConfig::default(),
@@ -162,6 +182,8 @@ pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
 #[derive(Debug)]
 pub struct Scheduler {
     config: SchedulerConfig,
+    /// What the pick runs.
+    plugins: Plugins,
     index: Arc<PrefixIndex>,
     /// Prompts routed to precise workers, until their TTL (see `overlap.rs`).
     provisional: PrefixIndex,
@@ -193,6 +215,10 @@ impl Scheduler {
             }),
             stats: SchedulerStats::default(),
             tie_breaks: AtomicU64::new(0),
+            plugins: config
+                .plugins
+                .clone()
+                .unwrap_or_else(|| Plugins::from_weights(config.weights, config.temperature)),
             config,
         }
     }
@@ -215,6 +241,11 @@ impl Scheduler {
     /// The settings.
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    /// The filters, terms and picker the pick runs.
+    pub fn plugins(&self) -> &Plugins {
+        &self.plugins
     }
 
     /// The chained prefix block hashes of a request body (at most

@@ -1,4 +1,10 @@
 //! The pick: candidates → session pin → hash → lookup → score → book.
+//!
+//! One pick serves routing and `explain` alike: it is generic over an
+//! [`Observer`]. A routing pick ([`Route`]) prunes, samples with the picker's
+//! temperature, pins sessions and books; an explaining one
+//! ([`super::explain`]) scores every candidate, takes the least cost, reads
+//! the session table without touching it and books nothing.
 
 use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
@@ -9,7 +15,9 @@ use rand::Rng;
 use super::candidates::{Pool, Side};
 use super::cost::{pick_index, Cand, Least};
 use super::overlap::PromptOverlaps;
-use super::{Decision, PickError, PickRequest, Scheduler, Stage};
+use super::pickers::Choice;
+use super::terms::CostTerms;
+use super::{Decision, PickError, PickRequest, Scheduler, Stage, StageTimer};
 use crate::endpoints::{ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
@@ -29,17 +37,29 @@ impl Scheduler {
         snapshot: &Snapshot,
         now: Instant,
     ) -> Result<Decision, PickError> {
+        self.run(req, snapshot, now, &mut Route)
+    }
+
+    /// The pick, reported to `obs` (see the module doc).
+    pub(super) fn run<O: Observer>(
+        &self,
+        req: &PickRequest<'_>,
+        snapshot: &Snapshot,
+        now: Instant,
+        obs: &mut O,
+    ) -> Result<Decision, PickError> {
         if snapshot.endpoints.is_empty() {
             return Err(PickError::NoEndpoints);
         }
         // Coded once: every per-endpoint time check below compares integers.
         let tick = Epoch::process().encode(now);
-        let pool = Pool::new(req, snapshot, tick)?;
+        let pool = Pool::new(req, snapshot, tick, &self.plugins.filters)?;
 
         let (session, pinned, pinned_prefill) = {
-            let _t = self.stats.time(Stage::Session);
+            let _t = self.timer::<O>(Stage::Session);
             let mut session = SessionTurn::of(req.body, req.session_id);
             let pins = match session.as_mut() {
+                Some(turn) if O::EXPLAINS => Some(self.bound(turn, &pool, now)),
                 Some(turn) => self.pinned(turn, req.session_token, &pool, now),
                 None => Some((None, None)),
             };
@@ -50,7 +70,7 @@ impl Scheduler {
         };
 
         let (prompt, load_blocks) = {
-            let _t = self.stats.time(Stage::Hash);
+            let _t = self.timer::<O>(Stage::Hash);
             self.prompt_and_size(req.body)
         };
         let hashes = &prompt.hashes;
@@ -60,7 +80,7 @@ impl Scheduler {
         let load_blocks = load_blocks.min(cap);
 
         let overlaps = {
-            let _t = self.stats.time(Stage::Lookup);
+            let _t = self.timer::<O>(Stage::Lookup);
             self.overlaps(hashes, now)
         };
         let scoring = Scoring {
@@ -72,30 +92,31 @@ impl Scheduler {
         };
 
         let (d, overlap, p) = {
-            let _t = self.stats.time(Stage::Score);
-            let w = self.config.weights;
-            let d = match pinned {
-                Some(c) => c,
-                None => self
-                    .choose(&scoring, Side::Decode, w.prefill)
-                    .ok_or(PickError::NoDecodeEndpoint)?,
-            };
+            let _t = self.timer::<O>(Stage::Score);
+            let d = self
+                .choose_unless_pinned(&scoring, Side::Decode, pinned, obs)
+                .ok_or(PickError::NoDecodeEndpoint)?;
             // Without a prefill-only endpoint there is no prefill candidate to
             // look for (a pass over the pool would find none).
             let p = match req.body {
-                Some(_) if pool.has_prefill_workers() => pinned_prefill
-                    .or_else(|| self.choose(&scoring, Side::Prefill, w.prefill_overlap)),
+                Some(_) if pool.has_prefill_workers() => {
+                    self.choose_unless_pinned(&scoring, Side::Prefill, pinned_prefill, obs)
+                }
                 _ => None,
             };
             (d, scoring.overlap(&d), p)
         };
+        if O::EXPLAINS {
+            obs.chosen(
+                &scoring,
+                &d,
+                p.as_ref(),
+                (pinned.is_some(), pinned_prefill.is_some()),
+            );
+        } else {
+            self.count_blocks(prompt.hashes.len(), overlap);
+        }
 
-        self.stats
-            .blocks_queried
-            .fetch_add(hashes.len() as u64, Ordering::Relaxed);
-        self.stats
-            .blocks_matched
-            .fetch_add(overlap as u64, Ordering::Relaxed);
         let decode_blocks = req
             .body
             .map_or(0, |b| self.expected_decode_blocks(b))
@@ -124,12 +145,29 @@ impl Scheduler {
             decode_blocks,
             prefilled: Default::default(),
         };
-        // Booked from the decision, so `cancel`/`finish` release exactly this.
-        self.record(&d, hashes, decision.decode_load(), now);
-        if let Some(p) = p {
-            self.record(&p, hashes, decision.prefill_load(), now);
+        if !O::EXPLAINS {
+            // Booked from the decision, so `cancel`/`finish` release exactly this.
+            self.record(&d, hashes, decision.decode_load(), now);
+            if let Some(p) = p {
+                self.record(&p, hashes, decision.prefill_load(), now);
+            }
         }
         Ok(decision)
+    }
+
+    /// Times `stage` of a routing pick (an explaining one is not counted).
+    fn timer<O: Observer>(&self, stage: Stage) -> Option<StageTimer<'_>> {
+        (!O::EXPLAINS).then(|| self.stats.time(stage))
+    }
+
+    /// Counts a routed prompt's blocks and those its decode target held.
+    fn count_blocks(&self, queried: usize, matched: usize) {
+        self.stats
+            .blocks_queried
+            .fetch_add(queried as u64, Ordering::Relaxed);
+        self.stats
+            .blocks_matched
+            .fetch_add(matched as u64, Ordering::Relaxed);
     }
 
     /// The prompt's blocks and the load it books (before the per-request cap).
@@ -197,9 +235,42 @@ impl Scheduler {
         }
     }
 
-    /// The least costly candidate for `side` (`w_prefill` weighs its prefill),
-    /// uniform among equal costs, or sampled by cost with a temperature; `None`
-    /// when there is none.
+    /// [`Self::pinned`] read without touching the session table: the live
+    /// binding's candidates while its decode rank is one.
+    fn bound<'s>(
+        &self,
+        turn: &SessionTurn,
+        pool: &Pool<'s, '_>,
+        now: Instant,
+    ) -> (Option<Cand<'s>>, Option<Cand<'s>>) {
+        let live = self.sessions.binding(&turn.id).filter(|b| b.expires > now);
+        match live.and_then(|b| Some((pool.get(b.worker, Side::Decode)?, b.prefill))) {
+            Some((d, p)) => (Some(d), p.and_then(|p| pool.get(p, Side::Prefill))),
+            None => (None, None),
+        }
+    }
+
+    /// The `pinned` candidate, else [`Self::choose`]'s (an explaining pick
+    /// scores every candidate, pinned or not).
+    fn choose_unless_pinned<'s, O: Observer>(
+        &self,
+        at: &Scoring<'s, '_>,
+        side: Side,
+        pinned: Option<Cand<'s>>,
+        obs: &mut O,
+    ) -> Option<Cand<'s>> {
+        match pinned {
+            Some(c) if !O::EXPLAINS => Some(c),
+            _ => {
+                let best = self.choose(at, side, obs);
+                pinned.or(best)
+            }
+        }
+    }
+
+    /// The least costly candidate for `side`, uniform among equal costs, or
+    /// sampled by cost as the picker says; `None` when there is none. An
+    /// explaining pick scores every candidate and takes the first least cost.
     ///
     /// Holders of the prompt first, the deepest first: a candidate's cost is at
     /// least [`Scheduler::cost_floor`] of the blocks it holds, so once the least
@@ -211,15 +282,29 @@ impl Scheduler {
     /// of over a quarter of the pool: then the pool is read in order, from a
     /// random endpoint, each with its overlap, until one costs that level's
     /// floor.
-    fn choose<'s>(&self, at: &Scoring<'s, '_>, side: Side, w_prefill: f64) -> Option<Cand<'s>> {
-        let wait = self.pending_wait(at.pool.idle_ranks(side));
-        let cost = |c: &Cand<'_>, overlap: usize| {
-            let new_blocks = at.prompt.uncached(overlap);
-            self.cost_terms(c, new_blocks, at.size, w_prefill, wait, at.now)
-                .total()
-        };
-        let temperature = self.config.temperature;
-        if temperature > 0.0 {
+    fn choose<'s, O: Observer>(
+        &self,
+        at: &Scoring<'s, '_>,
+        side: Side,
+        obs: &mut O,
+    ) -> Option<Cand<'s>> {
+        let req = self.request_cost(side, at.size, at.pool.idle_ranks(side));
+        if O::EXPLAINS {
+            let mut best: Option<(Cand<'s>, f64)> = None;
+            for c in at.pool.iter(side) {
+                let overlap = at.overlap(&c);
+                let terms = self.cost_terms(&c, at.prompt.uncached(overlap), &req, at.now);
+                let total = terms.total();
+                if best.is_none_or(|(_, least)| total < least) {
+                    best = Some((c, total));
+                }
+                obs.scored(&c, overlap, terms);
+            }
+            return best.map(|(c, _)| c);
+        }
+        let cost =
+            |c: &Cand<'_>, overlap: usize| self.cost(c, at.prompt.uncached(overlap), &req, at.now);
+        if let Choice::Sample { temperature } = self.plugins.choice() {
             let cands: Vec<Cand<'s>> = at.pool.iter(side).collect();
             let costs: Vec<f64> = cands.iter().map(|c| cost(c, at.overlap(c))).collect();
             let i = pick_index(&costs, temperature, &mut rand::rng());
@@ -227,7 +312,7 @@ impl Scheduler {
         }
         let seed = self.tie_break_seed();
         let mut least = Least::new(seed);
-        let floor = |overlap: usize| self.cost_floor(at.prompt.uncached(overlap), w_prefill);
+        let floor = |overlap: usize| self.cost_floor(at.prompt.uncached(overlap), &req);
         let (Some(no_overlap), true) = (floor(0), at.pool.direct()) else {
             // No floor (a negative weight), or a holder's key may name several
             // endpoints: score every candidate.
@@ -305,8 +390,8 @@ impl Scheduler {
 
 /// What scoring one pick reads: its pool, the prompt's overlaps and size, the
 /// pick's instant (coded by [`Epoch::process`]).
-struct Scoring<'s, 'p> {
-    pool: &'p Pool<'s, 'p>,
+pub(super) struct Scoring<'s, 'p> {
+    pub(super) pool: &'p Pool<'s, 'p>,
     overlaps: Option<&'p PromptOverlaps>,
     prompt: &'p hash::PromptBlocks,
     size: u64,
@@ -315,7 +400,36 @@ struct Scoring<'s, 'p> {
 
 impl Scoring<'_, '_> {
     /// Leading prompt blocks `c` holds.
-    fn overlap(&self, c: &Cand<'_>) -> usize {
+    pub(super) fn overlap(&self, c: &Cand<'_>) -> usize {
         self.overlaps.map_or(0, |o| o.get(c))
     }
+}
+
+/// What a pick reports as it goes.
+pub(super) trait Observer {
+    /// Whether the pick only explains: every candidate scored (no pruning, no
+    /// sampling, the first least cost taken), sessions read without being
+    /// pinned, nothing booked, counted or timed.
+    const EXPLAINS: bool;
+
+    /// An explaining pick scored `c`, holding `overlap` leading blocks.
+    fn scored(&mut self, _c: &Cand<'_>, _overlap: usize, _terms: CostTerms) {}
+
+    /// An explaining pick chose `decode` (and `prefill`); `pinned` says which
+    /// of the two the session pinned.
+    fn chosen(
+        &mut self,
+        _at: &Scoring<'_, '_>,
+        _decode: &Cand<'_>,
+        _prefill: Option<&Cand<'_>>,
+        _pinned: (bool, bool),
+    ) {
+    }
+}
+
+/// A routing pick: observes nothing.
+pub(super) struct Route;
+
+impl Observer for Route {
+    const EXPLAINS: bool = false;
 }

@@ -74,7 +74,7 @@ fn a_short_prompt_leaves_a_long_wait_only_while_another_rank_is_idle() {
     let short = text(30, 10, "s");
     let explained = s.explain(&with_body(&short), &snap, now).unwrap();
     let at_holder = explained.candidates.iter().find(|c| c.key == holder);
-    assert!((at_holder.unwrap().terms.prefill - 86.8).abs() < 1e-9);
+    assert!((at_holder.unwrap().terms.get("prefill") - 86.8).abs() < 1e-9);
     let d = s.pick_at(&with_body(&short), &snap, now).unwrap();
     assert_ne!(d.decode.key(), holder, "the idle worker starts at once");
     // Withdrawn, and what it recorded there forgotten: the other worker

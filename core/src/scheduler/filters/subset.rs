@@ -1,0 +1,29 @@
+//! The gateway's subset hint (`x-gateway-destination-endpoint-subset`): an
+//! endpoint it does not name sits out. The hint itself (an empty match is an
+//! error, a session bound outside it keeps its binding) is the pool's.
+
+use super::{Filter, FilterContext};
+use crate::endpoints::EndpointState;
+
+/// Drops endpoints outside the subset hint.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Subset;
+
+impl Filter for Subset {
+    fn name(&self) -> &'static str {
+        "subset-filter"
+    }
+
+    fn reason(&self) -> &'static str {
+        "not_in_subset"
+    }
+
+    fn applies(&self, at: &FilterContext<'_>) -> bool {
+        at.subset.is_some()
+    }
+
+    fn admits(&self, at: &FilterContext<'_>, ep: &EndpointState) -> bool {
+        at.subset
+            .is_none_or(|s| s.binary_search(&ep.endpoint.address).is_ok())
+    }
+}

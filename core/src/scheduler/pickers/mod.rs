@@ -1,0 +1,42 @@
+//! Pickers: how the pick chooses among the scored candidates (the llm-d
+//! Router's `Picker`). Every picker is a [`Choice`] the pruned argmin in
+//! `pick.rs` knows how to make, so a picker adds no work per candidate.
+//!
+//! Adding a picker: one file here with a type implementing [`Picker`] and its
+//! `from_config`, and one line in [`super::registry::REGISTRY`].
+
+pub mod max_score;
+
+use std::fmt;
+
+/// How the candidates' costs become a choice.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Choice {
+    /// The least cost, uniformly among equal ones (pruned argmin).
+    Least,
+    /// Candidate i with probability ∝ exp(−c′ᵢ / temperature), c′ the costs
+    /// scaled to [0, 1]; an infinite temperature picks uniformly.
+    Sample {
+        /// Above zero.
+        temperature: f64,
+    },
+}
+
+impl Choice {
+    /// [`Choice::Least`] for a temperature of zero (or below, or NaN), else sampling.
+    pub fn with_temperature(temperature: f64) -> Self {
+        match temperature > 0.0 {
+            true => Choice::Sample { temperature },
+            false => Choice::Least,
+        }
+    }
+}
+
+/// One picker.
+pub trait Picker: Send + Sync + fmt::Debug {
+    /// The plugin type name.
+    fn name(&self) -> &'static str;
+
+    /// How it chooses.
+    fn choice(&self) -> Choice;
+}

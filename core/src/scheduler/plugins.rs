@@ -1,0 +1,62 @@
+//! The plugin list one scheduler runs: its filters (the built-in ones, then
+//! configured ones), its cost terms in summing order, and its picker.
+
+use std::sync::Arc;
+
+use super::filters::{body::PrefillNeedsBody, ejected::Ejected, subset::Subset, Filter};
+use super::pickers::{max_score::MaxScore, Choice, Picker};
+use super::terms::Scorer;
+use super::terms::{kv_usage::KvUsage, load::ActiveLoad, prefix::PrefixCache, queue::Queue};
+use super::Weights;
+
+/// Filters, terms and picker of a scheduler.
+#[derive(Debug, Clone)]
+pub struct Plugins {
+    /// Built-in filters first, then configured ones, in the order asked.
+    pub filters: Vec<Arc<dyn Filter>>,
+    /// Cost terms, in summing order.
+    pub scorers: Vec<Arc<dyn Scorer>>,
+    /// How the pick chooses among costs.
+    pub picker: Arc<dyn Picker>,
+}
+
+impl Plugins {
+    /// The filters every scheduler runs (the Inference Extension's contract).
+    pub fn builtin_filters() -> Vec<Arc<dyn Filter>> {
+        vec![
+            Arc::new(Subset),
+            Arc::new(PrefillNeedsBody),
+            Arc::new(Ejected),
+        ]
+    }
+
+    /// The default list: every built-in term at `weights` (in the order
+    /// prefill, active load, queue, KV usage), the max-score picker at
+    /// `temperature`.
+    pub fn from_weights(weights: Weights, temperature: f64) -> Self {
+        Plugins {
+            filters: Self::builtin_filters(),
+            scorers: vec![
+                Arc::new(PrefixCache {
+                    weight: weights.prefill,
+                    prefill_weight: weights.prefill_overlap,
+                }),
+                Arc::new(ActiveLoad {
+                    weight: weights.decode,
+                }),
+                Arc::new(Queue {
+                    weight: weights.queue,
+                }),
+                Arc::new(KvUsage {
+                    weight: weights.kv_usage,
+                }),
+            ],
+            picker: Arc::new(MaxScore { temperature }),
+        }
+    }
+
+    /// How the picker chooses.
+    pub fn choice(&self) -> Choice {
+        self.picker.choice()
+    }
+}

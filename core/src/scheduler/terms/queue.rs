@@ -1,0 +1,60 @@
+//! `queue-scorer`: the candidate's scraped queue, each queued request counted
+//! at the blocks it has left to prefill (the mean uncached blocks of the
+//! requests kvpick has in flight there, else this request's size): the work
+//! this request waits behind. A stale or failing scrape never makes a worker
+//! cheaper: its last figures stand, with one more request of this size queued.
+
+use serde::{Deserialize, Serialize};
+
+use super::{bound, Candidate, RequestCost, Scorer};
+use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+
+/// The queue cost term.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Queue {
+    /// Per block of queued work.
+    pub weight: f64,
+}
+
+/// The llm-d scorer's parameters kvpick reads: none.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Params {}
+
+impl Queue {
+    /// The term the registry builds: the mapped weight.
+    pub fn from_config(args: &mut PluginArgs<'_>) -> Result<Self, PluginError> {
+        let Params {} = decode_params(args)?;
+        Ok(Queue {
+            weight: args.weight,
+        })
+    }
+}
+
+impl Scorer for Queue {
+    fn name(&self) -> &'static str {
+        "queue"
+    }
+
+    #[inline]
+    fn cost(&self, c: &Candidate<'_>, req: &RequestCost) -> f64 {
+        let size = req.size as f64;
+        let mut queue = 0.0;
+        if let Some(s) = c.scraped() {
+            let in_flight = c.in_flight();
+            let per_queued = if in_flight > 0.0 {
+                c.booked.uncached as f64 / in_flight
+            } else {
+                size
+            };
+            queue = s.queue / c.ranks() * per_queued;
+        }
+        if c.suspect() {
+            queue += size;
+        }
+        self.weight * queue
+    }
+
+    fn lower_bound(&self, _new_blocks: usize, _req: &RequestCost) -> Option<f64> {
+        bound(self.weight, 0.0)
+    }
+}
