@@ -381,8 +381,8 @@ mod tests {
         ));
         let mut text = String::new();
         for i in 0..requests {
-            // A stride coprime with `groups` visits every group in turn.
-            let g = (i * 7) % groups;
+            // Scrambled, so no fixed rotation of workers sees only a few groups.
+            let g = ((u64::from(i) * 2_654_435_761) >> 7) as u32 % groups;
             let mut ids: Vec<u32> = (0..6).map(|b| g * 100 + b).collect();
             ids.push(100_000 + i);
             writeln!(
