@@ -3,6 +3,7 @@
 //!
 //! One module per subcommand; this file only dispatches.
 
+mod aisim;
 mod index;
 mod measure;
 mod replay;
@@ -25,11 +26,15 @@ enum Command {
     /// (`DefaultWorkerSelector`, its indexer and active-sequence tracking) as one
     /// more policy, over every (capacity, speed) given.
     Replay(replay::ReplayCmd),
+    /// kvpick inside NVIDIA's AISimulate beside Dynamo's KV router and round
+    /// robin (`dynamo-mocker`), same engine, same trace, same run.
+    Aisim(aisim::AisimArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Index(args) => index::run(args),
         Command::Replay(cmd) => replay::run(cmd),
+        Command::Aisim(args) => aisim::run(args),
     }
 }

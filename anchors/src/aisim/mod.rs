@@ -1,0 +1,442 @@
+//! `kvpick-anchors aisim`: routing quality in NVIDIA's AISimulate (`aisimulate-core`
+//! 0.13.0), kvpick beside Dynamo's KV router and round robin, one engine
+//! configuration, one trace, one run.
+//!
+//! Every point of the matrix (trace × KV capacity × load) replays the same Mooncake
+//! trace four times through the same engine configuration:
+//! - `round-robin` and `dynamo`: `dynamo-mocker` 1.6.1's own entry point,
+//!   `simulate_trace_file_with_router_mode(.., RoundRobin | KvRouter)` (Dynamo's
+//!   KV router with its default `KvRouterConfig`);
+//! - `kvpick-approx` and `kvpick-precise`: the same trace loaded as `dynamo-mocker`
+//!   loads it (`Trace::from_mooncake`, session starts normalised, arrivals sped up,
+//!   one request per row with the same synthetic output plan), the engine
+//!   configuration that `dynamo-mocker` builds from the same `MockerConfig`
+//!   (polynomial perf model: no external timing provider), run by
+//!   `aisimulate_core::replay::Replayer::with_composition` with kvpick's
+//!   composition ([`placement`]).
+//!
+//! Figures are AISimulate's own report: TTFT p50/p99, end-to-end p50, and the
+//! engines' prefix-cache reuse (`prefix_cache_reused_ratio`: prompt tokens served
+//! from cache over all prompt tokens), which is the hit rate of each policy.
+
+pub mod placement;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use aisimulate_core::engine::{Backend, EngineConfig, EngineLaunchConfig};
+use aisimulate_core::replay::loadgen::Trace;
+use aisimulate_core::replay::{
+    ProviderSpec, ReplayAdapters, ReplayEngineConfig, ReplayEngineFactory, ReplayReport,
+    ReplayRuntimeInput, ReplaySpec, ReplayTopology, Replayer, WorkerPoolSpec,
+    CURRENT_REPLAY_SPEC_VERSION,
+};
+use anyhow::Context;
+use dynamo_mocker::common::protocols::MockerConfig;
+use dynamo_mocker::replay::{simulate_trace_file_with_router_mode, ReplayRouterMode};
+use kvpick::endpoints::Snapshot;
+
+use placement::{KvpickComposition, KvpickSettings, Mode, Scrapes};
+
+/// Options of `kvpick-anchors aisim`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct AisimArgs {
+    /// Mooncake-format traces (JSONL: timestamp, input_length, output_length, hash_ids).
+    #[arg(long = "trace", required = true)]
+    traces: Vec<PathBuf>,
+    /// Tokens per trace hash id.
+    #[arg(long, default_value_t = 512)]
+    trace_block_size: usize,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Engine GPU KV blocks per worker, one matrix column group per value.
+    #[arg(long = "num-gpu-blocks", value_delimiter = ',', default_values_t = [4096, 16384])]
+    num_gpu_blocks: Vec<usize>,
+    /// Arrival speed-ups (load levels): the trace's arrival times are divided by each.
+    #[arg(long = "speedup", value_delimiter = ',', default_values_t = [1.0, 2.0, 4.0])]
+    speedups: Vec<f64>,
+    /// Engine KV block size in tokens.
+    #[arg(long, default_value_t = 64)]
+    block_size: usize,
+    /// Engine `max_num_seqs`.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Engine `max_num_batched_tokens` (per-step token budget; chunked prefill on).
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// How often kvpick's scrape of the engines' gauges refreshes, in virtual ms.
+    #[arg(long, default_value_t = 50.0)]
+    scrape_interval_ms: f64,
+    /// Seed of kvpick's tie-break.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Write the report (markdown) here too.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+impl AisimArgs {
+    /// The engine configuration every policy of a point runs on.
+    fn mocker_config(&self, num_gpu_blocks: usize) -> anyhow::Result<MockerConfig> {
+        let engine = EngineConfig {
+            backend: Backend::Vllm,
+            num_gpu_blocks,
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            ..EngineConfig::default()
+        };
+        MockerConfig {
+            engine: EngineLaunchConfig {
+                engine,
+                num_gpu_blocks_is_explicit: true,
+                ..EngineLaunchConfig::default()
+            },
+            ..MockerConfig::default()
+        }
+        .normalized()
+    }
+}
+
+/// One policy's figures at one point.
+#[derive(Debug, Clone)]
+pub struct Figures {
+    pub policy: String,
+    pub completed: usize,
+    pub requests: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub e2e_p50_ms: f64,
+    pub hit_rate: f64,
+    pub wall_s: f64,
+}
+
+impl Figures {
+    fn of(policy: &str, report: &ReplayReport, wall_s: f64) -> Self {
+        Figures {
+            policy: policy.to_string(),
+            completed: report.request_counts.completed_requests,
+            requests: report.request_counts.num_requests,
+            ttft_p50_ms: report.latency.ttft.median_ms,
+            ttft_p99_ms: report.latency.ttft.p99_ms,
+            e2e_p50_ms: report.latency.e2e.median_ms,
+            hit_rate: report.prefix_cache_reused_ratio,
+            wall_s,
+        }
+    }
+}
+
+/// Replays `trace`, arrivals sped up `speedup` times, through kvpick in `mode`
+/// on `config`'s engine, with `opts`' fleet, scrape interval and seed.
+pub fn run_kvpick(
+    opts: &AisimArgs,
+    args: &MockerConfig,
+    trace: &Path,
+    speedup: f64,
+    mode: Mode,
+) -> anyhow::Result<KvpickRun> {
+    let (trace_block_size, workers) = (opts.trace_block_size, opts.workers);
+    let (scrape_interval_ms, seed) = (opts.scrape_interval_ms, opts.seed);
+    let mut rank = args.engine.engine.clone();
+    // vLLM publishes token ids with its BlockStored events; kvpick keys blocks by them.
+    rank.emit_kv_token_ids = true;
+    let engine = ReplayEngineConfig {
+        kv_eviction_policy: Default::default(),
+        dp_size: args.dp_size,
+        tensor_parallel_size: u32::try_from(args.tensor_parallel_size)?,
+        prefill_context_parallel_size: 1,
+        num_gpu_blocks_is_explicit: Some(true),
+        rank,
+        prefill: None,
+        decode: None,
+    };
+    let spec = ReplaySpec {
+        version: CURRENT_REPLAY_SPEC_VERSION,
+        topology: ReplayTopology::Aggregated {
+            workers: WorkerPoolSpec {
+                initial_workers: workers,
+                startup_delay_ms: 0.0,
+            },
+        },
+        engine: serde_json::to_value(engine)?,
+        adapters: ReplayAdapters {
+            placement: ProviderSpec {
+                provider: "kvpick".into(),
+                config: serde_json::Value::Null,
+            },
+            scaling: ProviderSpec::no_scaling(),
+        },
+        max_sim_time_ms: None,
+        max_in_flight: None,
+        record_per_request: false,
+        sla: Default::default(),
+        requests: Vec::new(),
+    };
+    let mut requests = Trace::from_mooncake(trace, trace_block_size)?
+        .normalize_session_starts()?
+        .speed_up_timing(speedup)?
+        .to_single_turn_requests()?;
+    requests.sort_by(|a, b| {
+        let (a, b) = (a.arrival_timestamp_ms, b.arrival_timestamp_ms);
+        a.unwrap_or(0.0).total_cmp(&b.unwrap_or(0.0))
+    });
+    let first = requests
+        .first()
+        .and_then(|r| r.arrival_timestamp_ms)
+        .context("the trace has no request")?;
+    for r in &mut requests {
+        r.arrival_timestamp_ms = r.arrival_timestamp_ms.map(|t| t - first);
+    }
+    let scrapes = Scrapes::default();
+    let settings = KvpickSettings {
+        mode,
+        block_size: args.block_size,
+        num_gpu_blocks: args.num_gpu_blocks,
+        seed,
+    };
+    let composition = KvpickComposition::new(settings, scrapes.clone());
+    let endpoints = composition.endpoints();
+    let report = Replayer::with_composition(spec, ReplayEngineFactory::new(), composition)?
+        .with_runtime_input(ReplayRuntimeInput::Requests(requests.into()))
+        .with_telemetry_observer(scrape_interval_ms, Box::new(scrapes.clone()))?
+        .run()?;
+    let endpoints = endpoints
+        .lock()
+        .map_err(|_| anyhow::anyhow!("endpoint handle poisoned"))?
+        .take()
+        .context("the replay built no placement")?;
+    Ok(KvpickRun {
+        report,
+        endpoints,
+        scrapes,
+    })
+}
+
+/// What a kvpick replay leaves: AISimulate's report, and kvpick's endpoints and
+/// scrapes as the run left them.
+pub struct KvpickRun {
+    pub report: ReplayReport,
+    pub endpoints: Arc<Snapshot>,
+    pub scrapes: Scrapes,
+}
+
+impl KvpickRun {
+    /// The run's figures count only if kvpick read every engine's gauges and
+    /// every booking ended with its request.
+    fn check(&self, workers: usize) -> anyhow::Result<()> {
+        let scraped = self.scrapes.workers();
+        anyhow::ensure!(
+            scraped == workers,
+            "kvpick read gauges of {scraped} of {workers} workers"
+        );
+        let left: u32 = self
+            .endpoints
+            .endpoints
+            .iter()
+            .map(|e| e.in_flight_total())
+            .sum();
+        anyhow::ensure!(left == 0, "{left} bookings outlived their requests");
+        Ok(())
+    }
+}
+
+/// Runs the matrix and prints it (and writes it to `--out`).
+pub fn run(args: AisimArgs) -> anyhow::Result<()> {
+    let mut md = String::new();
+    writeln!(md, "# kvpick in AISimulate: {} workers\n", args.workers)?;
+    writeln!(
+        md,
+        "Engine (every policy, every point): AISimulate vLLM backend, block size {} tokens, \
+         `max_num_seqs` {}, `max_num_batched_tokens` {} (chunked prefill on, prefix caching on), \
+         polynomial perf model (`dynamo-mocker`'s default `PerfModel`, no external timing \
+         provider), dp 1, tp 1; `num_gpu_blocks` per table. kvpick reads the engines' gauges \
+         every {} ms of virtual time. Trace hash ids are {} tokens.\n",
+        args.block_size,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.scrape_interval_ms,
+        args.trace_block_size
+    )?;
+    writeln!(
+        md,
+        "`speedup` divides the trace's arrival times. TTFT and e2e in ms; hit rate = \
+         AISimulate's `prefix_cache_reused_ratio`. Ratios are kvpick-precise over the best \
+         of `dynamo` and `round-robin` at that point (≤ 1 on TTFT and ≥ 1 on hit rate is a lead).\n"
+    )?;
+    for trace in &args.traces {
+        let name = trace
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        for &blocks in &args.num_gpu_blocks {
+            let config = args.mocker_config(blocks)?;
+            writeln!(md, "## {name}, num_gpu_blocks {blocks}\n")?;
+            writeln!(
+                md,
+                "| speedup | policy | completed | TTFT p50 | TTFT p99 | e2e p50 | hit rate | wall s |"
+            )?;
+            writeln!(md, "|---|---|---|---|---|---|---|---|")?;
+            let mut verdicts = Vec::new();
+            for &speedup in &args.speedups {
+                let mut rows = Vec::new();
+                for (policy, mode) in [
+                    ("round-robin", ReplayRouterMode::RoundRobin),
+                    ("dynamo", ReplayRouterMode::KvRouter),
+                ] {
+                    let t = Instant::now();
+                    let report = simulate_trace_file_with_router_mode(
+                        config.clone(),
+                        None,
+                        None,
+                        trace,
+                        args.trace_block_size,
+                        args.workers,
+                        speedup,
+                        mode,
+                    )
+                    .with_context(|| format!("{policy} on {name}"))?;
+                    rows.push(Figures::of(policy, &report, t.elapsed().as_secs_f64()));
+                }
+                for mode in [Mode::Approximate, Mode::Precise] {
+                    let t = Instant::now();
+                    let run = run_kvpick(&args, &config, trace, speedup, mode)
+                        .with_context(|| format!("{} on {name}", mode.name()))?;
+                    run.check(args.workers)?;
+                    rows.push(Figures::of(
+                        mode.name(),
+                        &run.report,
+                        t.elapsed().as_secs_f64(),
+                    ));
+                }
+                for f in &rows {
+                    writeln!(
+                        md,
+                        "| {speedup} | {} | {}/{} | {:.0} | {:.0} | {:.0} | {:.3} | {:.1} |",
+                        f.policy,
+                        f.completed,
+                        f.requests,
+                        f.ttft_p50_ms,
+                        f.ttft_p99_ms,
+                        f.e2e_p50_ms,
+                        f.hit_rate,
+                        f.wall_s
+                    )?;
+                }
+                verdicts.push((speedup, verdict(&rows)));
+                eprintln!("{name} blocks {blocks} speedup {speedup}: done");
+            }
+            writeln!(md)?;
+            for (speedup, v) in verdicts {
+                writeln!(md, "- speedup {speedup}: {v}")?;
+            }
+            writeln!(md)?;
+        }
+    }
+    print!("{md}");
+    if let Some(path) = &args.out {
+        std::fs::write(path, &md)?;
+    }
+    Ok(())
+}
+
+/// kvpick-precise against the best peer at one point, as ratios.
+fn verdict(rows: &[Figures]) -> String {
+    let get = |p: &str| rows.iter().find(|f| f.policy == p);
+    let (Some(k), Some(d), Some(r)) = (get("kvpick-precise"), get("dynamo"), get("round-robin"))
+    else {
+        return "incomplete".into();
+    };
+    let best_p50 = d.ttft_p50_ms.min(r.ttft_p50_ms);
+    let best_p99 = d.ttft_p99_ms.min(r.ttft_p99_ms);
+    format!(
+        "TTFT p50 {:.2}×, p99 {:.2}× the best peer; hit rate {:.2}× dynamo's",
+        k.ttft_p50_ms / best_p50,
+        k.ttft_p99_ms / best_p99,
+        k.hit_rate / d.hit_rate
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: AisimArgs,
+    }
+
+    /// A Mooncake trace of `groups` six-block shared prefixes, each request one of
+    /// them plus a block of its own, one arrival every 200 ms.
+    fn grouped_trace(groups: u32, requests: u32) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "kvpick-aisim-{}-{groups}-{requests}.jsonl",
+            std::process::id()
+        ));
+        let mut text = String::new();
+        for i in 0..requests {
+            // Scrambled, so no fixed rotation of workers sees only a few groups.
+            let g = ((u64::from(i) * 2_654_435_761) >> 7) as u32 % groups;
+            let mut ids: Vec<u32> = (0..6).map(|b| g * 100 + b).collect();
+            ids.push(100_000 + i);
+            writeln!(
+                text,
+                r#"{{"timestamp": {}, "input_length": {}, "output_length": 8, "hash_ids": {:?}}}"#,
+                i * 200,
+                7 * 512,
+                ids
+            )
+            .unwrap();
+        }
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn args(trace: &Path) -> AisimArgs {
+        let trace = trace.to_str().unwrap();
+        Cli::parse_from(["aisim", "--trace", trace, "--workers", "4"]).args
+    }
+
+    /// Sixteen prefixes of 48 engine blocks on four workers of 256 blocks: a
+    /// worker holds about four, so only placement that keeps each prefix on one
+    /// worker reuses them. kvpick's hits come from its index (precise: the
+    /// engines' KV events through kvpick's ingest; approximate: its decisions),
+    /// it read every engine's gauges, and every booking ended with its request.
+    #[test]
+    fn kvpick_reuses_prefixes_round_robin_thrashes_and_bookings_end() {
+        let trace = grouped_trace(16, 320);
+        let opts = args(&trace);
+        let config = opts.mocker_config(256).unwrap();
+        let rr = simulate_trace_file_with_router_mode(
+            config.clone(),
+            None,
+            None,
+            &trace,
+            512,
+            4,
+            1.0,
+            ReplayRouterMode::RoundRobin,
+        )
+        .unwrap();
+        for mode in [Mode::Precise, Mode::Approximate] {
+            let run = run_kvpick(&opts, &config, &trace, 1.0, mode).unwrap();
+            let counts = &run.report.request_counts;
+            assert_eq!(counts.completed_requests, 320, "{}", mode.name());
+            assert!(
+                run.report.prefix_cache_reused_ratio > rr.prefix_cache_reused_ratio + 0.2,
+                "{}: hit rate {} vs round robin {}",
+                mode.name(),
+                run.report.prefix_cache_reused_ratio,
+                rr.prefix_cache_reused_ratio
+            );
+            run.check(4).unwrap();
+        }
+        std::fs::remove_file(trace).unwrap();
+    }
+}
