@@ -265,8 +265,8 @@ fn decode_stored(f: &Fields<'_>) -> Result<BlockStored, DecodeError> {
 /// The cache salt among the first block's `extra_keys`. vLLM lists a block's
 /// keys as LoRA name, mm hashes, cache salt (first block only), prompt-embedding
 /// bytes: the salt is the last plain string that is neither an mm hash nor the
-/// LoRA name (a leading string stands for the adapter when the event names it
-/// only by id).
+/// LoRA name (when the event names the adapter only by id, the leading string
+/// is its name, as vLLM always lists the adapter's name first).
 fn extra_keys_salt(v: Option<&Value>, lora_name: Option<&str>, lora_id: bool) -> Option<String> {
     let first = v?.as_array()?.first()?.as_array()?;
     let strings: Vec<&str> = first
@@ -276,7 +276,7 @@ fn extra_keys_salt(v: Option<&Value>, lora_name: Option<&str>, lora_id: bool) ->
         .collect();
     let leading_lora = match lora_name {
         Some(name) => strings.first() == Some(&name),
-        None => lora_id && strings.len() > 1,
+        None => lora_id && !strings.is_empty(),
     };
     strings[usize::from(leading_lora)..]
         .last()

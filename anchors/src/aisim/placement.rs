@@ -357,6 +357,7 @@ fn body(tokens: Vec<u32>) -> InferenceRequest {
         names_worker: false,
         omitted_tokens: 0,
         template: None,
+        salt: None,
     }
 }
 
@@ -383,6 +384,7 @@ fn vllm_event(event: KvEvent, block_size: usize) -> decode::KvEvent {
                 lora_name: None,
                 group_idx: None,
                 block_mm_hashes: Vec::new(),
+                cache_salt: None,
             })
         }
         KvEventData::Removed { block_hashes } => decode::KvEvent::BlockRemoved(BlockRemoved {
