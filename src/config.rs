@@ -331,6 +331,13 @@ pub struct Args {
           default_value_t = crate::kvevents::subscriber::DEFAULT_MAX_MESSAGE_BYTES)]
     pub kv_events_max_message_bytes: usize,
 
+    /// Bytes of KV-event batches queued for the ingest thread, all workers
+    /// together (raised to one largest message if lower); past it the worker
+    /// holding the most loses its queued batches and is reset.
+    #[arg(long, env = "KVPICK_KV_EVENTS_MAX_QUEUED_BYTES",
+          default_value_t = crate::kvevents::subscriber::DEFAULT_MAX_QUEUED_BYTES)]
+    pub kv_events_max_queued_bytes: usize,
+
     /// Share routing state with the pool's other kvpick replicas through this
     /// Redis/Valkey server (`redis://[:password@]host[:port][/db]`; see
     /// docs/replicas.md). Unset: a single replica, nothing shared.
@@ -883,6 +890,7 @@ impl Args {
             replay_port: self.kv_events_replay_port,
             model: self.kv_events_model.clone(),
             max_message_bytes: self.kv_events_max_message_bytes,
+            max_queued_bytes: self.kv_events_max_queued_bytes,
             ..SubscriberConfig::default()
         })
     }

@@ -553,7 +553,7 @@ async fn the_ingest_thread_ends_once_every_sender_is_gone() {
     let first = batch_array(vec![stored_array(ints(&[1, 2]), Value::Nil, &a)], None);
     prime(&mut pub_socket, &sink, worker, &first, &ha).await;
     assert!(sink.precise(worker));
-    sub.stop().await;
+    sub.stop();
     drop(events);
     tokio::time::timeout(Duration::from_secs(5), ingest.join())
         .await
@@ -1443,4 +1443,112 @@ async fn oversized_frames_and_garbage_drop_their_publisher_while_a_good_one_keep
     .await;
     assert!(sink.precise(good));
     assert_eq!(sink.depth(good, &ha), 2);
+}
+
+/// One worker's publisher floods large valid `BlockStored` batches (8,000
+/// blocks with 32-byte hashes, about 370 kB each; the latency bound is one
+/// batch's ingest, which for 30,000 blocks nears a second in a debug build) as
+/// fast as ZMQ carries them.
+/// The queued bytes never pass the budget, and another worker's events still
+/// take effect within a second, 20 times over. Before the byte bound and the
+/// per-worker turns, the queue held 4,096 batches of any size, in one FIFO.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_publisher_is_bounded_by_bytes_and_starves_no_other_worker() {
+    const BUDGET: usize = 16 << 20;
+    let (mut flood_socket, flood_port) = publisher().await;
+    let (mut good_socket, good_port) = publisher().await;
+    let sink = Arc::new(MemorySink::default());
+    let metrics = KvEventMetrics::register(&Metrics::new("test"));
+    let (events, _ingest) = KvEvents::start(
+        Arc::clone(&sink) as Arc<dyn KvEventSink>,
+        metrics,
+        SubscriberConfig {
+            model: MODEL.into(),
+            connect_timeout: Duration::from_secs(2),
+            retry_delay: Duration::from_millis(20),
+            max_queued_bytes: BUDGET,
+            ..SubscriberConfig::default()
+        },
+    );
+    let (flooder, good) = (w(66, 0), w(7, 0));
+    let _subs = [
+        events.subscribe(loopback(flooder, flood_port, None)),
+        events.subscribe(loopback(good, good_port, None)),
+    ];
+    let a: Vec<u32> = (0..8).collect();
+    let ha = chain(seed_of(MODEL, None), None, &a, BS);
+    let first = batch_array(vec![stored_array(ints(&[1, 2]), Value::Nil, &a)], None);
+    prime(&mut good_socket, &sink, good, &first, &ha).await;
+
+    let blocks = 8_000u64;
+    let tokens: Vec<u32> = (0..(blocks as u32) * BS as u32).collect();
+    let hashes = Value::Array((0..blocks).map(sha_like).collect());
+    let big = Bytes::from(batch_array(
+        vec![stored_array(hashes, Value::Nil, &tokens)],
+        None,
+    ));
+    assert!(big.len() > 300_000, "{} bytes", big.len());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooding = {
+        let stop = Arc::clone(&stop);
+        tokio::spawn(async move {
+            let mut seq = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let msg = ZmqMessage::try_from(vec![
+                    Bytes::new(),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    big.clone(),
+                ])
+                .unwrap();
+                flood_socket.send(msg).await.unwrap();
+                seq += 1;
+                if seq % 8 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+        })
+    };
+    eventually("the flood filling the queue", || {
+        events.queued_bytes().1 > BUDGET / 2
+    })
+    .await;
+
+    let mut slowest = Duration::ZERO;
+    for i in 1..=20u32 {
+        let toks: Vec<u32> = (1_000_000 + i * 8..1_000_000 + i * 8 + 8).collect();
+        let expect = chain(seed_of(MODEL, None), None, &toks, BS);
+        let payload = batch_array(
+            vec![stored_array(
+                ints(&[u64::from(i) * 10, u64::from(i) * 10 + 1]),
+                Value::Nil,
+                &toks,
+            )],
+            None,
+        );
+        let sent = Instant::now();
+        good_socket
+            .send(frames("", u64::from(i), payload))
+            .await
+            .unwrap();
+        while sink.depth(good, &expect) != 2 {
+            assert!(
+                sent.elapsed() < Duration::from_secs(1),
+                "round {i}: the other worker's event waited over 1 s behind the flood"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        slowest = slowest.max(sent.elapsed());
+        let (_, peak) = events.queued_bytes();
+        assert!(peak <= BUDGET, "round {i}: {peak} bytes queued");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    flooding.await.unwrap();
+    let (_, peak) = events.queued_bytes();
+    assert!(peak <= BUDGET, "{peak} bytes queued, budget {BUDGET}");
+    assert!(
+        sink.precise(good) && sink.depth(good, &ha) == 2,
+        "never reset"
+    );
+    assert!(sink.clears(flooder) > 1, "the flooder was reset");
+    eprintln!("slowest event of the other worker: {slowest:?}; peak queued {peak} bytes");
 }

@@ -17,6 +17,7 @@
 //! next prompt that reaches it.
 
 pub mod decode;
+pub mod queue;
 pub mod subscriber;
 pub mod zmtp;
 

@@ -1,12 +1,15 @@
 //! ZMQ subscribers: one SUB socket per ready (worker, dp rank), feeding one ingest
-//! thread through a bounded channel.
+//! thread through a queue bounded by bytes.
 //!
 //! - Subscriber tasks (tokio) only receive frames and check sequence numbers;
 //!   decoding and index updates run on a dedicated `kv-ingest` OS thread, so a
 //!   burst of events never takes runtime threads from request routing.
-//! - The channel is bounded ([`SubscriberConfig::channel_capacity`] batches). When
-//!   it is full the batch is dropped and the worker is reset before the next batch
-//!   that gets through (its index part would be wrong otherwise).
+//! - The queue ([`super::queue`]) holds at most
+//!   [`SubscriberConfig::max_queued_bytes`] of batches, one FIFO per worker
+//!   rank served in turns. A batch that does not fit drops the batches of the
+//!   rank holding the most (the flooder), which is reset before its next batch
+//!   applies (its index part would be wrong otherwise); another rank's events
+//!   keep flowing and wait behind at most one batch of each other rank.
 //! - A sequence gap is repaired from the engine's replay socket (ZMQ ROUTER; we
 //!   send `("", start_seq)` from a DEALER and read `("", seq, payload)` replies up
 //!   to the `seq = -1` end marker) when a replay port is configured and the engine
@@ -34,11 +37,11 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use super::decode::{decode_batch, decode_seq, parse_topic};
+use super::queue::{self, IngestQueue, Item, Receiver, BATCH_OVERHEAD};
 use super::zmtp::{Connection, Limits, ZmtpError};
 use super::{ApplyStats, Ingest, KvEventSink, SeqCheck, SeqTracker};
 use crate::endpoints::{EndpointTable, Engine, WorkerKey};
@@ -56,8 +59,10 @@ pub struct SubscriberConfig {
     /// Model name that seeds block hashes when the topic does not name one; must
     /// equal the `model` of the requests routed to these workers.
     pub model: String,
-    /// Batches queued between subscribers and the ingest thread.
-    pub channel_capacity: usize,
+    /// Bytes of batches queued between subscribers and the ingest thread, all
+    /// ranks together (at least one largest message: `max_message_bytes` plus
+    /// [`BATCH_OVERHEAD`]).
+    pub max_queued_bytes: usize,
     /// Time allowed to connect (and to finish a replay).
     pub connect_timeout: Duration,
     /// First retry delay after a failed or lost connection (doubles up to 30 s).
@@ -88,7 +93,7 @@ impl Default for SubscriberConfig {
             port: 5557,
             replay_port: None,
             model: String::new(),
-            channel_capacity: 4096,
+            max_queued_bytes: DEFAULT_MAX_QUEUED_BYTES,
             connect_timeout: Duration::from_secs(5),
             retry_delay: Duration::from_millis(200),
             image_token: None,
@@ -100,6 +105,10 @@ impl Default for SubscriberConfig {
 /// Default [`SubscriberConfig::max_message_bytes`]: 8 MiB, far above a vLLM batch
 /// (one engine step's events; a 128k-token prefill stores under 1 MB of them).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 8 << 20;
+
+/// Default [`SubscriberConfig::max_queued_bytes`]: 256 MiB, 32 largest messages,
+/// thousands of ordinary batches (a few KiB each) waiting for one ingest pass.
+pub const DEFAULT_MAX_QUEUED_BYTES: usize = 256 << 20;
 
 /// Why a worker's part of the index was reset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
@@ -171,6 +180,7 @@ pub struct KvEventMetrics {
     mm_blocks: Family<MmBlockLabels, Counter>,
     decode_errors: Counter,
     ingest_lag: Histogram,
+    queued_bytes: Gauge,
 }
 
 impl KvEventMetrics {
@@ -185,6 +195,7 @@ impl KvEventMetrics {
             replayed: Family::default(),
             mm_blocks: Family::default(),
             decode_errors: Counter::default(),
+            queued_bytes: Gauge::default(),
             ingest_lag: Histogram::new([
                 0.000_01, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0,
             ]),
@@ -207,7 +218,7 @@ impl KvEventMetrics {
             );
             r.register(
                 "kvpick_kv_events_dropped_batches",
-                "Event batches dropped because the ingest queue was full",
+                "Event batches dropped because the ingest queue was full (the rank holding the most bytes loses its queued batches and is reset)",
                 m.dropped.clone(),
             );
             r.register(
@@ -229,6 +240,11 @@ impl KvEventMetrics {
                 "kvpick_kv_events_decode_errors",
                 "KV event messages that could not be decoded",
                 m.decode_errors.clone(),
+            );
+            r.register(
+                "kvpick_kv_events_queued_bytes",
+                "Bytes of KV event batches waiting for the ingest thread, all worker ranks together (at most --kv-events-max-queued-bytes)",
+                m.queued_bytes.clone(),
             );
             r.register(
                 "kvpick_kv_events_ingest_lag_seconds",
@@ -274,44 +290,14 @@ impl KvEventMetrics {
     }
 }
 
-/// What subscriber tasks send to the ingest thread.
-#[derive(Debug)]
-enum IngestMsg {
-    Batch {
-        worker: WorkerKey,
-        topic: Bytes,
-        payload: Bytes,
-        received: Instant,
-        reset_first: Option<ResetReason>,
-    },
-    Live {
-        worker: WorkerKey,
-        live: bool,
-    },
-    Forget {
-        worker: WorkerKey,
-    },
-    Flush(std::sync::mpsc::SyncSender<()>),
-}
-
-fn ingest_loop(
-    mut rx: mpsc::Receiver<IngestMsg>,
-    mut ingest: Ingest<dyn KvEventSink>,
-    metrics: Arc<KvEventMetrics>,
-) {
-    while let Some(msg) = rx.blocking_recv() {
-        match msg {
-            IngestMsg::Batch {
-                worker,
+fn ingest_loop(rx: Receiver, mut ingest: Ingest<dyn KvEventSink>, metrics: Arc<KvEventMetrics>) {
+    while let Some((worker, item)) = rx.next() {
+        match item {
+            Item::Batch {
                 topic,
                 payload,
                 received,
-                reset_first,
             } => {
-                if let Some(reason) = reset_first {
-                    ingest.reset(worker);
-                    metrics.reset(worker, reason);
-                }
                 let batch = match decode_batch(&payload) {
                     Ok(b) => b,
                     Err(e) => {
@@ -360,7 +346,7 @@ fn ingest_loop(
                 }
                 metrics.ingest_lag.observe(received.elapsed().as_secs_f64());
             }
-            IngestMsg::Live { worker, live } => {
+            Item::Live(live) => {
                 ingest.set_live(worker, live);
                 metrics
                     .precise
@@ -373,13 +359,16 @@ fn ingest_loop(
                 };
                 metrics.reset(worker, reason);
             }
-            IngestMsg::Forget { worker } => {
+            Item::Forget => {
                 ingest.set_live(worker, false);
                 metrics.forget(worker);
             }
-            IngestMsg::Flush(done) => {
-                let _ = done.send(());
+            Item::Reset(reason) => {
+                ingest.reset(worker);
+                metrics.reset(worker, reason);
             }
+            // Dropping it tells the flush this rank's earlier items are applied.
+            Item::Flush(done) => drop(done),
         }
     }
 }
@@ -402,7 +391,7 @@ pub struct Target {
 /// index has one precise writer ([`IngestThread`]).
 #[derive(Clone)]
 pub struct KvEvents {
-    tx: mpsc::Sender<IngestMsg>,
+    tx: IngestQueue,
     metrics: Arc<KvEventMetrics>,
     config: Arc<SubscriberConfig>,
 }
@@ -415,7 +404,11 @@ impl KvEvents {
         metrics: Arc<KvEventMetrics>,
         config: SubscriberConfig,
     ) -> (Self, IngestThread) {
-        let (tx, rx) = mpsc::channel(config.channel_capacity.max(1));
+        // One largest message always fits.
+        let budget = config
+            .max_queued_bytes
+            .max(config.max_message_bytes + BATCH_OVERHEAD);
+        let (tx, rx) = queue::queue(budget, metrics.queued_bytes.clone());
         let ingest = Ingest::new(sink, config.model.clone()).with_image_token(config.image_token);
         let m = Arc::clone(&metrics);
         let thread = std::thread::Builder::new()
@@ -443,16 +436,17 @@ impl KvEvents {
             worker,
             task,
             tx: self.tx.clone(),
-            forgotten: false,
         }
     }
 
     /// Waits until everything sent to the ingest thread so far has been applied.
     pub async fn flush(&self) {
-        let (done, wait) = std::sync::mpsc::sync_channel(1);
-        if self.tx.send(IngestMsg::Flush(done)).await.is_ok() {
-            let _ = tokio::task::spawn_blocking(move || wait.recv()).await;
-        }
+        self.tx.flush().await;
+    }
+
+    /// Bytes of batches queued for the ingest thread now, and the most ever.
+    pub fn queued_bytes(&self) -> (usize, usize) {
+        self.tx.bytes()
     }
 
     /// The streams to follow for the endpoints in `table` now: every rank of every
@@ -495,7 +489,7 @@ impl KvEvents {
                 .collect();
             for t in gone {
                 if let Some(sub) = running.remove(&t) {
-                    sub.stop().await;
+                    sub.stop();
                 }
             }
             for t in wanted {
@@ -527,41 +521,33 @@ impl IngestThread {
     }
 }
 
-/// A running subscriber. [`Subscription::stop`] stops it and forgets the worker
-/// rank's events (it falls back to approximate mode); dropping it does the same
-/// without waiting for room in the ingest queue (the forget is lost if the
-/// queue is full: dropping is for shutdown, when it no longer matters).
+/// A running subscriber. [`Subscription::stop`] (or dropping it) stops it and
+/// queues the forget of its worker rank (it falls back to approximate mode).
 pub struct Subscription {
     worker: WorkerKey,
     task: JoinHandle<()>,
-    tx: mpsc::Sender<IngestMsg>,
-    forgotten: bool,
+    tx: IngestQueue,
 }
 
 impl Subscription {
-    /// Stops the subscriber and queues the forget of its worker rank, waiting
-    /// for room in the queue if it is full.
-    pub async fn stop(mut self) {
-        self.task.abort();
-        let worker = self.worker;
-        self.forgotten = self.tx.send(IngestMsg::Forget { worker }).await.is_ok();
+    /// Stops the subscriber and queues the forget of its worker rank (what
+    /// dropping it does, said where it is meant).
+    pub fn stop(self) {
+        drop(self);
     }
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
         self.task.abort();
-        if !self.forgotten {
-            let worker = self.worker;
-            let _ = self.tx.try_send(IngestMsg::Forget { worker });
-        }
+        self.tx.push_control(self.worker, Item::Forget);
     }
 }
 
 async fn run_subscriber(
     target: Target,
     config: Arc<SubscriberConfig>,
-    tx: mpsc::Sender<IngestMsg>,
+    tx: IngestQueue,
     metrics: Arc<KvEventMetrics>,
 ) {
     let mut delay = config.retry_delay;
@@ -584,7 +570,7 @@ async fn run_subscriber(
 async fn follow_stream(
     target: &Target,
     config: &SubscriberConfig,
-    tx: &mpsc::Sender<IngestMsg>,
+    tx: &IngestQueue,
     metrics: &KvEventMetrics,
 ) -> Result<(), ZmtpError> {
     let worker = target.worker;
@@ -596,15 +582,11 @@ async fn follow_stream(
     )
     .await?;
     socket.subscribe_all().await?;
-    if tx
-        .send(IngestMsg::Live { worker, live: true })
-        .await
-        .is_err()
-    {
+    if tx.is_closed() {
         return Ok(());
     }
+    tx.push_control(worker, Item::Live(true));
     let mut seq = SeqTracker::new();
-    let mut pending_reset: Option<ResetReason> = None;
     loop {
         let mut frames = match socket.recv().await {
             Ok(m) => m,
@@ -631,7 +613,7 @@ async fn follow_stream(
         let topic = frames.swap_remove(0);
         match seq.observe(s) {
             SeqCheck::First | SeqCheck::Next => {}
-            SeqCheck::Restart => pending_reset = Some(ResetReason::Restart),
+            SeqCheck::Restart => tx.push_control(worker, Item::Reset(ResetReason::Restart)),
             SeqCheck::Gap { from, to } => {
                 let replayed = match target.replay_port {
                     Some(port) => replay(target.host, port, from, to, config)
@@ -648,58 +630,42 @@ async fn follow_stream(
                         .get_or_create(&labels(worker))
                         .inc_by(replayed.len() as u64);
                     for p in replayed {
-                        pending_reset = forward(
-                            tx,
-                            metrics,
-                            worker,
-                            topic.clone(),
-                            p,
-                            received,
-                            pending_reset,
-                        );
+                        forward(tx, metrics, worker, topic.clone(), p, received);
                     }
                 } else {
                     warn!(%worker, missed = to - from, "KV event gap: resetting worker");
-                    pending_reset = Some(ResetReason::Gap);
+                    tx.push_control(worker, Item::Reset(ResetReason::Gap));
                 }
             }
         }
-        pending_reset = forward(tx, metrics, worker, topic, payload, received, pending_reset);
+        forward(tx, metrics, worker, topic, payload, received);
         if tx.is_closed() {
             return Ok(());
         }
     }
-    let _ = tx
-        .send(IngestMsg::Live {
-            worker,
-            live: false,
-        })
-        .await;
+    tx.push_control(worker, Item::Live(false));
     Ok(())
 }
 
-/// Queues one batch without waiting; returns the reset still owed to the worker.
+/// Queues one batch without waiting, counting what a full queue dropped.
 fn forward(
-    tx: &mpsc::Sender<IngestMsg>,
+    tx: &IngestQueue,
     metrics: &KvEventMetrics,
     worker: WorkerKey,
     topic: Bytes,
     payload: Bytes,
     received: Instant,
-    reset_first: Option<ResetReason>,
-) -> Option<ResetReason> {
-    match tx.try_send(IngestMsg::Batch {
-        worker,
+) {
+    let batch = Item::Batch {
         topic,
         payload,
         received,
-        reset_first,
-    }) {
-        Ok(()) => None,
-        Err(_) => {
-            metrics.dropped.get_or_create(&labels(worker)).inc();
-            Some(ResetReason::Overflow)
-        }
+    };
+    for d in tx.push_batch(worker, batch) {
+        metrics
+            .dropped
+            .get_or_create(&labels(d.worker))
+            .inc_by(d.batches);
     }
 }
 
