@@ -75,9 +75,12 @@ impl Candidate<'_> {
         }
     }
 
-    /// Whether the scrape is stale or failing.
+    /// Whether scrapes stopped or fail after a success: the worker may be hung,
+    /// so its last figures stand with a full KV cache and one more queued
+    /// request. A worker never scraped successfully (just Ready, or serving no
+    /// `/metrics`) is not suspect: it costs what kvpick booked there.
     pub fn suspect(&self) -> bool {
-        matches!(self.view, LoadView::Suspect(_))
+        matches!(self.view, LoadView::Suspect(Some(_)))
     }
 
     /// Requests kvpick has in flight on the rank.

@@ -217,3 +217,54 @@ fn a_subset_hint_cannot_move_or_rebind_another_callers_session() {
         );
     }
 }
+
+#[test]
+fn a_worker_never_scraped_costs_its_bookings_not_a_full_cache() {
+    let s = Scheduler::default();
+    let snap = two();
+    let t0 = Instant::now();
+    let body = crate::request::parse(
+        serde_json::json!({"model": "m", "prompt": "e".repeat(64 * 38)})
+            .to_string()
+            .as_bytes(),
+        None,
+    )
+    .unwrap();
+    let req = with_body(&body);
+    let hashes = s.block_hashes(&body);
+    for e in &snap.endpoints {
+        s.index().insert(e.key(0), &hashes, t0);
+    }
+    // The first is scraped and nearly idle; the second serves no /metrics.
+    snap.endpoints[0].set_scraped(ScrapedLoad {
+        queue: 0.0,
+        running: 0.0,
+        kv_usage: 0.05,
+        block_size: None,
+        num_blocks: None,
+        at: t0,
+    });
+    snap.endpoints[1].set_scrape_failed(t0);
+    let explained = s.explain(&req, &snap, t0).unwrap();
+    let [scraped, unscraped] = &explained.candidates[..] else {
+        panic!("two candidates")
+    };
+    assert_eq!(unscraped.overlap_blocks, scraped.overlap_blocks);
+    assert_eq!(
+        (unscraped.terms.get("queue"), unscraped.terms.get("kv_usage")),
+        (0.0, 0.0)
+    );
+    assert!(
+        unscraped.terms.total() <= scraped.terms.total(),
+        "an unscraped worker costed as full: {unscraped:?} vs {scraped:?}"
+    );
+    assert!(unscraped.chosen);
+    // One request at a time: the unscraped worker is not avoided.
+    let mut to_unscraped = 0;
+    for _ in 0..20 {
+        let d = s.pick_at(&req, &snap, t0).unwrap();
+        to_unscraped += usize::from(addr(&d) == "10.0.0.2:80");
+        s.finish_at(&d, Some(200), t0);
+    }
+    assert_eq!(to_unscraped, 20, "the idle unscraped worker was avoided");
+}
