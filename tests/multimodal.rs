@@ -131,8 +131,9 @@ fn sglang_event(tokens: &[u32]) -> Vec<u8> {
 
 /// vLLM's event for a prompt: map-encoded, sha256-style byte hashes, the model's
 /// image token at image positions and each block's image hashes in
-/// `extra_keys` (vLLM 0.19's `[hash, offset]` pairs), with a cache salt string
-/// in the first block as vLLM adds it. `issued` says whether the hashes are the
+/// `extra_keys` (vLLM 0.19's `[hash, offset]` pairs); the requests carry no
+/// `cache_salt`, so vLLM adds none (a salted event matches only its tenant's
+/// requests: `tests/kvevents.rs`). `issued` says whether the hashes are the
 /// UUIDs kvpick handed vLLM or vLLM's own digests.
 fn vllm_event(tokens: &[u32], image_token: u32, images: &[u64], issued: bool) -> Vec<u8> {
     let full = tokens.len() / BS * BS;
@@ -146,11 +147,8 @@ fn vllm_event(tokens: &[u32], image_token: u32, images: &[u64], issued: bool) ->
         }
     };
     let mut extra = Vec::new();
-    for (b, block) in tokens[..full].chunks(BS).enumerate() {
+    for block in tokens[..full].chunks(BS) {
         let mut keys: Vec<Value> = Vec::new();
-        if b == 0 {
-            keys.push(Value::from("salt-tenant-a"));
-        }
         let mut seen = Vec::new();
         for (off, t) in block.iter().enumerate() {
             if let Some(i) = pads.iter().position(|p| p == t) {
