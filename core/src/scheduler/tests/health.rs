@@ -251,7 +251,10 @@ fn a_worker_never_scraped_costs_its_bookings_not_a_full_cache() {
     };
     assert_eq!(unscraped.overlap_blocks, scraped.overlap_blocks);
     assert_eq!(
-        (unscraped.terms.get("queue"), unscraped.terms.get("kv_usage")),
+        (
+            unscraped.terms.get("queue"),
+            unscraped.terms.get("kv_usage")
+        ),
         (0.0, 0.0)
     );
     assert!(
