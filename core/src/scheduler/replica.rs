@@ -25,30 +25,22 @@ impl Scheduler {
         let Some(sink) = self.replica.get() else {
             return;
         };
-        let d = &decision.decode;
-        if !hashes.is_empty() {
-            sink.push(Delta::Prompt {
-                worker: d.key(),
-                hashes: hashes.to_vec(),
-            });
-        }
-        sink.push(Delta::Book {
-            worker: d.key(),
-            load: decision.decode_load(),
-            requests: 1,
-        });
-        if let Some(p) = &decision.prefill {
+        let record = |worker, load, requests| {
             if !hashes.is_empty() {
                 sink.push(Delta::Prompt {
-                    worker: p.key(),
+                    worker,
                     hashes: hashes.to_vec(),
                 });
             }
             sink.push(Delta::Book {
-                worker: p.key(),
-                load: decision.prefill_load(),
-                requests: 0,
+                worker,
+                load,
+                requests,
             });
+        };
+        record(decision.decode.key(), decision.decode_load(), 1);
+        if let Some(p) = &decision.prefill {
+            record(p.key(), decision.prefill_load(), 0);
         }
     }
 
