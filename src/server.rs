@@ -127,7 +127,7 @@ impl App {
     pub fn with_scheduler(pool: &str, scheduler: SchedulerConfig) -> Self {
         let scheduler = Arc::new(Scheduler::new(scheduler));
         let metrics = Arc::new(Metrics::new(pool));
-        metrics.register_scheduler(Arc::clone(&scheduler));
+        crate::scheduler_metrics::SchedulerMetrics::register(&metrics, Arc::clone(&scheduler));
         let admission_metrics = AdmissionMetrics::register(&metrics, pool);
         let off = AdmissionConfig {
             enabled: false,
@@ -136,7 +136,7 @@ impl App {
         let admission = Gate::new(off, Arc::default(), admission_metrics.clone());
         admission_metrics.watch(&admission);
         let scrape_errors = Arc::<crate::scrape::ScrapeErrors>::default();
-        metrics.register_scrape_errors(Arc::clone(&scrape_errors));
+        crate::scrape::ScrapeMetrics::register(&metrics, Arc::clone(&scrape_errors));
         App {
             endpoints: Arc::new(EndpointTable::new()),
             scheduler,
@@ -537,15 +537,21 @@ pub async fn run_until(
         let exact = tokenizer.has_vision();
         let mut pool = TokenizerPool::new(tokenizer, args.multimodal.tokenizer_threads);
         if let Some(remote) = remote_images(&args, exact)? {
-            app.metrics.register_image_fetch(Arc::clone(remote.stats()));
+            crate::multimodal_metrics::ImageFetchMetrics::register(
+                &app.metrics,
+                Arc::clone(remote.stats()),
+            );
             pool = pool.with_remote_images(remote);
         }
         app.tokenizer = Some(pool);
     } else {
         remote_images(&args, false)?;
     }
-    app.metrics
-        .register_multimodal(Arc::clone(&app.mm_stats), mm_routing(&args));
+    crate::multimodal_metrics::MultimodalMetrics::register(
+        &app.metrics,
+        Arc::clone(&app.mm_stats),
+        mm_routing(&args),
+    );
     let static_objectives =
         crate::admission::priority::parse_objectives(&args.flow_control.inference_objectives)?;
     let objectives = Arc::new(Objectives::new(static_objectives.clone()));
@@ -610,7 +616,7 @@ pub async fn run_until(
         }
     });
     if let Some(tls) = &tls {
-        app.metrics.register_tls_reloads(tls.stats());
+        crate::tls::TlsMetrics::register(&app.metrics, tls.stats());
         if args.tls.enable_cert_reload && !tls.reloads() {
             warn!("--enable-cert-reload with neither --cert-path nor --client-ca-path: a self-signed certificate is never reloaded");
         }
