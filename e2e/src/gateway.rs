@@ -118,11 +118,11 @@ impl Default for GatewayConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     /// Bad ext_proc address or TLS settings.
-    #[error("ext_proc client: {0}")]
+    #[error("ext_proc client could not be set up")]
     Client(#[from] tonic::transport::Error),
     /// The listener could not bind.
-    #[error("cannot bind {0}: {1}")]
-    Bind(SocketAddr, std::io::Error),
+    #[error("cannot bind {0}")]
+    Bind(SocketAddr, #[source] std::io::Error),
 }
 
 /// Why a request could not be processed by the picker.

@@ -262,8 +262,8 @@ pub struct WorkerHandle {
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// The HTTP listener could not bind.
-    #[error("cannot bind {0}: {1}")]
-    Bind(SocketAddr, std::io::Error),
+    #[error("cannot bind {0}")]
+    Bind(SocketAddr, #[source] std::io::Error),
     /// The KV-event publisher could not start.
     #[error(transparent)]
     Events(#[from] crate::kv_events::PublishError),
@@ -903,7 +903,7 @@ async fn send_prefill(t: PrefillTarget, api: Api, mut body: Value) -> u16 {
     {
         Ok(reply) => reply.status.as_u16(),
         Err(e) => {
-            tracing::warn!(prefill = %t.addr, error = %e, "prefill request failed");
+            tracing::warn!(prefill = %t.addr, error = %kvpick::error_chain::ErrorChain(&e), "prefill request failed");
             StatusCode::BAD_GATEWAY.as_u16()
         }
     }

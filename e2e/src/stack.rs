@@ -21,7 +21,7 @@ use crate::mock_worker::{WorkerConfig, WorkerHandle};
 #[derive(Debug, thiserror::Error)]
 pub enum StackError {
     /// File or socket I/O.
-    #[error("i/o: {0}")]
+    #[error("i/o failed")]
     Io(#[from] std::io::Error),
     /// A worker failed to start.
     #[error(transparent)]
