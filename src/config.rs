@@ -647,9 +647,10 @@ pub struct GieFlags {
     /// Ignored with a warning.
     #[arg(long, hide = true)]
     pub kv_cache_usage_percentage_metric: Option<String>,
-    /// Ignored with a warning.
-    #[arg(long, hide = true)]
-    pub lora_info_metric: Option<String>,
+    /// Honoured: the LoRA adapter gauge scraped from every worker (GIE's
+    /// default, vLLM's name; empty: adapters are not read).
+    #[arg(long, hide = true, default_value = crate::scrape::DEFAULT_LORA_INFO_METRIC)]
+    pub lora_info_metric: String,
     /// Ignored with a warning.
     #[arg(long, hide = true)]
     pub cache_info_metric: Option<String>,
@@ -734,7 +735,6 @@ impl GieFlags {
                 "kv-cache-usage-percentage-metric",
                 self.kv_cache_usage_percentage_metric.is_some(),
             ),
-            ("lora-info-metric", self.lora_info_metric.is_some()),
             ("cache-info-metric", self.cache_info_metric.is_some()),
             ("zap-log-level", self.zap_log_level.is_some()),
             ("zap-stacktrace-level", self.zap_stacktrace_level.is_some()),
@@ -1038,6 +1038,7 @@ impl Args {
             concurrency: self.scrape_concurrency.max(1),
             path: self.gie.model_server_metrics_path.clone(),
             port: self.gie.model_server_metrics_port,
+            lora_info_metric: Some(self.gie.lora_info_metric.clone()).filter(|m| !m.is_empty()),
         }
     }
 
@@ -1335,9 +1336,11 @@ mod tests {
         assert_eq!(a.scrape_interval(), Duration::from_millis(100));
         assert_eq!(a.scrape_staleness(), Duration::from_secs(90));
         assert_eq!(a.scrape().port, Some(8080));
+        // The chart's empty `--lora-info-metric` (trtllm) turns adapters off.
+        assert_eq!(a.scrape().lora_info_metric, None);
         assert_eq!(a.gie.tracing, Some(false));
         let warnings = a.gie.warnings();
-        assert_eq!(warnings.len(), 5, "{warnings:?}");
+        assert_eq!(warnings.len(), 4, "{warnings:?}");
         assert!(!warnings.iter().any(|w| w.contains("--config-file")));
         assert!(warnings
             .iter()
@@ -1345,6 +1348,10 @@ mod tests {
 
         let a = Args::try_parse_from(["kvpick"]).unwrap();
         assert!(a.gie.warnings().is_empty());
+        assert_eq!(
+            a.scrape().lora_info_metric.as_deref(),
+            Some("vllm:lora_requests_info")
+        );
         assert_eq!(a.scrape_interval(), Duration::from_millis(50));
         assert_eq!(a.scrape_staleness(), Duration::from_secs(2));
         assert_eq!(a.pool_group, "inference.networking.k8s.io");

@@ -16,6 +16,16 @@
 //! trtllm names are also read with a `trtllm:` prefix (as Dynamo re-exports them).
 //! Several samples of one gauge (one per data-parallel engine) are summed for queue
 //! and running and averaged for KV usage.
+//!
+//! LoRA adapters ([`parse_lora`]) come from the gauge `--lora-info-metric` names
+//! (GIE's flag and default, `vllm:lora_requests_info`; empty turns it off), read
+//! on every engine's page as GIE reads it: labels `running_lora_adapters` and
+//! `waiting_lora_adapters` (comma-separated names) and `max_lora` (slots), the
+//! value the time the series was last set. vLLM keeps every label combination
+//! it ever set, so the newest series with an adapter named wins (one with none
+//! is the idle engine, whose adapters stay loaded: GIE skips it too). The base
+//! model is the `model_name` label of the running gauge. SGLang and trtllm-serve
+//! export no such gauge.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -32,7 +42,7 @@ use prometheus_parse::{Sample, Scrape, Value};
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
-use crate::endpoints::{EndpointState, EndpointTable, Engine, ScrapedLoad};
+use crate::endpoints::{EndpointState, EndpointTable, Engine, LoraInfo, ScrapedLoad};
 use crate::error_chain::ErrorChain;
 
 /// Largest metrics page read, in bytes.
@@ -51,7 +61,12 @@ pub struct ScrapeConfig {
     pub path: String,
     /// Port to scrape instead of each endpoint's own port.
     pub port: Option<u16>,
+    /// The LoRA adapter gauge (`None`: adapters are not read).
+    pub lora_info_metric: Option<String>,
 }
+
+/// GIE's default `--lora-info-metric`: vLLM's adapter gauge.
+pub const DEFAULT_LORA_INFO_METRIC: &str = "vllm:lora_requests_info";
 
 impl Default for ScrapeConfig {
     fn default() -> Self {
@@ -61,6 +76,7 @@ impl Default for ScrapeConfig {
             concurrency: 64,
             path: "/metrics".to_string(),
             port: None,
+            lora_info_metric: Some(DEFAULT_LORA_INFO_METRIC.to_string()),
         }
     }
 }
@@ -326,6 +342,58 @@ pub fn parse_load(engine: Engine, text: &str, at: Instant) -> Result<ScrapedLoad
     })
 }
 
+/// The LoRA adapter state on a metrics page of `engine`, from the gauge named
+/// `metric` (see the module doc); `None` when the page has none.
+pub fn parse_lora(engine: Engine, text: &str, metric: &str) -> Option<LoraInfo> {
+    if metric.is_empty() || !text.contains(metric) {
+        return None;
+    }
+    let running = names(engine).running;
+    let lines = text
+        .lines()
+        .filter(|l| {
+            let name = sample_name(l);
+            name == metric || running.contains(&name)
+        })
+        .map(|l| Ok(normalise_line(l)));
+    let scrape = Scrape::parse(lines).ok()?;
+    let info = parsed_name(metric);
+    let series = || scrape.samples.iter().filter(|s| s.metric == info);
+    let label = |s: &Sample, key: &str| s.labels.get(key).unwrap_or_default().to_string();
+    let adapters = |s: &Sample| {
+        [
+            label(s, "running_lora_adapters"),
+            label(s, "waiting_lora_adapters"),
+        ]
+    };
+    let newest = |named: bool| {
+        series()
+            .filter(|s| !named || adapters(s).iter().any(|a| !a.is_empty()))
+            .filter_map(|s| Some((scalar(&s.value)?, s)))
+            .fold(None::<(f64, &Sample)>, |best, (t, s)| match best {
+                Some((bt, _)) if bt >= t => best,
+                _ => Some((t, s)),
+            })
+            .map(|(_, s)| s)
+    };
+    let chosen = newest(true).or_else(|| newest(false))?;
+    let max_lora = label(chosen, "max_lora").trim().parse::<u32>().unwrap_or(0);
+    let base = running.iter().find_map(|n| {
+        let n = parsed_name(n);
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == n)
+            .and_then(|s| s.labels.get("model_name"))
+    });
+    let [run, wait] = adapters(chosen);
+    Some(LoraInfo::new(
+        run.split(',').chain(wait.split(',')).map(str::trim),
+        max_lora,
+        base,
+    ))
+}
+
 /// HTTP client used for scraping.
 pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
@@ -367,17 +435,22 @@ pub async fn fetch(
         .map_err(|_| ScrapeError::Timeout)?
 }
 
-/// Scrapes one endpoint once and returns its load.
+/// Scrapes one endpoint once and returns its load and LoRA adapter state.
 pub async fn scrape_one(
     client: &HttpClient,
     state: &EndpointState,
     config: &ScrapeConfig,
-) -> Result<ScrapedLoad, ScrapeError> {
+) -> Result<(ScrapedLoad, Option<LoraInfo>), ScrapeError> {
     let ep = &state.endpoint;
     let addr = SocketAddr::new(ep.address.ip(), config.port.unwrap_or(ep.address.port()));
     let page = fetch(client, addr, &config.path, config.timeout).await?;
     let text = std::str::from_utf8(&page).map_err(|e| ScrapeError::Parse(e.to_string()))?;
-    parse_load(ep.engine, text, Instant::now())
+    let load = parse_load(ep.engine, text, Instant::now())?;
+    let lora = config
+        .lora_info_metric
+        .as_deref()
+        .and_then(|m| parse_lora(ep.engine, text, m));
+    Ok((load, lora))
 }
 
 /// Per-endpoint bookkeeping: whether a scrape is in flight, and whether the last failed.
@@ -439,7 +512,8 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>, errors: Arc<Sc
                 let track = t.entry(addr).or_default();
                 track.busy = false;
                 match result {
-                    Ok(load) => {
+                    Ok((load, lora)) => {
+                        state.set_lora(lora);
                         state.set_scraped(load);
                         if track.failing {
                             info!(endpoint = %addr, "metrics scrape recovered");
@@ -487,6 +561,31 @@ mod tests {
         assert_eq!(load.kv_usage, 0.4375);
         assert_eq!(load.block_size, Some(16));
         assert_eq!(load.num_blocks, Some(27648));
+    }
+
+    #[test]
+    fn parses_vllm_lora_gauge_newest_named_series() {
+        use crate::endpoints::{adapter_id, LoraFit};
+        let info = parse_lora(Engine::Vllm, VLLM, DEFAULT_LORA_INFO_METRIC).unwrap();
+        // The newest series naming adapters; the newer idle one is skipped.
+        assert_eq!((info.resident_count(), info.max_lora()), (2, 4));
+        assert_eq!(info.fit(adapter_id("sql-lora")), LoraFit::Resident);
+        assert_eq!(info.fit(adapter_id("chat-lora")), LoraFit::Resident);
+        assert_eq!(info.fit(adapter_id("other")), LoraFit::FreeSlot);
+        let base = adapter_id("meta-llama/Llama-3.1-8B-Instruct");
+        assert_eq!(info.fit(base), LoraFit::Neutral);
+        // Another metric name (GIE's flag), or none: not read.
+        assert_eq!(parse_lora(Engine::Vllm, VLLM, "my:lora_info"), None);
+        assert_eq!(parse_lora(Engine::Vllm, VLLM, ""), None);
+        assert_eq!(parse_lora(Engine::Sglang, SGLANG, DEFAULT_LORA_INFO_METRIC), None);
+        // Only idle series: no adapter resident, every slot free; a full worker.
+        let idle = "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 5\n";
+        let idle = parse_lora(Engine::Vllm, idle, DEFAULT_LORA_INFO_METRIC).unwrap();
+        assert_eq!((idle.resident_count(), idle.max_lora()), (0, 2));
+        let full = "my:lora_info{max_lora=\"2\",waiting_lora_adapters=\"c\",running_lora_adapters=\"a,b\"} 5\n";
+        let full = parse_lora(Engine::Sglang, full, "my:lora_info").unwrap();
+        assert_eq!(full.fit(adapter_id("c")), LoraFit::Resident);
+        assert_eq!(full.fit(adapter_id("d")), LoraFit::Full);
     }
 
     #[test]
@@ -589,6 +688,8 @@ mod tests {
         }
         assert!(ok, "live workers were not scraped while another hangs");
         assert_eq!(fresh(vllm).unwrap().running, 7.0);
+        let lora = by_addr(vllm).lora().expect("the fixture's adapters were not stored");
+        assert_eq!((lora.resident_count(), lora.max_lora()), (2, 4));
         assert_eq!(fresh(sglang).unwrap().kv_usage, 0.62);
         assert!(fresh(hung).is_none());
         // Rounds keep coming for the live workers although the hung scrape is pending.
