@@ -349,49 +349,78 @@ pub fn parse_lora(engine: Engine, text: &str, metric: &str) -> Option<LoraInfo> 
         return None;
     }
     let running = names(engine).running;
-    let lines = text
-        .lines()
-        .filter(|l| {
-            let name = sample_name(l);
-            name == metric || running.contains(&name)
-        })
-        .map(|l| Ok(normalise_line(l)));
-    let scrape = Scrape::parse(lines).ok()?;
-    let info = parsed_name(metric);
-    let series = || scrape.samples.iter().filter(|s| s.metric == info);
-    let label = |s: &Sample, key: &str| s.labels.get(key).unwrap_or_default().to_string();
-    let adapters = |s: &Sample| {
-        [
-            label(s, "running_lora_adapters"),
-            label(s, "waiting_lora_adapters"),
-        ]
-    };
-    let newest = |named: bool| {
-        series()
-            .filter(|s| !named || adapters(s).iter().any(|a| !a.is_empty()))
-            .filter_map(|s| Some((scalar(&s.value)?, s)))
-            .fold(None::<(f64, &Sample)>, |best, (t, s)| match best {
-                Some((bt, _)) if bt >= t => best,
-                _ => Some((t, s)),
-            })
-            .map(|(_, s)| s)
-    };
-    let chosen = newest(true).or_else(|| newest(false))?;
-    let max_lora = label(chosen, "max_lora").trim().parse::<u32>().unwrap_or(0);
-    let base = running.iter().find_map(|n| {
-        let n = parsed_name(n);
-        scrape
-            .samples
+    let mut base = None;
+    // (time set, running, waiting, max_lora) of the newest series naming an
+    // adapter, and of the newest series at all.
+    let mut newest_named: Option<(f64, LabelSet)> = None;
+    let mut newest: Option<(f64, LabelSet)> = None;
+    for line in text.lines() {
+        let name = sample_name(line);
+        if base.is_none() && running.contains(&name) {
+            base = labeled_sample(line).and_then(|(mut l, _)| l.remove("model_name"));
+        }
+        if name != metric {
+            continue;
+        }
+        let Some((labels, at)) = labeled_sample(line) else {
+            continue;
+        };
+        let named = ["running_lora_adapters", "waiting_lora_adapters"]
             .iter()
-            .find(|s| s.metric == n)
-            .and_then(|s| s.labels.get("model_name"))
-    });
-    let [run, wait] = adapters(chosen);
-    Some(LoraInfo::new(
-        run.split(',').chain(wait.split(',')).map(str::trim),
-        max_lora,
-        base,
-    ))
+            .any(|k| labels.get(*k).is_some_and(|v| !v.is_empty()));
+        for (slot, wanted) in [(&mut newest_named, named), (&mut newest, true)] {
+            if wanted && slot.as_ref().is_none_or(|(t, _)| at > *t) {
+                *slot = Some((at, labels.clone()));
+            }
+        }
+    }
+    let (_, labels) = newest_named.or(newest)?;
+    let get = |k: &str| labels.get(k).map(String::as_str).unwrap_or_default();
+    let max_lora = get("max_lora").trim().parse::<u32>().unwrap_or(0);
+    let adapters = get("running_lora_adapters")
+        .split(',')
+        .chain(get("waiting_lora_adapters").split(','))
+        .map(str::trim);
+    Some(LoraInfo::new(adapters, max_lora, base.as_deref()))
+}
+
+/// A sample line's labels.
+type LabelSet = HashMap<String, String>;
+
+/// The labels and finite value of one sample line `name{k="v",...} value`,
+/// label values unescaped (`\\`, `\"`, `\n`); `None` when it does not parse.
+/// (`prometheus-parse` splits label values at commas, which adapter lists hold.)
+fn labeled_sample(line: &str) -> Option<(LabelSet, f64)> {
+    let line = line.trim();
+    let open = line.find('{')?;
+    let mut rest = &line[open + 1..];
+    let mut labels = LabelSet::new();
+    loop {
+        rest = rest.trim_start_matches([' ', ',']);
+        if let Some(after) = rest.strip_prefix('}') {
+            rest = after;
+            break;
+        }
+        let eq = rest.find('=')?;
+        let key = rest[..eq].trim().to_string();
+        let mut chars = rest[eq + 1..].trim_start().strip_prefix('"')?.char_indices();
+        let mut value = String::new();
+        let end = loop {
+            match chars.next()? {
+                (i, '"') => break i,
+                (_, '\\') => value.push(match chars.next()?.1 {
+                    'n' => '\n',
+                    c => c,
+                }),
+                (_, c) => value.push(c),
+            }
+        };
+        let quoted = rest[eq + 1..].trim_start();
+        rest = &quoted[1 + end + 1..];
+        labels.insert(key, value);
+    }
+    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+    value.is_finite().then_some((labels, value))
 }
 
 /// HTTP client used for scraping.
@@ -578,6 +607,13 @@ mod tests {
         assert_eq!(parse_lora(Engine::Vllm, VLLM, "my:lora_info"), None);
         assert_eq!(parse_lora(Engine::Vllm, VLLM, ""), None);
         assert_eq!(parse_lora(Engine::Sglang, SGLANG, DEFAULT_LORA_INFO_METRIC), None);
+        // Escapes in label values; a malformed line is skipped.
+        let page = "vllm:lora_requests_info{max_lora=\"3\",running_lora_adapters=\"a\\\"b,c\"} 2\n\
+            vllm:lora_requests_info{max_lora=\"3\",running_lora_adapters=\"d} 9\n";
+        let odd = parse_lora(Engine::Vllm, page, DEFAULT_LORA_INFO_METRIC).unwrap();
+        assert_eq!(odd.fit(adapter_id("a\"b")), LoraFit::Resident);
+        assert_eq!(odd.fit(adapter_id("c")), LoraFit::Resident);
+        assert_eq!(odd.fit(adapter_id("d")), LoraFit::FreeSlot);
         // Only idle series: no adapter resident, every slot free; a full worker.
         let idle = "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 5\n";
         let idle = parse_lora(Engine::Vllm, idle, DEFAULT_LORA_INFO_METRIC).unwrap();
