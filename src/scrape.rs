@@ -403,7 +403,10 @@ fn labeled_sample(line: &str) -> Option<(LabelSet, f64)> {
         }
         let eq = rest.find('=')?;
         let key = rest[..eq].trim().to_string();
-        let mut chars = rest[eq + 1..].trim_start().strip_prefix('"')?.char_indices();
+        let mut chars = rest[eq + 1..]
+            .trim_start()
+            .strip_prefix('"')?
+            .char_indices();
         let mut value = String::new();
         let end = loop {
             match chars.next()? {
@@ -606,7 +609,10 @@ mod tests {
         // Another metric name (GIE's flag), or none: not read.
         assert_eq!(parse_lora(Engine::Vllm, VLLM, "my:lora_info"), None);
         assert_eq!(parse_lora(Engine::Vllm, VLLM, ""), None);
-        assert_eq!(parse_lora(Engine::Sglang, SGLANG, DEFAULT_LORA_INFO_METRIC), None);
+        assert_eq!(
+            parse_lora(Engine::Sglang, SGLANG, DEFAULT_LORA_INFO_METRIC),
+            None
+        );
         // Escapes in label values; a malformed line is skipped.
         let page = "vllm:lora_requests_info{max_lora=\"3\",running_lora_adapters=\"a\\\"b,c\"} 2\n\
             vllm:lora_requests_info{max_lora=\"3\",running_lora_adapters=\"d} 9\n";
@@ -724,7 +730,9 @@ mod tests {
         }
         assert!(ok, "live workers were not scraped while another hangs");
         assert_eq!(fresh(vllm).unwrap().running, 7.0);
-        let lora = by_addr(vllm).lora().expect("the fixture's adapters were not stored");
+        let lora = by_addr(vllm)
+            .lora()
+            .expect("the fixture's adapters were not stored");
         assert_eq!((lora.resident_count(), lora.max_lora()), (2, 4));
         assert_eq!(fresh(sglang).unwrap().kv_usage, 0.62);
         assert!(fresh(hung).is_none());

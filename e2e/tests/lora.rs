@@ -30,7 +30,9 @@ async fn send(s: &Stack, model: &str, n: usize) {
 
 #[tokio::test]
 async fn adapter_requests_follow_the_scraped_lora_gauge() {
-    let s = Stack::start(StackOptions::default()).await.expect("stack starts");
+    let s = Stack::start(StackOptions::default())
+        .await
+        .expect("stack starts");
     // Every worker's two slots are taken, worker 1's by sql-lora among them;
     // worker 2 has a slot free.
     for (i, w) in s.workers.iter().enumerate() {
@@ -51,7 +53,12 @@ async fn adapter_requests_follow_the_scraped_lora_gauge() {
     ));
     let mut scraped = false;
     for _ in 0..300 {
-        if table.snapshot().endpoints.iter().all(|e| e.lora().is_some()) {
+        if table
+            .snapshot()
+            .endpoints
+            .iter()
+            .all(|e| e.lora().is_some())
+        {
             scraped = true;
             break;
         }
@@ -60,7 +67,11 @@ async fn adapter_requests_follow_the_scraped_lora_gauge() {
     assert!(scraped, "the workers' adapter gauges were not scraped");
 
     send(&s, "sql-lora", 8).await;
-    assert_eq!(counts(&s), [0, 8, 0, 0], "sql-lora away from its resident worker");
+    assert_eq!(
+        counts(&s),
+        [0, 8, 0, 0],
+        "sql-lora away from its resident worker"
+    );
     send(&s, "new-lora", 6).await;
     assert_eq!(counts(&s), [0, 8, 6, 0], "new-lora away from the free slot");
     scraping.abort();

@@ -35,8 +35,16 @@ fn an_adapter_goes_where_it_is_resident_then_where_a_slot_is_free() {
     let base = "meta-llama/Llama-3.1-8B-Instruct";
     let [a, b, c] = [0, 1, 2].map(|i| &snap.endpoints[i]);
     // A: full (2 of 2 slots) without sql-lora; B: sql-lora resident; C: a free slot.
-    a.set_lora(Some(LoraInfo::new(["chat-lora", "math-lora"], 2, Some(base))));
-    b.set_lora(Some(LoraInfo::new(["sql-lora", "math-lora"], 2, Some(base))));
+    a.set_lora(Some(LoraInfo::new(
+        ["chat-lora", "math-lora"],
+        2,
+        Some(base),
+    )));
+    b.set_lora(Some(LoraInfo::new(
+        ["sql-lora", "math-lora"],
+        2,
+        Some(base),
+    )));
     c.set_lora(Some(LoraInfo::new(["chat-lora"], 2, Some(base))));
 
     // A holds the whole prompt, B all but its last block.
@@ -46,7 +54,11 @@ fn an_adapter_goes_where_it_is_resident_then_where_a_slot_is_free() {
     let now = Instant::now();
     s.index().insert(a.key(0), &hashes, now);
     s.index().insert(b.key(0), &hashes[..hashes.len() - 1], now);
-    assert_eq!(pick(&s, &sql, &snap), 1, "resident adapter over one more block");
+    assert_eq!(
+        pick(&s, &sql, &snap),
+        1,
+        "resident adapter over one more block"
+    );
     let e = s.explain(&with_body(&sql), &snap, now).unwrap();
     let lora = |i: usize| e.candidates[i].terms.get("lora");
     assert_eq!(lora(1), 0.0);

@@ -151,5 +151,8 @@ fn the_floor_is_the_sum_of_the_terms_lower_bounds() {
         },
         0.0,
     ));
-    assert_eq!(s.cost_floor(7, &s.request_cost(Side::Decode, 10, None, 0)), None);
+    assert_eq!(
+        s.cost_floor(7, &s.request_cost(Side::Decode, 10, None, 0)),
+        None
+    );
 }
