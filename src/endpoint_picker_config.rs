@@ -604,11 +604,11 @@ mod tests {
 
     #[test]
     fn unused_sections_and_profiles_warn() {
-        let text = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nflowControl: {}\nplugins:\n- type: queue-scorer\n- type: lora-affinity-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n  - pluginRef: lora-affinity-scorer\n- name: batch\n  plugins: []\n";
+        let text = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nflowControl: {}\nplugins:\n- type: queue-scorer\n- type: no-hit-lru-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n  - pluginRef: no-hit-lru-scorer\n- name: batch\n  plugins: []\n";
         let m = map(text, unit(), 0.0).unwrap();
         let all = m.warnings.join("\n");
         assert!(all.contains("\"flowControl\""), "{all}");
-        assert!(all.contains("type lora-affinity-scorer"), "{all}");
+        assert!(all.contains("type no-hit-lru-scorer"), "{all}");
         assert!(all.contains("\"batch\""), "{all}");
     }
 

@@ -248,6 +248,9 @@ struct Worker {
     events: Option<Publisher>,
     /// Prefill workers by instance id (the decode sidecar's targets).
     prefill_peers: Mutex<HashMap<u64, SocketAddr>>,
+    /// LoRA slots and resident adapters, served as `vllm:lora_requests_info`
+    /// (`None`: LoRA off, no gauge).
+    lora: Mutex<Option<(u32, Vec<String>)>>,
 }
 
 /// A running mock worker.
@@ -309,6 +312,7 @@ impl WorkerHandle {
             healthy: AtomicBool::new(true),
             events,
             prefill_peers: Mutex::new(HashMap::new()),
+            lora: Mutex::new(None),
             instance_id,
             address,
             config,
@@ -320,6 +324,13 @@ impl WorkerHandle {
             kv_events_port,
             events_task,
         })
+    }
+
+    /// Serves `vllm:lora_requests_info` with `max_lora` slots and `resident`
+    /// adapters running, as vLLM started with `--enable-lora` does.
+    pub fn set_lora(&self, max_lora: u32, resident: &[&str]) {
+        let names = resident.iter().map(|a| a.to_string()).collect();
+        *self.worker.lora.lock() = Some((max_lora, names));
     }
 
     /// The prefill workers this (decode) worker's sidecar may send prefill
@@ -463,6 +474,20 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
         bs = w.config.block_size,
         nb = w.config.num_blocks,
     );
+    let mut text = text;
+    if let Some((max_lora, resident)) = w.lora.lock().clone() {
+        // vLLM keeps every label combination it set, each valued with the
+        // time it was last set: an older idle series stays on the page.
+        let now = crate::kv_events::now_ts();
+        text += &format!(
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+             # TYPE vllm:lora_requests_info gauge\n\
+             vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"}} {idle}\n\
+             vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"\",running_lora_adapters=\"{running}\"}} {now}\n",
+            idle = now - 60.0,
+            running = resident.join(","),
+        );
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

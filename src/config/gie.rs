@@ -79,9 +79,10 @@ pub struct GieFlags {
     /// Ignored with a warning.
     #[arg(long, hide = true)]
     pub kv_cache_usage_percentage_metric: Option<String>,
-    /// Ignored with a warning.
-    #[arg(long, hide = true)]
-    pub lora_info_metric: Option<String>,
+    /// Honoured: the LoRA adapter gauge scraped from every worker (GIE's
+    /// default, vLLM's name; empty: adapters are not read).
+    #[arg(long, hide = true, default_value = crate::scrape::DEFAULT_LORA_INFO_METRIC)]
+    pub lora_info_metric: String,
     /// Ignored with a warning.
     #[arg(long, hide = true)]
     pub cache_info_metric: Option<String>,
@@ -166,7 +167,6 @@ impl GieFlags {
                 "kv-cache-usage-percentage-metric",
                 self.kv_cache_usage_percentage_metric.is_some(),
             ),
-            ("lora-info-metric", self.lora_info_metric.is_some()),
             ("cache-info-metric", self.cache_info_metric.is_some()),
             ("zap-log-level", self.zap_log_level.is_some()),
             ("zap-stacktrace-level", self.zap_stacktrace_level.is_some()),

@@ -220,6 +220,7 @@ impl Args {
             concurrency: self.scrape.scrape_concurrency.max(1),
             path: self.gie.model_server_metrics_path.clone(),
             port: self.gie.model_server_metrics_port,
+            lora_info_metric: Some(self.gie.lora_info_metric.clone()).filter(|m| !m.is_empty()),
         }
     }
 
@@ -505,9 +506,11 @@ mod tests {
         assert_eq!(a.scrape_interval(), Duration::from_millis(100));
         assert_eq!(a.scrape_staleness(), Duration::from_secs(90));
         assert_eq!(a.scrape_config().port, Some(8080));
+        // The chart's empty `--lora-info-metric` (trtllm) turns adapters off.
+        assert_eq!(a.scrape_config().lora_info_metric, None);
         assert_eq!(a.gie.tracing, Some(false));
         let warnings = a.gie.warnings();
-        assert_eq!(warnings.len(), 5, "{warnings:?}");
+        assert_eq!(warnings.len(), 4, "{warnings:?}");
         assert!(!warnings.iter().any(|w| w.contains("--config-file")));
         assert!(warnings
             .iter()
@@ -515,6 +518,10 @@ mod tests {
 
         let a = Args::try_parse_from(["kvpick"]).unwrap();
         assert!(a.gie.warnings().is_empty());
+        assert_eq!(
+            a.scrape_config().lora_info_metric.as_deref(),
+            Some("vllm:lora_requests_info")
+        );
         assert_eq!(a.scrape_interval(), Duration::from_millis(50));
         assert_eq!(a.scrape_staleness(), Duration::from_secs(2));
         assert_eq!(a.discovery.pool_group, "inference.networking.k8s.io");

@@ -136,13 +136,20 @@ impl Scheduler {
         }
     }
 
-    /// What the terms read about a request of `size` blocks on `side`, with
-    /// `idle_ranks` ranks of that side having nothing pending.
-    pub(super) fn request_cost(&self, side: Side, size: u64, idle_ranks: u64) -> RequestCost {
+    /// What the terms read about a request of `size` blocks for `adapter` on
+    /// `side`, with `idle_ranks` ranks of that side having nothing pending.
+    pub(super) fn request_cost(
+        &self,
+        side: Side,
+        size: u64,
+        adapter: Option<u64>,
+        idle_ranks: u64,
+    ) -> RequestCost {
         RequestCost {
             size,
             side,
             wait: self.pending_wait(idle_ranks),
+            adapter,
         }
     }
 

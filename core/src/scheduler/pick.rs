@@ -18,7 +18,7 @@ use super::overlap::PromptOverlaps;
 use super::pickers::Choice;
 use super::terms::CostTerms;
 use super::{Decision, PickError, PickRequest, Scheduler, Stage, StageTimer};
-use crate::endpoints::{ActiveLoad, Engine, Snapshot, WorkerKey};
+use crate::endpoints::{adapter_id, ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -88,6 +88,7 @@ impl Scheduler {
             overlaps: overlaps.as_ref(),
             prompt: &prompt,
             size: load_blocks,
+            adapter: req.body.map(|b| adapter_id(&b.model)),
             now: tick,
         };
 
@@ -289,7 +290,7 @@ impl Scheduler {
         side: Side,
         obs: &mut O,
     ) -> Option<Cand<'s>> {
-        let req = self.request_cost(side, at.size, at.pool.idle_ranks(side));
+        let req = self.request_cost(side, at.size, at.adapter, at.pool.idle_ranks(side));
         if O::EXPLAINS {
             let mut best: Option<(Cand<'s>, f64)> = None;
             for c in at.pool.iter(side) {
@@ -396,6 +397,8 @@ pub(super) struct Scoring<'s, 'p> {
     overlaps: Option<&'p PromptOverlaps>,
     prompt: &'p hash::PromptBlocks,
     size: u64,
+    /// The request's `model` as an adapter id.
+    adapter: Option<u64>,
     now: i64,
 }
 

@@ -11,6 +11,7 @@ use crate::endpoints::{Endpoint, EndpointTable, Role};
 pub(super) use crate::fixtures::{parse as body, pool, prompt, scrape, table, with_body};
 
 mod health;
+mod lora;
 mod plugins;
 mod prop;
 mod wait;
