@@ -302,6 +302,14 @@ pub struct Args {
     /// to [0, 1] with this temperature.
     #[arg(long, env = "KVPICK_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
+
+    /// Endpoints each decision names in `x-gateway-destination-endpoint` (and
+    /// its `envoy.lb` metadata), comma-separated in cost order: the pick, then
+    /// fallbacks at other addresses the gateway's retries try in turn. An
+    /// `EndpointPickerConfig` picker's `maxNumOfEndpoints` overrides it.
+    #[arg(long, env = "KVPICK_MAX_ENDPOINTS", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_endpoints: u32,
     /// The scheduler's plugin list an `EndpointPickerConfig` built (not a flag).
     #[arg(skip)]
     pub plugins: Option<crate::scheduler::Plugins>,
@@ -948,6 +956,7 @@ impl Args {
             ),
             default_osl_tokens: self.default_osl_tokens,
             max_request_load_blocks: self.max_request_load_blocks.max(1),
+            max_endpoints: self.max_endpoints as usize,
             sglang_bootstrap_port: (self.sglang_bootstrap_port != 0)
                 .then_some(self.sglang_bootstrap_port),
             health: crate::health::HealthConfig {
@@ -1167,12 +1176,15 @@ mod tests {
             "--prefix-ttl-secs=0",
             "--weight-decode=0.5",
             "--temperature=0.2",
+            "--max-endpoints=3",
         ])
         .unwrap();
         let c = a.scheduler(Vec::new());
         assert_eq!(c.index.ttl, None);
         assert_eq!(c.weights.decode, 0.5);
         assert_eq!(c.temperature, 0.2);
+        assert_eq!((c.max_endpoints, d.max_endpoints), (3, 1));
+        assert!(Args::try_parse_from(["kvpick", "--max-endpoints=0"]).is_err());
     }
 
     #[test]

@@ -51,7 +51,10 @@ impl Plugins {
                     weight: weights.kv_usage,
                 }),
             ],
-            picker: Arc::new(MaxScore { temperature }),
+            picker: Arc::new(MaxScore {
+                temperature,
+                max_endpoints: None,
+            }),
         }
     }
 
