@@ -974,10 +974,7 @@ mod tests {
             DESTINATION_KEY,
             HeaderValue::from_static("10.0.0.3:8000, 10.0.0.4:8000"),
         );
-        assert_eq!(
-            destinations(None, &h),
-            ["10.0.0.3:8000", "10.0.0.4:8000"]
-        );
+        assert_eq!(destinations(None, &h), ["10.0.0.3:8000", "10.0.0.4:8000"]);
         assert_eq!(destinations(Some("10.0.0.1:8000"), &h), ["10.0.0.1:8000"]);
     }
 }

@@ -173,7 +173,8 @@ fn share_table(picked: &[Counters], unpicked: &[Counters]) -> String {
         let total: u64 = all.iter().map(|c| c.requests).sum();
         100.0 * all[i].requests as f64 / total.max(1) as f64
     };
-    let mut out = String::from("| worker | kvpick share | round robin share |\n| --- | --- | --- |\n");
+    let mut out =
+        String::from("| worker | kvpick share | round robin share |\n| --- | --- | --- |\n");
     for i in 0..picked.len().min(unpicked.len()) {
         out.push_str(&format!(
             "| {} | {:.1}% | {:.1}% |\n",

@@ -174,7 +174,10 @@ fn least_explained(all: &[CandidateScore], prefill: bool) -> Option<f64> {
 /// data-parallel endpoint counts its best rank).
 fn ranked_addresses(all: &[CandidateScore], except: &str) -> Vec<f64> {
     let mut best: Vec<(&str, f64)> = Vec::new();
-    for c in all.iter().filter(|c| !c.prefill && c.filtered_out.is_none()) {
+    for c in all
+        .iter()
+        .filter(|c| !c.prefill && c.filtered_out.is_none())
+    {
         let cost = c.terms.total();
         match best.iter_mut().find(|(a, _)| *a == c.address) {
             Some((_, b)) => *b = b.min(cost),
