@@ -349,7 +349,12 @@ fn profile_plugins(
     Ok(Plugins {
         filters,
         scorers: scorers.into_iter().map(|(_, s)| s).collect(),
-        picker: picker.unwrap_or_else(|| Arc::new(MaxScore { temperature })),
+        picker: picker.unwrap_or_else(|| {
+            Arc::new(MaxScore {
+                temperature,
+                max_endpoints: None,
+            })
+        }),
     })
 }
 
@@ -670,12 +675,11 @@ mod tests {
             "{all}"
         );
         assert!(!all.contains("maxNumOfEndpoints"), "{all}");
+        // More than one: the decision lists fallbacks (over `--max-endpoints`).
         let m = map(&config("    maxNumOfEndpoints: 2"), unit(), 0.0).unwrap();
-        assert!(
-            m.warnings.join("\n").contains("one endpoint"),
-            "{:?}",
-            m.warnings
-        );
+        assert!(!m.warnings.join("\n").contains("maxNumOfEndpoints"));
+        let picker = m.plugins.expect("a profile with a scorer").picker;
+        assert_eq!(picker.max_endpoints(), Some(2));
     }
 
     #[test]

@@ -671,9 +671,20 @@ impl Worker {
         }
     }
 
+    /// Whether the destination list names this worker after its first entry:
+    /// a gateway's retry on a fallback, whose worker headers name the first.
+    fn is_fallback(&self, headers: &HeaderMap) -> bool {
+        let me = self.address.to_string();
+        header_str(headers, DESTINATION_HEADER)
+            .is_some_and(|list| list.split(',').skip(1).any(|d| d.trim() == me))
+    }
+
     /// Checks routing headers and the session; returns the rank to serve on.
+    /// A retried fallback serves on rank 0 (the headers are the first's).
     fn admit(&self, headers: &HeaderMap, prompt: &Prompt) -> Result<u32, Reject> {
+        let fallback = self.is_fallback(headers);
         match header_str(headers, WORKER_ID_HEADER) {
+            Some(_) if fallback => {}
             Some(id) if id.trim() != self.instance_id.to_string() => {
                 return Err(Reject(
                     StatusCode::MISDIRECTED_REQUEST,
@@ -695,6 +706,7 @@ impl Worker {
         }
         let rank = match header_str(headers, DP_RANK_HEADER) {
             None => 0,
+            Some(_) if fallback => 0,
             Some(r) => match r.trim().parse::<u32>() {
                 Ok(r) if r < self.config.dp_size.max(1) => r,
                 _ => {

@@ -166,6 +166,7 @@ impl Args {
                 .max(Duration::from_secs(1)),
             default_osl_tokens: s.default_osl_tokens,
             max_request_load_blocks: s.max_request_load_blocks.max(1),
+            max_endpoints: s.max_endpoints as usize,
             sglang_bootstrap_port: (s.sglang_bootstrap_port != 0)
                 .then_some(s.sglang_bootstrap_port),
             health: self.health.config(),
@@ -332,12 +333,15 @@ mod tests {
             "--prefix-ttl-secs=0",
             "--weight-decode=0.5",
             "--temperature=0.2",
+            "--max-endpoints=3",
         ])
         .unwrap();
         let c = a.scheduler(Vec::new());
         assert_eq!(c.index.ttl, None);
         assert_eq!(c.weights.decode, 0.5);
         assert_eq!(c.temperature, 0.2);
+        assert_eq!((c.max_endpoints, d.max_endpoints), (3, 1));
+        assert!(Args::try_parse_from(["kvpick", "--max-endpoints=0"]).is_err());
     }
 
     #[test]

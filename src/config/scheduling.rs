@@ -100,6 +100,14 @@ pub struct SchedulingFlags {
     #[arg(long, env = "KVPICK_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
 
+    /// Endpoints each decision names in `x-gateway-destination-endpoint` (and
+    /// its `envoy.lb` metadata), comma-separated in cost order: the pick, then
+    /// fallbacks at other addresses the gateway's retries try in turn. An
+    /// `EndpointPickerConfig` picker's `maxNumOfEndpoints` overrides it.
+    #[arg(long, env = "KVPICK_MAX_ENDPOINTS", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_endpoints: u32,
+
     /// The scheduler's plugin list an `EndpointPickerConfig` built (not a flag).
     #[arg(skip)]
     pub plugins: Option<crate::scheduler::Plugins>,

@@ -57,7 +57,10 @@ impl Plugins {
                     weight: super::terms::lora::DEFAULT_WEIGHT,
                 }),
             ],
-            picker: Arc::new(MaxScore { temperature }),
+            picker: Arc::new(MaxScore {
+                temperature,
+                max_endpoints: None,
+            }),
         }
     }
 
