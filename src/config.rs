@@ -610,8 +610,9 @@ pub struct GieFlags {
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub ha_enable_leader_election: Option<bool>,
-    /// Ignored with a warning.
-    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    /// Honoured: export OpenTelemetry traces over OTLP/gRPC, configured by the
+    /// standard `OTEL_*` variables (off unless given; see `docs/observability.md`).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub tracing: Option<bool>,
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
@@ -705,7 +706,6 @@ impl GieFlags {
                 "ha-enable-leader-election",
                 self.ha_enable_leader_election.is_some(),
             ),
-            ("tracing", self.tracing.is_some()),
             ("health-checking", self.health_checking.is_some()),
             ("enable-pprof", self.enable_pprof.is_some()),
             (
@@ -1337,7 +1337,7 @@ mod tests {
         assert_eq!(a.scrape().port, Some(8080));
         assert_eq!(a.gie.tracing, Some(false));
         let warnings = a.gie.warnings();
-        assert_eq!(warnings.len(), 5, "{warnings:?}");
+        assert_eq!(warnings.len(), 4, "{warnings:?}");
         assert!(!warnings.iter().any(|w| w.contains("--config-file")));
         assert!(warnings
             .iter()
