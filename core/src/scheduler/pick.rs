@@ -40,6 +40,19 @@ impl Scheduler {
         self.run(req, snapshot, now, &mut Route)
     }
 
+    /// [`Scheduler::pick`], also returning the chosen decode rank's cost term
+    /// by term as scored before its booking (what a trace of the request
+    /// shows). The plain pick never computes them.
+    pub fn pick_with_terms(
+        &self,
+        req: &PickRequest<'_>,
+        snapshot: &Snapshot,
+    ) -> Result<(Decision, CostTerms), PickError> {
+        let mut traced = RouteWithTerms::default();
+        let decision = self.run(req, snapshot, Instant::now(), &mut traced)?;
+        Ok((decision, traced.terms))
+    }
+
     /// The pick, reported to `obs` (see the module doc).
     pub(super) fn run<O: Observer>(
         &self,
@@ -115,6 +128,10 @@ impl Scheduler {
             );
         } else {
             self.count_blocks(prompt.hashes.len(), overlap);
+        }
+        if O::WANTS_TERMS {
+            let req = self.request_cost(Side::Decode, load_blocks, pool.idle_ranks(Side::Decode));
+            obs.decode_terms(self.cost_terms(&d, prompt.uncached(overlap), &req, tick));
         }
 
         let decode_blocks = req
@@ -413,6 +430,10 @@ pub(super) trait Observer {
     /// pinned, nothing booked, counted or timed.
     const EXPLAINS: bool;
 
+    /// Whether the pick reports the chosen decode rank's cost terms
+    /// ([`Observer::decode_terms`]).
+    const WANTS_TERMS: bool = false;
+
     /// An explaining pick scored `c`, holding `overlap` leading blocks.
     fn scored(&mut self, _c: &Cand<'_>, _overlap: usize, _terms: CostTerms) {}
 
@@ -426,6 +447,9 @@ pub(super) trait Observer {
         _pinned: (bool, bool),
     ) {
     }
+
+    /// The chosen decode rank's cost, term by term, before its booking.
+    fn decode_terms(&mut self, _terms: CostTerms) {}
 }
 
 /// A routing pick: observes nothing.
@@ -433,4 +457,19 @@ pub(super) struct Route;
 
 impl Observer for Route {
     const EXPLAINS: bool = false;
+}
+
+/// A routing pick that keeps the chosen decode rank's cost terms.
+#[derive(Default)]
+struct RouteWithTerms {
+    terms: CostTerms,
+}
+
+impl Observer for RouteWithTerms {
+    const EXPLAINS: bool = false;
+    const WANTS_TERMS: bool = true;
+
+    fn decode_terms(&mut self, terms: CostTerms) {
+        self.terms = terms;
+    }
 }
