@@ -129,9 +129,13 @@ impl Scheduler {
         } else {
             self.count_blocks(prompt.hashes.len(), overlap);
         }
-        if O::WANTS_TERMS {
+        if !O::EXPLAINS {
+            // The chosen rank scored once more, term by term (what the pick
+            // summed): one candidate's work, for the per-term averages.
             let req = self.request_cost(Side::Decode, load_blocks, pool.idle_ranks(Side::Decode));
-            obs.decode_terms(self.cost_terms(&d, prompt.uncached(overlap), &req, tick));
+            let terms = self.cost_terms(&d, prompt.uncached(overlap), &req, tick);
+            self.stats.decision_cost.add(&terms);
+            obs.decode_terms(terms);
         }
 
         let decode_blocks = req
@@ -430,10 +434,6 @@ pub(super) trait Observer {
     /// pinned, nothing booked, counted or timed.
     const EXPLAINS: bool;
 
-    /// Whether the pick reports the chosen decode rank's cost terms
-    /// ([`Observer::decode_terms`]).
-    const WANTS_TERMS: bool = false;
-
     /// An explaining pick scored `c`, holding `overlap` leading blocks.
     fn scored(&mut self, _c: &Cand<'_>, _overlap: usize, _terms: CostTerms) {}
 
@@ -448,7 +448,8 @@ pub(super) trait Observer {
     ) {
     }
 
-    /// The chosen decode rank's cost, term by term, before its booking.
+    /// A routing pick's chosen decode rank's cost, term by term, before its
+    /// booking.
     fn decode_terms(&mut self, _terms: CostTerms) {}
 }
 
@@ -467,7 +468,6 @@ struct RouteWithTerms {
 
 impl Observer for RouteWithTerms {
     const EXPLAINS: bool = false;
-    const WANTS_TERMS: bool = true;
 
     fn decode_terms(&mut self, terms: CostTerms) {
         self.terms = terms;
