@@ -1207,21 +1207,16 @@ mod kvpick_dashboard_tests {
             .collect()
     }
 
-    /// Series names a query reads (identifiers followed by a selector or range)
-    /// and the labels it names (in matchers and in `by`/`ignoring`/`without`).
+    /// Series names a query reads and the labels it names (in matchers and in
+    /// `by`/`ignoring`/`without`/`on`). A series name is an identifier outside
+    /// matchers, ranges and groupings that is neither a call nor a keyword.
     fn names_and_labels(q: &str) -> (BTreeSet<String>, BTreeSet<String>) {
         let ident = regex::Regex::new(r"[a-zA-Z_][a-zA-Z0-9_:]*").unwrap();
-        let series = regex::Regex::new(r"([a-zA-Z_][a-zA-Z0-9_:]*)\s*[\[{]").unwrap();
         let grouping =
-            regex::Regex::new(r"\b(?:by|ignoring|without|on|group_left|group_right)\s*\(([^)]*)\)")
-                .unwrap();
+            regex::Regex::new(r"\b(?:by|ignoring|without|on)\s*\(([^)]*)\)").unwrap();
         let matcher = regex::Regex::new(r"\{([^}]*)\}").unwrap();
+        let range = regex::Regex::new(r"\[[^\]]*\]").unwrap();
         let label = regex::Regex::new(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)").unwrap();
-        let names = series
-            .captures_iter(q)
-            .map(|c| c[1].to_string())
-            .filter(|n| !["rate", "sum", "histogram_quantile"].contains(&n.as_str()))
-            .collect();
         let mut labels = BTreeSet::new();
         for c in grouping.captures_iter(q) {
             labels.extend(ident.find_iter(&c[1]).map(|m| m.as_str().to_string()));
@@ -1229,6 +1224,25 @@ mod kvpick_dashboard_tests {
         for c in matcher.captures_iter(q) {
             labels.extend(label.captures_iter(&c[1]).map(|l| l[1].to_string()));
         }
+        let bare = grouping.replace_all(q, " ");
+        let bare = matcher.replace_all(&bare, " ");
+        let bare = range.replace_all(&bare, " ");
+        const KEYWORDS: [&str; 7] = [
+            "group_left",
+            "group_right",
+            "bool",
+            "offset",
+            "and",
+            "or",
+            "unless",
+        ];
+        let names = ident
+            .find_iter(&bare)
+            .filter(|m| !bare[m.end()..].trim_start().starts_with('('))
+            .map(|m| m.as_str())
+            .filter(|n| !KEYWORDS.contains(n))
+            .map(str::to_string)
+            .collect();
         (names, labels)
     }
 
