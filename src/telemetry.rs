@@ -118,8 +118,9 @@ impl Collector for SchedulerCollector {
         )?;
         let scorers = &self.scheduler.plugins().scorers;
         for (i, scorer) in scorers.iter().take(crate::scheduler::MAX_TERMS).enumerate() {
-            ConstCounter::new(costs.sum(i))
-                .encode(family.encode_family(&TermLabels { term: scorer.name() })?)?;
+            ConstCounter::new(costs.sum(i)).encode(family.encode_family(&TermLabels {
+                term: scorer.name(),
+            })?)?;
         }
         drop(family);
         let mut family = encoder.encode_descriptor(
@@ -1203,7 +1204,12 @@ mod kvpick_dashboard_tests {
             .expect("panels")
             .iter()
             .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
-            .map(|t| t["expr"].as_str().expect("every target has an expr").to_string())
+            .map(|t| {
+                t["expr"]
+                    .as_str()
+                    .expect("every target has an expr")
+                    .to_string()
+            })
             .collect()
     }
 
@@ -1212,8 +1218,7 @@ mod kvpick_dashboard_tests {
     /// matchers, ranges and groupings that is neither a call nor a keyword.
     fn names_and_labels(q: &str) -> (BTreeSet<String>, BTreeSet<String>) {
         let ident = regex::Regex::new(r"[a-zA-Z_][a-zA-Z0-9_:]*").unwrap();
-        let grouping =
-            regex::Regex::new(r"\b(?:by|ignoring|without|on)\s*\(([^)]*)\)").unwrap();
+        let grouping = regex::Regex::new(r"\b(?:by|ignoring|without|on)\s*\(([^)]*)\)").unwrap();
         let matcher = regex::Regex::new(r"\{([^}]*)\}").unwrap();
         let range = regex::Regex::new(r"\[[^\]]*\]").unwrap();
         let label = regex::Regex::new(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)").unwrap();
@@ -1321,7 +1326,10 @@ mod kvpick_dashboard_tests {
         for q in &queries {
             let (missing, names) = unserved(q, &text);
             assert!(!names.is_empty(), "no series in {q}");
-            assert!(missing.is_empty(), "{q} reads {missing:?}, not served:\n{text}");
+            assert!(
+                missing.is_empty(),
+                "{q} reads {missing:?}, not served:\n{text}"
+            );
             read.extend(names);
         }
         // The figures the dashboard exists for.
@@ -1346,7 +1354,11 @@ mod kvpick_dashboard_tests {
         let (missing, _) = unserved(q, &text);
         assert_eq!(
             missing,
-            ["series kvpick_prefix_blocks_hit_total", "label pod", "label tenant"]
+            [
+                "series kvpick_prefix_blocks_hit_total",
+                "label pod",
+                "label tenant"
+            ]
         );
         let (missing, _) = unserved("sum by (term) (kvpick_decision_cost_blocks_total)", &text);
         assert!(missing.is_empty(), "{missing:?}");

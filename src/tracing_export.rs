@@ -156,11 +156,10 @@ impl Exporter {
         let mut builder = opentelemetry_otlp::SpanExporter::builder().with_tonic();
         if endpoint.trim_start().starts_with("https://") {
             // The system's roots, over rustls with ring (as every other client here).
-            builder = builder.with_tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots());
+            builder = builder
+                .with_tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots());
         }
-        let exporter = builder
-            .build()
-            .map_err(TraceConfigError::Exporter)?;
+        let exporter = builder.build().map_err(TraceConfigError::Exporter)?;
         let mut resource = Resource::builder();
         if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
             resource = resource.with_service_name("kvpick");
@@ -238,8 +237,9 @@ impl Extractor for EnvoyHeaders<'_> {
     }
 
     fn keys(&self) -> Vec<&str> {
-        self.0
-            .map_or_else(Vec::new, |m| m.headers.iter().map(|h| h.key.as_str()).collect())
+        self.0.map_or_else(Vec::new, |m| {
+            m.headers.iter().map(|h| h.key.as_str()).collect()
+        })
     }
 }
 
@@ -313,11 +313,17 @@ impl RequestSpan {
         s.set_attribute("kvpick.worker.dp_rank", i64::from(decision.decode.rank));
         if let Some(p) = &decision.prefill {
             s.set_attribute("kvpick.prefill.address", p.endpoint().address.to_string());
-            s.set_attribute("kvpick.prefill.instance_id", p.endpoint().instance_id as i64);
+            s.set_attribute(
+                "kvpick.prefill.instance_id",
+                p.endpoint().instance_id as i64,
+            );
             s.set_attribute("kvpick.prefill.dp_rank", i64::from(p.rank));
         }
         s.set_attribute("kvpick.prefix.prompt_blocks", decision.prompt_blocks as i64);
-        s.set_attribute("kvpick.prefix.overlap_blocks", decision.overlap_blocks as i64);
+        s.set_attribute(
+            "kvpick.prefix.overlap_blocks",
+            decision.overlap_blocks as i64,
+        );
         for (name, cost) in &terms.0 {
             s.set_attribute(format!("kvpick.cost.{name}"), *cost);
         }
@@ -351,7 +357,8 @@ impl RequestSpan {
 
     /// Flow control shed the request for `reason` (GIE's dropped-reason).
     pub fn shed(&self, reason: &'static str) {
-        self.span.set_attribute("kvpick.admission.shed_reason", reason);
+        self.span
+            .set_attribute("kvpick.admission.shed_reason", reason);
     }
 
     /// The worker's response status.
@@ -384,7 +391,10 @@ fn truncate(s: &str, max: usize) -> String {
 mod tests {
     use super::*;
 
-    fn settings(flag: Option<bool>, vars: &[(&str, &str)]) -> Result<Option<TraceSettings>, TraceConfigError> {
+    fn settings(
+        flag: Option<bool>,
+        vars: &[(&str, &str)],
+    ) -> Result<Option<TraceSettings>, TraceConfigError> {
         TraceSettings::from_vars(flag, |name| {
             vars.iter()
                 .find(|(k, _)| *k == name)
@@ -395,9 +405,11 @@ mod tests {
     #[test]
     fn off_unless_the_flag_says_on() {
         assert!(settings(None, &[]).unwrap().is_none());
-        assert!(settings(Some(false), &[("OTEL_TRACES_SAMPLER", "always_on")])
-            .unwrap()
-            .is_none());
+        assert!(
+            settings(Some(false), &[("OTEL_TRACES_SAMPLER", "always_on")])
+                .unwrap()
+                .is_none()
+        );
         assert!(settings(Some(true), &[("OTEL_SDK_DISABLED", "true")])
             .unwrap()
             .is_none());
@@ -418,7 +430,10 @@ mod tests {
         );
         let s = settings(
             Some(true),
-            &[("OTEL_TRACES_SAMPLER", "traceidratio"), ("OTEL_TRACES_SAMPLER_ARG", "0.25")],
+            &[
+                ("OTEL_TRACES_SAMPLER", "traceidratio"),
+                ("OTEL_TRACES_SAMPLER_ARG", "0.25"),
+            ],
         )
         .unwrap()
         .unwrap();
@@ -433,7 +448,9 @@ mod tests {
             ("OTEL_TRACES_EXPORTER", "zipkin", "`otlp`"),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", "gRPC only"),
         ] {
-            let e = settings(Some(true), &[(var, value)]).unwrap_err().to_string();
+            let e = settings(Some(true), &[(var, value)])
+                .unwrap_err()
+                .to_string();
             assert!(e.starts_with(&format!("{var}={value}: ")), "{e}");
             assert!(e.contains(says), "{e}");
         }

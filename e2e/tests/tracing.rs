@@ -123,11 +123,7 @@ async fn kvpick_continues_the_callers_trace_and_passes_its_own_span_on() {
         .unwrap()
         .expect("on with --tracing");
     let exporter = Exporter::start(&settings).unwrap();
-    kvpick::telemetry::init_logging(
-        kvpick::telemetry::LogFormat::Text,
-        "warn",
-        Some(&exporter),
-    );
+    kvpick::telemetry::init_logging(kvpick::telemetry::LogFormat::Text, "warn", Some(&exporter));
 
     let s = Stack::start(StackOptions::default()).await.unwrap();
     let c = s.client();
@@ -154,7 +150,11 @@ async fn kvpick_continues_the_callers_trace_and_passes_its_own_span_on() {
     }
     // A body kvpick rejects: its span says so.
     let r = c
-        .post_json("/v1/completions", &json!({"prompt": 5}), &[("traceparent", &sampled)])
+        .post_json(
+            "/v1/completions",
+            &json!({"prompt": 5}),
+            &[("traceparent", &sampled)],
+        )
         .await
         .unwrap();
     assert_eq!(r.status, 400);
@@ -178,7 +178,11 @@ async fn kvpick_continues_the_callers_trace_and_passes_its_own_span_on() {
         assert_eq!(span.name, "kvpick.route");
         assert_eq!(span.kind, SpanKind::Server as i32);
         assert_eq!(hex(&span.trace_id), trace_id, "the caller's trace goes on");
-        assert_eq!(hex(&span.parent_span_id), caller_span, "child of the caller's span");
+        assert_eq!(
+            hex(&span.parent_span_id),
+            caller_span,
+            "child of the caller's span"
+        );
     }
     let routed: Vec<&Span> = got
         .iter()
@@ -211,7 +215,10 @@ async fn kvpick_continues_the_callers_trace_and_passes_its_own_span_on() {
         assert_eq!(a["kvpick.worker.dp_rank"], "0");
         assert_eq!(a["kvpick.session.id"], "sess-1");
         assert_eq!(a["http.response.status_code"], "200");
-        assert!(a["kvpick.prefix.prompt_blocks"].parse::<u64>().unwrap() > 0, "{a:?}");
+        assert!(
+            a["kvpick.prefix.prompt_blocks"].parse::<u64>().unwrap() > 0,
+            "{a:?}"
+        );
         let terms: f64 = ["prefill", "decode_load", "queue", "kv_usage"]
             .iter()
             .map(|t| a[&format!("kvpick.cost.{t}")].parse::<f64>().unwrap())
