@@ -110,19 +110,20 @@ impl Collector for SchedulerCollector {
             None,
             decisions.metric_type(),
         )?)?;
-        let mut family = encoder.encode_descriptor(
-            "kvpick_decision_cost_blocks",
-            "The chosen decode rank's cost summed over decisions, per cost term (average = this / kvpick_decisions)",
-            None,
-            MetricType::Counter,
-        )?;
-        let scorers = &self.scheduler.plugins().scorers;
-        for (i, scorer) in scorers.iter().take(crate::scheduler::MAX_TERMS).enumerate() {
-            ConstCounter::new(costs.sum(i)).encode(family.encode_family(&TermLabels {
-                term: scorer.name(),
-            })?)?;
+        {
+            let mut family = encoder.encode_descriptor(
+                "kvpick_decision_cost_blocks",
+                "The chosen decode rank's cost summed over decisions, per cost term (average = this / kvpick_decisions)",
+                None,
+                MetricType::Counter,
+            )?;
+            let scorers = &self.scheduler.plugins().scorers;
+            for (i, scorer) in scorers.iter().take(crate::scheduler::MAX_TERMS).enumerate() {
+                ConstCounter::new(costs.sum(i)).encode(family.encode_family(&TermLabels {
+                    term: scorer.name(),
+                })?)?;
+            }
         }
-        drop(family);
         let mut family = encoder.encode_descriptor(
             "kvpick_scheduler_stage_duration_seconds",
             "Time spent in each stage of a routing decision",
