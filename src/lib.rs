@@ -6,7 +6,7 @@
 //! [`admission`], ...). This crate is the glue: [`extproc`] (Envoy's protocol),
 //! [`discovery`] (Kubernetes or a file), [`kvevents`] and [`scrape`] (the workers),
 //! [`replica_sync`] (routing state shared between replicas through Redis),
-//! [`telemetry`], [`admin`] and [`server`], which wires them together.
+//! [`telemetry`] and [`tracing_export`] (OpenTelemetry traces), [`admin`] and [`server`], which wires them together.
 
 pub use kvpick_core::{
     admission, endpoints, error_chain, health, identity, keys, kv, multimodal, pipeline, replica,
@@ -28,3 +28,4 @@ pub mod scrape;
 pub mod server;
 pub mod telemetry;
 pub mod tls;
+pub mod tracing_export;

@@ -40,7 +40,14 @@ async fn main() -> anyhow::Result<()> {
         println!("ok: cost weights {w:?}");
         return Ok(());
     }
-    kvpick::telemetry::init_logging(args.log_format(), args.log_level());
+    // Inside the runtime: the OTLP client runs on it.
+    let traces = kvpick::tracing_export::TraceSettings::from_env(args.gie.tracing)?
+        .map(|s| kvpick::tracing_export::Exporter::start(&s))
+        .transpose()?;
+    kvpick::telemetry::init_logging(args.log_format(), args.log_level(), traces.as_ref());
+    if traces.is_some() {
+        tracing::info!("exporting OpenTelemetry traces over OTLP/gRPC");
+    }
     for warning in warnings {
         tracing::warn!("{warning}");
     }
@@ -48,5 +55,7 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!(scorers = ?m.mapped, weights = ?m.weights, "EndpointPickerConfig mapped");
     }
     kvpick::server::run(args).await?;
+    // Dropping the exporter flushes the spans still queued.
+    drop(traces);
     Ok(())
 }

@@ -23,6 +23,11 @@ pub struct SchedulerMetrics {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TermLabels {
+    term: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct StageLabels {
     stage: &'static str,
 }
@@ -81,6 +86,28 @@ impl Collector for SchedulerMetrics {
         for (name, help, v) in gauges {
             let g = ConstGauge::new(v);
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        let costs = &s.decision_cost;
+        let decisions = ConstCounter::new(costs.decisions());
+        decisions.encode(encoder.encode_descriptor(
+            "kvpick_decisions",
+            "Routing decisions (the denominator of the per-decision averages)",
+            None,
+            decisions.metric_type(),
+        )?)?;
+        {
+            let mut family = encoder.encode_descriptor(
+                "kvpick_decision_cost_blocks",
+                "The chosen decode rank's cost summed over decisions, per cost term (average = this / kvpick_decisions)",
+                None,
+                MetricType::Counter,
+            )?;
+            let scorers = &self.scheduler.plugins().scorers;
+            for (i, scorer) in scorers.iter().take(crate::scheduler::MAX_TERMS).enumerate() {
+                ConstCounter::new(costs.sum(i)).encode(family.encode_family(&TermLabels {
+                    term: scorer.name(),
+                })?)?;
+            }
         }
         let mut family = encoder.encode_descriptor(
             "kvpick_scheduler_stage_duration_seconds",

@@ -503,15 +503,35 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global tracing subscriber (`RUST_LOG` filters; default `default_level`).
-pub fn init_logging(format: LogFormat, default_level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+/// Installs the global tracing subscriber (`RUST_LOG` filters; default
+/// `default_level`), with the OpenTelemetry span layer of `traces` when tracing
+/// is on. Logs leave request spans out (they are for the exporter).
+pub fn init_logging(
+    format: LogFormat,
+    default_level: &str,
+    traces: Option<&crate::tracing_export::Exporter>,
+) {
+    use tracing_subscriber::filter::{filter_fn, FilterExt};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+
+    let env = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    let _ = match format {
-        LogFormat::Json => builder.json().with_current_span(true).try_init(),
-        LogFormat::Text => builder.try_init(),
+    let logs = env.and(filter_fn(|m| {
+        m.target() != crate::tracing_export::SPAN_TARGET
+    }));
+    let fmt = match format {
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_current_span(true)
+            .boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer().boxed(),
     };
+    let _ = tracing_subscriber::registry()
+        .with(fmt.with_filter(logs))
+        .with(traces.map(|t| t.layer()))
+        .try_init();
 }
 
 #[cfg(test)]
@@ -833,5 +853,183 @@ mod dashboard_tests {
             option_env!("KVPICK_GIT_COMMIT").unwrap_or("unknown"),
             env!("CARGO_PKG_VERSION")
         )));
+    }
+}
+
+/// kvpick's own Grafana dashboard (`charts/kvpick/dashboards/kvpick.json`) held
+/// against a live scrape: every series name and label its PromQL reads is one
+/// kvpick serves, so the dashboard cannot rot.
+#[cfg(test)]
+mod kvpick_dashboard_tests {
+    use std::collections::BTreeSet;
+
+    const DASHBOARD: &str = include_str!("../charts/kvpick/dashboards/kvpick.json");
+
+    /// Every panel query of the dashboard.
+    fn queries() -> Vec<String> {
+        let d: serde_json::Value = serde_json::from_str(DASHBOARD).expect("the dashboard is JSON");
+        d["panels"]
+            .as_array()
+            .expect("panels")
+            .iter()
+            .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
+            .map(|t| {
+                t["expr"]
+                    .as_str()
+                    .expect("every target has an expr")
+                    .to_string()
+            })
+            .collect()
+    }
+
+    /// Series names a query reads and the labels it names (in matchers and in
+    /// `by`/`ignoring`/`without`/`on`). A series name is an identifier outside
+    /// matchers, ranges and groupings that is neither a call nor a keyword.
+    fn names_and_labels(q: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+        let ident = regex::Regex::new(r"[a-zA-Z_][a-zA-Z0-9_:]*").unwrap();
+        let grouping = regex::Regex::new(r"\b(?:by|ignoring|without|on)\s*\(([^)]*)\)").unwrap();
+        let matcher = regex::Regex::new(r"\{([^}]*)\}").unwrap();
+        let range = regex::Regex::new(r"\[[^\]]*\]").unwrap();
+        let label = regex::Regex::new(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)").unwrap();
+        let mut labels = BTreeSet::new();
+        for c in grouping.captures_iter(q) {
+            labels.extend(ident.find_iter(&c[1]).map(|m| m.as_str().to_string()));
+        }
+        for c in matcher.captures_iter(q) {
+            labels.extend(label.captures_iter(&c[1]).map(|l| l[1].to_string()));
+        }
+        let bare = grouping.replace_all(q, " ");
+        let bare = matcher.replace_all(&bare, " ");
+        let bare = range.replace_all(&bare, " ");
+        const KEYWORDS: [&str; 7] = [
+            "group_left",
+            "group_right",
+            "bool",
+            "offset",
+            "and",
+            "or",
+            "unless",
+        ];
+        let names = ident
+            .find_iter(&bare)
+            .filter(|m| !bare[m.end()..].trim_start().starts_with('('))
+            .map(|m| m.as_str())
+            .filter(|n| !KEYWORDS.contains(n))
+            .map(str::to_string)
+            .collect();
+        (names, labels)
+    }
+
+    /// A scrape (the Prometheus text format, as Prometheus reads it) with a
+    /// sample in every family the dashboard reads: one endpoint routed to,
+    /// KV-event and replica-sync metrics registered, a flow-control outcome
+    /// and a KV-event reset counted.
+    fn live_scrape() -> String {
+        use crate::admission::{AdmissionObserver, Outcome, RequestClass};
+        use crate::endpoints::Endpoint;
+        use crate::scheduler::PickRequest;
+        let app = crate::server::App::new("pool");
+        app.endpoints
+            .replace(vec![Endpoint::new("10.0.0.1:8000".parse().unwrap())]);
+        let decision = app
+            .scheduler
+            .pick(&PickRequest::default(), &app.endpoints.snapshot())
+            .unwrap();
+        let _in_flight = decision.begin();
+        let class = RequestClass {
+            priority: 0,
+            flow: "m".into(),
+            objective: "".into(),
+            model: "m".into(),
+            bytes: 10,
+        };
+        app.admission_metrics.classified(&class);
+        app.admission_metrics
+            .left(&class, Outcome::Dispatched, std::time::Duration::ZERO);
+        let kv = crate::kvevents::subscriber::KvEventMetrics::register(&app.metrics);
+        kv.reset(
+            crate::keys::WorkerKey {
+                instance_id: 1,
+                dp_rank: 0,
+            },
+            crate::kvevents::subscriber::ResetReason::Gap,
+        );
+        crate::replica_sync::SyncMetrics::register(&app.metrics);
+        super::prometheus_text(&app.metrics.render(&app.endpoints))
+    }
+
+    /// What `q` reads that `text` does not serve: series names, and labels on
+    /// none of the query's series; and the series it reads.
+    fn unserved(q: &str, text: &str) -> (Vec<String>, BTreeSet<String>) {
+        let (names, labels) = names_and_labels(q);
+        let samples: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| {
+                names.iter().any(|n| {
+                    l.strip_prefix(n.as_str())
+                        .is_some_and(|rest| rest.starts_with(['{', ' ']))
+                })
+            })
+            .collect();
+        let mut missing: Vec<String> = names
+            .iter()
+            .filter(|n| !samples.iter().any(|l| l.starts_with(n.as_str())))
+            .map(|n| format!("series {n}"))
+            .collect();
+        missing.extend(
+            labels
+                .iter()
+                .filter(|l| !samples.iter().any(|s| s.contains(&format!("{l}=\""))))
+                .map(|l| format!("label {l}")),
+        );
+        (missing, names)
+    }
+
+    #[test]
+    fn every_series_and_label_the_kvpick_dashboard_reads_is_served() {
+        let text = live_scrape();
+        let queries = queries();
+        assert!(queries.len() >= 12, "{queries:?}");
+        let mut read = BTreeSet::new();
+        for q in &queries {
+            let (missing, names) = unserved(q, &text);
+            assert!(!names.is_empty(), "no series in {q}");
+            assert!(
+                missing.is_empty(),
+                "{q} reads {missing:?}, not served:\n{text}"
+            );
+            read.extend(names);
+        }
+        // The figures the dashboard exists for.
+        for family in [
+            "kvpick_prefix_blocks_matched_total",
+            "kvpick_decision_cost_blocks_total",
+            "kvpick_endpoint_in_flight_requests",
+            "kvpick_session_repicks_total",
+            "kvpick_kv_events_ingest_lag_seconds_bucket",
+            "kvpick_kv_events_resets_total",
+            "inference_extension_flow_control_request_queue_duration_seconds_count",
+            "kvpick_replica_sync_applied_deltas_total",
+        ] {
+            assert!(read.contains(family), "no panel reads {family}");
+        }
+    }
+
+    #[test]
+    fn the_check_catches_a_name_or_label_kvpick_does_not_serve() {
+        let text = live_scrape();
+        let q = "sum by (pod) (rate(kvpick_prefix_blocks_hit_total[5m])) + sum(kvpick_decisions_total{tenant=\"a\"})";
+        let (missing, _) = unserved(q, &text);
+        assert_eq!(
+            missing,
+            [
+                "series kvpick_prefix_blocks_hit_total",
+                "label pod",
+                "label tenant"
+            ]
+        );
+        let (missing, _) = unserved("sum by (term) (kvpick_decision_cost_blocks_total)", &text);
+        assert!(missing.is_empty(), "{missing:?}");
     }
 }

@@ -132,6 +132,8 @@ pub struct SeenRequest {
     pub bootstrap: [Option<String>; 3],
     /// `x-request-id` as received.
     pub request_id: Option<String>,
+    /// W3C `traceparent` as received (the trace context kvpick passed on).
+    pub traceparent: Option<String>,
     /// `nvext.session_control.session_id`.
     pub session_id: Option<String>,
     /// `nvext.session_control.action`.
@@ -956,6 +958,7 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
         prefill_dp_rank: header_str(&headers, PREFILL_DP_RANK_HEADER),
         bootstrap: BOOTSTRAP_HEADERS.map(|h| header_str(&headers, h)),
         request_id: header_str(&headers, "x-request-id"),
+        traceparent: header_str(&headers, "traceparent"),
         session_id: None,
         session_action: None,
         image_tokens: 0,

@@ -42,8 +42,9 @@ pub struct GieFlags {
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub ha_enable_leader_election: Option<bool>,
-    /// Ignored with a warning.
-    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    /// Honoured: export OpenTelemetry traces over OTLP/gRPC, configured by the
+    /// standard `OTEL_*` variables (off unless given; see `docs/observability.md`).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub tracing: Option<bool>,
     /// Ignored with a warning.
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
@@ -138,7 +139,6 @@ impl GieFlags {
                 "ha-enable-leader-election",
                 self.ha_enable_leader_election.is_some(),
             ),
-            ("tracing", self.tracing.is_some()),
             ("health-checking", self.health_checking.is_some()),
             ("enable-pprof", self.enable_pprof.is_some()),
             (

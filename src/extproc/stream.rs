@@ -25,6 +25,7 @@ use crate::pipeline::{self, Prepared, RequestHead, TokenizeJob, Tokenized};
 use crate::request::usage::ResponseTail;
 use crate::scheduler::{Decision, PickError, PickRequest};
 use crate::telemetry::RequestResult;
+use crate::tracing_export::RequestSpan;
 
 /// How Envoy sends the request body on this stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +98,8 @@ pub struct StreamState {
     response_tail: ResponseTail,
     /// With the conformance hooks: the served endpoint the gateway reported.
     served: Option<String>,
+    /// The request's OpenTelemetry span; `None` when tracing is off.
+    trace: Option<Box<RequestSpan>>,
 }
 
 /// A request held by flow control: routed once its ticket is answered.
@@ -141,6 +144,7 @@ impl StreamState {
             echo: None,
             response_tail: ResponseTail::default(),
             served: None,
+            trace: None,
         }
     }
 
@@ -156,6 +160,9 @@ impl StreamState {
         let Some(admitting) = self.admitting.take() else {
             return Vec::new();
         };
+        if let Some(t) = &mut self.trace {
+            t.admitted();
+        }
         match verdict {
             Ok(permit) => {
                 let snapshot = self.shared.endpoints.snapshot();
@@ -187,6 +194,9 @@ impl StreamState {
             }
             Verdict::Wait(ticket) => {
                 debug!("pool saturated: request queued by flow control");
+                if let Some(t) = &mut self.trace {
+                    t.queued();
+                }
                 self.admitting = Some(Box::new(Admitting {
                     body,
                     ticket: Some(ticket),
@@ -201,6 +211,9 @@ impl StreamState {
     fn shed(&mut self, why: Rejection) -> ProcessingResponse {
         info!(reason = why.reason(), "request shed by flow control");
         self.record_error("ResourceExhausted");
+        if let Some(t) = &self.trace {
+            t.shed(why.reason());
+        }
         let message = format!("{why} ({})", why.reason());
         let mut out = self.reject(429, "rate_limit_exceeded", &message);
         if let Some(envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response::ImmediateResponse(ir)) = &mut out.response {
@@ -377,6 +390,7 @@ impl StreamState {
             self.shared.metrics.spoofed_headers.inc();
         }
         debug!(path = %head.path, request_id = ?head.request_id, "request headers");
+        self.trace = RequestSpan::start(h.headers.as_ref(), &head.path);
         self.head = head;
         if h.end_of_stream || self.request_mode == BodyMode::None {
             // Header-only request (GET /v1/models) or a body Envoy will never send.
@@ -494,7 +508,18 @@ impl StreamState {
             session_id: self.head.session_id.as_deref(),
             session_token: self.head.session_token.as_deref(),
         };
-        let decision = match self.shared.scheduler.pick(&req, snapshot) {
+        let picked = match &self.trace {
+            None => self.shared.scheduler.pick(&req, snapshot),
+            Some(t) => self
+                .shared
+                .scheduler
+                .pick_with_terms(&req, snapshot)
+                .map(|(d, terms)| {
+                    t.routed(&d, &terms);
+                    d
+                }),
+        };
+        let decision = match picked {
             Ok(d) => d,
             Err(e) => {
                 let result = match e {
@@ -532,7 +557,7 @@ impl StreamState {
                 return vec![self.reject(400, "invalid_request_error", &e.to_string())];
             }
         };
-        let mutation = HeaderMutation {
+        let mut mutation = HeaderMutation {
             set_headers: outcome
                 .set_headers
                 .into_iter()
@@ -540,6 +565,13 @@ impl StreamState {
                 .collect(),
             remove_headers: outcome.remove_headers,
         };
+        if let Some(t) = &self.trace {
+            // The worker's spans continue this request's trace from kvpick's span.
+            let context = t.forward_headers().into_iter();
+            mutation
+                .set_headers
+                .extend(context.map(|(name, value)| set_header(name, value)));
+        }
         let metadata = Some(messages::destination_metadata(&outcome.destination));
         let guard = decision.begin();
         self.routed = Some(Routed {
@@ -611,6 +643,9 @@ impl StreamState {
             find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
         if let (Some(status), Some(r)) = (self.response_status, &self.routed) {
             self.record_health(&r.decision, status);
+        }
+        if let (Some(status), Some(t)) = (self.response_status, &self.trace) {
+            t.response(status);
         }
         // Only a successful response carries scheduler headers (a session token
         // must not pin a session to a worker that failed its turn).
@@ -722,6 +757,9 @@ impl StreamState {
     }
 
     fn reject(&mut self, status: u16, kind: &str, message: &str) -> ProcessingResponse {
+        if let Some(t) = &self.trace {
+            t.rejected(status, message);
+        }
         self.phase = Phase::Done;
         self.body = Vec::new();
         self.reservation.release();

@@ -279,7 +279,8 @@ impl KvEventMetrics {
         }
     }
 
-    fn reset(&self, w: WorkerKey, reason: ResetReason) {
+    /// Counts a reset of `w`'s precise entries.
+    pub(crate) fn reset(&self, w: WorkerKey, reason: ResetReason) {
         self.resets
             .get_or_create(&ResetLabels {
                 instance_id: w.instance_id,

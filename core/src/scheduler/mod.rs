@@ -53,7 +53,8 @@ pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation};
 pub use plugins::Plugins;
 pub use stats::{
-    HistogramSnapshot, LatencyHistogram, SchedulerStats, Stage, StageTimer, LATENCY_BUCKETS,
+    CostSums, HistogramSnapshot, LatencyHistogram, SchedulerStats, Stage, StageTimer,
+    LATENCY_BUCKETS, MAX_TERMS,
 };
 pub use terms::CostTerms;
 

@@ -40,6 +40,19 @@ impl Scheduler {
         self.run(req, snapshot, now, &mut Route)
     }
 
+    /// [`Scheduler::pick`], also returning the chosen decode rank's cost term
+    /// by term as scored before its booking (what a trace of the request
+    /// shows). The plain pick never computes them.
+    pub fn pick_with_terms(
+        &self,
+        req: &PickRequest<'_>,
+        snapshot: &Snapshot,
+    ) -> Result<(Decision, CostTerms), PickError> {
+        let mut traced = RouteWithTerms::default();
+        let decision = self.run(req, snapshot, Instant::now(), &mut traced)?;
+        Ok((decision, traced.terms))
+    }
+
     /// The pick, reported to `obs` (see the module doc).
     pub(super) fn run<O: Observer>(
         &self,
@@ -120,6 +133,19 @@ impl Scheduler {
             );
         } else {
             self.count_blocks(prompt.hashes.len(), overlap);
+        }
+        if !O::EXPLAINS {
+            // The chosen rank scored once more, term by term (what the pick
+            // summed): one candidate's work, for the per-term averages.
+            let req = self.request_cost(
+                Side::Decode,
+                load_blocks,
+                scoring.adapter,
+                pool.idle_ranks(Side::Decode),
+            );
+            let terms = self.cost_terms(&d, prompt.uncached(overlap), &req, tick);
+            self.stats.decision_cost.add(&terms);
+            obs.decode_terms(terms);
         }
 
         let decode_blocks = req
@@ -499,6 +525,10 @@ pub(super) trait Observer {
         _pinned: (bool, bool),
     ) {
     }
+
+    /// A routing pick's chosen decode rank's cost, term by term, before its
+    /// booking.
+    fn decode_terms(&mut self, _terms: CostTerms) {}
 }
 
 /// A routing pick: observes nothing.
@@ -506,4 +536,18 @@ pub(super) struct Route;
 
 impl Observer for Route {
     const EXPLAINS: bool = false;
+}
+
+/// A routing pick that keeps the chosen decode rank's cost terms.
+#[derive(Default)]
+struct RouteWithTerms {
+    terms: CostTerms,
+}
+
+impl Observer for RouteWithTerms {
+    const EXPLAINS: bool = false;
+
+    fn decode_terms(&mut self, terms: CostTerms) {
+        self.terms = terms;
+    }
 }

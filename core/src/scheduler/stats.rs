@@ -100,7 +100,46 @@ pub struct SchedulerStats {
     pub session_repicks: AtomicU64,
     /// Of those, turns forwarded to the new worker as an `open` (re-homed).
     pub session_rehomes: AtomicU64,
+    /// The chosen decode ranks' cost, term by term.
+    pub decision_cost: CostSums,
     stages: [LatencyHistogram; 4],
+}
+
+/// Cost terms a scheduler sums at most (the built-ins are four).
+pub const MAX_TERMS: usize = 8;
+
+/// The routing decisions' chosen decode cost, summed per term (in the scorers'
+/// summing order; terms past [`MAX_TERMS`] are not kept), and how many
+/// decisions were summed: the average cost of a decision, term by term.
+#[derive(Debug, Default)]
+pub struct CostSums {
+    /// `f64` sums, stored as bits.
+    sums: [AtomicU64; MAX_TERMS],
+    decisions: AtomicU64,
+}
+
+impl CostSums {
+    /// Adds one decision's terms.
+    pub fn add(&self, terms: &super::CostTerms) {
+        for (sum, (_, cost)) in self.sums.iter().zip(&terms.0) {
+            let _ = sum.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + cost).to_bits())
+            });
+        }
+        self.decisions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The sum of the `i`-th term.
+    pub fn sum(&self, i: usize) -> f64 {
+        self.sums
+            .get(i)
+            .map_or(0.0, |s| f64::from_bits(s.load(Ordering::Relaxed)))
+    }
+
+    /// Decisions summed.
+    pub fn decisions(&self) -> u64 {
+        self.decisions.load(Ordering::Relaxed)
+    }
 }
 
 impl SchedulerStats {
