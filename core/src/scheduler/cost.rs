@@ -253,19 +253,23 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
 fn argmin(costs: impl Iterator<Item = f64>, seed: u64) -> usize {
     let mut least = Least::new(seed);
     for (i, c) in costs.enumerate() {
-        least.offer(i, c);
+        least.offer(i, c, false);
     }
     least.best.unwrap_or(0)
 }
 
-/// The least cost offered so far: costs within 1e-9 of the least tie and one
-/// of them wins uniformly (each tied offer gets a pseudo-random draw from the
-/// seed and the least draw wins: no generator call per tie). NaN never wins.
+/// The least cost offered so far: costs within 1e-9 of the least tie; among
+/// tied offers one whose overlap the worker's KV events confirmed beats one
+/// whose overlap is only a guess (provisional entries), and otherwise one
+/// wins uniformly (each tied offer gets a pseudo-random draw from the seed and
+/// the least draw wins: no generator call per tie). NaN never wins.
 pub(super) struct Least<T> {
     /// The winner so far.
     pub(super) best: Option<T>,
     /// Its cost (infinite before any offer).
     pub(super) cost: f64,
+    /// Whether the winner's overlap is a guess.
+    guessed: bool,
     draw: u64,
     seed: u64,
     offers: usize,
@@ -277,28 +281,42 @@ impl<T> Least<T> {
         Least {
             best: None,
             cost: f64::INFINITY,
+            guessed: false,
             draw: u64::MAX,
             seed,
             offers: 0,
         }
     }
 
-    /// Offers `item` at `cost`.
+    /// Offers `item` at `cost`; `guessed`: its overlap is unconfirmed.
     #[inline]
-    pub(super) fn offer(&mut self, item: T, cost: f64) {
+    pub(super) fn offer(&mut self, item: T, cost: f64, guessed: bool) {
         let i = self.offers;
         self.offers += 1;
         if cost < self.cost - 1e-9 {
             self.cost = cost;
             self.best = Some(item);
+            self.guessed = guessed;
             self.draw = draw(self.seed, i);
         } else if cost <= self.cost + 1e-9 {
             self.cost = self.cost.min(cost);
             let d = draw(self.seed, i);
-            if d < self.draw {
+            if (guessed, d) < (self.guessed, self.draw) {
                 self.best = Some(item);
+                self.guessed = guessed;
                 self.draw = d;
             }
+        }
+    }
+
+    /// Whether no candidate costing at least `floor` can win any more: the
+    /// least cost is at most `floor`, and below it when the winner is a guess
+    /// (a confirmed holder at that cost would beat it).
+    #[inline]
+    pub(super) fn beats(&self, floor: f64) -> bool {
+        match self.guessed {
+            false => self.cost <= floor,
+            true => self.cost < floor - 1e-9,
         }
     }
 }
