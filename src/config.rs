@@ -257,9 +257,16 @@ pub struct Args {
     pub prefix_ttl_secs: u64,
 
     /// Precise workers: seconds a routed prompt counts as held there
-    /// (provisional entries) at most; its blocks' KV events end it sooner.
+    /// (provisional entries) at most, from its first routing (the requests it
+    /// attracts do not renew it); its blocks' KV events end it sooner.
     #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value_t = 10)]
     pub provisional_ttl_secs: u64,
+
+    /// Precise workers: milliseconds after a request's response began (or it
+    /// ended without one) within which the worker's KV events must report the
+    /// prompt's blocks; what they have not reported is no longer counted there.
+    #[arg(long, env = "KVPICK_PROVISIONAL_CONFIRM_MS", default_value_t = 2_000)]
+    pub provisional_confirm_ms: u64,
 
     /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
     /// block count is scraped (then `num_gpu_blocks` × `--prefix-precise-slack`);
@@ -939,6 +946,7 @@ impl Args {
                 chained: true,
             },
             provisional_ttl: Duration::from_secs(self.provisional_ttl_secs.max(1)),
+            provisional_confirm: Duration::from_millis(self.provisional_confirm_ms),
             session_token_header: self.session_token_header.to_ascii_lowercase(),
             session_key,
             vision: self.vision_prompt().map(|v| v.model),
