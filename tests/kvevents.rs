@@ -1308,12 +1308,14 @@ mod routing {
     }
 
     /// Sends a completions request for `prompt` through ext_proc, answers it
-    /// with `status` as the worker would, and returns the worker it went to.
-    async fn complete(ch: &tonic::transport::Channel, prompt: &str, status: &str) -> u64 {
+    /// with `status` as the worker would (`None`: the client goes away before
+    /// any response), and returns the worker it went to.
+    async fn complete(ch: &tonic::transport::Channel, prompt: &str, status: Option<&str>) -> u64 {
         use envoy_client::{BodyMode, Decision, RequestBody};
         let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
-        let mut s = crate::support::post(ch, "/v1/completions", &[], Some(BodyMode::FullDuplex), None)
-            .await;
+        let mut s =
+            crate::support::post(ch, "/v1/completions", &[], Some(BodyMode::FullDuplex), None)
+                .await;
         let whole = RequestBody::Whole {
             bytes: body.as_bytes(),
             chunk: 16 * 1024,
@@ -1321,9 +1323,11 @@ mod routing {
         let Decision::Routed(r) = s.decide(BodyMode::FullDuplex, whole).await.unwrap() else {
             panic!("not routed");
         };
-        s.respond(BodyMode::FullDuplex, status, &[], Some(b"{}"), 1024)
-            .await
-            .unwrap();
+        if let Some(status) = status {
+            s.respond(BodyMode::FullDuplex, status, &[], Some(b"{}"), 1024)
+                .await
+                .unwrap();
+        }
         s.finish().await.unwrap();
         r.changes
             .get("x-worker-instance-id")
@@ -1335,10 +1339,12 @@ mod routing {
     /// The probe's sequence (issue 33): standalone kvpick with a word-level
     /// tokenizer and three vLLM workers A, B, C publishing KV events over ZMQ,
     /// 16-token blocks, prompts of 320 tokens (20 blocks).
-    /// 1. P goes to some worker X (a guess there) and fails; another worker Y
-    ///    then reports P (u64 block hashes): every request for P goes to Y,
-    ///    though X's guess is younger than its bounds.
-    /// 2. The same with P2 reported as 32-byte (bytes) hashes.
+    /// 1. P goes to some worker X (a guess there), which answers but whose
+    ///    engine never reports P (it dropped it); another worker Y then reports
+    ///    P (u64 block hashes): every request for P goes to Y, though X's guess
+    ///    is younger than its bounds.
+    /// 2. The same with P2, cancelled before X answered, reported by Y as
+    ///    32-byte (bytes) hashes.
     /// 3. A reports P1, takes its requests (a guess there too), then clears its
     ///    cache (`AllBlocksCleared`) and C reports P1: P1 goes to C.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1393,10 +1399,15 @@ mod routing {
             "four", "five",
         ];
         let prompt = |k: usize| -> (String, Vec<u32>, Vec<u64>) {
-            let text: Vec<&str> = (0..320).map(|i| WORDS[(i * i + 7 * k + i / 5) % 12]).collect();
+            let text: Vec<&str> = (0..320)
+                .map(|i| WORDS[(i * i + 7 * k + i / 5) % 12])
+                .collect();
             let text = text.join(" ");
             let body = serde_json::json!({"model": MODEL, "prompt": text});
-            let tokens = token_ids(&tok.tokenize_request(&parsed(ApiKind::Completions, &body)).unwrap());
+            let tokens = token_ids(
+                &tok.tokenize_request(&parsed(ApiKind::Completions, &body))
+                    .unwrap(),
+            );
             let full = tokens.len() / 16 * 16;
             assert_eq!(full, 320, "one token a word");
             let tokens = tokens[..full].to_vec();
@@ -1405,13 +1416,16 @@ mod routing {
         };
         let ids: Vec<u64> = engines.iter().map(|e| e.key.instance_id).collect();
         let which = |id: u64| ids.iter().position(|&i| i == id).unwrap();
-        let holds = |key: WorkerKey, hashes: &[u64]| index.lookup(hashes, &[key], Instant::now())[0];
+        let holds =
+            |key: WorkerKey, hashes: &[u64]| index.lookup(hashes, &[key], Instant::now())[0];
 
         let mut next_engine_hash = 1u64;
-        for (round, bytes_hashes) in [(0usize, false), (1, true)] {
+        for (round, (first, bytes_hashes)) in
+            [(Some("200"), false), (None, true)].into_iter().enumerate()
+        {
             let (text, tokens, hashes) = prompt(round);
-            // Nobody holds P: it goes to some X, whose engine fails it.
-            let x = which(complete(&ch, &text, "503").await);
+            // Nobody holds P: it goes to some X, whose engine never reports it.
+            let x = which(complete(&ch, &text, first).await);
             let y = (x + 1) % 3;
             let engine: Vec<Value> = (0..20)
                 .map(|_| {
@@ -1424,11 +1438,13 @@ mod routing {
                 .collect();
             let key = engines[y].key;
             engines[y]
-                .publish(vec![stored16(engine, &tokens)], || holds(key, &hashes) == 20)
+                .publish(vec![stored16(engine, &tokens)], || {
+                    holds(key, &hashes) == 20
+                })
                 .await;
             let mut to = [0usize; 3];
             for _ in 0..40 {
-                to[which(complete(&ch, &text, "200").await)] += 1;
+                to[which(complete(&ch, &text, Some("200")).await)] += 1;
                 tokio::time::sleep(Duration::from_millis(30)).await;
             }
             assert_eq!(
@@ -1445,10 +1461,16 @@ mod routing {
             .publish(vec![stored16(engine, &tokens)], || holds(a, &hashes) == 20)
             .await;
         for _ in 0..5 {
-            assert_eq!(which(complete(&ch, &text, "200").await), 0, "P1 follows A's report");
+            assert_eq!(
+                which(complete(&ch, &text, Some("200")).await),
+                0,
+                "P1 follows A's report"
+            );
         }
         engines[0]
-            .publish(vec![Value::Array(vec![s("AllBlocksCleared")])], || holds(a, &hashes) == 0)
+            .publish(vec![Value::Array(vec![s("AllBlocksCleared")])], || {
+                holds(a, &hashes) == 0
+            })
             .await;
         let engine: Vec<Value> = (0..20).map(|i| Value::from(2_000 + i)).collect();
         engines[2]
@@ -1456,10 +1478,13 @@ mod routing {
             .await;
         let mut to = [0usize; 3];
         for _ in 0..40 {
-            to[which(complete(&ch, &text, "200").await)] += 1;
+            to[which(complete(&ch, &text, Some("200")).await)] += 1;
             tokio::time::sleep(Duration::from_millis(30)).await;
         }
-        assert_eq!(to[2], 40, "after A cleared its cache and C reported P1: {to:?} to A, B, C");
+        assert_eq!(
+            to[2], 40,
+            "after A cleared its cache and C reported P1: {to:?} to A, B, C"
+        );
     }
 
     /// A vLLM `BlockStored` whose first block carries the request's `cache_salt`

@@ -412,6 +412,11 @@ pub(super) struct Scoring<'s, 'p> {
 }
 
 impl Scoring<'_, '_> {
+    /// The pick's instant, coded by [`Epoch::process`].
+    pub(super) fn now(&self) -> i64 {
+        self.now
+    }
+
     /// Leading prompt blocks `c` holds.
     pub(super) fn overlap(&self, c: &Cand<'_>) -> usize {
         self.held(c).0

@@ -919,9 +919,9 @@ fn a_confirmed_holder_beats_a_guess_at_equal_cost() {
     let hashes = s.block_hashes(&long);
     let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
     s.finish_at(&first, Some(500), now);
-    let guessed = first.decode.key();
+    let guessed_key = first.decode.key();
     // The other worker's engine reports the whole prompt.
-    let confirmed = other_worker(&snap, guessed);
+    let confirmed = other_worker(&snap, guessed_key);
     let engine: Vec<(u64, u64)> = hashes.iter().map(|&h| (h ^ 0xE, h)).collect();
     s.index().store_engine_chain(confirmed, None, &engine, now);
     for _ in 0..40 {
