@@ -84,6 +84,12 @@ pub struct Candidate {
     /// The weighted cost terms, in summing order.
     #[prost(message, repeated, tag = "14")]
     pub terms: Vec<Term>,
+    /// What its load terms come from: `scraped`, `suspect`, `unscraped`.
+    #[prost(string, tag = "15")]
+    pub load_source: String,
+    /// `overlap_blocks` is a guess its KV events have not confirmed.
+    #[prost(bool, tag = "16")]
+    pub overlap_guessed: bool,
 }
 
 /// `ExplainResponse`.
@@ -191,6 +197,8 @@ fn response(e: Explanation) -> ExplainResponse {
                     .collect(),
                 session_pinned: c.session_pinned,
                 chosen: c.chosen,
+                load_source: c.load_source.as_str().into(),
+                overlap_guessed: c.overlap_guessed,
             })
             .collect(),
     }
@@ -212,6 +220,7 @@ pub fn to_json(r: &ExplainResponse) -> serde_json::Value {
                 "role": c.role, "filtered_out": c.filtered_out,
                 "overlap_blocks": c.overlap_blocks, "terms": terms, "cost": c.cost,
                 "session_pinned": c.session_pinned, "chosen": c.chosen,
+                "load_source": c.load_source, "overlap_guessed": c.overlap_guessed,
             })
         })
         .collect();
@@ -539,6 +548,8 @@ mod tests {
             cost: 1.0,
             session_pinned: true,
             chosen: true,
+            load_source: "unscraped".into(),
+            overlap_guessed: true,
         };
         let request = ExplainRequest {
             body: b"{}".to_vec(),

@@ -1272,6 +1272,221 @@ mod routing {
         }
     }
 
+    /// One worker of [`precise_routing_follows_the_engines_reports_over_a_guess`]:
+    /// its endpoint, its publisher and the next sequence number it sends.
+    struct Engine {
+        key: WorkerKey,
+        socket: PubSocket,
+        seq: u64,
+    }
+
+    impl Engine {
+        /// Publishes `events` (resent under new sequence numbers until `done`
+        /// holds: a PUB drops what it sends before the subscription arrives).
+        async fn publish(&mut self, events: Vec<Value>, mut done: impl FnMut() -> bool) {
+            let payload = batch_array(events, Some(Value::from(0)));
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !done() {
+                assert!(Instant::now() < deadline, "events never took effect");
+                self.socket
+                    .send(frames("", self.seq, payload.clone()))
+                    .await
+                    .unwrap();
+                self.seq += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+
+    /// vLLM's `BlockStored` of `tokens` in blocks of 16 under `hashes`.
+    fn stored16(hashes: Vec<Value>, tokens: &[u32]) -> Value {
+        let mut e = stored_array(Value::Array(hashes), Value::Nil, tokens);
+        if let Value::Array(fields) = &mut e {
+            fields[4] = Value::from(16);
+        }
+        e
+    }
+
+    /// Sends a completions request for `prompt` through ext_proc, answers it
+    /// with `status` as the worker would (`None`: the client goes away before
+    /// any response), and returns the worker it went to.
+    async fn complete(ch: &tonic::transport::Channel, prompt: &str, status: Option<&str>) -> u64 {
+        use envoy_client::{BodyMode, Decision, RequestBody};
+        let body = serde_json::json!({"model": MODEL, "prompt": prompt}).to_string();
+        let mut s =
+            crate::support::post(ch, "/v1/completions", &[], Some(BodyMode::FullDuplex), None)
+                .await;
+        let whole = RequestBody::Whole {
+            bytes: body.as_bytes(),
+            chunk: 16 * 1024,
+        };
+        let Decision::Routed(r) = s.decide(BodyMode::FullDuplex, whole).await.unwrap() else {
+            panic!("not routed");
+        };
+        if let Some(status) = status {
+            s.respond(BodyMode::FullDuplex, status, &[], Some(b"{}"), 1024)
+                .await
+                .unwrap();
+        }
+        s.finish().await.unwrap();
+        r.changes
+            .get("x-worker-instance-id")
+            .expect("routing header")
+            .parse()
+            .unwrap()
+    }
+
+    /// The probe's sequence (issue 33): standalone kvpick with a word-level
+    /// tokenizer and three vLLM workers A, B, C publishing KV events over ZMQ,
+    /// 16-token blocks, prompts of 320 tokens (20 blocks).
+    /// 1. P goes to some worker X (a guess there), which answers but whose
+    ///    engine never reports P (it dropped it); another worker Y then reports
+    ///    P (u64 block hashes): every request for P goes to Y, though X's guess
+    ///    is younger than its bounds.
+    /// 2. The same with P2, cancelled before X answered, reported by Y as
+    ///    32-byte (bytes) hashes.
+    /// 3. A reports P1, takes its requests (a guess there too), then clears its
+    ///    cache (`AllBlocksCleared`) and C reports P1: P1 goes to C.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn precise_routing_follows_the_engines_reports_over_a_guess() {
+        use kvpick::extproc::ExtProcConfig;
+        let mut app = App::with_scheduler(
+            "pool",
+            SchedulerConfig {
+                token_block: 16,
+                ..SchedulerConfig::default()
+            },
+        );
+        let tok = Tokenizer::load(fixture()).unwrap();
+        app.tokenizer = Some(TokenizerPool::new(Tokenizer::load(fixture()).unwrap(), 2));
+        let mut endpoints = Vec::new();
+        let mut engines = Vec::new();
+        for i in 1..=3u8 {
+            let mut socket = PubSocket::new();
+            let port = match socket.bind(&format!("tcp://127.0.0.{i}:0")).await.unwrap() {
+                zeromq::Endpoint::Tcp(_, p) => p,
+                other => panic!("unexpected endpoint {other}"),
+            };
+            let mut e = Endpoint::new(format!("127.0.0.{i}:18100").parse().unwrap());
+            e.kv_events_port = Some(port);
+            engines.push(Engine {
+                key: w(e.instance_id, 0),
+                socket,
+                seq: 1,
+            });
+            endpoints.push(e);
+        }
+        app.endpoints.replace(endpoints);
+        let _follow = app.spawn_kv_events(
+            SubscriberConfig {
+                model: MODEL.into(),
+                retry_delay: Duration::from_millis(20),
+                ..SubscriberConfig::default()
+            },
+            Duration::from_millis(20),
+        );
+        let index = Arc::clone(app.scheduler.index());
+        for e in &engines {
+            eventually("precise", || index.is_precise(e.key)).await;
+        }
+        let ch =
+            crate::support::channel(crate::support::serve(&app, ExtProcConfig::default()).await)
+                .await;
+
+        // Prompts of 320 words the fixture's tokenizer knows, one token each.
+        const WORDS: [&str; 12] = [
+            "hello", "world", "cat", "sat", "mat", "good", "morning", "one", "two", "three",
+            "four", "five",
+        ];
+        let prompt = |k: usize| -> (String, Vec<u32>, Vec<u64>) {
+            let text: Vec<&str> = (0..320)
+                .map(|i| WORDS[(i * i + 7 * k + i / 5) % 12])
+                .collect();
+            let text = text.join(" ");
+            let body = serde_json::json!({"model": MODEL, "prompt": text});
+            let tokens = token_ids(
+                &tok.tokenize_request(&parsed(ApiKind::Completions, &body))
+                    .unwrap(),
+            );
+            let full = tokens.len() / 16 * 16;
+            assert_eq!(full, 320, "one token a word");
+            let tokens = tokens[..full].to_vec();
+            let hashes = token_block_hashes(model_seed(MODEL, None), None, &tokens, 16);
+            (text, tokens, hashes)
+        };
+        let ids: Vec<u64> = engines.iter().map(|e| e.key.instance_id).collect();
+        let which = |id: u64| ids.iter().position(|&i| i == id).unwrap();
+        let holds =
+            |key: WorkerKey, hashes: &[u64]| index.lookup(hashes, &[key], Instant::now())[0];
+
+        let mut next_engine_hash = 1u64;
+        for (round, (first, bytes_hashes)) in
+            [(Some("200"), false), (None, true)].into_iter().enumerate()
+        {
+            let (text, tokens, hashes) = prompt(round);
+            // Nobody holds P: it goes to some X, whose engine never reports it.
+            let x = which(complete(&ch, &text, first).await);
+            let y = (x + 1) % 3;
+            let engine: Vec<Value> = (0..20)
+                .map(|_| {
+                    next_engine_hash += 1;
+                    match bytes_hashes {
+                        true => sha_like(next_engine_hash),
+                        false => Value::from(next_engine_hash),
+                    }
+                })
+                .collect();
+            let key = engines[y].key;
+            engines[y]
+                .publish(vec![stored16(engine, &tokens)], || {
+                    holds(key, &hashes) == 20
+                })
+                .await;
+            let mut to = [0usize; 3];
+            for _ in 0..40 {
+                to[which(complete(&ch, &text, Some("200")).await)] += 1;
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+            assert_eq!(
+                to[y], 40,
+                "round {round}: requests for a prompt Y's engine reported (X guessed it): {to:?} to A, B, C (X = {x}, Y = {y})"
+            );
+        }
+
+        // A reports P1 and takes its requests; then A clears its cache and C reports P1.
+        let (text, tokens, hashes) = prompt(2);
+        let (a, c) = (engines[0].key, engines[2].key);
+        let engine: Vec<Value> = (0..20).map(|i| Value::from(1_000 + i)).collect();
+        engines[0]
+            .publish(vec![stored16(engine, &tokens)], || holds(a, &hashes) == 20)
+            .await;
+        for _ in 0..5 {
+            assert_eq!(
+                which(complete(&ch, &text, Some("200")).await),
+                0,
+                "P1 follows A's report"
+            );
+        }
+        engines[0]
+            .publish(vec![Value::Array(vec![s("AllBlocksCleared")])], || {
+                holds(a, &hashes) == 0
+            })
+            .await;
+        let engine: Vec<Value> = (0..20).map(|i| Value::from(2_000 + i)).collect();
+        engines[2]
+            .publish(vec![stored16(engine, &tokens)], || holds(c, &hashes) == 20)
+            .await;
+        let mut to = [0usize; 3];
+        for _ in 0..40 {
+            to[which(complete(&ch, &text, Some("200")).await)] += 1;
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        assert_eq!(
+            to[2], 40,
+            "after A cleared its cache and C reported P1: {to:?} to A, B, C"
+        );
+    }
+
     /// A vLLM `BlockStored` whose first block carries the request's `cache_salt`
     /// in its `extra_keys` (later events chain from it with no salt): only
     /// requests salted alike find the chain.

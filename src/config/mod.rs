@@ -156,6 +156,7 @@ impl Args {
             scrape_max_age: self.scrape_staleness(),
             index: s.index(),
             provisional_ttl: s.provisional_ttl_secs.max(Duration::from_secs(1)),
+            provisional_confirm: s.provisional_confirm_ms,
             session_token_header: self.sessions.session_token_header.to_ascii_lowercase(),
             session_key,
             vision: self.multimodal.vision_prompt().map(|v| v.model),

@@ -53,10 +53,18 @@ pub struct SchedulingFlags {
     pub prefix_ttl_secs: Duration,
 
     /// Precise workers: seconds a routed prompt counts as held there
-    /// (provisional entries) at most; its blocks' KV events end it sooner.
+    /// (provisional entries) at most, from its first routing (the requests it
+    /// attracts do not renew it); its blocks' KV events end it sooner.
     /// A bare number counts seconds; `90s`, `15m`, `1h` also work.
     #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value = "10", value_parser = duration::secs)]
     pub provisional_ttl_secs: Duration,
+
+    /// Precise workers: how long after a request's response began (or it
+    /// ended without one) the worker's KV events have to report the prompt's
+    /// blocks; what they have not reported is no longer counted there.
+    /// A bare number counts milliseconds; `2s`, `500ms` also work.
+    #[arg(long, env = "KVPICK_PROVISIONAL_CONFIRM_MS", default_value = "2000", value_parser = duration::millis)]
+    pub provisional_confirm_ms: Duration,
 
     /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
     /// block count is scraped (then `num_gpu_blocks` × `--prefix-precise-slack`);

@@ -109,7 +109,8 @@ impl KvEventSink for PrefixIndex {
 
 /// The scheduler as a sink: its prefix index, and the provisional entries of
 /// prompts routed to a precise worker end when that worker's events store or
-/// remove their blocks (`Scheduler::settle_provisional`).
+/// remove their blocks (`Scheduler::settle_provisional`) or clear its cache
+/// (`Scheduler::clear_provisional`).
 impl KvEventSink for Scheduler {
     fn engine_block(&self, worker: WorkerKey, engine_hash: u64) -> Option<u64> {
         self.index().engine_block(worker, engine_hash)
@@ -130,7 +131,8 @@ impl KvEventSink for Scheduler {
         self.settle_provisional(worker, &ours);
     }
     fn clear_worker(&self, worker: WorkerKey) {
-        self.index().clear_worker(worker)
+        self.index().clear_worker(worker);
+        self.clear_provisional(worker);
     }
     fn set_precise(&self, worker: WorkerKey, precise: bool) {
         self.index().set_precise(worker, precise)

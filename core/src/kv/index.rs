@@ -367,7 +367,7 @@ impl PrefixIndex {
     /// than the worker's capacity only the leading blocks that fit are recorded:
     /// the rest would evict the prompt's own prefix, the part a later request can match.
     pub fn insert(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
-        self.insert_unless(worker, hashes, now, |_, _, _| false)
+        self.insert_unless(worker, hashes, now, true, |_, _, _| false)
     }
 
     /// [`PrefixIndex::insert`] of a chain: each of `hashes` names every block
@@ -377,18 +377,30 @@ impl PrefixIndex {
     /// before it then) is left as it is: inserting it again would only reorder
     /// its blocks among that second's touches.
     pub fn insert_chain(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
-        self.insert_unless(worker, hashes, now, |w, last, stamp| {
+        self.insert_unless(worker, hashes, now, true, |w, last, stamp| {
             !w.precise && w.recency.stamp(last) == Some(stamp.max(w.last_stamp))
         })
     }
 
+    /// [`PrefixIndex::insert_chain`] that renews nothing: blocks `worker`
+    /// holds already keep their stamp (and expire when it says), only blocks
+    /// new to it are recorded at `now`. For guesses that a later use must not
+    /// keep alive (a precise worker's provisional entries).
+    pub fn insert_chain_unrenewed(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
+        self.insert_unless(worker, hashes, now, false, |w, last, _| {
+            !w.precise && w.recency.contains(last)
+        })
+    }
+
     /// [`PrefixIndex::insert`], unless `recorded(worker's entries, the last
-    /// block that fits, stamp)` says the insert would change nothing.
+    /// block that fits, stamp)` says the insert would change nothing; blocks
+    /// already held are touched again only with `renew`.
     fn insert_unless(
         &self,
         worker: WorkerKey,
         hashes: &[u64],
         now: Instant,
+        renew: bool,
         recorded: impl Fn(&Worker, u64, u32) -> bool,
     ) {
         let stamp = self.stamp(now);
@@ -419,7 +431,7 @@ impl PrefixIndex {
             // One bit per block of the chunk new in the LRU.
             let mut fresh = 0u64;
             for (k, &h) in chunk.iter().enumerate() {
-                if w.recency.touch(h, stamp) {
+                if (renew || !w.recency.contains(h)) && w.recency.touch(h, stamp) {
                     fresh |= 1 << k;
                 }
             }

@@ -260,19 +260,23 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
 fn argmin(costs: impl Iterator<Item = f64>, seed: u64) -> usize {
     let mut least = Least::new(seed);
     for (i, c) in costs.enumerate() {
-        least.offer(i, c);
+        least.offer(i, c, false);
     }
     least.best.unwrap_or(0)
 }
 
-/// The least cost offered so far: costs within 1e-9 of the least tie and one
-/// of them wins uniformly (each tied offer gets a pseudo-random draw from the
-/// seed and the least draw wins: no generator call per tie). NaN never wins.
+/// The least cost offered so far: costs within 1e-9 of the least tie; among
+/// tied offers one whose overlap the worker's KV events confirmed beats one
+/// whose overlap is only a guess (provisional entries), and otherwise one
+/// wins uniformly (each tied offer gets a pseudo-random draw from the seed and
+/// the least draw wins: no generator call per tie). NaN never wins.
 pub(super) struct Least<T> {
     /// The winner so far.
     pub(super) best: Option<T>,
     /// Its cost (infinite before any offer).
     pub(super) cost: f64,
+    /// Whether the winner's overlap is a guess.
+    guessed: bool,
     draw: u64,
     seed: u64,
     offers: usize,
@@ -284,63 +288,98 @@ impl<T> Least<T> {
         Least {
             best: None,
             cost: f64::INFINITY,
+            guessed: false,
             draw: u64::MAX,
             seed,
             offers: 0,
         }
     }
 
-    /// Offers `item` at `cost`.
+    /// Offers `item` at `cost`; `guessed`: its overlap is unconfirmed.
     #[inline]
-    pub(super) fn offer(&mut self, item: T, cost: f64) {
+    pub(super) fn offer(&mut self, item: T, cost: f64, guessed: bool) {
         let i = self.offers;
         self.offers += 1;
         if cost < self.cost - 1e-9 {
             self.cost = cost;
             self.best = Some(item);
+            self.guessed = guessed;
             self.draw = draw(self.seed, i);
         } else if cost <= self.cost + 1e-9 {
             self.cost = self.cost.min(cost);
             let d = draw(self.seed, i);
-            if d < self.draw {
+            if (guessed, d) < (self.guessed, self.draw) {
                 self.best = Some(item);
+                self.guessed = guessed;
                 self.draw = d;
             }
         }
     }
+
+    /// Whether no candidate costing at least `floor` can win any more: the
+    /// least cost is at most `floor`, and below it when the winner is a guess
+    /// (a confirmed holder at that cost would beat it).
+    #[inline]
+    pub(super) fn beats(&self, floor: f64) -> bool {
+        match self.guessed {
+            false => self.cost <= floor,
+            true => self.cost < floor - 1e-9,
+        }
+    }
 }
 
-/// What the pruned argmin collects: offered candidates at their costs, and the
-/// cost a candidate must beat to still count (the pruning bar).
+/// What the pruned argmin collects: offered candidates at their costs, and
+/// whether a candidate costing at least a floor can still change it.
 pub(super) trait Best<T> {
-    /// Offers `item` at `cost`.
-    fn offer(&mut self, item: T, cost: f64);
-    /// A candidate costing at least this changes nothing.
-    fn bar(&self) -> f64;
+    /// Offers `item` at `cost`; `guessed`: its overlap is unconfirmed.
+    fn offer(&mut self, item: T, cost: f64, guessed: bool);
+    /// Whether no candidate costing at least `floor` can change the result.
+    fn beats(&self, floor: f64) -> bool;
 }
 
 impl<T> Best<T> for Least<T> {
     #[inline(always)]
-    fn offer(&mut self, item: T, cost: f64) {
-        Least::offer(self, item, cost);
+    fn offer(&mut self, item: T, cost: f64, guessed: bool) {
+        Least::offer(self, item, cost, guessed);
     }
 
     #[inline(always)]
-    fn bar(&self) -> f64 {
-        self.cost
+    fn beats(&self, floor: f64) -> bool {
+        Least::beats(self, floor)
     }
 }
 
 /// The `n` least costly candidates of distinct addresses, least first, ties
-/// broken as [`Least`] does (a pick asked for fallbacks). A candidate whose
-/// address is kept already replaces it only if it costs less (the best rank of
-/// a data-parallel endpoint stands for it). NaN never counts.
+/// broken as [`Least`] does (a confirmed overlap first, then the draw; a pick
+/// asked for fallbacks). A candidate whose address is kept already replaces it
+/// only if it ranks before it (the best rank of a data-parallel endpoint stands
+/// for it). NaN never counts.
 pub(super) struct Ranked<'a> {
     n: usize,
     seed: u64,
     offers: usize,
-    /// (cost, draw, candidate), least first; at most `n`.
-    kept: Vec<(f64, u64, Cand<'a>)>,
+    /// (rank key, candidate), least first; at most `n`.
+    kept: Vec<(RankKey, Cand<'a>)>,
+}
+
+/// How [`Ranked`] orders offers: cost, then a confirmed overlap before a
+/// guessed one, then the draw.
+#[derive(Clone, Copy)]
+struct RankKey {
+    cost: f64,
+    guessed: bool,
+    draw: u64,
+}
+
+impl RankKey {
+    /// Whether `self` ranks before `other`: a lower cost, or within 1e-9 a
+    /// confirmed overlap before a guess, then a lower draw.
+    fn before(self, other: RankKey) -> bool {
+        match (self.cost - other.cost).abs() <= 1e-9 {
+            true => (self.guessed, self.draw) < (other.guessed, other.draw),
+            false => self.cost < other.cost,
+        }
+    }
 }
 
 impl<'a> Ranked<'a> {
@@ -357,40 +396,34 @@ impl<'a> Ranked<'a> {
 
     /// The kept candidates, least cost first.
     pub(super) fn into_vec(self) -> Vec<Cand<'a>> {
-        self.kept.into_iter().map(|(_, _, c)| c).collect()
-    }
-}
-
-/// Whether (cost, draw) `a` ranks before `b`: a lower cost, or within 1e-9
-/// and a lower draw.
-fn before(a: (f64, u64), b: (f64, u64)) -> bool {
-    match (a.0 - b.0).abs() <= 1e-9 {
-        true => a.1 < b.1,
-        false => a.0 < b.0,
+        self.kept.into_iter().map(|(_, c)| c).collect()
     }
 }
 
 impl<'a> Best<Cand<'a>> for Ranked<'a> {
-    fn offer(&mut self, item: Cand<'a>, cost: f64) {
+    fn offer(&mut self, item: Cand<'a>, cost: f64, guessed: bool) {
         let draw = draw(self.seed, self.offers);
         self.offers += 1;
         if cost.is_nan() {
             return;
         }
         let address = item.ep.endpoint.address;
-        let key = (cost, draw);
+        let key = RankKey {
+            cost,
+            guessed,
+            draw,
+        };
         if let Some(i) = self
             .kept
             .iter()
-            .position(|k| k.2.ep.endpoint.address == address)
+            .position(|k| k.1.ep.endpoint.address == address)
         {
-            if !before(key, (self.kept[i].0, self.kept[i].1)) {
+            if !key.before(self.kept[i].0) {
                 return;
             }
             self.kept.remove(i);
         } else if self.kept.len() == self.n {
-            let last = self.kept[self.n - 1];
-            if !before(key, (last.0, last.1)) {
+            if !key.before(self.kept[self.n - 1].0) {
                 return;
             }
             self.kept.pop();
@@ -398,15 +431,16 @@ impl<'a> Best<Cand<'a>> for Ranked<'a> {
         let at = self
             .kept
             .iter()
-            .position(|k| before(key, (k.0, k.1)))
+            .position(|k| key.before(k.0))
             .unwrap_or(self.kept.len());
-        self.kept.insert(at, (cost, draw, item));
+        self.kept.insert(at, (key, item));
     }
 
-    fn bar(&self) -> f64 {
-        match self.kept.len() == self.n {
-            true => self.kept[self.n - 1].0,
-            false => f64::INFINITY,
+    fn beats(&self, floor: f64) -> bool {
+        match self.kept.get(self.n - 1) {
+            Some((last, _)) if last.guessed => last.cost < floor - 1e-9,
+            Some((last, _)) => last.cost <= floor,
+            None => false,
         }
     }
 }

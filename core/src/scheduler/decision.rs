@@ -95,6 +95,9 @@ pub struct Decision {
     /// Set once the booked uncached blocks are released (at
     /// [`Scheduler::prefill_done`](super::Scheduler::prefill_done) or at the end).
     pub(super) prefilled: Prefilled,
+    /// The prompt's block hashes when a target is precise (they are a guess
+    /// there until its events confirm them; see `provisional.rs`).
+    pub(super) guess: Option<Arc<[u64]>>,
 }
 
 /// Whether a decision's uncached blocks were released; a clone copies the state.

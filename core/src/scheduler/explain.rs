@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use super::cost::Cand;
 use super::pick::{Observer, Scoring};
-use super::terms::CostTerms;
+use super::terms::{CostTerms, LoadSource};
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
 
@@ -33,6 +33,11 @@ pub struct CandidateScore {
     pub filtered_out: Option<&'static str>,
     /// Prompt blocks it holds (leading).
     pub overlap_blocks: usize,
+    /// Whether that overlap is only a guess: prompts routed to this precise
+    /// worker that its KV events have not confirmed (yet).
+    pub overlap_guessed: bool,
+    /// What its load terms come from.
+    pub load_source: LoadSource,
     /// The cost, term by term.
     pub terms: CostTerms,
     /// The session is bound to it.
@@ -55,8 +60,9 @@ pub struct Explanation {
 }
 
 /// Records what an explaining pick scored and chose.
-#[derive(Default)]
 struct Recorder {
+    /// Scraped figures older than this do not count ([`super::SchedulerConfig::scrape_max_age`]).
+    scrape_max_age: std::time::Duration,
     /// Terms of each scored (endpoint, rank), by the endpoint's address in
     /// memory and the rank.
     scored: HashMap<(usize, u32), CostTerms>,
@@ -93,12 +99,15 @@ impl Observer for Recorder {
                     true => (is(Some(decode)), pinned.0 && is(Some(decode))),
                     false => (is(prefill), pinned.1 && is(prefill)),
                 };
+                let (overlap_blocks, overlap_guessed) = at.held(&c);
                 self.candidates.push(CandidateScore {
                     key: c.key,
                     address: address.clone(),
                     prefill: !ep.serves_decode(),
                     filtered_out,
-                    overlap_blocks: at.overlap(&c),
+                    overlap_blocks,
+                    overlap_guessed,
+                    load_source: LoadSource::of(&ep.load_view_at(at.now(), self.scrape_max_age)),
                     terms: self.scored.remove(&slot(&c)).unwrap_or_default(),
                     session_pinned,
                     chosen,
@@ -123,7 +132,11 @@ impl Scheduler {
         snapshot: &Snapshot,
         now: Instant,
     ) -> Result<Explanation, PickError> {
-        let mut recorder = Recorder::default();
+        let mut recorder = Recorder {
+            scrape_max_age: self.config.scrape_max_age,
+            scored: HashMap::new(),
+            candidates: Vec::new(),
+        };
         let decision = self.run(req, snapshot, now, &mut recorder)?;
         Ok(Explanation {
             prompt_blocks: decision.prompt_blocks,

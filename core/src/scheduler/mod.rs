@@ -38,6 +38,7 @@ mod overlap;
 mod pick;
 pub mod pickers;
 mod plugins;
+mod provisional;
 pub mod registry;
 mod replica;
 #[cfg(test)]
@@ -102,8 +103,13 @@ pub struct SchedulerConfig {
     /// Prefix index settings.
     pub index: IndexConfig,
     /// How long a prompt routed to a precise worker counts as held there
-    /// (provisional entries) while its KV events have not said so.
+    /// (provisional entries) while its KV events have not said so; requests
+    /// routed there by the guess do not renew it.
     pub provisional_ttl: Duration,
+    /// How long after a request's response began (or it ended without one)
+    /// its precise worker has to report the guessed blocks in its KV events;
+    /// the rest of the guess is dropped then.
+    pub provisional_confirm: Duration,
     /// Response header carrying the signed session token.
     pub session_token_header: String,
     /// HMAC key for session tokens (empty: a random per-process key).
@@ -153,6 +159,7 @@ impl Default for SchedulerConfig {
             scrape_max_age: Duration::from_secs(5),
             index: IndexConfig::default(),
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
+            provisional_confirm: DEFAULT_PROVISIONAL_CONFIRM,
             session_token_header: "x-kvpick-session".into(),
             session_key: Vec::new(),
             vision: None,
@@ -178,6 +185,13 @@ pub const DEFAULT_MAX_PREFIX_TOKENS: usize = 131_072;
 /// 2×: 27% hits at 2 s, 33% at 10 s).
 pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(10);
 
+/// Default [`SchedulerConfig::provisional_confirm`]: an engine publishes a
+/// block's `BlockStored` in the step that fills it, so by the time the first
+/// response bytes are out its events are on the wire; two seconds leave room
+/// for a busy event queue (whose latency stays under one second under a
+/// flood, `docs/kvevents.md`).
+pub const DEFAULT_PROVISIONAL_CONFIRM: Duration = Duration::from_secs(2);
+
 /// Default [`SchedulerConfig::max_request_load_blocks`]: 16384 blocks, about
 /// 256k tokens (16-token blocks) or 1 MiB of text (64-byte blocks).
 pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
@@ -189,8 +203,9 @@ pub struct Scheduler {
     /// What the pick runs.
     plugins: Plugins,
     index: Arc<PrefixIndex>,
-    /// Prompts routed to precise workers, until their TTL (see `overlap.rs`).
-    provisional: PrefixIndex,
+    /// Prompts routed to precise workers, until their events or their bounds
+    /// (see `provisional.rs`).
+    provisional: provisional::Guesses,
     sessions: SessionStore,
     stats: SchedulerStats,
     /// Tie-breaks drawn so far (with [`SchedulerConfig::tie_break_seed`]).
@@ -216,10 +231,11 @@ impl Scheduler {
             .unwrap_or_else(|| Plugins::from_weights(config.weights, config.temperature));
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
-            provisional: PrefixIndex::new(IndexConfig {
-                ttl: Some(config.provisional_ttl),
-                ..config.index
-            }),
+            provisional: provisional::Guesses::new(
+                config.index,
+                config.provisional_ttl,
+                config.provisional_confirm,
+            ),
             sessions: SessionStore::with_config(SessionConfig {
                 key: config.session_key.clone(),
                 max_entries: config.session_max_entries,
@@ -316,7 +332,7 @@ impl Scheduler {
 
     /// [`Scheduler::finish`] at a given instant (tests drive the clock).
     pub fn finish_at(&self, decision: &Decision, status: Option<u16>, now: Instant) {
-        self.cancel(decision);
+        self.cancel_at(decision, now);
         if let Some(turn) = &decision.session {
             let prefill = decision.prefill.as_ref().map(Target::key);
             self.sessions
@@ -329,8 +345,16 @@ impl Scheduler {
     /// booked to prefill ([`ActiveLoad::uncached`]) stop counting on its ranks,
     /// the rest stays booked until it finishes. Only the first call releases.
     pub fn prefill_done(&self, decision: &Decision) {
+        self.prefill_done_at(decision, Instant::now());
+    }
+
+    /// [`Scheduler::prefill_done`] at a given instant (tests drive the clock).
+    /// The response began: the decision's guesses start waiting for their
+    /// workers' events.
+    pub fn prefill_done_at(&self, decision: &Decision, now: Instant) {
         if decision.prefilled.mark() {
             self.release(decision, |l| ActiveLoad { blocks: 0, ..l }, false);
+            self.await_confirmation(decision, now);
         }
     }
 
@@ -338,7 +362,16 @@ impl Scheduler {
     /// booked load is released (the uncached part unless [`Self::prefill_done`]
     /// already did); its session turn is neither settled nor bound.
     pub fn cancel(&self, decision: &Decision) {
+        self.cancel_at(decision, Instant::now());
+    }
+
+    /// [`Scheduler::cancel`] at a given instant; a decision whose response
+    /// never began starts its guesses' wait for events now.
+    fn cancel_at(&self, decision: &Decision, now: Instant) {
         let pending = decision.prefilled.mark();
+        if pending {
+            self.await_confirmation(decision, now);
+        }
         self.release(
             decision,
             |l| ActiveLoad {
@@ -369,7 +402,8 @@ impl Scheduler {
     pub fn maintain(&self, snapshot: &Snapshot, now: Instant) -> usize {
         let reaped = self.sessions.reap(now);
         self.index.purge_expired(now);
-        self.provisional.purge_expired(now);
+        self.provisional.expire(now);
+        self.provisional.index.purge_expired(now);
         let live: HashSet<WorkerKey> = snapshot
             .endpoints
             .iter()
@@ -380,7 +414,7 @@ impl Scheduler {
                 self.index.clear_worker(w);
             }
         }
-        for w in self.provisional.workers() {
+        for w in self.provisional.index.workers() {
             if !live.contains(&w) {
                 self.provisional.clear_worker(w);
             }

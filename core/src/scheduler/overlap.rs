@@ -4,20 +4,21 @@
 //! A precise worker's index entries come only from its KV events, which it
 //! publishes once a prefill completes: a burst of requests sharing a prefix
 //! would otherwise see no worker holding it until the first one's prefill ends,
-//! and scatter. So a prompt routed to a precise worker is recorded as
-//! provisional (approximate) entries in a second index whose entries live
-//! [`SchedulerConfig::provisional_ttl`](super::SchedulerConfig::provisional_ttl);
-//! a candidate's overlap is the larger of the two answers. A provisional entry
-//! ends when the worker's KV events speak of its block (stored: the precise
-//! index holds it now; removed: the worker evicted it), so it never outlives
-//! what the worker reports; the TTL only bounds entries whose events never come.
+//! and scatter. So a prompt routed to a precise worker is recorded as a guess
+//! (provisional entries, `provisional.rs`); a candidate's overlap is the
+//! larger of the two answers, and it is a guess when the guess is the larger.
+//! A guess ends when the worker's KV events speak of its block (stored: the
+//! precise index holds it now; removed or cleared: the worker does not), when
+//! they have not confirmed it shortly after the request's response began, or
+//! at its TTL, which the requests it attracts do not renew.
 
 use std::iter::Peekable;
 use std::ops::ControlFlow;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::cost::Cand;
-use super::Scheduler;
+use super::{Decision, Scheduler};
 use crate::endpoints::WorkerKey;
 use crate::kv::index::Overlaps;
 
@@ -30,15 +31,17 @@ pub(super) struct PromptOverlaps {
 
 impl PromptOverlaps {
     /// Leading prompt blocks candidate `c` holds or is provisionally credited
-    /// with (the index found through the slot hint `c`'s endpoint keeps).
-    pub(super) fn get(&self, c: &Cand<'_>) -> usize {
+    /// with (the index found through the slot hint `c`'s endpoint keeps), and
+    /// whether that many is only a guess (more than its events confirm).
+    pub(super) fn get(&self, c: &Cand<'_>) -> (usize, bool) {
         let held = match c.ep.index_slot(c.rank) {
             Some(hint) => self.index.get_hinted(c.key, hint),
             None => self.index.get(c.key),
         };
-        self.provisional
-            .as_ref()
-            .map_or(held, |p| held.max(p.get(c.key)))
+        match self.provisional.as_ref().map(|p| p.get(c.key)) {
+            Some(guess) if guess > held => (guess, true),
+            _ => (held, false),
+        }
     }
 
     /// The holder levels of both answers, deepest first: a worker's overlap is
@@ -102,19 +105,42 @@ impl Scheduler {
     }
 
     /// `worker` was sent a prompt of `hashes`: approximate entries for an
-    /// approximate worker, provisional ones for a precise worker.
-    pub(super) fn record_prompt(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
-        match self.index.is_precise(worker) {
-            true => self.provisional.insert_chain(worker, hashes, now),
+    /// approximate worker, a guess (not renewing one it has) for a precise
+    /// worker. Whether it was a guess.
+    pub(super) fn record_prompt(&self, worker: WorkerKey, hashes: &[u64], now: Instant) -> bool {
+        let precise = self.index.is_precise(worker);
+        match precise {
+            true => self.provisional.record(worker, hashes, now),
             false => self.index.insert_chain(worker, hashes, now),
         }
+        precise
     }
 
     /// `worker`'s KV events stored or removed these blocks (kvpick hashes): its
     /// provisional entries for them end, the events speak for it from now on.
     pub fn settle_provisional(&self, worker: WorkerKey, hashes: &[u64]) {
-        if !self.provisional.is_empty() {
-            self.provisional.forget(worker, hashes);
+        self.provisional.settle(worker, hashes);
+    }
+
+    /// `worker`'s KV events cleared its cache (or its stream was reset): none
+    /// of its provisional entries stand.
+    pub fn clear_provisional(&self, worker: WorkerKey) {
+        self.provisional.clear_worker(worker);
+    }
+
+    /// The response of `decision`'s request began, or the request ended
+    /// without one: what it guessed on its precise targets must be confirmed
+    /// by their events within [`SchedulerConfig::provisional_confirm`](super::SchedulerConfig::provisional_confirm).
+    pub(super) fn await_confirmation(&self, decision: &Decision, now: Instant) {
+        let Some(hashes) = &decision.guess else {
+            return;
+        };
+        let targets = std::iter::once(&decision.decode).chain(&decision.prefill);
+        for t in targets {
+            if self.index.is_precise(t.key()) {
+                self.provisional
+                    .await_confirmation(t.key(), Arc::clone(hashes), now);
+            }
         }
     }
 }

@@ -8,6 +8,7 @@
 
 use std::ops::ControlFlow;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use rand::Rng;
@@ -94,6 +95,7 @@ impl Scheduler {
 
         let overlaps = {
             let _t = self.timer::<O>(Stage::Lookup);
+            self.provisional.expire(now);
             self.overlaps(hashes, now)
         };
         let scoring = Scoring {
@@ -163,7 +165,7 @@ impl Scheduler {
             })
         });
         let bootstrap_room = bootstrap_port.map(|_| rand::rng().random::<u64>() >> 1);
-        let decision = Decision {
+        let mut decision = Decision {
             decode: d.target(),
             fallbacks: fallbacks.iter().map(Cand::target).collect(),
             prefill: prefill_target,
@@ -176,13 +178,15 @@ impl Scheduler {
             uncached_blocks,
             decode_blocks,
             prefilled: Default::default(),
+            guess: None,
         };
         if !O::EXPLAINS {
             // Booked from the decision, so `cancel`/`finish` release exactly this.
-            self.record(&d, hashes, decision.decode_load(), now);
+            let mut guessed = self.record(&d, hashes, decision.decode_load(), now);
             if let Some(p) = p {
-                self.record(&p, hashes, decision.prefill_load(), now);
+                guessed |= self.record(&p, hashes, decision.prefill_load(), now);
             }
+            decision.guess = guessed.then(|| Arc::from(&hashes[..]));
         }
         self.share_decision(&decision, hashes);
         Ok(decision)
@@ -323,17 +327,20 @@ impl Scheduler {
     ) -> Option<Cand<'s>> {
         let req = self.request_cost(side, at.size, at.adapter, at.pool.idle_ranks(side));
         if O::EXPLAINS {
-            let mut best: Option<(Cand<'s>, f64)> = None;
+            let mut best: Option<(Cand<'s>, f64, bool)> = None;
             for c in at.pool.iter(side) {
-                let overlap = at.overlap(&c);
+                let (overlap, guessed) = at.held(&c);
                 let terms = self.cost_terms(&c, at.prompt.uncached(overlap), &req, at.now);
                 let total = terms.total();
-                if best.is_none_or(|(_, least)| total < least) {
-                    best = Some((c, total));
+                let better = |&(_, least, least_guessed): &(Cand<'s>, f64, bool)| {
+                    total < least - 1e-9 || (total <= least + 1e-9 && least_guessed && !guessed)
+                };
+                if best.as_ref().is_none_or(better) {
+                    best = Some((c, total, guessed));
                 }
                 obs.scored(&c, overlap, terms);
             }
-            return best.map(|(c, _)| c);
+            return best.map(|(c, _, _)| c);
         }
         if let Choice::Sample { temperature } = self.plugins.choice() {
             let cands: Vec<Cand<'s>> = at.pool.iter(side).collect();
@@ -412,7 +419,8 @@ impl Scheduler {
             // No floor (a negative weight), or a holder's key may name several
             // endpoints: score every candidate.
             for c in at.pool.iter(side) {
-                best.offer(c, cost(&c, at.overlap(&c)));
+                let (overlap, guessed) = at.held(&c);
+                best.offer(c, cost(&c, overlap), guessed);
             }
             return;
         };
@@ -425,8 +433,9 @@ impl Scheduler {
                     // A level of a good part of the pool: reading the pool in
                     // order costs less than finding each holder by its key.
                     for c in at.pool.iter_from(side, start) {
-                        best.offer(c, cost(&c, at.overlap(&c)));
-                        if best.bar() <= within {
+                        let (overlap, guessed) = at.held(&c);
+                        best.offer(c, cost(&c, overlap), guessed);
+                        if best.beats(within) {
                             break;
                         }
                     }
@@ -434,27 +443,28 @@ impl Scheduler {
                 }
                 let found = level.try_for_each(start, |key| {
                     if let Some(c) = at.pool.get(key, side) {
-                        best.offer(c, cost(&c, o.get(&c)));
+                        let (overlap, guessed) = o.get(&c);
+                        best.offer(c, cost(&c, overlap), guessed);
                     }
-                    match best.bar() <= within {
+                    match best.beats(within) {
                         true => ControlFlow::Break(()),
                         false => ControlFlow::Continue(()),
                     }
                 });
                 let below = levels.peek().map_or(0, |l| l.depth);
-                if found.is_break() || best.bar() <= floor(below).unwrap_or(no_overlap) {
+                if found.is_break() || best.beats(floor(below).unwrap_or(no_overlap)) {
                     return;
                 }
             }
         }
-        if best.bar() <= no_overlap {
+        if best.beats(no_overlap) {
             return;
         }
         // A holder met here costs at most this (its overlap counted as none),
         // and was offered at its own cost above.
         for c in at.pool.iter_from(side, start) {
-            best.offer(c, cost(&c, 0));
-            if best.bar() <= no_overlap {
+            best.offer(c, cost(&c, 0), false);
+            if best.beats(no_overlap) {
                 break;
             }
         }
@@ -462,8 +472,9 @@ impl Scheduler {
 
     /// The target now holds the prompt's blocks (approximate entries, or
     /// provisional ones on a precise worker); it carries the request's load (and
-    /// its uncached part) until it finishes.
-    fn record(&self, c: &Cand<'_>, hashes: &[u64], load: ActiveLoad, now: Instant) {
+    /// its uncached part) until it finishes. Whether the blocks are a guess.
+    fn record(&self, c: &Cand<'_>, hashes: &[u64], load: ActiveLoad, now: Instant) -> bool {
+        let mut guessed = false;
         if !hashes.is_empty() {
             if let Some(s) = c.ep.scraped(now, self.config.scrape_max_age) {
                 if let Some(n) = s.num_blocks {
@@ -475,9 +486,10 @@ impl Scheduler {
                     self.index.set_engine_blocks(c.key, n);
                 }
             }
-            self.record_prompt(c.key, hashes, now);
+            guessed = self.record_prompt(c.key, hashes, now);
         }
         c.ep.book(c.rank, load);
+        guessed
     }
 }
 
@@ -494,9 +506,20 @@ pub(super) struct Scoring<'s, 'p> {
 }
 
 impl Scoring<'_, '_> {
+    /// The pick's instant, coded by [`Epoch::process`].
+    pub(super) fn now(&self) -> i64 {
+        self.now
+    }
+
     /// Leading prompt blocks `c` holds.
     pub(super) fn overlap(&self, c: &Cand<'_>) -> usize {
-        self.overlaps.map_or(0, |o| o.get(c))
+        self.held(c).0
+    }
+
+    /// Leading prompt blocks `c` holds, and whether that many is only a guess
+    /// (provisional entries its KV events have not confirmed).
+    pub(super) fn held(&self, c: &Cand<'_>) -> (usize, bool) {
+        self.overlaps.map_or((0, false), |o| o.get(c))
     }
 
     /// What `s` charges for sending `req` to `c`, with its overlap.

@@ -2,6 +2,7 @@
 //! replayed trace against simulated workers, and index scale. Each subcommand
 //! returns a serialisable report that prints as a Markdown table or one JSON object.
 
+pub mod flood;
 pub mod noop;
 pub mod overhead;
 pub mod overload;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use e2e::bench::{overhead, overload, plot, replay, scale};
+use e2e::bench::{flood, overhead, overload, plot, replay, scale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -99,6 +99,29 @@ enum Command {
         /// Endpoints in kvpick's pool.
         #[arg(long, default_value_t = 8)]
         endpoints: usize,
+    },
+    /// The `kvpick` binary flooded by one worker's KV-event publisher: peak RSS
+    /// against the ingest queue's byte budget, and how long another worker's
+    /// events take meanwhile (fresh process per run).
+    Flood {
+        /// The `kvpick` binary (default: beside this one).
+        #[arg(long)]
+        kvpick: Option<PathBuf>,
+        /// Runs.
+        #[arg(long, default_value_t = 20)]
+        runs: usize,
+        /// Blocks per flooding `BlockStored` batch (30,000 ≈ 2 MiB).
+        #[arg(long, default_value_t = 30_000)]
+        blocks: usize,
+        /// Seconds of flood per run.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Seconds RSS is watched after the flood stops.
+        #[arg(long, default_value_t = 2.0)]
+        settle: f64,
+        /// kvpick's `--kv-events-max-queued-bytes`.
+        #[arg(long, default_value_t = 256 << 20)]
+        max_queued_bytes: u64,
     },
     /// One server of an overhead cell, in its own process: prints its port, serves
     /// until stdin closes.
@@ -231,6 +254,29 @@ fn main() -> anyhow::Result<()> {
                 concurrent,
                 endpoints,
             ))?;
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::Flood {
+            kvpick,
+            runs,
+            blocks,
+            seconds,
+            settle,
+            max_queued_bytes,
+        } => {
+            let kvpick = match kvpick {
+                Some(p) => p,
+                None => std::env::current_exe()?.with_file_name("kvpick"),
+            };
+            let cfg = flood::FloodConfig {
+                kvpick,
+                runs,
+                blocks,
+                seconds,
+                settle,
+                max_queued_bytes,
+            };
+            let report = tokio::runtime::Runtime::new()?.block_on(flood::run(&cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::OverheadServer { endpoints, noop } => {

@@ -97,6 +97,39 @@ impl Candidate<'_> {
     }
 }
 
+/// Where a candidate's load terms come from (`explain` shows it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadSource {
+    /// A fresh scrape, with kvpick's bookings.
+    Scraped,
+    /// Scrapes stopped or fail after a success: the last figures, with a full
+    /// KV cache and one more queued request ([`Candidate::suspect`]).
+    Suspect,
+    /// Never scraped successfully (just Ready, or no `/metrics`): kvpick's
+    /// bookings only.
+    Unscraped,
+}
+
+impl LoadSource {
+    /// The source of a load view.
+    pub fn of(view: &LoadView) -> Self {
+        match view {
+            LoadView::Fresh(_) => LoadSource::Scraped,
+            LoadView::Suspect(Some(_)) => LoadSource::Suspect,
+            LoadView::Suspect(None) | LoadView::Unknown => LoadSource::Unscraped,
+        }
+    }
+
+    /// Its name: `scraped`, `suspect` or `unscraped`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadSource::Scraped => "scraped",
+            LoadSource::Suspect => "suspect",
+            LoadSource::Unscraped => "unscraped",
+        }
+    }
+}
+
 /// What the terms read about the request, once per pick and side.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestCost {

@@ -250,6 +250,12 @@ fn a_worker_never_scraped_costs_its_bookings_not_a_full_cache() {
         panic!("two candidates")
     };
     assert_eq!(unscraped.overlap_blocks, scraped.overlap_blocks);
+    use crate::scheduler::terms::LoadSource;
+    assert_eq!(
+        (scraped.load_source, unscraped.load_source),
+        (LoadSource::Scraped, LoadSource::Unscraped),
+        "explain says where each candidate's load comes from"
+    );
     assert_eq!(
         (
             unscraped.terms.get("queue"),

@@ -874,29 +874,133 @@ fn precise_pool(n: usize) -> (Scheduler, EndpointTable) {
     (s, t)
 }
 
+/// The worker `key` of `snap`'s first rank, other than `not`.
+fn other_worker(snap: &Snapshot, not: WorkerKey) -> WorkerKey {
+    snap.endpoints
+        .iter()
+        .map(|e| e.key(0))
+        .find(|k| *k != not)
+        .unwrap()
+}
+
 #[test]
 fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
     let (s, t) = precise_pool(8);
     let snap = t.snapshot();
     let now = Instant::now();
     let long = prompt(&"q".repeat(64 * 10));
+    // In flight (no response yet), no KV event yet: the worker it went to is
+    // credited with the prompt, and the requests that guess attracts go there.
     let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
-    s.finish_at(&first, Some(200), now);
-    // No KV event yet: the worker it went to is still credited with the prompt.
-    for i in 1..5 {
+    let mut attracted = Vec::new();
+    for i in [3, 6, 9] {
         let at = now + Duration::from_secs(i);
         let d = s.pick_at(&with_body(&long), &snap, at).unwrap();
         assert_eq!(d.decode.key(), first.decode.key());
         assert_eq!(d.overlap_blocks, 10);
-        s.finish_at(&d, Some(200), at);
+        attracted.push(d);
     }
     assert!(s.index().is_empty(), "the precise index holds only events");
-    // Its events never came (or said it evicted the prompt): after the TTL of
-    // the last routing, nobody holds it.
-    let later = now + Duration::from_secs(20);
+    // They did not renew it: the TTL runs from the first routing.
+    let later = now + Duration::from_secs(10);
     s.maintain(&snap, later);
-    let d = s.pick_at(&with_body(&long), &snap, later).unwrap();
-    assert_eq!(d.overlap_blocks, 0);
+    let d = s.explain(&with_body(&long), &snap, later).unwrap();
+    assert!(
+        d.candidates.iter().all(|c| c.overlap_blocks == 0),
+        "a guess renewed by the requests it attracted"
+    );
+}
+
+#[test]
+fn a_confirmed_holder_beats_a_guess_at_equal_cost() {
+    let (s, t) = precise_pool(2);
+    let snap = t.snapshot();
+    let now = Instant::now();
+    let long = prompt(&"g".repeat(64 * 10));
+    let hashes = s.block_hashes(&long);
+    let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    s.finish_at(&first, Some(500), now);
+    let guessed_key = first.decode.key();
+    // The other worker's engine reports the whole prompt.
+    let confirmed = other_worker(&snap, guessed_key);
+    let engine: Vec<(u64, u64)> = hashes.iter().map(|&h| (h ^ 0xE, h)).collect();
+    s.index().store_engine_chain(confirmed, None, &engine, now);
+    for _ in 0..40 {
+        let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
+        assert_eq!(d.overlap_blocks, 10);
+        assert_eq!(d.decode.key(), confirmed, "a guess won a tie");
+        s.finish_at(&d, Some(200), now);
+    }
+    let e = s.explain(&with_body(&long), &snap, now).unwrap();
+    let chosen: Vec<WorkerKey> = e
+        .candidates
+        .iter()
+        .filter(|c| c.chosen)
+        .map(|c| c.key)
+        .collect();
+    assert_eq!(
+        chosen,
+        vec![confirmed],
+        "explain prefers the confirmed holder too"
+    );
+}
+
+#[test]
+fn a_guess_its_events_do_not_confirm_is_dropped_after_the_response_began() {
+    let (s, t) = precise_pool(4);
+    let snap = t.snapshot();
+    let now = Instant::now();
+    let bound = s.config().provisional_confirm;
+    let long = prompt(&"u".repeat(64 * 10));
+    let hashes = s.block_hashes(&long);
+    let d = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    let worker = d.decode.key();
+    let overlap = |at| {
+        s.explain(&with_body(&long), &snap, at)
+            .unwrap()
+            .candidates
+            .iter()
+            .find(|c| c.key == worker)
+            .map_or(0, |c| c.overlap_blocks)
+    };
+    // Queued for a while: the guess stands until the response begins.
+    let began = now + Duration::from_secs(5);
+    assert_eq!(overlap(began), 10);
+    s.prefill_done_at(&d, began);
+    assert_eq!(overlap(began + bound - Duration::from_millis(1)), 10);
+    assert_eq!(
+        overlap(began + bound),
+        0,
+        "an unconfirmed guess outlived its bound"
+    );
+    s.finish_at(&d, Some(200), began + bound);
+    // The same prompt again, and this time its engine reports it in time: the
+    // blocks are held for real, the bound takes nothing away.
+    let d = s.pick_at(&with_body(&long), &snap, began + bound).unwrap();
+    let worker = d.decode.key();
+    s.prefill_done_at(&d, began + bound);
+    let engine: Vec<(u64, u64)> = hashes.iter().map(|&h| (h ^ 0xE, h)).collect();
+    s.index()
+        .store_engine_chain(worker, None, &engine, began + bound);
+    s.settle_provisional(worker, &hashes);
+    let e = s
+        .explain(&with_body(&long), &snap, began + 3 * bound)
+        .unwrap();
+    let held = e.candidates.iter().find(|c| c.key == worker).unwrap();
+    assert_eq!(held.overlap_blocks, 10);
+    s.finish_at(&d, Some(200), began + bound);
+
+    // A request that ends without a response (cancelled, reset) starts the bound at its end.
+    let other = prompt(&"v".repeat(64 * 10));
+    let d = s.pick_at(&with_body(&other), &snap, now).unwrap();
+    let ended = now + Duration::from_secs(1);
+    s.finish_at(&d, None, ended);
+    let e = |at| s.explain(&with_body(&other), &snap, at).unwrap();
+    assert!(e(ended).candidates.iter().any(|c| c.overlap_blocks == 10));
+    assert!(e(ended + bound)
+        .candidates
+        .iter()
+        .all(|c| c.overlap_blocks == 0));
 }
 
 #[test]
@@ -914,7 +1018,7 @@ fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
         rank: first.decode.rank,
         key: worker,
     };
-    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(&cand));
+    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(&cand).0);
     assert_eq!(overlap(now), 10);
     // Events about the last four blocks: the first six stay provisional.
     s.settle_provisional(worker, &hashes[6..]);

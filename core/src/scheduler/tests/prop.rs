@@ -264,7 +264,7 @@ proptest! {
                     s.index().insert(key, &hashes[..held.min(hashes.len())], at);
                 }
                 if provisional > 0 {
-                    s.provisional.insert(key, &hashes[..provisional.min(hashes.len())], now);
+                    s.provisional.index.insert(key, &hashes[..provisional.min(hashes.len())], now);
                 }
             }
         }
