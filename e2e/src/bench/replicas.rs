@@ -485,14 +485,8 @@ mod tests {
     #[test]
     fn a_long_propagation_delay_costs_hits() {
         let t = conversations();
-        let hit = |delay| {
-            simulate(
-                &mut Replicated::new(&cfg(), 2, Some(delay)),
-                &t,
-                &cfg(),
-            )
-            .hit_rate
-        };
+        let hit =
+            |delay| simulate(&mut Replicated::new(&cfg(), 2, Some(delay)), &t, &cfg()).hit_rate;
         let (slow, fast) = (hit(Duration::from_secs(10)), hit(Duration::from_millis(1)));
         assert!(slow < fast - 0.05, "{slow} vs {fast}");
     }
