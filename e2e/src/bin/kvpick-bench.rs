@@ -31,6 +31,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per run: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Decision latency and throughput of kvpick's ext_proc server next to a no-op server.
