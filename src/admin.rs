@@ -422,7 +422,10 @@ mod tests {
         assert_eq!(chosen[0].overlap_blocks, d.prompt_blocks as u64);
         for c in &a.candidates {
             let names: Vec<&str> = c.terms.iter().map(|t| t.name.as_str()).collect();
-            assert_eq!(names, ["prefill", "decode_load", "queue", "kv_usage"]);
+            assert_eq!(
+                names,
+                ["prefill", "decode_load", "queue", "kv_usage", "lora"]
+            );
             let terms: f64 = c.terms.iter().map(|t| t.cost).sum();
             assert!((c.cost - terms).abs() < 1e-9);
             assert_eq!(c.role, "decode");

@@ -349,7 +349,12 @@ fn profile_plugins(
     Ok(Plugins {
         filters,
         scorers: scorers.into_iter().map(|(_, s)| s).collect(),
-        picker: picker.unwrap_or_else(|| Arc::new(MaxScore { temperature })),
+        picker: picker.unwrap_or_else(|| {
+            Arc::new(MaxScore {
+                temperature,
+                max_endpoints: None,
+            })
+        }),
     })
 }
 
@@ -604,11 +609,11 @@ mod tests {
 
     #[test]
     fn unused_sections_and_profiles_warn() {
-        let text = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nflowControl: {}\nplugins:\n- type: queue-scorer\n- type: lora-affinity-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n  - pluginRef: lora-affinity-scorer\n- name: batch\n  plugins: []\n";
+        let text = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nflowControl: {}\nplugins:\n- type: queue-scorer\n- type: no-hit-lru-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n  - pluginRef: no-hit-lru-scorer\n- name: batch\n  plugins: []\n";
         let m = map(text, unit(), 0.0).unwrap();
         let all = m.warnings.join("\n");
         assert!(all.contains("\"flowControl\""), "{all}");
-        assert!(all.contains("type lora-affinity-scorer"), "{all}");
+        assert!(all.contains("type no-hit-lru-scorer"), "{all}");
         assert!(all.contains("\"batch\""), "{all}");
     }
 
@@ -670,12 +675,11 @@ mod tests {
             "{all}"
         );
         assert!(!all.contains("maxNumOfEndpoints"), "{all}");
+        // More than one: the decision lists fallbacks (over `--max-endpoints`).
         let m = map(&config("    maxNumOfEndpoints: 2"), unit(), 0.0).unwrap();
-        assert!(
-            m.warnings.join("\n").contains("one endpoint"),
-            "{:?}",
-            m.warnings
-        );
+        assert!(!m.warnings.join("\n").contains("maxNumOfEndpoints"));
+        let picker = m.plugins.expect("a profile with a scorer").picker;
+        assert_eq!(picker.max_endpoints(), Some(2));
     }
 
     #[test]

@@ -16,6 +16,16 @@
 //! trtllm names are also read with a `trtllm:` prefix (as Dynamo re-exports them).
 //! Several samples of one gauge (one per data-parallel engine) are summed for queue
 //! and running and averaged for KV usage.
+//!
+//! LoRA adapters ([`parse_lora`]) come from the gauge `--lora-info-metric` names
+//! (GIE's flag and default, `vllm:lora_requests_info`; empty turns it off), read
+//! on every engine's page as GIE reads it: labels `running_lora_adapters` and
+//! `waiting_lora_adapters` (comma-separated names) and `max_lora` (slots), the
+//! value the time the series was last set. vLLM keeps every label combination
+//! it ever set, so the newest series with an adapter named wins (one with none
+//! is the idle engine, whose adapters stay loaded: GIE skips it too). The base
+//! model is the `model_name` label of the running gauge. SGLang and trtllm-serve
+//! export no such gauge.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -28,12 +38,17 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::MetricType;
 use prometheus_parse::{Sample, Scrape, Value};
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
-use crate::endpoints::{EndpointState, EndpointTable, Engine, ScrapedLoad};
+use crate::endpoints::{EndpointState, EndpointTable, Engine, LoraInfo, ScrapedLoad};
 use crate::error_chain::ErrorChain;
+use crate::telemetry::Metrics;
 
 /// Largest metrics page read, in bytes.
 const MAX_PAGE_BYTES: usize = 8 << 20;
@@ -51,7 +66,12 @@ pub struct ScrapeConfig {
     pub path: String,
     /// Port to scrape instead of each endpoint's own port.
     pub port: Option<u16>,
+    /// The LoRA adapter gauge (`None`: adapters are not read).
+    pub lora_info_metric: Option<String>,
 }
+
+/// GIE's default `--lora-info-metric`: vLLM's adapter gauge.
+pub const DEFAULT_LORA_INFO_METRIC: &str = "vllm:lora_requests_info";
 
 impl Default for ScrapeConfig {
     fn default() -> Self {
@@ -61,6 +81,7 @@ impl Default for ScrapeConfig {
             concurrency: 64,
             path: "/metrics".to_string(),
             port: None,
+            lora_info_metric: Some(DEFAULT_LORA_INFO_METRIC.to_string()),
         }
     }
 }
@@ -326,6 +347,90 @@ pub fn parse_load(engine: Engine, text: &str, at: Instant) -> Result<ScrapedLoad
     })
 }
 
+/// The LoRA adapter state on a metrics page of `engine`, from the gauge named
+/// `metric` (see the module doc); `None` when the page has none.
+pub fn parse_lora(engine: Engine, text: &str, metric: &str) -> Option<LoraInfo> {
+    if metric.is_empty() || !text.contains(metric) {
+        return None;
+    }
+    let running = names(engine).running;
+    let mut base = None;
+    // (time set, running, waiting, max_lora) of the newest series naming an
+    // adapter, and of the newest series at all.
+    let mut newest_named: Option<(f64, LabelSet)> = None;
+    let mut newest: Option<(f64, LabelSet)> = None;
+    for line in text.lines() {
+        let name = sample_name(line);
+        if base.is_none() && running.contains(&name) {
+            base = labeled_sample(line).and_then(|(mut l, _)| l.remove("model_name"));
+        }
+        if name != metric {
+            continue;
+        }
+        let Some((labels, at)) = labeled_sample(line) else {
+            continue;
+        };
+        let named = ["running_lora_adapters", "waiting_lora_adapters"]
+            .iter()
+            .any(|k| labels.get(*k).is_some_and(|v| !v.is_empty()));
+        for (slot, wanted) in [(&mut newest_named, named), (&mut newest, true)] {
+            if wanted && slot.as_ref().is_none_or(|(t, _)| at > *t) {
+                *slot = Some((at, labels.clone()));
+            }
+        }
+    }
+    let (_, labels) = newest_named.or(newest)?;
+    let get = |k: &str| labels.get(k).map(String::as_str).unwrap_or_default();
+    let max_lora = get("max_lora").trim().parse::<u32>().unwrap_or(0);
+    let adapters = get("running_lora_adapters")
+        .split(',')
+        .chain(get("waiting_lora_adapters").split(','))
+        .map(str::trim);
+    Some(LoraInfo::new(adapters, max_lora, base.as_deref()))
+}
+
+/// A sample line's labels.
+type LabelSet = HashMap<String, String>;
+
+/// The labels and finite value of one sample line `name{k="v",...} value`,
+/// label values unescaped (`\\`, `\"`, `\n`); `None` when it does not parse.
+/// (`prometheus-parse` splits label values at commas, which adapter lists hold.)
+fn labeled_sample(line: &str) -> Option<(LabelSet, f64)> {
+    let line = line.trim();
+    let open = line.find('{')?;
+    let mut rest = &line[open + 1..];
+    let mut labels = LabelSet::new();
+    loop {
+        rest = rest.trim_start_matches([' ', ',']);
+        if let Some(after) = rest.strip_prefix('}') {
+            rest = after;
+            break;
+        }
+        let eq = rest.find('=')?;
+        let key = rest[..eq].trim().to_string();
+        let mut chars = rest[eq + 1..]
+            .trim_start()
+            .strip_prefix('"')?
+            .char_indices();
+        let mut value = String::new();
+        let end = loop {
+            match chars.next()? {
+                (i, '"') => break i,
+                (_, '\\') => value.push(match chars.next()?.1 {
+                    'n' => '\n',
+                    c => c,
+                }),
+                (_, c) => value.push(c),
+            }
+        };
+        let quoted = rest[eq + 1..].trim_start();
+        rest = &quoted[1 + end + 1..];
+        labels.insert(key, value);
+    }
+    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
+    value.is_finite().then_some((labels, value))
+}
+
 /// HTTP client used for scraping.
 pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
@@ -367,17 +472,22 @@ pub async fn fetch(
         .map_err(|_| ScrapeError::Timeout)?
 }
 
-/// Scrapes one endpoint once and returns its load.
+/// Scrapes one endpoint once and returns its load and LoRA adapter state.
 pub async fn scrape_one(
     client: &HttpClient,
     state: &EndpointState,
     config: &ScrapeConfig,
-) -> Result<ScrapedLoad, ScrapeError> {
+) -> Result<(ScrapedLoad, Option<LoraInfo>), ScrapeError> {
     let ep = &state.endpoint;
     let addr = SocketAddr::new(ep.address.ip(), config.port.unwrap_or(ep.address.port()));
     let page = fetch(client, addr, &config.path, config.timeout).await?;
     let text = std::str::from_utf8(&page).map_err(|e| ScrapeError::Parse(e.to_string()))?;
-    parse_load(ep.engine, text, Instant::now())
+    let load = parse_load(ep.engine, text, Instant::now())?;
+    let lora = config
+        .lora_info_metric
+        .as_deref()
+        .and_then(|m| parse_lora(ep.engine, text, m));
+    Ok((load, lora))
 }
 
 /// Per-endpoint bookkeeping: whether a scrape is in flight, and whether the last failed.
@@ -439,7 +549,8 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>, errors: Arc<Sc
                 let track = t.entry(addr).or_default();
                 track.busy = false;
                 match result {
-                    Ok(load) => {
+                    Ok((load, lora)) => {
+                        state.set_lora(lora);
                         state.set_scraped(load);
                         if track.failing {
                             info!(endpoint = %addr, "metrics scrape recovered");
@@ -460,6 +571,77 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>, errors: Arc<Sc
                 drop(permit);
             });
         }
+    }
+}
+
+/// Renders [`ScrapeErrors`]: kvpick's counter by reason, and llm-d's
+/// data-layer poll/extract counters (a failed fetch is a poll error; a page kvpick cannot
+/// read is an extract error).
+#[derive(Debug)]
+pub struct ScrapeMetrics {
+    errors: Arc<ScrapeErrors>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SourceLabels {
+    source_type: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ExtractorLabels {
+    source_type: &'static str,
+    extractor_type: &'static str,
+}
+
+impl Collector for ScrapeMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let count = |f| self.errors.count(f);
+        let mut family = encoder.encode_descriptor(
+            "kvpick_scrape_errors",
+            "Failed endpoint metrics scrapes, by reason (connect, status, timeout, parse, missing_metric)",
+            None,
+            MetricType::Counter,
+        )?;
+        for f in ScrapeFailure::ALL {
+            ConstCounter::new(count(f))
+                .encode(family.encode_family(&ReasonLabels { reason: f.as_str() })?)?;
+        }
+        let polls = count(ScrapeFailure::Connect)
+            + count(ScrapeFailure::Status)
+            + count(ScrapeFailure::Timeout);
+        let mut family = encoder.encode_descriptor(
+            "llm_d_epp_datalayer_poll_errors",
+            "Data-source poll errors per source type.",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(polls).encode(family.encode_family(&SourceLabels {
+            source_type: "metrics",
+        })?)?;
+        let extracts = count(ScrapeFailure::Parse) + count(ScrapeFailure::MissingMetric);
+        let mut family = encoder.encode_descriptor(
+            "llm_d_epp_datalayer_extract_errors",
+            "Extract errors per source/extractor type.",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(extracts).encode(family.encode_family(&ExtractorLabels {
+            source_type: "metrics",
+            extractor_type: "metrics",
+        })?)?;
+        Ok(())
+    }
+}
+
+impl ScrapeMetrics {
+    /// Registers the scrape failure counts into kvpick's registry, read at scrape time.
+    pub fn register(metrics: &Metrics, errors: Arc<ScrapeErrors>) {
+        metrics.register(|r| r.register_collector(Box::new(ScrapeMetrics { errors })));
     }
 }
 
@@ -487,6 +669,41 @@ mod tests {
         assert_eq!(load.kv_usage, 0.4375);
         assert_eq!(load.block_size, Some(16));
         assert_eq!(load.num_blocks, Some(27648));
+    }
+
+    #[test]
+    fn parses_vllm_lora_gauge_newest_named_series() {
+        use crate::endpoints::{adapter_id, LoraFit};
+        let info = parse_lora(Engine::Vllm, VLLM, DEFAULT_LORA_INFO_METRIC).unwrap();
+        // The newest series naming adapters; the newer idle one is skipped.
+        assert_eq!((info.resident_count(), info.max_lora()), (2, 4));
+        assert_eq!(info.fit(adapter_id("sql-lora")), LoraFit::Resident);
+        assert_eq!(info.fit(adapter_id("chat-lora")), LoraFit::Resident);
+        assert_eq!(info.fit(adapter_id("other")), LoraFit::FreeSlot);
+        let base = adapter_id("meta-llama/Llama-3.1-8B-Instruct");
+        assert_eq!(info.fit(base), LoraFit::Neutral);
+        // Another metric name (GIE's flag), or none: not read.
+        assert_eq!(parse_lora(Engine::Vllm, VLLM, "my:lora_info"), None);
+        assert_eq!(parse_lora(Engine::Vllm, VLLM, ""), None);
+        assert_eq!(
+            parse_lora(Engine::Sglang, SGLANG, DEFAULT_LORA_INFO_METRIC),
+            None
+        );
+        // Escapes in label values; a malformed line is skipped.
+        let page = "vllm:lora_requests_info{max_lora=\"3\",running_lora_adapters=\"a\\\"b,c\"} 2\n\
+            vllm:lora_requests_info{max_lora=\"3\",running_lora_adapters=\"d} 9\n";
+        let odd = parse_lora(Engine::Vllm, page, DEFAULT_LORA_INFO_METRIC).unwrap();
+        assert_eq!(odd.fit(adapter_id("a\"b")), LoraFit::Resident);
+        assert_eq!(odd.fit(adapter_id("c")), LoraFit::Resident);
+        assert_eq!(odd.fit(adapter_id("d")), LoraFit::FreeSlot);
+        // Only idle series: no adapter resident, every slot free; a full worker.
+        let idle = "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 5\n";
+        let idle = parse_lora(Engine::Vllm, idle, DEFAULT_LORA_INFO_METRIC).unwrap();
+        assert_eq!((idle.resident_count(), idle.max_lora()), (0, 2));
+        let full = "my:lora_info{max_lora=\"2\",waiting_lora_adapters=\"c\",running_lora_adapters=\"a,b\"} 5\n";
+        let full = parse_lora(Engine::Sglang, full, "my:lora_info").unwrap();
+        assert_eq!(full.fit(adapter_id("c")), LoraFit::Resident);
+        assert_eq!(full.fit(adapter_id("d")), LoraFit::Full);
     }
 
     #[test]
@@ -589,6 +806,10 @@ mod tests {
         }
         assert!(ok, "live workers were not scraped while another hangs");
         assert_eq!(fresh(vllm).unwrap().running, 7.0);
+        let lora = by_addr(vllm)
+            .lora()
+            .expect("the fixture's adapters were not stored");
+        assert_eq!((lora.resident_count(), lora.max_lora()), (2, 4));
         assert_eq!(fresh(sglang).unwrap().kv_usage, 0.62);
         assert!(fresh(hung).is_none());
         // Rounds keep coming for the live workers although the hung scrape is pending.

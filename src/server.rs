@@ -127,7 +127,7 @@ impl App {
     pub fn with_scheduler(pool: &str, scheduler: SchedulerConfig) -> Self {
         let scheduler = Arc::new(Scheduler::new(scheduler));
         let metrics = Arc::new(Metrics::new(pool));
-        metrics.register_scheduler(Arc::clone(&scheduler));
+        crate::scheduler_metrics::SchedulerMetrics::register(&metrics, Arc::clone(&scheduler));
         let admission_metrics = AdmissionMetrics::register(&metrics, pool);
         let off = AdmissionConfig {
             enabled: false,
@@ -136,7 +136,7 @@ impl App {
         let admission = Gate::new(off, Arc::default(), admission_metrics.clone());
         admission_metrics.watch(&admission);
         let scrape_errors = Arc::<crate::scrape::ScrapeErrors>::default();
-        metrics.register_scrape_errors(Arc::clone(&scrape_errors));
+        crate::scrape::ScrapeMetrics::register(&metrics, Arc::clone(&scrape_errors));
         App {
             endpoints: Arc::new(EndpointTable::new()),
             scheduler,
@@ -350,7 +350,7 @@ const MAINTENANCE_INTERVAL: Duration = Duration::from_secs(10);
 /// The session token key: from `--session-key-file`, else `--session-key`, else
 /// random (with a warning: replicas will not honour each other's tokens).
 fn session_key(args: &Args) -> Result<Vec<u8>, ServeError> {
-    if let Some(path) = &args.session_key_file {
+    if let Some(path) = &args.sessions.session_key_file {
         let bytes = std::fs::read(path).map_err(|source| ServeError::SessionKey {
             path: path.clone(),
             source,
@@ -361,7 +361,7 @@ fn session_key(args: &Args) -> Result<Vec<u8>, ServeError> {
         }
         tracing::warn!(path = %path.display(), "session key file is empty");
     }
-    if let Some(key) = args.session_key.as_ref().filter(|k| !k.is_empty()) {
+    if let Some(key) = args.sessions.session_key.as_ref().filter(|k| !k.is_empty()) {
         return Ok(key.as_bytes().to_vec());
     }
     tracing::warn!(
@@ -389,31 +389,34 @@ impl EndpointSource {
     /// The source `args` select: an endpoints file, a pool or a selector (the
     /// flags allow one; see [`Args`]).
     pub fn from_args(args: &Args) -> Result<EndpointSource, ServeError> {
-        if let Some(path) = &args.endpoints_file {
+        if let Some(path) = &args.discovery.endpoints_file {
             return Ok(EndpointSource::File(path.clone()));
         }
-        let source = match (&args.pool_name, &args.endpoint_selector) {
+        let source = match (&args.discovery.pool_name, &args.discovery.endpoint_selector) {
             (Some(name), _) if !name.trim().is_empty() => discovery::kube::Source::Pool {
                 name: name.trim().to_string(),
-                group: discovery::kube::PoolGroup::parse(&args.pool_group)?,
+                group: discovery::kube::PoolGroup::parse(&args.discovery.pool_group)?,
             },
             (_, Some(selector)) if !selector.trim().is_empty() => {
                 discovery::kube::Source::selector(
                     selector,
-                    args.endpoint_target_ports.as_deref().unwrap_or_default(),
+                    args.discovery
+                        .endpoint_target_ports
+                        .as_deref()
+                        .unwrap_or_default(),
                 )?
             }
             _ => return Err(ServeError::NoSource),
         };
         Ok(EndpointSource::Kube {
-            namespace: args.namespace(),
+            namespace: args.discovery.namespace(),
             source,
         })
     }
 }
 
 async fn kube_client(args: &Args) -> Result<kube::Client, ServeError> {
-    let config = match &args.kubeconfig {
+    let config = match &args.discovery.kubeconfig {
         Some(path) => {
             let kubeconfig = kube::config::Kubeconfig::read_from(path)?;
             kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?
@@ -425,7 +428,10 @@ async fn kube_client(args: &Args) -> Result<kube::Client, ServeError> {
 
 /// The multimodal routing mode the flags allow.
 fn mm_routing(args: &Args) -> MmRouting {
-    MmRouting::for_config(args.tokenizer_dir.is_some(), args.mm_model_family.is_some())
+    MmRouting::for_config(
+        args.multimodal.tokenizer_dir.is_some(),
+        args.multimodal.mm_model_family.is_some(),
+    )
 }
 
 /// Says at start-up how images will be routed, and why not better.
@@ -436,7 +442,7 @@ fn remote_images(
     args: &Args,
     exact: bool,
 ) -> Result<Option<Arc<crate::multimodal::remote::RemoteImages>>, ServeError> {
-    let Some((policy, limits)) = args.image_fetch() else {
+    let Some((policy, limits)) = args.image_fetch.config() else {
         return Ok(None);
     };
     if !exact {
@@ -466,7 +472,7 @@ fn remote_images(
 
 fn log_mm_routing(args: &Args, image_token: Option<u32>) {
     let mode = mm_routing(args);
-    let family = args.mm_model_family.map(|f| f.as_str());
+    let family = args.multimodal.mm_model_family.map(|f| f.as_str());
     match mode {
         MmRouting::Exact => info!(
             mode = mode.as_str(),
@@ -514,10 +520,13 @@ pub async fn run_until(
     let source = EndpointSource::from_args(&args)?;
     let pool = pool_label(&args);
     let mut app = App::with_scheduler(&pool, args.scheduler(session_key(&args)?));
-    let replica_sync = args.replica_sync(&pool)?.map(|c| app.spawn_replica_sync(c));
-    let vision = args.vision_prompt();
+    let replica_sync = args
+        .replica_sync
+        .config(&pool)?
+        .map(|c| app.spawn_replica_sync(c));
+    let vision = args.multimodal.vision_prompt();
     let mut image_token = None;
-    if let Some(dir) = &args.tokenizer_dir {
+    if let Some(dir) = &args.multimodal.tokenizer_dir {
         let mut tokenizer = Tokenizer::load(dir)?;
         if let Some(v) = vision.clone() {
             tokenizer = tokenizer.with_vision(v)?;
@@ -526,19 +535,25 @@ pub async fn run_until(
         info!(dir = %dir.display(), ?tokenizer, "tokenizing requests in-process");
         tokenizer = tokenizer.with_mm_stats(Arc::clone(&app.mm_stats));
         let exact = tokenizer.has_vision();
-        let mut pool = TokenizerPool::new(tokenizer, args.tokenizer_threads);
+        let mut pool = TokenizerPool::new(tokenizer, args.multimodal.tokenizer_threads);
         if let Some(remote) = remote_images(&args, exact)? {
-            app.metrics.register_image_fetch(Arc::clone(remote.stats()));
+            crate::multimodal_metrics::ImageFetchMetrics::register(
+                &app.metrics,
+                Arc::clone(remote.stats()),
+            );
             pool = pool.with_remote_images(remote);
         }
         app.tokenizer = Some(pool);
     } else {
         remote_images(&args, false)?;
     }
-    app.metrics
-        .register_multimodal(Arc::clone(&app.mm_stats), mm_routing(&args));
+    crate::multimodal_metrics::MultimodalMetrics::register(
+        &app.metrics,
+        Arc::clone(&app.mm_stats),
+        mm_routing(&args),
+    );
     let static_objectives =
-        crate::admission::priority::parse_objectives(&args.inference_objectives)?;
+        crate::admission::priority::parse_objectives(&args.flow_control.inference_objectives)?;
     let objectives = Arc::new(Objectives::new(static_objectives.clone()));
     app.set_admission(args.admission(), Arc::clone(&objectives));
     let _admission = AbortOnDrop(app.spawn_admission());
@@ -546,7 +561,7 @@ pub async fn run_until(
     let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
     // Dropped on an early return (its ingest thread then ends on its own);
     // shut down and joined after a drain.
-    let kv_events = args.kv_events().map(|mut c| {
+    let kv_events = args.kv_events.subscriber().map(|mut c| {
         c.image_token = image_token;
         app.spawn_kv_events(c, KV_EVENTS_FOLLOW_INTERVAL)
     });
@@ -560,7 +575,7 @@ pub async fn run_until(
         EndpointSource::Kube { namespace, source } => {
             let client = kube_client(&args).await?;
             if let (true, discovery::kube::Source::Pool { name, group }) =
-                (args.watch_inference_objectives, &source)
+                (args.flow_control.watch_inference_objectives, &source)
             {
                 let pool = discovery::objective::PoolRef {
                     name: name.clone(),
@@ -584,44 +599,56 @@ pub async fn run_until(
         }
     };
     let scrape = crate::scrape::run(
-        args.scrape(),
+        args.scrape_config(),
         Arc::clone(&app.endpoints),
         Arc::clone(&app.scrape_errors),
     );
     let tls = crate::tls::ext_proc(
-        args.secure_serving,
-        args.cert_path.as_deref(),
-        args.client_ca_path.as_deref(),
+        args.tls.secure_serving,
+        args.tls.cert_path.as_deref(),
+        args.tls.client_ca_path.as_deref(),
     )?
     .map(|tls| {
-        let tls = tls.handshake_timeout(args.tls_handshake_timeout());
-        match args.cert_reload_interval() {
+        let tls = tls.handshake_timeout(args.tls.tls_handshake_timeout_ms);
+        match args.tls.cert_reload_interval() {
             Some(every) => tls.reload_every(every),
             None => tls,
         }
     });
     if let Some(tls) = &tls {
-        app.metrics.register_tls_reloads(tls.stats());
-        if args.enable_cert_reload && !tls.reloads() {
+        crate::tls::TlsMetrics::register(&app.metrics, tls.stats());
+        if args.tls.enable_cert_reload && !tls.reloads() {
             warn!("--enable-cert-reload with neither --cert-path nor --client-ca-path: a self-signed certificate is never reloaded");
         }
     }
-    let grpc = bind(SocketAddr::new(args.bind_address, args.grpc_port)).await?;
-    let health = bind(SocketAddr::new(args.bind_address, args.grpc_health_port)).await?;
-    let metrics = bind(SocketAddr::new(args.bind_address, args.metrics_port)).await?;
+    let grpc = bind(SocketAddr::new(
+        args.server.bind_address,
+        args.server.grpc_port,
+    ))
+    .await?;
+    let health = bind(SocketAddr::new(
+        args.server.bind_address,
+        args.server.grpc_health_port,
+    ))
+    .await?;
+    let metrics = bind(SocketAddr::new(
+        args.server.bind_address,
+        args.telemetry.metrics_port,
+    ))
+    .await?;
     info!(
-        grpc = args.grpc_port,
-        health = args.grpc_health_port,
-        metrics = args.metrics_port,
-        tls = args.secure_serving,
-        mtls = args.client_ca_path.is_some(),
-        cert_reload = args.enable_cert_reload,
+        grpc = args.server.grpc_port,
+        health = args.server.grpc_health_port,
+        metrics = args.telemetry.metrics_port,
+        tls = args.tls.secure_serving,
+        mtls = args.tls.client_ca_path.is_some(),
+        cert_reload = args.tls.enable_cert_reload,
         "kvpick listening"
     );
-    let admin = match args.admin_port {
+    let admin = match args.telemetry.admin_port {
         0 => None,
         port => {
-            let addr = SocketAddr::new(args.admin_address, port);
+            let addr = SocketAddr::new(args.telemetry.admin_address, port);
             info!(%addr, "admin gRPC (Explain) listening");
             Some(bind(addr).await?)
         }
@@ -660,7 +687,7 @@ pub async fn run_until(
         r = &mut others => return r,
         () = shutdown => {}
     }
-    let deadline = args.drain_timeout();
+    let deadline = args.server.drain_timeout_ms;
     let open = app.metrics.streams.get();
     info!(
         open_streams = open,
@@ -724,12 +751,13 @@ impl Drop for AbortOnDrop {
 }
 
 fn pool_label(args: &Args) -> String {
-    if let Some(path) = &args.endpoints_file {
+    if let Some(path) = &args.discovery.endpoints_file {
         return path.display().to_string();
     }
-    args.pool_name
+    args.discovery
+        .pool_name
         .clone()
-        .or_else(|| args.endpoint_selector.clone())
+        .or_else(|| args.discovery.endpoint_selector.clone())
         .unwrap_or_default()
 }
 

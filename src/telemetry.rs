@@ -3,182 +3,30 @@
 //! Metric names follow the GIE EPP where one exists
 //! (`inference_extension_scheduler_e2e_duration_seconds`, `inference_pool_ready_pods`);
 //! kvpick's own carry the `kvpick_` prefix.
+//!
+//! [`Metrics`] owns the registry, serves it, and holds the request, decision
+//! and GIE-named pool and endpoint families. Other subsystems register their
+//! own families into it at start-up through [`Metrics::register`]
+//! (`scheduler_metrics`, `multimodal_metrics`, `admission_metrics`,
+//! `scrape::ScrapeMetrics`, `tls::TlsMetrics`).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
 
-use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{
-    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder,
-    NoLabelSet,
-};
-use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
 use crate::endpoints::EndpointTable;
-use crate::scheduler::{Scheduler, Stage};
-
-/// Renders [`crate::scheduler::SchedulerStats`] and friends on each scrape.
-#[derive(Debug)]
-struct SchedulerCollector {
-    scheduler: Arc<Scheduler>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct StageLabels {
-    stage: &'static str,
-}
-
-impl Collector for SchedulerCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let s = self.scheduler.stats();
-        let counters = [
-            (
-                "kvpick_prefix_blocks_queried",
-                "Prompt prefix blocks looked up in the prefix index",
-                s.blocks_queried.load(Ordering::Relaxed),
-            ),
-            (
-                "kvpick_prefix_blocks_matched",
-                "Prompt prefix blocks the chosen worker rank already held (hit ratio = matched / queried)",
-                s.blocks_matched.load(Ordering::Relaxed),
-            ),
-            (
-                "kvpick_session_repicks",
-                "Session requests re-picked because their bound worker was gone",
-                s.session_repicks.load(Ordering::Relaxed),
-            ),
-            (
-                "kvpick_session_rehomes",
-                "Session turns whose worker was gone, forwarded to a new worker as an `open`",
-                s.session_rehomes.load(Ordering::Relaxed),
-            ),
-            (
-                "kvpick_session_evictions",
-                "Sessions evicted (least recently used) because the session table was full",
-                self.scheduler.sessions().evictions(),
-            ),
-            (
-                "kvpick_prefix_precise_dropped_blocks",
-                "KV-event stored blocks dropped because the worker rank was at its precise-entry cap",
-                self.scheduler.index().precise_dropped(),
-            ),
-        ];
-        for (name, help, v) in counters {
-            let c = ConstCounter::new(v);
-            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
-        }
-        let gauges = [
-            (
-                "kvpick_prefix_index_entries",
-                "Indexed (prefix block, worker rank) entries",
-                self.scheduler.index().len() as i64,
-            ),
-            (
-                "kvpick_session_bindings",
-                "Sessions bound to a worker rank",
-                self.scheduler.sessions().len() as i64,
-            ),
-        ];
-        for (name, help, v) in gauges {
-            let g = ConstGauge::new(v);
-            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
-        }
-        let mut family = encoder.encode_descriptor(
-            "kvpick_scheduler_stage_duration_seconds",
-            "Time spent in each stage of a routing decision",
-            None,
-            MetricType::Histogram,
-        )?;
-        for stage in Stage::ALL {
-            let h = s.stage(stage).snapshot();
-            family
-                .encode_family(&StageLabels {
-                    stage: stage.name(),
-                })?
-                .encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None)?;
-        }
-        Ok(())
-    }
-}
-
-/// Renders [`crate::scrape::ScrapeErrors`]: kvpick's counter by reason, and llm-d's
-/// data-layer poll/extract counters (a failed fetch is a poll error; a page kvpick cannot
-/// read is an extract error).
-#[derive(Debug)]
-struct ScrapeErrorsCollector {
-    errors: Arc<crate::scrape::ScrapeErrors>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct ReasonLabels {
-    reason: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct SourceLabels {
-    source_type: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct ExtractorLabels {
-    source_type: &'static str,
-    extractor_type: &'static str,
-}
-
-impl Collector for ScrapeErrorsCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        use crate::scrape::ScrapeFailure;
-        let count = |f| self.errors.count(f);
-        let mut family = encoder.encode_descriptor(
-            "kvpick_scrape_errors",
-            "Failed endpoint metrics scrapes, by reason (connect, status, timeout, parse, missing_metric)",
-            None,
-            MetricType::Counter,
-        )?;
-        for f in ScrapeFailure::ALL {
-            ConstCounter::new(count(f))
-                .encode(family.encode_family(&ReasonLabels { reason: f.as_str() })?)?;
-        }
-        let polls = count(ScrapeFailure::Connect)
-            + count(ScrapeFailure::Status)
-            + count(ScrapeFailure::Timeout);
-        let mut family = encoder.encode_descriptor(
-            "llm_d_epp_datalayer_poll_errors",
-            "Data-source poll errors per source type.",
-            None,
-            MetricType::Counter,
-        )?;
-        ConstCounter::new(polls).encode(family.encode_family(&SourceLabels {
-            source_type: "metrics",
-        })?)?;
-        let extracts = count(ScrapeFailure::Parse) + count(ScrapeFailure::MissingMetric);
-        let mut family = encoder.encode_descriptor(
-            "llm_d_epp_datalayer_extract_errors",
-            "Extract errors per source/extractor type.",
-            None,
-            MetricType::Counter,
-        )?;
-        ConstCounter::new(extracts).encode(family.encode_family(&ExtractorLabels {
-            source_type: "metrics",
-            extractor_type: "metrics",
-        })?)?;
-        Ok(())
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct BuildLabels {
@@ -191,129 +39,6 @@ fn build_labels() -> BuildLabels {
     BuildLabels {
         commit: option_env!("KVPICK_GIT_COMMIT").unwrap_or("unknown"),
         build_ref: env!("CARGO_PKG_VERSION"),
-    }
-}
-
-/// Renders [`crate::multimodal::remote::FetchStats`].
-#[derive(Debug)]
-struct ImageFetchCollector {
-    stats: Arc<crate::multimodal::remote::FetchStats>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct FetchOutcomeLabels {
-    outcome: &'static str,
-}
-
-impl Collector for ImageFetchCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        use crate::multimodal::remote::FetchOutcome;
-        let mut family = encoder.encode_descriptor(
-            "kvpick_mm_fetch",
-            "Remote images resolved by --mm-fetch, by outcome: ok (fetched, identified by content), cached, or why the image kept its URL identity (timeout, too_large, status, refused, not_image, error, limit)",
-            None,
-            MetricType::Counter,
-        )?;
-        for o in FetchOutcome::ALL {
-            ConstCounter::new(self.stats.count(o)).encode(family.encode_family(
-                &FetchOutcomeLabels {
-                    outcome: o.as_str(),
-                },
-            )?)?;
-        }
-        Ok(())
-    }
-}
-
-/// Renders [`crate::tls::ReloadStats`].
-#[derive(Debug)]
-struct TlsReloadCollector {
-    stats: Arc<crate::tls::ReloadStats>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct ReloadResultLabels {
-    result: &'static str,
-}
-
-impl Collector for TlsReloadCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let mut family = encoder.encode_descriptor(
-            "kvpick_tls_reloads",
-            "Changed ext_proc certificate files (--enable-cert-reload), by result: reloaded (new handshakes use them) or rejected (invalid or half-written; the current certificate was kept)",
-            None,
-            MetricType::Counter,
-        )?;
-        for (result, n) in [
-            ("reloaded", self.stats.reloaded()),
-            ("rejected", self.stats.rejected()),
-        ] {
-            ConstCounter::new(n).encode(family.encode_family(&ReloadResultLabels { result })?)?;
-        }
-        Ok(())
-    }
-}
-
-/// Renders [`crate::multimodal::MmStats`] and the configured multimodal routing mode.
-#[derive(Debug)]
-struct MultimodalCollector {
-    stats: Arc<crate::multimodal::MmStats>,
-    mode: crate::multimodal::MmRouting,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct MmModeLabels {
-    mode: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct MmIdentityLabels {
-    identity: &'static str,
-}
-
-impl Collector for MultimodalCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        use crate::multimodal::identity::IdentitySource;
-        use crate::multimodal::MmRouting;
-        let modes = [
-            MmRouting::Exact,
-            MmRouting::Approximate,
-            MmRouting::TextOnly,
-        ];
-        let mut family = encoder.encode_descriptor(
-            "kvpick_mm_routing_mode",
-            "1 for the multimodal routing mode kvpick's configuration allows: exact (tokenizer and vision model: image blocks equal the engines'), approximate (no tokenizer: images are kvpick-only blocks), text_only (tokenizer without a vision model: nothing after the first image matches)",
-            None,
-            MetricType::Gauge,
-        )?;
-        for m in modes {
-            ConstGauge::new(i64::from(m == self.mode))
-                .encode(family.encode_family(&MmModeLabels { mode: m.as_str() })?)?;
-        }
-        let mut family = encoder.encode_descriptor(
-            "kvpick_mm_requests",
-            "Requests with images, by how their images were routed: exact (every image token-exact), approximate (no tokenizer, or an image of unknown size, e.g. a remote URL not fetched), text_only (no vision model)",
-            None,
-            MetricType::Counter,
-        )?;
-        for m in modes {
-            ConstCounter::new(self.stats.requests(m))
-                .encode(family.encode_family(&MmModeLabels { mode: m.as_str() })?)?;
-        }
-        let mut family = encoder.encode_descriptor(
-            "kvpick_mm_images",
-            "Image identities computed: content (decoded data: URL or fetched bytes, exact) or url (the URL string)",
-            None,
-            MetricType::Counter,
-        )?;
-        for src in [IdentitySource::Content, IdentitySource::Url] {
-            ConstCounter::new(self.stats.images(src)).encode(family.encode_family(
-                &MmIdentityLabels {
-                    identity: src.as_str(),
-                },
-            )?)?;
-        }
-        Ok(())
     }
 }
 
@@ -537,36 +262,6 @@ impl Metrics {
             stream_panics,
             endpoint_ejections,
         }
-    }
-
-    /// Exposes the scheduler's counters (prefix hit ratio, index size, sessions,
-    /// re-picks, per-stage latency), read at render time.
-    pub fn register_scheduler(&self, scheduler: Arc<Scheduler>) {
-        self.register(|r| r.register_collector(Box::new(SchedulerCollector { scheduler })));
-    }
-
-    /// Exposes the metrics scrapers' failure counts.
-    pub fn register_scrape_errors(&self, errors: Arc<crate::scrape::ScrapeErrors>) {
-        self.register(|r| r.register_collector(Box::new(ScrapeErrorsCollector { errors })));
-    }
-
-    /// Exposes the multimodal counters and the configured multimodal routing mode.
-    pub fn register_multimodal(
-        &self,
-        stats: Arc<crate::multimodal::MmStats>,
-        mode: crate::multimodal::MmRouting,
-    ) {
-        self.register(|r| r.register_collector(Box::new(MultimodalCollector { stats, mode })));
-    }
-
-    /// Exposes the remote image fetch counts (`kvpick_mm_fetch_total{outcome}`).
-    pub fn register_image_fetch(&self, stats: Arc<crate::multimodal::remote::FetchStats>) {
-        self.register(|r| r.register_collector(Box::new(ImageFetchCollector { stats })));
-    }
-
-    /// Exposes the ext_proc certificate reload counts (`kvpick_tls_reloads_total{result}`).
-    pub fn register_tls_reloads(&self, stats: Arc<crate::tls::ReloadStats>) {
-        self.register(|r| r.register_collector(Box::new(TlsReloadCollector { stats })));
     }
 
     /// Sets how old scraped load may be to count in the pool gauges (default 2 s).
@@ -823,13 +518,13 @@ pub fn init_logging(format: LogFormat, default_level: &str) {
 mod tests {
     use super::*;
     use crate::endpoints::{Endpoint, ScrapedLoad};
-    use crate::scheduler::{PickRequest, SchedulerConfig};
+    use crate::scheduler::{PickRequest, Scheduler, SchedulerConfig};
 
     #[test]
     fn renders_scheduler_metrics() {
         let metrics = Metrics::new("pool");
         let scheduler = Arc::new(Scheduler::new(SchedulerConfig::default()));
-        metrics.register_scheduler(Arc::clone(&scheduler));
+        crate::scheduler_metrics::SchedulerMetrics::register(&metrics, Arc::clone(&scheduler));
         let table = EndpointTable::new();
         table.replace(vec![crate::endpoints::Endpoint::new(
             "10.0.0.1:80".parse().unwrap(),

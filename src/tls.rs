@@ -19,6 +19,10 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use futures::Stream;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::MetricType;
 use sha2::{Digest, Sha256};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -31,6 +35,7 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{debug, info, warn};
 
 use crate::error_chain::ErrorChain;
+use crate::telemetry::Metrics;
 
 /// Why TLS could not be set up, or why changed files were not taken.
 #[derive(Debug, thiserror::Error)]
@@ -458,6 +463,42 @@ fn server_config(
         })?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
+}
+
+/// Renders [`ReloadStats`] (`kvpick_tls_reloads_total{result}`).
+#[derive(Debug)]
+pub struct TlsMetrics {
+    stats: Arc<ReloadStats>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReloadResultLabels {
+    result: &'static str,
+}
+
+impl Collector for TlsMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut family = encoder.encode_descriptor(
+            "kvpick_tls_reloads",
+            "Changed ext_proc certificate files (--enable-cert-reload), by result: reloaded (new handshakes use them) or rejected (invalid or half-written; the current certificate was kept)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (result, n) in [
+            ("reloaded", self.stats.reloaded()),
+            ("rejected", self.stats.rejected()),
+        ] {
+            ConstCounter::new(n).encode(family.encode_family(&ReloadResultLabels { result })?)?;
+        }
+        Ok(())
+    }
+}
+
+impl TlsMetrics {
+    /// Registers the certificate reload counts into kvpick's registry, read at scrape time.
+    pub fn register(metrics: &Metrics, stats: Arc<ReloadStats>) {
+        metrics.register(|r| r.register_collector(Box::new(TlsMetrics { stats })));
+    }
 }
 
 #[cfg(test)]

@@ -140,6 +140,8 @@ fn run_metrics(input: &[u8]) -> String {
     let mut out = String::new();
     for engine in [Engine::Vllm, Engine::Sglang, Engine::Trtllm] {
         let r = kvpick::scrape::parse_load(engine, &text, Instant::now());
+        // Never panics on a worker's page, whatever its adapter labels hold.
+        let _ = kvpick::scrape::parse_lora(engine, &text, kvpick::scrape::DEFAULT_LORA_INFO_METRIC);
         out += &shape(&r, |l| format!("{}", l.block_size.is_some()));
     }
     out

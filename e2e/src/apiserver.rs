@@ -96,8 +96,8 @@ pub enum ApiError {
     #[error("object has no metadata.name")]
     NoName,
     /// The listener could not bind.
-    #[error("cannot bind {0}: {1}")]
-    Bind(SocketAddr, std::io::Error),
+    #[error("cannot bind {0}")]
+    Bind(SocketAddr, #[source] std::io::Error),
 }
 
 fn meta_str(obj: &Value, field: &str) -> Option<String> {

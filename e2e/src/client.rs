@@ -54,13 +54,13 @@ impl Reply {
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// Connecting or sending failed.
-    #[error("request failed: {0}")]
+    #[error("request failed")]
     Request(#[from] hyper_util::client::legacy::Error),
     /// Reading the body failed.
-    #[error("body failed: {0}")]
+    #[error("body failed")]
     Body(#[from] hyper::Error),
     /// The request could not be built.
-    #[error("bad request parts: {0}")]
+    #[error("bad request parts")]
     Build(#[from] http::Error),
 }
 

@@ -6,10 +6,13 @@
 //! `metadata_context`) and the body (FULL_DUPLEX_STREAMED: chunks sent without
 //! waiting, `protocol_config` on the first message; or BUFFERED, or STREAMED),
 //! applies header mutations, body mutations and immediate responses, forwards to
-//! the endpoint named by the `envoy.lb` dynamic metadata
+//! the first endpoint listed by the `envoy.lb` dynamic metadata
 //! `x-gateway-destination-endpoint` (ORIGINAL_DST; the header of the same name is
-//! the fallback), streams the response back through ext_proc and on to the client,
-//! and fails open or closed when the picker is unreachable. The ext_proc side is
+//! the fallback) and, as Envoy's retry on connect failure does, to the next one
+//! listed when a connection fails; streams the response back through ext_proc
+//! (its headers' `metadata_context` naming the endpoint that served, GIE's
+//! `x-gateway-destination-endpoint-served`) and on to the client, and fails open
+//! or closed when the picker is unreachable. The ext_proc side is
 //! `envoy-client`. `e2e/README.md` lists what it does not do.
 
 use std::net::SocketAddr;
@@ -23,7 +26,8 @@ use axum::Router;
 use bytes::Bytes;
 use envoy_client::answer::{BodyChange, Changes, Immediate, Phase, SetHeader};
 use envoy_client::message::{
-    request_body, response_body, response_headers, string_list, subset_hint, RequestHeaders,
+    request_body, response_body, response_headers, served_endpoint, string_list, subset_hint,
+    RequestHeaders,
 };
 use envoy_client::{Answers, ClientError, Decision, EnvoyStream, RequestBody, ResponseOutcome};
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
@@ -118,11 +122,11 @@ impl Default for GatewayConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     /// Bad ext_proc address or TLS settings.
-    #[error("ext_proc client: {0}")]
+    #[error("ext_proc client could not be set up")]
     Client(#[from] tonic::transport::Error),
     /// The listener could not bind.
-    #[error("cannot bind {0}: {1}")]
-    Bind(SocketAddr, std::io::Error),
+    #[error("cannot bind {0}")]
+    Bind(SocketAddr, #[source] std::io::Error),
 }
 
 /// Why a request could not be processed by the picker.
@@ -158,6 +162,8 @@ pub struct GatewayStats {
     pub failed_closed: AtomicU64,
     /// Upstream connection failures.
     pub upstream_errors: AtomicU64,
+    /// Connection failures retried on the next listed endpoint.
+    pub retries: AtomicU64,
 }
 
 struct Gateway {
@@ -263,7 +269,8 @@ enum Verdict {
         headers: HeaderMap,
         path: String,
         body: Bytes,
-        destination: Option<String>,
+        /// In the order retries try them; empty when the picker named none.
+        destination: Vec<String>,
     },
 }
 
@@ -318,11 +325,17 @@ fn apply_changes(c: &Changes, headers: &mut HeaderMap, path: Option<&mut String>
     }
 }
 
-/// Where ORIGINAL_DST sends the request: the first endpoint of the `envoy.lb`
-/// metadata's list, else of the header of the same name (GIE's fallback).
-fn destination(metadata: Option<&str>, headers: &HeaderMap) -> Option<String> {
-    let list = metadata.or_else(|| headers.get(DESTINATION_KEY)?.to_str().ok())?;
-    Some(list.split(',').next().unwrap_or(list).trim().to_string())
+/// Where ORIGINAL_DST sends the request, in the order retries try them: the
+/// `envoy.lb` metadata's list, else the header of the same name (GIE's protocol).
+fn destinations(metadata: Option<&str>, headers: &HeaderMap) -> Vec<String> {
+    let Some(list) = metadata.or_else(|| headers.get(DESTINATION_KEY)?.to_str().ok()) else {
+        return Vec::new();
+    };
+    list.split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 fn immediate(r: Immediate) -> Response<Body> {
@@ -468,16 +481,16 @@ impl Gateway {
                 body,
                 destination,
             } => {
-                let Some(dest) = destination else {
+                if destination.is_empty() {
                     // ORIGINAL_DST with no destination: Envoy has no host to pick.
                     return error_response(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "no_healthy_upstream",
                         "the picker named no destination endpoint",
                     );
-                };
+                }
                 self.stats.routed.fetch_add(1, Ordering::Relaxed);
-                self.forward(stream, &down.method, &dest, &path, headers, body)
+                self.forward(stream, &down.method, &destination, &path, headers, body)
                     .await
             }
         }
@@ -504,27 +517,42 @@ impl Gateway {
         EnvoyStream::open(&self.channel, headers.build(), self.config.message_timeout).await
     }
 
-    /// Sends the request upstream and runs the response path.
+    /// Sends the request upstream, to the next of `dests` while connecting
+    /// fails, and runs the response path.
     async fn forward(
         &self,
         s: EnvoyStream,
         method: &http::Method,
-        dest: &str,
+        dests: &[String],
         path: &str,
         mut headers: HeaderMap,
         body: Bytes,
     ) -> Response<Body> {
         headers.remove(http::header::CONTENT_LENGTH);
-        let uri = format!("http://{dest}{path}");
-        let mut up = Request::builder().method(method.clone()).uri(&uri);
-        *up.headers_mut().expect("builder is valid so far") = headers;
-        let up = match up.body(Full::new(body)) {
-            Ok(r) => r,
-            Err(e) => {
-                return error_response(StatusCode::BAD_GATEWAY, "bad_gateway", &e.to_string())
+        let mut tries = dests.iter().peekable();
+        let (dest, resp) = loop {
+            let Some(dest) = tries.next() else {
+                unreachable!("forward is called with at least one destination");
+            };
+            let uri = format!("http://{dest}{path}");
+            let mut up = Request::builder().method(method.clone()).uri(&uri);
+            *up.headers_mut().expect("builder is valid so far") = headers.clone();
+            let up = match up.body(Full::new(body.clone())) {
+                Ok(r) => r,
+                Err(e) => {
+                    return error_response(StatusCode::BAD_GATEWAY, "bad_gateway", &e.to_string())
+                }
+            };
+            match self.http.request(up).await {
+                Err(e) if tries.peek().is_some() => {
+                    self.stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
+                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    warn!(%dest, error = %e, "upstream connect error; retrying on the next endpoint");
+                }
+                r => break (dest, r),
             }
         };
-        let resp = match self.http.request(up).await {
+        let resp = match resp {
             Ok(r) => r,
             Err(e) => {
                 self.stats.upstream_errors.fetch_add(1, Ordering::Relaxed);
@@ -542,7 +570,7 @@ impl Gateway {
                     "upstream connect error or disconnect/reset before headers. \
                      reset reason: connection failure ({dest}: {e})"
                 )));
-                return match self.response_path(s, parts, body).await {
+                return match self.response_path(s, parts, body, dest).await {
                     Ok(r) => r,
                     Err(e) => {
                         error_response(StatusCode::BAD_GATEWAY, "ext_proc_error", &error_chain(&e))
@@ -551,7 +579,7 @@ impl Gateway {
             }
         };
         let (parts, upstream) = resp.into_parts();
-        match self.response_path(s, parts, upstream).await {
+        match self.response_path(s, parts, upstream, dest).await {
             Ok(r) => r,
             Err(e) => {
                 // Envoy resets the downstream when ext_proc fails mid-response.
@@ -562,11 +590,13 @@ impl Gateway {
         }
     }
 
+    /// Runs the response from `served` through the picker and on to the client.
     async fn response_path<B>(
         &self,
         mut s: EnvoyStream,
         parts: http::response::Parts,
         upstream: B,
+        served: &str,
     ) -> Result<Response<Body>, PickerFailure>
     where
         B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
@@ -595,12 +625,13 @@ impl Gateway {
                 .to_bytes();
             let pairs: Vec<_> = header_pairs(&headers).collect();
             let outcome = s
-                .respond(
+                .respond_with(
                     mode.client(),
                     parts.status.as_str(),
                     &pairs,
                     Some(&whole),
                     self.config.chunk_size.max(1),
+                    Some(served_endpoint(served)),
                 )
                 .await?;
             return Ok(match outcome {
@@ -612,8 +643,9 @@ impl Gateway {
             });
         }
         let pairs: Vec<_> = header_pairs(&headers).collect();
-        s.send(response_headers(parts.status.as_str(), &pairs, false))
-            .await?;
+        let mut first = response_headers(parts.status.as_str(), &pairs, false);
+        first.metadata_context = Some(served_endpoint(served));
+        s.send(first).await?;
         match s.phase(Phase::ResponseHeaders).await? {
             Ok(c) => apply_changes(&c, &mut headers, None),
             Err(i) => return Ok(immediate(i)),
@@ -781,7 +813,7 @@ fn verdict(decision: Decision, down: &Downstream) -> Verdict {
             let mut headers = down.headers.clone();
             let mut path = down.path.clone();
             apply_changes(&r.changes, &mut headers, Some(&mut path));
-            let destination = destination(r.changes.metadata_destination.as_deref(), &headers);
+            let destination = destinations(r.changes.metadata_destination.as_deref(), &headers);
             Verdict::Forward {
                 headers,
                 path,
@@ -931,21 +963,18 @@ mod tests {
     }
 
     #[test]
-    fn destination_comes_from_envoy_lb_metadata_then_the_header() {
+    fn destinations_come_from_envoy_lb_metadata_then_the_header() {
         let mut h = HeaderMap::new();
         assert_eq!(
-            destination(Some("10.0.0.1:8000,10.0.0.2:8000"), &h).as_deref(),
-            Some("10.0.0.1:8000")
+            destinations(Some("10.0.0.1:8000,10.0.0.2:8000"), &h),
+            ["10.0.0.1:8000", "10.0.0.2:8000"]
         );
-        assert_eq!(destination(None, &h), None);
+        assert!(destinations(None, &h).is_empty());
         h.insert(
             DESTINATION_KEY,
             HeaderValue::from_static("10.0.0.3:8000, 10.0.0.4:8000"),
         );
-        assert_eq!(destination(None, &h).as_deref(), Some("10.0.0.3:8000"));
-        assert_eq!(
-            destination(Some("10.0.0.1:8000"), &h).as_deref(),
-            Some("10.0.0.1:8000")
-        );
+        assert_eq!(destinations(None, &h), ["10.0.0.3:8000", "10.0.0.4:8000"]);
+        assert_eq!(destinations(Some("10.0.0.1:8000"), &h), ["10.0.0.1:8000"]);
     }
 }

@@ -126,7 +126,7 @@ pub struct Publisher {
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
     /// Binding the PUB socket failed.
-    #[error("cannot bind the KV-event socket on {endpoint}: {source}")]
+    #[error("cannot bind the KV-event socket on {endpoint}")]
     Bind {
         /// The ZMQ endpoint.
         endpoint: String,

@@ -248,6 +248,9 @@ struct Worker {
     events: Option<Publisher>,
     /// Prefill workers by instance id (the decode sidecar's targets).
     prefill_peers: Mutex<HashMap<u64, SocketAddr>>,
+    /// LoRA slots and resident adapters, served as `vllm:lora_requests_info`
+    /// (`None`: LoRA off, no gauge).
+    lora: Mutex<Option<(u32, Vec<String>)>>,
 }
 
 /// A running mock worker.
@@ -262,8 +265,8 @@ pub struct WorkerHandle {
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// The HTTP listener could not bind.
-    #[error("cannot bind {0}: {1}")]
-    Bind(SocketAddr, std::io::Error),
+    #[error("cannot bind {0}")]
+    Bind(SocketAddr, #[source] std::io::Error),
     /// The KV-event publisher could not start.
     #[error(transparent)]
     Events(#[from] crate::kv_events::PublishError),
@@ -309,6 +312,7 @@ impl WorkerHandle {
             healthy: AtomicBool::new(true),
             events,
             prefill_peers: Mutex::new(HashMap::new()),
+            lora: Mutex::new(None),
             instance_id,
             address,
             config,
@@ -320,6 +324,13 @@ impl WorkerHandle {
             kv_events_port,
             events_task,
         })
+    }
+
+    /// Serves `vllm:lora_requests_info` with `max_lora` slots and `resident`
+    /// adapters running, as vLLM started with `--enable-lora` does.
+    pub fn set_lora(&self, max_lora: u32, resident: &[&str]) {
+        let names = resident.iter().map(|a| a.to_string()).collect();
+        *self.worker.lora.lock() = Some((max_lora, names));
     }
 
     /// The prefill workers this (decode) worker's sidecar may send prefill
@@ -463,6 +474,20 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
         bs = w.config.block_size,
         nb = w.config.num_blocks,
     );
+    let mut text = text;
+    if let Some((max_lora, resident)) = w.lora.lock().clone() {
+        // vLLM keeps every label combination it set, each valued with the
+        // time it was last set: an older idle series stays on the page.
+        let now = crate::kv_events::now_ts();
+        text += &format!(
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+             # TYPE vllm:lora_requests_info gauge\n\
+             vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"}} {idle}\n\
+             vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"\",running_lora_adapters=\"{running}\"}} {now}\n",
+            idle = now - 60.0,
+            running = resident.join(","),
+        );
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -646,9 +671,20 @@ impl Worker {
         }
     }
 
+    /// Whether the destination list names this worker after its first entry:
+    /// a gateway's retry on a fallback, whose worker headers name the first.
+    fn is_fallback(&self, headers: &HeaderMap) -> bool {
+        let me = self.address.to_string();
+        header_str(headers, DESTINATION_HEADER)
+            .is_some_and(|list| list.split(',').skip(1).any(|d| d.trim() == me))
+    }
+
     /// Checks routing headers and the session; returns the rank to serve on.
+    /// A retried fallback serves on rank 0 (the headers are the first's).
     fn admit(&self, headers: &HeaderMap, prompt: &Prompt) -> Result<u32, Reject> {
+        let fallback = self.is_fallback(headers);
         match header_str(headers, WORKER_ID_HEADER) {
+            Some(_) if fallback => {}
             Some(id) if id.trim() != self.instance_id.to_string() => {
                 return Err(Reject(
                     StatusCode::MISDIRECTED_REQUEST,
@@ -670,6 +706,7 @@ impl Worker {
         }
         let rank = match header_str(headers, DP_RANK_HEADER) {
             None => 0,
+            Some(_) if fallback => 0,
             Some(r) => match r.trim().parse::<u32>() {
                 Ok(r) if r < self.config.dp_size.max(1) => r,
                 _ => {
@@ -903,7 +940,7 @@ async fn send_prefill(t: PrefillTarget, api: Api, mut body: Value) -> u16 {
     {
         Ok(reply) => reply.status.as_u16(),
         Err(e) => {
-            tracing::warn!(prefill = %t.addr, error = %e, "prefill request failed");
+            tracing::warn!(prefill = %t.addr, error = %kvpick::error_chain::ErrorChain(&e), "prefill request failed");
             StatusCode::BAD_GATEWAY.as_u16()
         }
     }

@@ -21,7 +21,7 @@ use crate::mock_worker::{WorkerConfig, WorkerHandle};
 #[derive(Debug, thiserror::Error)]
 pub enum StackError {
     /// File or socket I/O.
-    #[error("i/o: {0}")]
+    #[error("i/o failed")]
     Io(#[from] std::io::Error),
     /// A worker failed to start.
     #[error(transparent)]
@@ -144,6 +144,26 @@ pub struct Kvpick {
     replica_sync: Option<String>,
     /// Replica sync's tasks.
     sync: Option<kvpick::replica_sync::ReplicaSync>,
+    /// Settings a test varies.
+    tuning: Tuning,
+}
+
+/// kvpick settings an end-to-end test varies (the rest are the defaults).
+#[derive(Debug, Clone, Copy)]
+pub struct Tuning {
+    /// `--max-endpoints`: the pick and its fallbacks.
+    pub max_endpoints: usize,
+    /// `--conformance-test-hooks`.
+    pub conformance_test_hooks: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            max_endpoints: 1,
+            conformance_test_hooks: false,
+        }
+    }
 }
 
 impl Kvpick {
@@ -155,16 +175,17 @@ impl Kvpick {
         poll: Duration,
         tls: Option<kvpick::tls::ServerTls>,
     ) -> Result<Kvpick, StackError> {
-        Self::start_with(addr, endpoints_file, poll, tls, None).await
+        Self::start_with(addr, endpoints_file, poll, tls, None, Tuning::default()).await
     }
 
-    /// [`Kvpick::start`], in precise mode when `precise` is given.
+    /// [`Kvpick::start`], in precise mode when `precise` is given, with `tuning`.
     pub async fn start_with(
         addr: SocketAddr,
         endpoints_file: PathBuf,
         poll: Duration,
         tls: Option<kvpick::tls::ServerTls>,
         precise: Option<Precise>,
+        tuning: Tuning,
     ) -> Result<Kvpick, StackError> {
         let mut k = Kvpick {
             addr,
@@ -177,6 +198,7 @@ impl Kvpick {
             events: None,
             replica_sync: None,
             sync: None,
+            tuning,
         };
         k.launch(TcpListener::bind(addr).await?).await?;
         Ok(k)
@@ -200,6 +222,7 @@ impl Kvpick {
             events: None,
             replica_sync: Some(sync_url.to_string()),
             sync: None,
+            tuning: Tuning::default(),
         };
         k.launch(TcpListener::bind(k.addr).await?).await?;
         Ok(k)
@@ -219,7 +242,13 @@ impl Kvpick {
     /// replica sync waits for its warm start.
     async fn launch(&mut self, front: TcpListener) -> Result<(), StackError> {
         self.addr = front.local_addr()?;
-        let mut app = App::new("e2e");
+        let mut app = App::with_scheduler(
+            "e2e",
+            kvpick::scheduler::SchedulerConfig {
+                max_endpoints: self.tuning.max_endpoints,
+                ..Default::default()
+            },
+        );
         let mut events = None;
         if let Some(p) = &self.precise {
             let mut tok = kvpick::tokenize::Tokenizer::load(&p.tokenizer_dir)?;
@@ -250,7 +279,10 @@ impl Kvpick {
         };
         let inner = TcpListener::bind("127.0.0.1:0").await?;
         let inner_addr = inner.local_addr()?;
-        let service = app.ext_proc(ExtProcConfig::default());
+        let service = app.ext_proc(ExtProcConfig {
+            conformance_test_hooks: self.tuning.conformance_test_hooks,
+            ..ExtProcConfig::default()
+        });
         let tls = self.tls.clone();
         let grpc = tokio::spawn(async move {
             if let Err(e) = kvpick::server::serve_ext_proc(inner, service, tls).await {
@@ -399,6 +431,8 @@ pub struct StackOptions {
     /// `(role, engine)` of each worker in the endpoints file (disaggregated
     /// pools); empty lists no roles.
     pub roles: Vec<(&'static str, &'static str)>,
+    /// kvpick's settings.
+    pub tuning: Tuning,
 }
 
 /// kvpick in precise mode: requests tokenized in-process, KV events from every
@@ -433,6 +467,7 @@ impl Default for StackOptions {
             subset: None,
             precise: None,
             roles: Vec::new(),
+            tuning: Tuning::default(),
         }
     }
 }
@@ -514,6 +549,7 @@ impl Stack {
             opts.poll,
             tls,
             opts.precise.clone(),
+            opts.tuning,
         )
         .await?;
         kvpick.wait_for_endpoints(workers.len()).await?;

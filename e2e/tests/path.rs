@@ -6,7 +6,7 @@ use e2e::client::Reply;
 use e2e::gateway::{BodyMode, FailureMode};
 use e2e::kvcache::KvCache;
 use e2e::mock_worker::chat_prompt_tokens;
-use e2e::stack::{Stack, StackOptions};
+use e2e::stack::{Stack, StackOptions, Tuning};
 use e2e::workload::{chat_body, system_prompt, Workload};
 use serde_json::{json, Value};
 
@@ -268,6 +268,59 @@ async fn a_killed_worker_fails_fast_then_traffic_moves_to_the_others() {
     assert_eq!(assert_routed_to_self(&s), 12);
 }
 
+/// Fallback endpoints (`--max-endpoints 2`): the worker holding a prompt dies
+/// before discovery drops it; the repeat still picks it first, and the gateway,
+/// retrying on connect failure as Envoy does, has the second listed endpoint
+/// serve it. The response reports that endpoint (GIE's served-endpoint hook).
+#[tokio::test]
+async fn a_dead_first_pick_is_served_by_its_fallback() {
+    let s = stack(StackOptions {
+        tuning: Tuning {
+            max_endpoints: 2,
+            conformance_test_hooks: true,
+        },
+        ..StackOptions::default()
+    })
+    .await;
+    let c = s.client();
+    let long = chat(&"a long shared system prompt. ".repeat(200), false);
+    let r = c
+        .post_json("/v1/chat/completions", &long, &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let holder = s
+        .workers
+        .iter()
+        .position(|w| !w.seen().requests.is_empty())
+        .expect("a worker served it");
+    let holder_addr = s.workers[holder].addr().to_string();
+    assert_eq!(
+        r.headers["x-conformance-test-served-endpoint"],
+        holder_addr.as_str()
+    );
+    s.workers[holder].kill();
+    for _ in 0..3 {
+        let r = c
+            .post_json("/v1/chat/completions", &long, &[])
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let served = r.headers["x-conformance-test-served-endpoint"].clone();
+        assert_ne!(served, holder_addr);
+        assert!(s.workers.iter().any(|w| w.addr().to_string() == served));
+    }
+    let stats = s.gateway.stats();
+    let retries = stats.retries.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(retries >= 1, "the first pick was the dead holder");
+    assert_eq!(
+        retries,
+        stats
+            .upstream_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
+}
+
 #[tokio::test]
 async fn kvpick_restart_fails_closed_then_the_gateway_reconnects() {
     let mut s = stack(StackOptions::default()).await;
@@ -305,24 +358,44 @@ async fn kvpick_restart_fails_closed_then_the_gateway_reconnects() {
     );
 }
 
+/// GIE's EppUnAvailableFailOpen: with the picker up, the selection header
+/// (conformance hooks on) sends the request to the named pod; with it down, a
+/// fail-open gateway still has some pod of the pool serve it, unrouted.
 #[tokio::test]
 async fn kvpick_down_fails_open_to_a_fallback_worker() {
     let mut s = stack(StackOptions {
         failure_mode: FailureMode::Open,
+        tuning: Tuning {
+            conformance_test_hooks: true,
+            ..Tuning::default()
+        },
         ..StackOptions::default()
     })
     .await;
+    let target = s.workers[2].addr().to_string();
+    let selection = [("test-epp-endpoint-selection", target.as_str())];
+    let r = s
+        .client()
+        .post_json("/v1/chat/completions", &chat("anyone", false), &selection)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.headers["x-conformance-test-served-endpoint"],
+        target.as_str()
+    );
+    assert_eq!(s.workers[2].seen().requests.len(), 1);
     s.kvpick.stop().await;
     let r = s
         .client()
-        .post_json("/v1/chat/completions", &chat("anyone", false), &[])
+        .post_json("/v1/chat/completions", &chat("anyone", false), &selection)
         .await
         .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     let seen: Vec<_> = s.workers.iter().flat_map(|w| w.seen().requests).collect();
-    assert_eq!(seen.len(), 1);
-    assert_eq!(
-        seen[0].worker_instance_id, None,
+    assert_eq!(seen.len(), 2);
+    assert!(
+        seen.iter().any(|r| r.worker_instance_id.is_none()),
         "no picker, no routing headers"
     );
     assert_eq!(

@@ -28,6 +28,8 @@ use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// Key naming the destination (metadata key and header).
 pub const DESTINATION_KEY: &str = "x-gateway-destination-endpoint";
+/// Key (in [`LB_NAMESPACE`] of a response's metadata) of the endpoint that served it.
+pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 /// Metadata namespace of GIE's subset hint.
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Key of the subset hint.

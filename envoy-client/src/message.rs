@@ -7,7 +7,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 
-use crate::{BodyMode, SUBSET_KEY, SUBSET_NAMESPACE};
+use crate::{BodyMode, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE};
 
 /// A header map with each value in `raw_value`, as Envoy fills it.
 pub fn header_map<K: AsRef<str>, V: AsRef<[u8]>>(
@@ -209,6 +209,17 @@ pub fn subset_hint(value: Kind) -> Metadata {
     let mut md = Metadata::default();
     md.filter_metadata
         .insert(SUBSET_NAMESPACE.into(), one_field(SUBSET_KEY, value));
+    md
+}
+
+/// The response's `metadata_context` naming the endpoint that served it
+/// (`envoy.lb` / `x-gateway-destination-endpoint-served`, GIE's protocol).
+pub fn served_endpoint(endpoint: &str) -> Metadata {
+    let mut md = Metadata::default();
+    md.filter_metadata.insert(
+        LB_NAMESPACE.into(),
+        one_field(SERVED_KEY, Kind::StringValue(endpoint.into())),
+    );
     md
 }
 

@@ -3,6 +3,7 @@
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::sync::mpsc;
@@ -295,8 +296,24 @@ impl EnvoyStream {
         body: Option<&[u8]>,
         chunk: usize,
     ) -> Result<ResponseOutcome, ClientError> {
-        self.send(response_headers(status, headers, body.is_none()))
-            .await?;
+        self.respond_with(mode, status, headers, body, chunk, None)
+            .await
+    }
+
+    /// [`Self::respond`], the response headers carrying `metadata` in their
+    /// `metadata_context` (as Envoy forwards `envoy.lb`'s served endpoint).
+    pub async fn respond_with(
+        &mut self,
+        mode: BodyMode,
+        status: &str,
+        headers: &[(&str, &[u8])],
+        body: Option<&[u8]>,
+        chunk: usize,
+        metadata: Option<Metadata>,
+    ) -> Result<ResponseOutcome, ClientError> {
+        let mut first = response_headers(status, headers, body.is_none());
+        first.metadata_context = metadata;
+        self.send(first).await?;
         let full_duplex = mode == BodyMode::FullDuplex;
         if let (true, Some(b)) = (full_duplex, body) {
             self.send_all(body_chunks(b, chunk, true)).await?;

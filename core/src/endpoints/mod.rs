@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use serde::Deserialize;
 use tokio::sync::watch;
 
@@ -22,8 +22,11 @@ pub use crate::keys::WorkerKey;
 use pending::{PendingBlocks, PendingRanks};
 use scrape_cell::{Scrape, ScrapeCell};
 
+pub use lora::{adapter_id, LoraFit, LoraInfo, MAX_ADAPTERS};
+
 #[cfg(test)]
 mod idle_tests;
+mod lora;
 mod pending;
 mod scrape_cell;
 
@@ -164,6 +167,8 @@ pub struct EndpointState {
     /// The table's count of ranks with prefill pending, which this endpoint's
     /// ranks move as their pending blocks come and go.
     pending_ranks: Arc<PendingRanks>,
+    /// The latest scrape's LoRA adapter state (`None`: not exported).
+    lora: ArcSwapOption<LoraInfo>,
     /// Identity and configuration.
     pub endpoint: Endpoint,
 }
@@ -269,6 +274,7 @@ impl EndpointState {
             scrape: ScrapeCell::default(),
             health: PassiveHealth::default(),
             pending_ranks,
+            lora: ArcSwapOption::empty(),
             endpoint,
         }
     }
@@ -399,6 +405,26 @@ impl EndpointState {
             load: Some(load),
             failed_at: None,
         });
+    }
+
+    /// Records the LoRA adapter state a successful scrape read (`None`: the
+    /// page has no adapter gauge).
+    pub fn set_lora(&self, info: Option<LoraInfo>) {
+        self.lora.store(info.map(Arc::new));
+    }
+
+    /// How this worker fits a request for adapter `id` ([`adapter_id`]).
+    #[inline]
+    pub fn lora_fit(&self, id: u64) -> LoraFit {
+        self.lora
+            .load()
+            .as_deref()
+            .map_or(LoraFit::Neutral, |l| l.fit(id))
+    }
+
+    /// The latest LoRA adapter state, if the worker exports one.
+    pub fn lora(&self) -> Option<Arc<LoraInfo>> {
+        self.lora.load_full()
     }
 
     /// Records a failed scrape at `at`: the load turns suspect at once.

@@ -29,7 +29,9 @@ static STRIP_CLIENT_ROUTING: LazyLock<NvExtEdit> = LazyLock::new(NvExtEdit::stri
 /// The answer to a routed request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
-    /// The decode endpoint's `ip:port` (the destination header's value).
+    /// The destination header's value: the decode endpoint's `ip:port`, then
+    /// its fallbacks', comma-separated in cost order (GIE's protocol: the
+    /// gateway tries them in turn when retrying).
     pub destination: String,
     /// Headers to set, each overwriting the client's: the routing headers, then
     /// `content-length` when the body changed.
@@ -57,7 +59,7 @@ pub fn outcome(
     head: &RequestHead,
     prepared: Option<Prepared>,
 ) -> Result<Outcome, RequestError> {
-    let destination = decision.decode.endpoint().address_string();
+    let destination = destinations(decision);
     let mut set_headers = routing_headers(decision, &destination);
     let remove_headers = head
         .spoofed
@@ -77,7 +79,17 @@ pub fn outcome(
     })
 }
 
-/// The routing headers carrying `decision`; `destination` is the decode endpoint's.
+/// The decode endpoint's address, then its fallbacks', comma-separated.
+fn destinations(decision: &Decision) -> String {
+    let mut list = decision.decode.endpoint().address_string();
+    for f in &decision.fallbacks {
+        list.push(',');
+        list.push_str(&f.endpoint().address_string());
+    }
+    list
+}
+
+/// The routing headers carrying `decision`; `destination` lists its endpoints.
 fn routing_headers(d: &Decision, destination: &str) -> Vec<(&'static str, String)> {
     let decode = d.decode.endpoint();
     let mut set = vec![

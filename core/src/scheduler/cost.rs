@@ -136,13 +136,20 @@ impl Scheduler {
         }
     }
 
-    /// What the terms read about a request of `size` blocks on `side`, with
-    /// `idle_ranks` ranks of that side having nothing pending.
-    pub(super) fn request_cost(&self, side: Side, size: u64, idle_ranks: u64) -> RequestCost {
+    /// What the terms read about a request of `size` blocks for `adapter` on
+    /// `side`, with `idle_ranks` ranks of that side having nothing pending.
+    pub(super) fn request_cost(
+        &self,
+        side: Side,
+        size: u64,
+        adapter: Option<u64>,
+        idle_ranks: u64,
+    ) -> RequestCost {
         RequestCost {
             size,
             side,
             wait: self.pending_wait(idle_ranks),
+            adapter,
         }
     }
 
@@ -299,6 +306,107 @@ impl<T> Least<T> {
                 self.best = Some(item);
                 self.draw = d;
             }
+        }
+    }
+}
+
+/// What the pruned argmin collects: offered candidates at their costs, and the
+/// cost a candidate must beat to still count (the pruning bar).
+pub(super) trait Best<T> {
+    /// Offers `item` at `cost`.
+    fn offer(&mut self, item: T, cost: f64);
+    /// A candidate costing at least this changes nothing.
+    fn bar(&self) -> f64;
+}
+
+impl<T> Best<T> for Least<T> {
+    #[inline(always)]
+    fn offer(&mut self, item: T, cost: f64) {
+        Least::offer(self, item, cost);
+    }
+
+    #[inline(always)]
+    fn bar(&self) -> f64 {
+        self.cost
+    }
+}
+
+/// The `n` least costly candidates of distinct addresses, least first, ties
+/// broken as [`Least`] does (a pick asked for fallbacks). A candidate whose
+/// address is kept already replaces it only if it costs less (the best rank of
+/// a data-parallel endpoint stands for it). NaN never counts.
+pub(super) struct Ranked<'a> {
+    n: usize,
+    seed: u64,
+    offers: usize,
+    /// (cost, draw, candidate), least first; at most `n`.
+    kept: Vec<(f64, u64, Cand<'a>)>,
+}
+
+impl<'a> Ranked<'a> {
+    /// Nothing offered yet; keeps `n` (at least 1), ties broken by draws from `seed`.
+    pub(super) fn new(seed: u64, n: usize) -> Self {
+        let n = n.max(1);
+        Ranked {
+            n,
+            seed,
+            offers: 0,
+            kept: Vec::with_capacity(n),
+        }
+    }
+
+    /// The kept candidates, least cost first.
+    pub(super) fn into_vec(self) -> Vec<Cand<'a>> {
+        self.kept.into_iter().map(|(_, _, c)| c).collect()
+    }
+}
+
+/// Whether (cost, draw) `a` ranks before `b`: a lower cost, or within 1e-9
+/// and a lower draw.
+fn before(a: (f64, u64), b: (f64, u64)) -> bool {
+    match (a.0 - b.0).abs() <= 1e-9 {
+        true => a.1 < b.1,
+        false => a.0 < b.0,
+    }
+}
+
+impl<'a> Best<Cand<'a>> for Ranked<'a> {
+    fn offer(&mut self, item: Cand<'a>, cost: f64) {
+        let draw = draw(self.seed, self.offers);
+        self.offers += 1;
+        if cost.is_nan() {
+            return;
+        }
+        let address = item.ep.endpoint.address;
+        let key = (cost, draw);
+        if let Some(i) = self
+            .kept
+            .iter()
+            .position(|k| k.2.ep.endpoint.address == address)
+        {
+            if !before(key, (self.kept[i].0, self.kept[i].1)) {
+                return;
+            }
+            self.kept.remove(i);
+        } else if self.kept.len() == self.n {
+            let last = self.kept[self.n - 1];
+            if !before(key, (last.0, last.1)) {
+                return;
+            }
+            self.kept.pop();
+        }
+        let at = self
+            .kept
+            .iter()
+            .position(|k| before(key, (k.0, k.1)))
+            .unwrap_or(self.kept.len());
+        self.kept.insert(at, (cost, draw, item));
+    }
+
+    fn bar(&self) -> f64 {
+        match self.kept.len() == self.n {
+            true => self.kept[self.n - 1].0,
+            false => f64::INFINITY,
         }
     }
 }

@@ -66,6 +66,11 @@ impl Target {
 pub struct Decision {
     /// Where the request goes (decode side in disaggregated pools).
     pub decode: Target,
+    /// Next-best decode endpoints (distinct addresses, best first) for the
+    /// gateway to retry on; empty unless more than one endpoint is asked for
+    /// ([`SchedulerConfig::max_endpoints`](super::SchedulerConfig::max_endpoints)).
+    /// Nothing is booked on them.
+    pub fallbacks: Vec<Target>,
     /// The prefill worker in disaggregated pools.
     pub prefill: Option<Target>,
     /// The prefill worker's bootstrap port: its `kvpick.io/bootstrap-port`, else

@@ -125,6 +125,10 @@ pub struct SchedulerConfig {
     pub sglang_bootstrap_port: Option<u16>,
     /// Passive health: when failing responses eject an endpoint.
     pub health: HealthConfig,
+    /// Endpoints a decision names, best first: the decode target, then up to
+    /// this many less one fallbacks (distinct addresses) for the gateway's
+    /// retries. A picker's `maxNumOfEndpoints` overrides it.
+    pub max_endpoints: usize,
 }
 
 impl SchedulerConfig {
@@ -157,6 +161,7 @@ impl Default for SchedulerConfig {
             max_request_load_blocks: DEFAULT_MAX_REQUEST_LOAD_BLOCKS,
             sglang_bootstrap_port: Some(DEFAULT_SGLANG_BOOTSTRAP_PORT),
             health: HealthConfig::default(),
+            max_endpoints: 1,
         }
     }
 }
@@ -191,6 +196,8 @@ pub struct Scheduler {
     tie_breaks: AtomicU64,
     /// Where decisions' effects go for peer replicas (unset: a single replica).
     replica: OnceLock<Arc<dyn ReplicaSink>>,
+    /// Endpoints a decision names (the picker's, else the config's; at least 1).
+    max_endpoints: usize,
 }
 
 impl Default for Scheduler {
@@ -202,6 +209,10 @@ impl Default for Scheduler {
 impl Scheduler {
     /// A scheduler with `config`.
     pub fn new(config: SchedulerConfig) -> Self {
+        let plugins = config
+            .plugins
+            .clone()
+            .unwrap_or_else(|| Plugins::from_weights(config.weights, config.temperature));
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
             provisional: PrefixIndex::new(IndexConfig {
@@ -215,10 +226,12 @@ impl Scheduler {
             }),
             stats: SchedulerStats::default(),
             tie_breaks: AtomicU64::new(0),
-            plugins: config
-                .plugins
-                .clone()
-                .unwrap_or_else(|| Plugins::from_weights(config.weights, config.temperature)),
+            max_endpoints: plugins
+                .picker
+                .max_endpoints()
+                .unwrap_or(config.max_endpoints)
+                .max(1),
+            plugins,
             replica: OnceLock::new(),
             config,
         }
@@ -247,6 +260,11 @@ impl Scheduler {
     /// The filters, terms and picker the pick runs.
     pub fn plugins(&self) -> &Plugins {
         &self.plugins
+    }
+
+    /// Endpoints a decision names: the decode target and its fallbacks.
+    pub fn max_endpoints(&self) -> usize {
+        self.max_endpoints
     }
 
     /// The chained prefix block hashes of a request body (at most

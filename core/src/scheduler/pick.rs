@@ -13,12 +13,12 @@ use std::time::Instant;
 use rand::Rng;
 
 use super::candidates::{Pool, Side};
-use super::cost::{pick_index, Cand, Least};
+use super::cost::{pick_index, Best, Cand, Least, Ranked};
 use super::overlap::PromptOverlaps;
 use super::pickers::Choice;
-use super::terms::CostTerms;
+use super::terms::{CostTerms, RequestCost};
 use super::{Decision, PickError, PickRequest, Scheduler, Stage, StageTimer};
-use crate::endpoints::{ActiveLoad, Engine, Snapshot, WorkerKey};
+use crate::endpoints::{adapter_id, ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -88,14 +88,19 @@ impl Scheduler {
             overlaps: overlaps.as_ref(),
             prompt: &prompt,
             size: load_blocks,
+            adapter: req.body.map(|b| adapter_id(&b.model)),
             now: tick,
         };
 
-        let (d, overlap, p) = {
+        let (d, fallbacks, overlap, p) = {
             let _t = self.timer::<O>(Stage::Score);
-            let d = self
-                .choose_unless_pinned(&scoring, Side::Decode, pinned, obs)
-                .ok_or(PickError::NoDecodeEndpoint)?;
+            let (d, fallbacks) = match self.max_endpoints {
+                n if n > 1 && !O::EXPLAINS => self.choose_with_fallbacks(&scoring, pinned, n),
+                _ => self
+                    .choose_unless_pinned(&scoring, Side::Decode, pinned, obs)
+                    .map(|d| (d, Vec::new())),
+            }
+            .ok_or(PickError::NoDecodeEndpoint)?;
             // Without a prefill-only endpoint there is no prefill candidate to
             // look for (a pass over the pool would find none).
             let p = match req.body {
@@ -104,7 +109,7 @@ impl Scheduler {
                 }
                 _ => None,
             };
-            (d, scoring.overlap(&d), p)
+            (d, fallbacks, scoring.overlap(&d), p)
         };
         if O::EXPLAINS {
             obs.chosen(
@@ -134,6 +139,7 @@ impl Scheduler {
         let bootstrap_room = bootstrap_port.map(|_| rand::rng().random::<u64>() >> 1);
         let decision = Decision {
             decode: d.target(),
+            fallbacks: fallbacks.iter().map(Cand::target).collect(),
             prefill: prefill_target,
             bootstrap_port,
             bootstrap_room,
@@ -289,7 +295,7 @@ impl Scheduler {
         side: Side,
         obs: &mut O,
     ) -> Option<Cand<'s>> {
-        let req = self.request_cost(side, at.size, at.pool.idle_ranks(side));
+        let req = self.request_cost(side, at.size, at.adapter, at.pool.idle_ranks(side));
         if O::EXPLAINS {
             let mut best: Option<(Cand<'s>, f64)> = None;
             for c in at.pool.iter(side) {
@@ -303,24 +309,86 @@ impl Scheduler {
             }
             return best.map(|(c, _)| c);
         }
-        let cost =
-            |c: &Cand<'_>, overlap: usize| self.cost(c, at.prompt.uncached(overlap), &req, at.now);
         if let Choice::Sample { temperature } = self.plugins.choice() {
             let cands: Vec<Cand<'s>> = at.pool.iter(side).collect();
-            let costs: Vec<f64> = cands.iter().map(|c| cost(c, at.overlap(c))).collect();
+            let costs: Vec<f64> = cands.iter().map(|c| at.cost(self, c, &req)).collect();
             let i = pick_index(&costs, temperature, &mut rand::rng());
             return cands.get(i).copied();
         }
         let seed = self.tie_break_seed();
         let mut least = Least::new(seed);
-        let floor = |overlap: usize| self.cost_floor(at.prompt.uncached(overlap), &req);
+        self.prune(at, side, &req, seed, &mut least);
+        least.best
+    }
+
+    /// The decode target (`pinned`, else the best) and up to `n - 1`
+    /// fallbacks: the next best of other addresses, best first.
+    fn choose_with_fallbacks<'s>(
+        &self,
+        at: &Scoring<'s, '_>,
+        pinned: Option<Cand<'s>>,
+        n: usize,
+    ) -> Option<(Cand<'s>, Vec<Cand<'s>>)> {
+        let mut ranked = self.choose_ranked(at, Side::Decode, n);
+        let d = match pinned {
+            Some(c) => c,
+            None if ranked.is_empty() => return None,
+            None => ranked.remove(0),
+        };
+        ranked.retain(|c| c.ep.endpoint.address != d.ep.endpoint.address);
+        ranked.truncate(n - 1);
+        Some((d, ranked))
+    }
+
+    /// The `n` best candidates of `side` at distinct addresses, best first:
+    /// the pruned argmin kept `n` deep, or with a sampling picker, `n` draws
+    /// without replacement.
+    fn choose_ranked<'s>(&self, at: &Scoring<'s, '_>, side: Side, n: usize) -> Vec<Cand<'s>> {
+        let req = self.request_cost(side, at.size, at.adapter, at.pool.idle_ranks(side));
+        if let Choice::Sample { temperature } = self.plugins.choice() {
+            let cands: Vec<Cand<'s>> = at.pool.iter(side).collect();
+            let mut costs: Vec<f64> = cands.iter().map(|c| at.cost(self, c, &req)).collect();
+            let mut out = Vec::with_capacity(n);
+            let mut rng = rand::rng();
+            // A drawn address is out of the next draws (NaN weighs nothing).
+            while out.len() < n && costs.iter().any(|c| !c.is_nan()) {
+                let chosen = cands[pick_index(&costs, temperature, &mut rng)];
+                for (c, cost) in cands.iter().zip(costs.iter_mut()) {
+                    if c.ep.endpoint.address == chosen.ep.endpoint.address {
+                        *cost = f64::NAN;
+                    }
+                }
+                out.push(chosen);
+            }
+            return out;
+        }
+        let seed = self.tie_break_seed();
+        let mut ranked = Ranked::new(seed, n);
+        self.prune(at, side, &req, seed, &mut ranked);
+        ranked.into_vec()
+    }
+
+    /// Offers `best` the candidates of `side` that may beat its bar (see
+    /// [`Self::choose`]), from a start drawn from `seed`.
+    #[inline(always)]
+    fn prune<'s, B: Best<Cand<'s>>>(
+        &self,
+        at: &Scoring<'s, '_>,
+        side: Side,
+        req: &RequestCost,
+        seed: u64,
+        best: &mut B,
+    ) {
+        let cost =
+            |c: &Cand<'_>, overlap: usize| self.cost(c, at.prompt.uncached(overlap), req, at.now);
+        let floor = |overlap: usize| self.cost_floor(at.prompt.uncached(overlap), req);
         let (Some(no_overlap), true) = (floor(0), at.pool.direct()) else {
             // No floor (a negative weight), or a holder's key may name several
             // endpoints: score every candidate.
             for c in at.pool.iter(side) {
-                least.offer(c, cost(&c, at.overlap(&c)));
+                best.offer(c, cost(&c, at.overlap(&c)));
             }
-            return least.best;
+            return;
         };
         let start = seed.rotate_left(32);
         if let Some(o) = at.overlaps {
@@ -331,41 +399,39 @@ impl Scheduler {
                     // A level of a good part of the pool: reading the pool in
                     // order costs less than finding each holder by its key.
                     for c in at.pool.iter_from(side, start) {
-                        least.offer(c, cost(&c, at.overlap(&c)));
-                        if least.cost <= within {
+                        best.offer(c, cost(&c, at.overlap(&c)));
+                        if best.bar() <= within {
                             break;
                         }
                     }
-                    return least.best;
+                    return;
                 }
                 let found = level.try_for_each(start, |key| {
                     if let Some(c) = at.pool.get(key, side) {
-                        least.offer(c, cost(&c, o.get(&c)));
+                        best.offer(c, cost(&c, o.get(&c)));
                     }
-                    match least.cost <= within {
+                    match best.bar() <= within {
                         true => ControlFlow::Break(()),
                         false => ControlFlow::Continue(()),
                     }
                 });
                 let below = levels.peek().map_or(0, |l| l.depth);
-                if found.is_break() || least.cost <= floor(below).unwrap_or(no_overlap) {
-                    return least.best;
+                if found.is_break() || best.bar() <= floor(below).unwrap_or(no_overlap) {
+                    return;
                 }
             }
         }
-        if least.cost <= no_overlap {
-            return least.best;
+        if best.bar() <= no_overlap {
+            return;
         }
         // A holder met here costs at most this (its overlap counted as none),
         // and was offered at its own cost above.
         for c in at.pool.iter_from(side, start) {
-            let c_cost = cost(&c, 0);
-            least.offer(c, c_cost);
-            if c_cost <= no_overlap {
+            best.offer(c, cost(&c, 0));
+            if best.bar() <= no_overlap {
                 break;
             }
         }
-        least.best
     }
 
     /// The target now holds the prompt's blocks (approximate entries, or
@@ -396,6 +462,8 @@ pub(super) struct Scoring<'s, 'p> {
     overlaps: Option<&'p PromptOverlaps>,
     prompt: &'p hash::PromptBlocks,
     size: u64,
+    /// The request's `model` as an adapter id.
+    adapter: Option<u64>,
     now: i64,
 }
 
@@ -403,6 +471,11 @@ impl Scoring<'_, '_> {
     /// Leading prompt blocks `c` holds.
     pub(super) fn overlap(&self, c: &Cand<'_>) -> usize {
         self.overlaps.map_or(0, |o| o.get(c))
+    }
+
+    /// What `s` charges for sending `req` to `c`, with its overlap.
+    fn cost(&self, s: &Scheduler, c: &Cand<'_>, req: &RequestCost) -> f64 {
+        s.cost(c, self.prompt.uncached(self.overlap(c)), req, self.now)
     }
 }
 

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use super::filters::{body::PrefillNeedsBody, ejected::Ejected, subset::Subset, Filter};
 use super::pickers::{max_score::MaxScore, Choice, Picker};
 use super::terms::Scorer;
-use super::terms::{kv_usage::KvUsage, load::ActiveLoad, prefix::PrefixCache, queue::Queue};
+use super::terms::{
+    kv_usage::KvUsage, load::ActiveLoad, lora::LoraAffinity, prefix::PrefixCache, queue::Queue,
+};
 use super::Weights;
 
 /// Filters, terms and picker of a scheduler.
@@ -31,8 +33,9 @@ impl Plugins {
     }
 
     /// The default list: every built-in term at `weights` (in the order
-    /// prefill, active load, queue, KV usage), the max-score picker at
-    /// `temperature`.
+    /// prefill, active load, queue, KV usage), LoRA affinity at its default
+    /// weight (it costs nothing until workers export adapter state), the
+    /// max-score picker at `temperature`.
     pub fn from_weights(weights: Weights, temperature: f64) -> Self {
         Plugins {
             filters: Self::builtin_filters(),
@@ -50,8 +53,14 @@ impl Plugins {
                 Arc::new(KvUsage {
                     weight: weights.kv_usage,
                 }),
+                Arc::new(LoraAffinity {
+                    weight: super::terms::lora::DEFAULT_WEIGHT,
+                }),
             ],
-            picker: Arc::new(MaxScore { temperature }),
+            picker: Arc::new(MaxScore {
+                temperature,
+                max_endpoints: None,
+            }),
         }
     }
 

@@ -15,7 +15,9 @@ use serde::Serialize;
 use super::filters::Filter;
 use super::pickers::{self, max_score::MaxScore, Picker};
 use super::terms::Scorer;
-use super::terms::{kv_usage::KvUsage, load::ActiveLoad, prefix::PrefixCache, queue::Queue};
+use super::terms::{
+    kv_usage::KvUsage, load::ActiveLoad, lora::LoraAffinity, prefix::PrefixCache, queue::Queue,
+};
 use super::Weights;
 
 /// What a plugin type is to kvpick.
@@ -85,6 +87,9 @@ fn queue(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError> {
 fn kv_usage(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError> {
     Ok(Arc::new(KvUsage::from_config(a)?))
 }
+fn lora(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError> {
+    Ok(Arc::new(LoraAffinity::from_config(a)?))
+}
 fn max_score(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Picker>, PluginError> {
     Ok(Arc::new(MaxScore::from_config(a)?))
 }
@@ -100,6 +105,7 @@ pub static REGISTRY: &[Entry] = &[
     scorer("token-load-scorer", "decode_load", load),
     scorer("queue-scorer", "queue", queue),
     scorer("kv-cache-utilization-scorer", "kv_usage", kv_usage),
+    scorer("lora-affinity-scorer", "lora", lora),
     picker("max-score-picker", max_score),
     picker("random-picker", |a| {
         Ok(Arc::new(pickers::random::Random::from_config(a)?))

@@ -2,6 +2,13 @@
 //! gateway on 127.0.0.1, a short multi-turn chat workload through them, a table
 //! of what each worker saw, then the same workload behind the same gateway with
 //! no picker (Envoy failing open round robin over fresh workers) next to it.
+//!
+//! Light, the pool is idle and the prompt's prefix decides: each shared system
+//! prompt's conversations stay on the worker that holds it (2 prompts, 2 of 4
+//! workers busy), which the demo says. A second phase runs many more
+//! conversations at once on fresh stacks: the in-flight load then outweighs
+//! the prefix on a busy holder, kvpick spreads over every worker and keeps its
+//! hit rate; per-worker shares are printed for both pickers.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -36,6 +43,9 @@ struct Args {
     /// How the gateway sends bodies to kvpick.
     #[arg(long, value_enum, default_value = "full-duplex")]
     body_mode: BodyMode,
+    /// Concurrent conversations of the phase at load (0 skips it).
+    #[arg(long, default_value_t = 48)]
+    load_sessions: usize,
 }
 
 #[tokio::main]
@@ -55,13 +65,7 @@ async fn main() -> anyhow::Result<()> {
         itl: Duration::from_millis(1),
         ..WorkerConfig::default()
     };
-    let stack = Stack::start(StackOptions {
-        workers: a.workers,
-        worker: worker.clone(),
-        body_mode: a.body_mode,
-        ..StackOptions::default()
-    })
-    .await?;
+    let stack = start_stack(&a, &worker).await?;
     println!(
         "kvpick (standalone, ext_proc on {}) + {} mock workers + test gateway on {}",
         stack.kvpick.addr(),
@@ -109,7 +113,77 @@ async fn main() -> anyhow::Result<()> {
         let (hit, ttft) = summary(counters, &worker);
         println!("| {name} | {:.1}% | {ttft:.1} |", hit * 100.0);
     }
+    let busy = picked.iter().filter(|c| c.requests > 0).count();
+    println!(
+        "\nWhy {busy} of {} workers: the pool is idle, so the cheapest worker for a \
+         conversation is the one already holding its system prompt ({} shared \
+         prompts). Load enters the cost once workers are busy:",
+        picked.len(),
+        w.system_prompts
+    );
+    if a.load_sessions > 0 {
+        at_load(&a, &worker, &w).await?;
+    }
     Ok(())
+}
+
+/// kvpick behind the test gateway with `a.workers` fresh mock workers.
+async fn start_stack(a: &Args, worker: &WorkerConfig) -> anyhow::Result<Stack> {
+    Ok(Stack::start(StackOptions {
+        workers: a.workers,
+        worker: worker.clone(),
+        body_mode: a.body_mode,
+        ..StackOptions::default()
+    })
+    .await?)
+}
+
+/// The phase at load: `a.load_sessions` conversations at once through kvpick
+/// and through round robin (fresh stacks); prints each worker's share of the
+/// requests and each picker's hit rate.
+async fn at_load(a: &Args, worker: &WorkerConfig, light: &Workload) -> anyhow::Result<()> {
+    let w = Workload {
+        sessions: a.load_sessions,
+        ..light.clone()
+    };
+    let stack = start_stack(a, worker).await?;
+    let outcome = workload::run(&stack.client(), &w).await?;
+    ensure_ok("kvpick at load", &outcome)?;
+    let picked: Vec<Counters> = stack.workers.iter().map(WorkerHandle::counters).collect();
+    drop(stack);
+    let (unpicked, rr) = round_robin(a, worker, &w).await?;
+    ensure_ok("round robin at load", &rr)?;
+    println!(
+        "\nat load: {} conversations x {} turns at once\n",
+        w.sessions, w.turns
+    );
+    print!("{}", share_table(&picked, &unpicked));
+    println!("\n| picker | prefix hit rate | mean TTFT (ms, the workers' prefill model) |");
+    println!("| --- | --- | --- |");
+    for (name, counters) in [("kvpick", &picked), ("round robin", &unpicked)] {
+        let (hit, ttft) = summary(counters, worker);
+        println!("| {name} | {:.1}% | {ttft:.1} |", hit * 100.0);
+    }
+    Ok(())
+}
+
+/// Each worker's share of the requests under both pickers, as a markdown table.
+fn share_table(picked: &[Counters], unpicked: &[Counters]) -> String {
+    let share = |all: &[Counters], i: usize| {
+        let total: u64 = all.iter().map(|c| c.requests).sum();
+        100.0 * all[i].requests as f64 / total.max(1) as f64
+    };
+    let mut out =
+        String::from("| worker | kvpick share | round robin share |\n| --- | --- | --- |\n");
+    for i in 0..picked.len().min(unpicked.len()) {
+        out.push_str(&format!(
+            "| {} | {:.1}% | {:.1}% |\n",
+            i + 1,
+            share(picked, i),
+            share(unpicked, i)
+        ));
+    }
+    out
 }
 
 fn ensure_ok(who: &str, outcome: &Outcome) -> anyhow::Result<()> {

@@ -11,13 +11,15 @@ use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
 pub struct MaxScore {
     /// 0: the least cost; above: softmax sampling.
     pub temperature: f64,
+    /// `maxNumOfEndpoints`, when configured.
+    pub max_endpoints: Option<usize>,
 }
 
 /// llm-d's parameters.
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Params {
-    /// How many endpoints to return, best first (kvpick routes to one).
+    /// How many endpoints to return, best first (the rest are fallbacks).
     max_num_of_endpoints: Option<u32>,
 }
 
@@ -25,15 +27,9 @@ impl MaxScore {
     /// The picker the registry builds, with `--temperature`.
     pub fn from_config(args: &mut PluginArgs<'_>) -> Result<Self, PluginError> {
         let p: Params = decode_params(args)?;
-        match p.max_num_of_endpoints {
-            Some(0) => return Err(args.invalid("maxNumOfEndpoints must be at least 1")),
-            Some(n) if n > 1 => args.warn(format!(
-                "maxNumOfEndpoints {n}: kvpick routes each request to one endpoint"
-            )),
-            _ => {}
-        }
         Ok(MaxScore {
             temperature: args.temperature,
+            max_endpoints: super::max_num_of_endpoints(args, p.max_num_of_endpoints)?,
         })
     }
 }
@@ -45,5 +41,9 @@ impl Picker for MaxScore {
 
     fn choice(&self) -> Choice {
         Choice::with_temperature(self.temperature)
+    }
+
+    fn max_endpoints(&self) -> Option<usize> {
+        self.max_endpoints
     }
 }

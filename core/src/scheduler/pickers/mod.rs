@@ -40,4 +40,22 @@ pub trait Picker: Send + Sync + fmt::Debug {
 
     /// How it chooses.
     fn choice(&self) -> Choice;
+
+    /// How many endpoints a decision names, best first (the primary, then
+    /// fallbacks for the gateway's retries), when its configuration says
+    /// (`maxNumOfEndpoints`); `None` leaves it to `--max-endpoints`.
+    fn max_endpoints(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// `maxNumOfEndpoints`, checked: at least 1 when given.
+pub(crate) fn max_num_of_endpoints(
+    args: &crate::scheduler::registry::PluginArgs<'_>,
+    given: Option<u32>,
+) -> Result<Option<usize>, crate::scheduler::registry::PluginError> {
+    match given {
+        Some(0) => Err(args.invalid("maxNumOfEndpoints must be at least 1")),
+        n => Ok(n.map(|n| n as usize)),
+    }
 }

@@ -9,13 +9,16 @@ use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
 
 /// Picks uniformly among the candidates.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Random;
+pub struct Random {
+    /// `maxNumOfEndpoints`, when configured.
+    pub max_endpoints: Option<usize>,
+}
 
 /// llm-d's parameters.
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Params {
-    /// How many endpoints to return (kvpick routes to one).
+    /// How many endpoints to return (the rest are fallbacks).
     max_num_of_endpoints: Option<u32>,
 }
 
@@ -23,10 +26,9 @@ impl Random {
     /// The picker the registry builds.
     pub fn from_config(args: &mut PluginArgs<'_>) -> Result<Self, PluginError> {
         let p: Params = decode_params(args)?;
-        match p.max_num_of_endpoints {
-            Some(0) => Err(args.invalid("maxNumOfEndpoints must be at least 1")),
-            _ => Ok(Random),
-        }
+        Ok(Random {
+            max_endpoints: super::max_num_of_endpoints(args, p.max_num_of_endpoints)?,
+        })
     }
 }
 
@@ -39,6 +41,10 @@ impl Picker for Random {
         Choice::Sample {
             temperature: f64::INFINITY,
         }
+    }
+
+    fn max_endpoints(&self) -> Option<usize> {
+        self.max_endpoints
     }
 }
 
@@ -55,7 +61,7 @@ mod tests {
     fn it_is_registered_and_spreads_a_repeated_prompt_over_every_worker() {
         assert!(registry::lookup("random-picker").is_some());
         let plugins = Plugins {
-            picker: Arc::new(Random),
+            picker: Arc::new(Random::default()),
             ..Plugins::from_weights(Weights::default(), 0.0)
         };
         let s = Scheduler::new(SchedulerConfig {

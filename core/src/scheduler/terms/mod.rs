@@ -20,10 +20,13 @@
 //! - [`load::ActiveLoad`] (`active-request-scorer`, `load-aware-scorer`, ...):
 //!   active load;
 //! - [`queue::Queue`] (`queue-scorer`): scraped queue;
-//! - [`kv_usage::KvUsage`] (`kv-cache-utilization-scorer`): scraped KV usage.
+//! - [`kv_usage::KvUsage`] (`kv-cache-utilization-scorer`): scraped KV usage;
+//! - [`lora::LoraAffinity`] (`lora-affinity-scorer`): the request's LoRA
+//!   adapter resident, else a free adapter slot.
 
 pub mod kv_usage;
 pub mod load;
+pub mod lora;
 pub mod prefix;
 pub mod queue;
 
@@ -103,11 +106,14 @@ pub struct RequestCost {
     pub side: Side,
     /// How waits behind pending prefills count on this side.
     pub wait: PendingWait,
+    /// The request's `model` as an adapter id
+    /// ([`adapter_id`](crate::endpoints::adapter_id)); `None` without a body.
+    pub adapter: Option<u64>,
 }
 
 /// A candidate's cost term by term (name, weighted cost), in summing order.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct CostTerms(pub SmallVec<[(&'static str, f64); 4]>);
+pub struct CostTerms(pub SmallVec<[(&'static str, f64); 5]>);
 
 impl CostTerms {
     /// The cost: the sum of the terms.

@@ -11,6 +11,7 @@ use crate::endpoints::{Endpoint, EndpointTable, Role};
 pub(super) use crate::fixtures::{parse as body, pool, prompt, scrape, table, with_body};
 
 mod health;
+mod lora;
 mod plugins;
 mod prop;
 mod wait;
@@ -1109,5 +1110,55 @@ fn a_pool_read_in_order_still_finds_its_least_costly_holder() {
         let d = s.pick_at(&with_body(&p), &snap, now).unwrap();
         assert_eq!(d.decode.key(), snap.endpoints[5].key(0));
         s.finish_at(&d, Some(200), now);
+    }
+}
+
+/// With `max_endpoints` above 1 a decision lists fallbacks: other addresses
+/// than its decode target (a data-parallel endpoint once), a session turn
+/// still on its bound worker; the default lists none.
+#[test]
+fn fallbacks_name_other_addresses_and_a_session_keeps_its_worker() {
+    let t = table(&[
+        ("10.0.0.1:80", 2, Role::Both),
+        ("10.0.0.2:80", 1, Role::Both),
+        ("10.0.0.3:80", 1, Role::Both),
+    ]);
+    let snap = t.snapshot();
+    let one = Scheduler::default();
+    let d = one.pick(&PickRequest::default(), &snap).unwrap();
+    assert!(d.fallbacks.is_empty());
+    let s = Scheduler::new(SchedulerConfig {
+        max_endpoints: 3,
+        ..Default::default()
+    });
+    let addresses = |d: &Decision| -> Vec<String> {
+        std::iter::once(&d.decode)
+            .chain(&d.fallbacks)
+            .map(|t| t.endpoint().address_string())
+            .collect()
+    };
+    for _ in 0..8 {
+        let d = s.pick(&PickRequest::default(), &snap).unwrap();
+        let mut all = addresses(&d);
+        all.sort();
+        assert_eq!(all, ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]);
+        s.finish(&d, Some(200));
+    }
+    let open = s
+        .pick(&with_body(&session("s", Some("open"), "hi")), &snap)
+        .unwrap();
+    s.finish(&open, Some(200));
+    for _ in 0..4 {
+        // Load elsewhere or not, the turn stays; its fallbacks are the others.
+        let held = s.pick(&PickRequest::default(), &snap).unwrap();
+        let turn = s
+            .pick(&with_body(&session("s", None, "hi again")), &snap)
+            .unwrap();
+        assert_eq!(turn.decode.key(), open.decode.key());
+        let all = addresses(&turn);
+        assert_eq!(all.len(), 3);
+        assert!(!all[1..].contains(&all[0]), "{all:?}");
+        s.finish(&turn, Some(200));
+        s.finish(&held, Some(200));
     }
 }

@@ -138,10 +138,10 @@ fn a_configured_filter_drops_endpoints_and_explain_gives_its_reason() {
 #[test]
 fn the_floor_is_the_sum_of_the_terms_lower_bounds() {
     let s = Scheduler::default();
-    let req = s.request_cost(Side::Decode, 10, 0);
+    let req = s.request_cost(Side::Decode, 10, None, 0);
     // Default weights: prefill 1 per block to prefill, every other term ≥ 0.
     assert_eq!(s.cost_floor(7, &req), Some(7.0));
-    let req = s.request_cost(Side::Prefill, 10, 0);
+    let req = s.request_cost(Side::Prefill, 10, None, 0);
     assert_eq!(s.cost_floor(7, &req), Some(14.0), "prefill_overlap 2");
     // A term without a bound (a negative weight) leaves no floor.
     let s = with(Plugins::from_weights(
@@ -151,5 +151,8 @@ fn the_floor_is_the_sum_of_the_terms_lower_bounds() {
         },
         0.0,
     ));
-    assert_eq!(s.cost_floor(7, &s.request_cost(Side::Decode, 10, 0)), None);
+    assert_eq!(
+        s.cost_floor(7, &s.request_cost(Side::Decode, 10, None, 0)),
+        None
+    );
 }

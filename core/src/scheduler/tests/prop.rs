@@ -170,13 +170,34 @@ fn least_explained(all: &[CandidateScore], prefill: bool) -> Option<f64> {
         .min_by(f64::total_cmp)
 }
 
+/// The least decode cost of each address but `except`, ascending (a
+/// data-parallel endpoint counts its best rank).
+fn ranked_addresses(all: &[CandidateScore], except: &str) -> Vec<f64> {
+    let mut best: Vec<(&str, f64)> = Vec::new();
+    for c in all
+        .iter()
+        .filter(|c| !c.prefill && c.filtered_out.is_none())
+    {
+        let cost = c.terms.total();
+        match best.iter_mut().find(|(a, _)| *a == c.address) {
+            Some((_, b)) => *b = b.min(cost),
+            None if c.address != except => best.push((&c.address, cost)),
+            None => {}
+        }
+    }
+    let mut costs: Vec<f64> = best.into_iter().map(|(_, c)| c).collect();
+    costs.sort_by(f64::total_cmp);
+    costs
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(192))]
 
     /// Whatever the pool (its size, shared instance ids, roles, ranks, health,
     /// scrapes, load and which prompt blocks each rank holds in the index or
     /// provisionally, a subset hint or none), the pick's decode and prefill targets cost exactly
-    /// the least `explain` finds by scoring every candidate, and a pick fails
+    /// the least `explain` finds by scoring every candidate, its fallbacks the
+    /// next least of the other addresses in order, and a pick fails
     /// exactly when `explain` does, with the same error.
     #[test]
     fn a_pick_costs_the_least_of_every_candidate(
@@ -185,13 +206,14 @@ proptest! {
         ttl_expired in prop::bool::ANY,
         held_share in 1u64..=8,
         coarse_blocks in prop::bool::ANY,
+        max_endpoints in 1usize..=4,
     ) {
         // Token blocks of 1,024 tokens bring the pending-wait thresholds within
         // the case: every non-holder of the 24-block prompt is long (24
         // blocks), and a holder's wait beyond 128 blocks counts in full while
         // some rank has nothing pending.
         let token_block = if coarse_blocks { 1024 } else { SchedulerConfig::default().token_block };
-        let s = Scheduler::new(SchedulerConfig { token_block, ..Default::default() });
+        let s = Scheduler::new(SchedulerConfig { token_block, max_endpoints, ..Default::default() });
         let t = EndpointTable::new();
         let addr = |i: usize| format!("10.0.{}.{}:80", i / 256, i % 256);
         t.replace(
@@ -273,6 +295,18 @@ proptest! {
                     chosen.is_some_and(|c| (c - least).abs() < 1e-9),
                     "decode {} costs {chosen:?}, least {least}", d.decode.key()
                 );
+                // Fallbacks: the next best addresses, in cost order, as many
+                // as there are up to `max_endpoints - 1`.
+                let others = ranked_addresses(&e.candidates, &d.decode.endpoint().address_string());
+                let fallbacks: Vec<Option<f64>> =
+                    d.fallbacks.iter().map(|f| cost_of(f, false)).collect();
+                prop_assert_eq!(fallbacks.len(), others.len().min(max_endpoints - 1));
+                for (got, want) in fallbacks.iter().zip(&others) {
+                    prop_assert!(
+                        got.is_some_and(|c| (c - want).abs() < 1e-9),
+                        "fallbacks cost {fallbacks:?}, the next best {others:?}"
+                    );
+                }
                 match (least_explained(&e.candidates, true), &d.prefill) {
                     (None, None) => {}
                     (Some(least), Some(p)) => {

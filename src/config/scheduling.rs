@@ -1,0 +1,156 @@
+//! The scheduler: prefix index, cost weights, booked load.
+
+use std::time::Duration;
+
+use super::duration;
+use crate::kv::index::IndexConfig;
+use crate::scheduler::Weights;
+
+/// The scheduler: prefix index, cost weights, booked load.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SchedulingFlags {
+    /// Expected output tokens of a request without `nvext.agent_hints.osl`; the
+    /// expected decode blocks count in the decode rank's booked load.
+    #[arg(long, env = "KVPICK_DEFAULT_OSL_TOKENS", default_value_t = 0)]
+    pub default_osl_tokens: u32,
+
+    /// Most load one request may book on a worker, in blocks (prompt plus
+    /// expected output; a block is 64 bytes of text or 16 tokens by default).
+    #[arg(long, env = "KVPICK_MAX_REQUEST_LOAD_BLOCKS",
+          default_value_t = crate::scheduler::DEFAULT_MAX_REQUEST_LOAD_BLOCKS)]
+    pub max_request_load_blocks: u64,
+
+    /// Bootstrap port of `sglang` prefill pods without a `kvpick.io/bootstrap-port`
+    /// annotation (SGLang's default); 0 sends no bootstrap headers for them.
+    #[arg(long, env = "KVPICK_SGLANG_BOOTSTRAP_PORT", default_value_t = 8998)]
+    pub sglang_bootstrap_port: u16,
+
+    /// Text prefix block size in bytes (about 4 bytes a token: 64 ≈ 16 tokens).
+    #[arg(long, env = "KVPICK_PREFIX_BYTE_BLOCK", default_value_t = 64)]
+    pub prefix_byte_block: usize,
+
+    /// Prefix block size in tokens for prompts given as token ids (the engine's
+    /// KV block size).
+    #[arg(long, env = "KVPICK_PREFIX_TOKEN_BLOCK", default_value_t = 16)]
+    pub prefix_token_block: usize,
+
+    /// Most prompt tokens prefix matching hashes and looks up (the llm-d Router's
+    /// `maxPrefixTokensToMatch`); the blocks past them count as uncached. In
+    /// blocks: this over `--prefix-token-block` (a text block of
+    /// `--prefix-byte-block` bytes counts as one block). 0: the whole prompt.
+    #[arg(long, env = "KVPICK_MAX_PREFIX_TOKENS", default_value_t = crate::scheduler::DEFAULT_MAX_PREFIX_TOKENS)]
+    pub max_prefix_tokens: usize,
+
+    /// Approximate prefix index: blocks remembered per worker rank until its
+    /// scraped KV capacity is known.
+    #[arg(long, env = "KVPICK_PREFIX_CAPACITY_BLOCKS", default_value_t = 31_250)]
+    pub prefix_capacity_blocks: usize,
+
+    /// Approximate prefix index: seconds an entry stays valid after its last use
+    /// (0: no expiry, LRU only).
+    /// A bare number counts seconds; `90s`, `15m`, `1h` also work.
+    #[arg(long, env = "KVPICK_PREFIX_TTL_SECS", default_value = "900", value_parser = duration::secs)]
+    pub prefix_ttl_secs: Duration,
+
+    /// Precise workers: seconds a routed prompt counts as held there
+    /// (provisional entries) at most; its blocks' KV events end it sooner.
+    /// A bare number counts seconds; `90s`, `15m`, `1h` also work.
+    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value = "10", value_parser = duration::secs)]
+    pub provisional_ttl_secs: Duration,
+
+    /// Precise prefix index: KV-event blocks kept per worker rank until its engine's
+    /// block count is scraped (then `num_gpu_blocks` × `--prefix-precise-slack`);
+    /// stores beyond the cap are dropped and counted.
+    #[arg(
+        long,
+        env = "KVPICK_PREFIX_PRECISE_MAX_BLOCKS",
+        default_value_t = 1_000_000
+    )]
+    pub prefix_precise_max_blocks: usize,
+
+    /// Precise prefix index: the cap per worker rank is the engine's scraped
+    /// `num_gpu_blocks` times this (at least 1).
+    #[arg(long, env = "KVPICK_PREFIX_PRECISE_SLACK", default_value_t = 1.5)]
+    pub prefix_precise_slack: f64,
+
+    /// Cost weight per prompt block the candidate must still prefill.
+    #[arg(long, env = "KVPICK_WEIGHT_PREFILL", default_value_t = 1.0)]
+    pub weight_prefill: f64,
+
+    /// Cost weight per block of active load on the candidate (counted while it
+    /// is saturated, or has no fresh scrape).
+    #[arg(long, env = "KVPICK_WEIGHT_DECODE", default_value_t = 0.1)]
+    pub weight_decode: f64,
+
+    /// Cost weight per block of scraped queued work (queued requests at their
+    /// uncached size).
+    #[arg(long, env = "KVPICK_WEIGHT_QUEUE", default_value_t = 0.25)]
+    pub weight_queue: f64,
+
+    /// Cost weight of scraped KV-cache usage (0..1, counted at the request's size).
+    #[arg(long, env = "KVPICK_WEIGHT_KV_USAGE", default_value_t = 1.0)]
+    pub weight_kv_usage: f64,
+
+    /// Prefill weight when picking the prefill worker of a disaggregated pool.
+    #[arg(long, env = "KVPICK_WEIGHT_PREFILL_OVERLAP", default_value_t = 2.0)]
+    pub weight_prefill_overlap: f64,
+
+    /// 0 picks the cheapest candidate; above 0, softmax sampling over costs scaled
+    /// to [0, 1] with this temperature.
+    #[arg(long, env = "KVPICK_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f64,
+
+    /// Endpoints each decision names in `x-gateway-destination-endpoint` (and
+    /// its `envoy.lb` metadata), comma-separated in cost order: the pick, then
+    /// fallbacks at other addresses the gateway's retries try in turn. An
+    /// `EndpointPickerConfig` picker's `maxNumOfEndpoints` overrides it.
+    #[arg(long, env = "KVPICK_MAX_ENDPOINTS", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_endpoints: u32,
+
+    /// The scheduler's plugin list an `EndpointPickerConfig` built (not a flag).
+    #[arg(skip)]
+    pub plugins: Option<crate::scheduler::Plugins>,
+}
+
+impl SchedulingFlags {
+    /// The cost weights the `--weight-*` flags set.
+    pub fn weights(&self) -> Weights {
+        Weights {
+            prefill: self.weight_prefill,
+            decode: self.weight_decode,
+            queue: self.weight_queue,
+            kv_usage: self.weight_kv_usage,
+            prefill_overlap: self.weight_prefill_overlap,
+        }
+    }
+
+    /// Sets the `--weight-*` values (from an `EndpointPickerConfig`).
+    pub fn set_weights(&mut self, w: Weights) {
+        self.weight_prefill = w.prefill;
+        self.weight_decode = w.decode;
+        self.weight_queue = w.queue;
+        self.weight_kv_usage = w.kv_usage;
+        self.weight_prefill_overlap = w.prefill_overlap;
+    }
+
+    /// Longest prefix matched, in blocks (`usize::MAX`: the whole prompt).
+    pub fn max_prefix_blocks(&self) -> usize {
+        match self.max_prefix_tokens {
+            0 => usize::MAX,
+            t => (t / self.prefix_token_block.max(1)).max(1),
+        }
+    }
+
+    /// The prefix index settings these flags describe.
+    pub fn index(&self) -> IndexConfig {
+        IndexConfig {
+            default_capacity: self.prefix_capacity_blocks,
+            ttl: (!self.prefix_ttl_secs.is_zero()).then_some(self.prefix_ttl_secs),
+            default_precise_limit: self.prefix_precise_max_blocks,
+            precise_slack: self.prefix_precise_slack.max(1.0),
+            // kvpick's block hashes and the engines' are chained.
+            chained: true,
+        }
+    }
+}
