@@ -172,6 +172,18 @@ impl SyncMetrics {
     }
 }
 
+impl SyncMetrics {
+    /// Stream entries replayed at warm start so far.
+    pub fn warm_start_entries(&self) -> u64 {
+        self.warm_start_entries.get()
+    }
+
+    /// Warm starts that reached their bound before loading the state.
+    pub fn warm_start_timeouts(&self) -> u64 {
+        self.warm_start_timeouts.get()
+    }
+}
+
 /// The scheduler's sink: a bounded queue the publisher drains.
 #[derive(Debug)]
 pub struct QueueSink {

@@ -8,6 +8,7 @@ pub mod overhead;
 pub mod overload;
 pub mod plot;
 pub mod replay;
+pub mod replicas;
 pub mod scale;
 pub mod sim;
 pub mod trace;

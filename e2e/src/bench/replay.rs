@@ -816,8 +816,19 @@ impl Kvpick {
         }
     }
 
-    fn at(&self, t_us: u64) -> Instant {
+    /// The scheduler's instant of simulated time `t_us`.
+    pub(super) fn at(&self, t_us: u64) -> Instant {
         self.base + Duration::from_micros(t_us)
+    }
+
+    /// The scheduler.
+    pub(super) fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// The endpoint set it routes over.
+    pub(super) fn snapshot(&self) -> &Snapshot {
+        &self.snapshot
     }
 }
 

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use e2e::bench::{flood, overhead, overload, plot, replay, scale};
+use e2e::bench::{flood, overhead, overload, plot, replay, replicas, scale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -31,6 +31,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per run: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Decision latency and throughput of kvpick's ext_proc server next to a no-op server.
@@ -152,6 +154,15 @@ enum Command {
         /// With --overload: flow control's queue TTL in seconds.
         #[arg(long, default_value_t = 60.0)]
         ttl: f64,
+        /// Instead of the policy comparison: kvpick-approx as this many replicas
+        /// (requests to them in turn), each count synced and unsynced, beside
+        /// one replica (e.g. `2,4`).
+        #[arg(long, value_delimiter = ',')]
+        replicas: Vec<usize>,
+        /// With --replicas: propagation delay of a synced delta to the peers, ms
+        /// (default: above the loopback p99 of `kvpick-bench sync`).
+        #[arg(long, default_value_t = 1.0)]
+        sync_delay_ms: f64,
     },
     /// Index and scheduler at fleet scale: memory, lookup, ingest, churn.
     Scale {
@@ -292,9 +303,26 @@ fn main() -> anyhow::Result<()> {
             mix,
             queue_depth_threshold,
             ttl,
+            replicas: counts,
+            sync_delay_ms,
         } => {
             let (name, requests) = args.load()?;
             let configs = args.configs();
+            if !counts.is_empty() {
+                let rc = replicas::ReplicaConfig {
+                    replicas: counts,
+                    delay: Duration::from_secs_f64(sync_delay_ms / 1000.0),
+                };
+                let report = replicas::ReplicaReport {
+                    workers: args.workers,
+                    delay_ms: sync_delay_ms,
+                    cells: configs
+                        .iter()
+                        .map(|cfg| replicas::cell(&name, &requests, cfg, &rc))
+                        .collect(),
+                };
+                return emit(cli.format, cli.save.as_deref(), &report, report.markdown());
+            }
             if let Some(factor) = factor {
                 let mut shares = [0.0; 3];
                 for (s, m) in shares.iter_mut().zip(&mix) {
