@@ -21,6 +21,7 @@ pub mod endpoint_picker_config;
 pub mod extproc;
 pub mod image_fetch;
 pub mod kvevents;
+pub mod malloc;
 pub mod multimodal_metrics;
 pub mod replica_sync;
 pub mod scheduler_metrics;

@@ -3,6 +3,7 @@ use kvpick::config::{Args, Command};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    kvpick::malloc::pin_mmap_threshold();
     let mut args = Args::parse();
     if let Some(Command::Crd) = args.command {
         print!("{}", kvpick::discovery::pool::CRD_YAML);
