@@ -515,7 +515,7 @@ mod tests {
         assert_eq!(a.scrape_config().lora_info_metric, None);
         assert_eq!(a.gie.tracing, Some(false));
         let warnings = a.gie.warnings();
-        assert_eq!(warnings.len(), 4, "{warnings:?}");
+        assert_eq!(warnings.len(), 3, "{warnings:?}");
         assert!(!warnings.iter().any(|w| w.contains("--config-file")));
         assert!(warnings
             .iter()
