@@ -21,11 +21,14 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use parking_lot::Mutex;
 use tonic::{Request, Response, Status};
 
+/// Received spans with their resource's service name.
+type Kept = Arc<Mutex<Vec<(String, Span)>>>;
+
 /// Spans received: counted, and kept with their resource's service name when
 /// the receiver keeps them.
 #[derive(Clone, Default)]
 pub struct OtlpReceiver {
-    kept: Option<Arc<Mutex<Vec<(String, Span)>>>>,
+    kept: Option<Kept>,
     received: Arc<AtomicU64>,
 }
 
