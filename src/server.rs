@@ -19,6 +19,7 @@ use crate::config::Args;
 use crate::discovery;
 use crate::endpoints::EndpointTable;
 use crate::error_chain::ErrorChain;
+use crate::extproc::metrics::ExtProcMetrics;
 use crate::extproc::{ExtProcService, Shared};
 use crate::kvevents::subscriber::{IngestThread, KvEventMetrics, KvEvents, SubscriberConfig};
 use crate::kvevents::KvEventSink;
@@ -105,6 +106,8 @@ pub struct App {
     pub scheduler: Arc<Scheduler>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// The ext_proc server's metrics.
+    pub extproc_metrics: Arc<ExtProcMetrics>,
     /// In-process tokenizer for text prompts, when configured.
     pub tokenizer: Option<TokenizerPool>,
     /// Admission and flow control (off until [`App::set_admission`] turns it on).
@@ -128,6 +131,7 @@ impl App {
         let scheduler = Arc::new(Scheduler::new(scheduler));
         let metrics = Arc::new(Metrics::new(pool));
         crate::scheduler_metrics::SchedulerMetrics::register(&metrics, Arc::clone(&scheduler));
+        let extproc_metrics = ExtProcMetrics::register(&metrics);
         let admission_metrics = AdmissionMetrics::register(&metrics, pool);
         let off = AdmissionConfig {
             enabled: false,
@@ -141,6 +145,7 @@ impl App {
             endpoints: Arc::new(EndpointTable::new()),
             scheduler,
             metrics,
+            extproc_metrics,
             tokenizer: None,
             admission,
             admission_metrics,
@@ -210,6 +215,7 @@ impl App {
             endpoints: Arc::clone(&self.endpoints),
             scheduler: Arc::clone(&self.scheduler),
             metrics: Arc::clone(&self.metrics),
+            extproc_metrics: Arc::clone(&self.extproc_metrics),
             pipeline: Pipeline::new(
                 self.scheduler.config().prompt_token_limit(),
                 self.tokenizer.clone(),
@@ -688,7 +694,7 @@ pub async fn run_until(
         () = shutdown => {}
     }
     let deadline = args.server.drain_timeout_ms;
-    let open = app.metrics.streams.get();
+    let open = app.extproc_metrics.streams.get();
     info!(
         open_streams = open,
         ?deadline,
@@ -703,7 +709,7 @@ pub async fn run_until(
         r = &mut others => r?,
         () = tokio::time::sleep(deadline) => {
             tracing::warn!(
-                open_streams = app.metrics.streams.get(),
+                open_streams = app.extproc_metrics.streams.get(),
                 "drain deadline passed; closing the remaining streams"
             );
         }

@@ -120,16 +120,6 @@ pub struct Metrics {
     average_running: Family<PoolLabels, FloatGauge>,
     per_endpoint_queue: Family<PoolEndpointLabels, FloatGauge>,
     scrape_staleness: parking_lot::Mutex<Duration>,
-    /// Requests whose client sent routing headers (removed).
-    pub spoofed_headers: Counter,
-    /// Request bodies refused (429) because the buffered-body budget was full.
-    pub body_budget_rejections: Counter,
-    /// Open ext_proc streams.
-    pub streams: Gauge,
-    /// Streams that ended in a panic (contained).
-    pub stream_panics: Counter,
-    /// Endpoints ejected by passive health (failing responses).
-    pub endpoint_ejections: Counter,
 }
 
 impl Metrics {
@@ -204,36 +194,6 @@ impl Metrics {
             "The total number of requests pending in the model server queue for each underlying endpoint.",
             per_endpoint_queue.clone(),
         );
-        let spoofed_headers = Counter::default();
-        registry.register(
-            "kvpick_spoofed_routing_headers",
-            "Requests that arrived with routing headers set by the client (removed)",
-            spoofed_headers.clone(),
-        );
-        let body_budget_rejections = Counter::default();
-        registry.register(
-            "kvpick_body_budget_rejections",
-            "Request bodies answered 429 because the process-wide buffered-body budget was full",
-            body_budget_rejections.clone(),
-        );
-        let streams = Gauge::default();
-        registry.register(
-            "kvpick_ext_proc_streams",
-            "Open ext_proc streams",
-            streams.clone(),
-        );
-        let stream_panics = Counter::default();
-        registry.register(
-            "kvpick_ext_proc_stream_panics",
-            "ext_proc streams that ended in a contained panic",
-            stream_panics.clone(),
-        );
-        let endpoint_ejections = Counter::default();
-        registry.register(
-            "kvpick_endpoint_ejections",
-            "Times an endpoint was taken out of the candidate set for failing responses (5xx, connect failures)",
-            endpoint_ejections.clone(),
-        );
         for name in ["inference_extension_info", "llm_d_epp_info"] {
             let info = Family::<BuildLabels, Gauge>::default();
             info.get_or_create(&build_labels()).set(1);
@@ -256,11 +216,6 @@ impl Metrics {
             average_running,
             per_endpoint_queue,
             scrape_staleness: parking_lot::Mutex::new(Duration::from_secs(2)),
-            spoofed_headers,
-            body_budget_rejections,
-            streams,
-            stream_panics,
-            endpoint_ejections,
         }
     }
 

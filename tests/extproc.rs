@@ -785,7 +785,7 @@ async fn a_body_over_the_budget_gets_429_and_the_server_keeps_serving() {
         .unwrap();
     let r = changes(&mut a, Phase::RequestHeaders).await;
     assert!(r.get("x-gateway-destination-endpoint").is_some());
-    assert_eq!(srv.app.metrics.body_budget_rejections.get(), 1);
+    assert_eq!(srv.app.extproc_metrics.body_budget_rejections.get(), 1);
 }
 
 #[tokio::test]

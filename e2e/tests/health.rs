@@ -85,6 +85,6 @@ async fn a_killed_worker_loses_its_traffic_within_a_second_with_the_api_server_d
     eprintln!(
         "{} requests, failed at {failed:?}, ejections {}",
         replies.len(),
-        stack.app.metrics.endpoint_ejections.get()
+        stack.app.extproc_metrics.endpoint_ejections.get()
     );
 }

@@ -8,6 +8,7 @@
 pub mod budget;
 pub mod conformance;
 pub mod messages;
+pub mod metrics;
 pub mod stream;
 
 use std::collections::VecDeque;
@@ -33,6 +34,7 @@ use crate::admission_metrics::AdmissionMetrics;
 use crate::endpoints::EndpointTable;
 use crate::scheduler::Scheduler;
 use crate::telemetry::Metrics;
+use metrics::ExtProcMetrics;
 use stream::StreamState;
 
 /// Settings of the ext_proc handler.
@@ -77,6 +79,8 @@ pub struct Shared {
     pub scheduler: Arc<Scheduler>,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
+    /// The ext_proc server's own metrics.
+    pub extproc_metrics: Arc<metrics::ExtProcMetrics>,
     /// Handler settings.
     pub config: ExtProcConfig,
     /// Parses, identifies images and tokenizes bodies; edits the forwarded one.
@@ -139,7 +143,7 @@ impl ExternalProcessor for ExtProcService {
         let inbound = request.into_inner();
         let outbox = Outbox::default();
         let shared = Arc::clone(&self.shared);
-        let metrics = Arc::clone(&shared.metrics);
+        let metrics = Arc::clone(&shared.extproc_metrics);
         let heavy = Arc::clone(&self.heavy);
         let work = run_stream(shared, heavy, inbound, outbox.clone());
         Ok(Response::new(Box::pin(Contained::new(
@@ -193,12 +197,12 @@ struct Contained {
     work: Option<Pin<Box<dyn Future<Output = std::thread::Result<()>> + Send>>>,
     answers: Outbox,
     failed: Option<Status>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<ExtProcMetrics>,
 }
 
 impl Contained {
     fn new(
-        metrics: Arc<Metrics>,
+        metrics: Arc<ExtProcMetrics>,
         answers: Outbox,
         work: impl Future<Output = ()> + Send + 'static,
     ) -> Self {
@@ -500,7 +504,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_stream_ends_with_internal_and_others_go_on() {
-        let metrics = Arc::new(Metrics::new("t"));
+        let metrics = Arc::new(ExtProcMetrics::default());
         let tx = Outbox::default();
         let mut failing = Contained::new(Arc::clone(&metrics), tx.clone(), async move {
             tx.send(ProcessingResponse::default()).await;
@@ -526,7 +530,7 @@ mod tests {
 
     #[tokio::test]
     async fn dropping_the_response_stream_drops_its_work() {
-        let metrics = Arc::new(Metrics::new("t"));
+        let metrics = Arc::new(ExtProcMetrics::default());
         let tx = Outbox::default();
         let (alive, mut gone) = tokio::sync::mpsc::channel::<()>(1);
         let mut stream = Contained::new(Arc::clone(&metrics), tx.clone(), async move {
@@ -549,7 +553,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_outbox_holds_the_work_until_its_answers_are_taken() {
-        let metrics = Arc::new(Metrics::new("t"));
+        let metrics = Arc::new(ExtProcMetrics::default());
         let outbox = Outbox::default();
         let tx = outbox.clone();
         let (go, wait) = tokio::sync::oneshot::channel::<()>();

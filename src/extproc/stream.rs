@@ -389,7 +389,7 @@ impl StreamState {
         self.headers_at = Some(Instant::now());
         if !head.spoofed.is_empty() {
             info!(headers = ?head.spoofed, "client sent routing headers; removing them");
-            self.shared.metrics.spoofed_headers.inc();
+            self.shared.extproc_metrics.spoofed_headers.inc();
         }
         debug!(path = %head.path, request_id = ?head.request_id, "request headers");
         self.trace = RequestSpan::start(h.headers.as_ref(), &head.path);
@@ -432,7 +432,7 @@ impl StreamState {
                 budget.used(),
                 budget.limit()
             );
-            self.shared.metrics.body_budget_rejections.inc();
+            self.shared.extproc_metrics.body_budget_rejections.inc();
             return vec![self.reject(429, "rate_limit_exceeded", &msg)];
         }
         if self.body.is_empty() {
@@ -763,7 +763,7 @@ impl StreamState {
             .scheduler
             .record_response(decision, status, Instant::now())
         {
-            self.shared.metrics.endpoint_ejections.inc();
+            self.shared.extproc_metrics.endpoint_ejections.inc();
             warn!(
                 endpoint = %decision.decode.endpoint().address,
                 status,
