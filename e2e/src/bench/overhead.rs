@@ -285,14 +285,20 @@ pub struct ServerProcess {
 impl ServerProcess {
     /// Starts `exe overhead-server <kind args>` and reads its port.
     pub async fn start(exe: &Path, kind: ServerKind) -> anyhow::Result<Self> {
-        let mut child = Command::new(exe)
-            .arg("overhead-server")
-            .args(kind.args())
+        let mut command = Command::new(exe);
+        command.arg("overhead-server").args(kind.args());
+        Self::spawn(command).await
+    }
+
+    /// Starts `command` (an `overhead-server`, possibly under a wrapper such as
+    /// valgrind) and reads its port.
+    pub async fn spawn(mut command: Command) -> anyhow::Result<Self> {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .with_context(|| format!("starting {}", exe.display()))?;
+            .with_context(|| format!("starting {:?}", command.as_std().get_program()))?;
         let stdout = child.stdout.take().context("child stdout")?;
         let mut line = String::new();
         BufReader::new(stdout).read_line(&mut line).await?;
@@ -515,7 +521,7 @@ async fn measure_pair(
 
 /// Distinct bodies per cell: 64, fewer for large bodies so the client holds at
 /// most about 256 MiB of them.
-fn variants(bytes: usize) -> u64 {
+pub fn variants(bytes: usize) -> u64 {
     ((256 << 20) / bytes.max(1)).clamp(4, 64) as u64
 }
 

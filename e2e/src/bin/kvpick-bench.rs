@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use e2e::bench::{flood, overhead, overload, plot, replay, replicas, scale};
+use e2e::bench::{flood, instructions, overhead, overload, plot, replay, replicas, scale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -63,6 +63,29 @@ enum Command {
         /// HTTP/2 connections shared by the streams.
         #[arg(long, default_value_t = 2)]
         connections: usize,
+    },
+    /// Instructions per request of kvpick's ext_proc server and the no-op server,
+    /// counted by valgrind, this binary beside older ones in one run.
+    Instructions {
+        /// Chat body sizes in bytes.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1024,32768,225280,1048576,8388608"
+        )]
+        body_bytes: Vec<usize>,
+        /// Endpoint counts.
+        #[arg(long, value_delimiter = ',', default_value = "8,64,1024")]
+        endpoints: Vec<usize>,
+        /// A baseline: `NAME=PATH` of another `kvpick-bench` (repeatable).
+        #[arg(long = "against", value_parser = named_path)]
+        against: Vec<(String, PathBuf)>,
+        /// Body bytes the longer run of each cell sends in all.
+        #[arg(long, default_value_t = 64 << 20)]
+        bytes_per_run: usize,
+        /// Directory for valgrind's output files.
+        #[arg(long, default_value = "target/instructions")]
+        work_dir: PathBuf,
     },
     /// Decision latency of small requests alone and next to large ones, kvpick
     /// and the no-op server, in one run.
@@ -225,6 +248,25 @@ fn main() -> anyhow::Result<()> {
             }
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
+        Command::Instructions {
+            body_bytes,
+            endpoints,
+            against,
+            bytes_per_run,
+            work_dir,
+        } => {
+            let mut servers = vec![("this".to_string(), std::env::current_exe()?)];
+            servers.extend(against);
+            let cfg = instructions::InstructionsConfig {
+                body_bytes,
+                endpoints,
+                servers,
+                bytes_per_run,
+                work_dir,
+            };
+            let report = tokio::runtime::Runtime::new()?.block_on(instructions::run(&cfg))?;
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
         Command::Stall {
             small_bytes,
             large_bytes,
@@ -372,5 +414,15 @@ fn main() -> anyhow::Result<()> {
             });
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
+    }
+}
+
+/// `NAME=PATH` of `--against`.
+fn named_path(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), PathBuf::from(path)))
+        }
+        _ => Err(format!("expected NAME=PATH, got {s:?}")),
     }
 }
