@@ -222,7 +222,7 @@ pub async fn run(cfg: &InstructionsConfig) -> anyhow::Result<InstructionsReport>
         for &n in &cfg.endpoints {
             let mut binaries = Vec::new();
             for ((name, exe), &noop) in cfg.servers.iter().zip(&noop) {
-                let kind = ServerKind::Kvpick { endpoints: n };
+                let kind = ServerKind::kvpick(n);
                 let kvpick = per_request(exe, kind, &bodies, requests, &out).await?;
                 binaries.push(BinaryCounts {
                     server: name.clone(),

@@ -63,6 +63,11 @@ enum Command {
         /// HTTP/2 connections shared by the streams.
         #[arg(long, default_value_t = 2)]
         connections: usize,
+        /// kvpick's OpenTelemetry tracing, one cell each: `off`, `on` (its
+        /// default sampling) or `all` (every request), exported over OTLP/gRPC
+        /// to a receiver in this process.
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "off")]
+        tracing: Vec<overhead::Tracing>,
     },
     /// Instructions per request of kvpick's ext_proc server and the no-op server,
     /// counted by valgrind, this binary beside older ones in one run.
@@ -158,6 +163,9 @@ enum Command {
         /// The no-op server instead of kvpick.
         #[arg(long)]
         noop: bool,
+        /// kvpick's tracing (exported to `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`).
+        #[arg(long, value_enum, default_value = "off")]
+        tracing: overhead::Tracing,
     },
     /// Replays a Mooncake-format trace through routing policies against simulated
     /// workers (several capacities or speeds: one table of every run).
@@ -231,10 +239,12 @@ fn main() -> anyhow::Result<()> {
             rounds,
             concurrency,
             connections,
+            tracing,
         } => {
             let cfg = overhead::OverheadConfig {
                 body_bytes,
                 endpoints,
+                tracing,
                 duration: Duration::from_secs_f64(duration),
                 warmup: Duration::from_secs_f64(warmup),
                 rounds,
@@ -279,6 +289,7 @@ fn main() -> anyhow::Result<()> {
             let cfg = overhead::OverheadConfig {
                 body_bytes: vec![small_bytes],
                 endpoints: vec![endpoints],
+                tracing: vec![overhead::Tracing::Off],
                 duration: Duration::from_secs_f64(duration),
                 warmup: Duration::from_secs_f64(warmup),
                 rounds: 1,
@@ -332,10 +343,18 @@ fn main() -> anyhow::Result<()> {
             let report = tokio::runtime::Runtime::new()?.block_on(flood::run(&cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
-        Command::OverheadServer { endpoints, noop } => {
+        Command::OverheadServer {
+            endpoints,
+            noop,
+            tracing,
+        } => {
             let kind = match noop {
                 true => overhead::ServerKind::Noop,
-                false => overhead::ServerKind::Kvpick { endpoints },
+                false => {
+                    // As `kvpick`'s `main` does, before any allocation of note.
+                    kvpick::malloc::pin_mmap_threshold();
+                    overhead::ServerKind::Kvpick { endpoints, tracing }
+                }
             };
             tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))
         }
