@@ -3,6 +3,7 @@
 //! returns a serialisable report that prints as a Markdown table or one JSON object.
 
 pub mod flood;
+pub mod lowreuse;
 pub mod noop;
 pub mod overhead;
 pub mod overload;
