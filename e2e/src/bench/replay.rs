@@ -46,6 +46,7 @@ use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Sna
 use kvpick::kvevents::KvEventSink;
 use kvpick::scheduler::{
     Decision, PickRequest, Scheduler, SchedulerConfig, Weights, DEFAULT_PROVISIONAL_TTL,
+    PENDING_PREFILL_WEIGHT,
 };
 use serde::Serialize;
 
@@ -125,6 +126,8 @@ pub struct ReplayConfig {
     pub kvpick_weights: Weights,
     /// kvpick's provisional TTL (precise mode).
     pub provisional_ttl: Duration,
+    /// kvpick's weight of a pending prefill block.
+    pub pending_prefill_weight: f64,
 }
 
 impl Default for ReplayConfig {
@@ -139,6 +142,7 @@ impl Default for ReplayConfig {
             seed: 1,
             kvpick_weights: Weights::default(),
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
+            pending_prefill_weight: PENDING_PREFILL_WEIGHT,
         }
     }
 }
@@ -199,6 +203,10 @@ pub struct ReplayArgs {
     /// kvpick's provisional TTL in precise mode, seconds (default: kvpick's).
     #[arg(long)]
     pub provisional_ttl_secs: Option<f64>,
+    /// kvpick's weight of a block of prefill pending on a worker beyond the
+    /// prompt's overlap there, 0..1 (default: kvpick's).
+    #[arg(long, default_value_t = PENDING_PREFILL_WEIGHT)]
+    pub kvpick_pending_weight: f64,
     /// Also write every request's figures, one CSV per policy and run
     /// (`POLICY-BLOCKS-SPEED.csv`), into this directory: where a tail comes from.
     #[arg(long)]
@@ -263,6 +271,7 @@ impl ReplayArgs {
                     provisional_ttl: self
                         .provisional_ttl_secs
                         .map_or(DEFAULT_PROVISIONAL_TTL, Duration::from_secs_f64),
+                    pending_prefill_weight: self.kvpick_pending_weight,
                 });
             }
         }
@@ -798,6 +807,7 @@ impl Kvpick {
             weights: cfg.kvpick_weights,
             tie_break_seed: Some(cfg.seed),
             provisional_ttl: cfg.provisional_ttl,
+            pending_prefill_weight: cfg.pending_prefill_weight,
             ..SchedulerConfig::default()
         });
         let table = EndpointTable::new();
