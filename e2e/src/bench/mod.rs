@@ -4,6 +4,7 @@
 
 pub mod flood;
 pub mod instructions;
+pub mod lowreuse;
 pub mod noop;
 pub mod overhead;
 pub mod overload;

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use e2e::bench::{flood, instructions, overhead, overload, plot, replay, replicas, scale};
+use e2e::bench::{
+    flood, instructions, lowreuse, overhead, overload, plot, replay, replicas, scale,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -167,6 +169,9 @@ enum Command {
         #[arg(long, value_enum, default_value = "off")]
         tracing: overhead::Tracing,
     },
+    /// Writes a seeded low-reuse chat trace (Mooncake format, 64-token blocks):
+    /// short multi-turn chats of ~2k-token prompts sharing only a small system prompt.
+    GenTrace(lowreuse::GenTraceArgs),
     /// Replays a Mooncake-format trace through routing policies against simulated
     /// workers (several capacities or speeds: one table of every run).
     Replay {
@@ -357,6 +362,11 @@ fn main() -> anyhow::Result<()> {
                 }
             };
             tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))
+        }
+        Command::GenTrace(args) => {
+            let n = args.write()?;
+            eprintln!("gen-trace: {n} requests written to {}", args.out.display());
+            Ok(())
         }
         Command::Replay {
             args,
