@@ -99,6 +99,8 @@ pub struct PendingWait {
     /// [`MAX_WAIT_BESIDE_IDLE_TOKENS`] in blocks, while a rank of the side has
     /// nothing pending; `None` otherwise.
     beside_idle_blocks: Option<f64>,
+    /// Weight of a pending block otherwise ([`PENDING_PREFILL_WEIGHT`] by default).
+    weight: f64,
 }
 
 impl PendingWait {
@@ -111,8 +113,8 @@ impl PendingWait {
             return pending;
         }
         match self.beside_idle_blocks {
-            Some(max) if pending > max => PENDING_PREFILL_WEIGHT * max + (pending - max),
-            _ => PENDING_PREFILL_WEIGHT * pending,
+            Some(max) if pending > max => self.weight * max + (pending - max),
+            _ => self.weight * pending,
         }
     }
 }
@@ -134,6 +136,7 @@ impl Scheduler {
             long_prompt_blocks: LONG_PROMPT_TOKENS.div_ceil(block),
             beside_idle_blocks: (idle_ranks > 0)
                 .then_some(MAX_WAIT_BESIDE_IDLE_TOKENS.div_ceil(block) as f64),
+            weight: self.config.pending_prefill_weight.clamp(0.0, 1.0),
         }
     }
 

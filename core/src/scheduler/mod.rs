@@ -49,7 +49,7 @@ pub mod terms;
 mod tests;
 
 pub use candidates::Side;
-pub use cost::{PendingWait, Weights};
+pub use cost::{PendingWait, Weights, PENDING_PREFILL_WEIGHT};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation};
 pub use plugins::Plugins;
@@ -90,6 +90,9 @@ pub struct SchedulerConfig {
     pub max_prefix_blocks: usize,
     /// Cost weights of the default plugin list.
     pub weights: Weights,
+    /// Weight of a block pending on a candidate beyond a prompt's overlap
+    /// ([`PENDING_PREFILL_WEIGHT`] by default).
+    pub pending_prefill_weight: f64,
     /// 0 picks the cheapest candidate; above 0, softmax sampling over
     /// normalised costs (the default plugin list's picker).
     pub temperature: f64,
@@ -154,6 +157,7 @@ impl Default for SchedulerConfig {
             token_block: DEFAULT_TOKEN_BLOCK,
             max_prefix_blocks: DEFAULT_MAX_PREFIX_TOKENS / DEFAULT_TOKEN_BLOCK,
             weights: Weights::default(),
+            pending_prefill_weight: cost::PENDING_PREFILL_WEIGHT,
             temperature: 0.0,
             plugins: None,
             tie_break_seed: None,

@@ -310,12 +310,15 @@ impl ServerKind {
     /// The arguments of `kvpick-bench overhead-server` that serve this kind.
     pub fn args(self) -> Vec<String> {
         match self {
-            ServerKind::Kvpick { endpoints, tracing } => vec![
-                "--endpoints".into(),
-                endpoints.to_string(),
-                "--tracing".into(),
-                tracing.as_str().into(),
-            ],
+            ServerKind::Kvpick { endpoints, tracing } => {
+                let mut args = vec!["--endpoints".into(), endpoints.to_string()];
+                // Off is the default, so a build older than the flag serves it too
+                // (`kvpick-bench instructions --against`).
+                if tracing != Tracing::Off {
+                    args.extend(["--tracing".into(), tracing.as_str().into()]);
+                }
+                args
+            }
             ServerKind::Noop => vec!["--noop".into()],
         }
     }
@@ -388,14 +391,19 @@ impl ServerProcess {
                 format!("http://{otlp}"),
             );
         }
+        command.arg("overhead-server").args(kind.args());
+        Self::spawn(command).await
+    }
+
+    /// Starts `command` (an `overhead-server`, possibly under a wrapper such as
+    /// valgrind) and reads its port.
+    pub async fn spawn(mut command: Command) -> anyhow::Result<Self> {
         let mut child = command
-            .arg("overhead-server")
-            .args(kind.args())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .with_context(|| format!("starting {}", exe.display()))?;
+            .with_context(|| format!("starting {:?}", command.as_std().get_program()))?;
         let stdout = child.stdout.take().context("child stdout")?;
         let mut line = String::new();
         BufReader::new(stdout).read_line(&mut line).await?;
@@ -620,7 +628,7 @@ async fn measure_pair(
 
 /// Distinct bodies per cell: 64, fewer for large bodies so the client holds at
 /// most about 256 MiB of them.
-fn variants(bytes: usize) -> u64 {
+pub fn variants(bytes: usize) -> u64 {
     ((256 << 20) / bytes.max(1)).clamp(4, 64) as u64
 }
 

@@ -269,6 +269,7 @@ mod tests {
             requests: 3,
             workers: 2,
             capacity_blocks: 10,
+            block_tokens: 512,
             speed: 1.0,
             ceiling_hit_rate: 0.6,
             pooled_ceiling_hit_rate: 0.55,
