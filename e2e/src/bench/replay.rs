@@ -1593,6 +1593,72 @@ mod tests {
         assert_eq!(at(2), (0, 2, 3, 2));
     }
 
+    /// The low-reuse trace (`gen-trace` defaults, 64-token blocks) cut to its first
+    /// `chats` chats.
+    fn low_reuse(chats: usize) -> Vec<TraceRequest> {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: super::super::lowreuse::GenTraceArgs,
+        }
+        let chats = chats.to_string();
+        Cli::parse_from(["gen", "--out", "-", "--chats", &chats])
+            .args
+            .generate()
+            .unwrap()
+    }
+
+    /// Short chats with little reuse (issue #31): kvpick balances the load as
+    /// well as fewest-in-flight, its TTFT p50 and p99 at most 1.05× that policy's
+    /// at three loads on 4 and on 8 workers. Prints the figures
+    /// (`cargo test -p e2e --lib low_reuse -- --nocapture`).
+    #[test]
+    fn kvpick_balances_low_reuse_chats_as_well_as_fewest_in_flight() {
+        let t = low_reuse(400);
+        for (workers, speed) in [(4, 1.0), (4, 2.0), (4, 3.0), (8, 2.0), (8, 4.0), (8, 6.0)] {
+            let cfg = ReplayConfig {
+                workers,
+                capacity_blocks: 8000,
+                block_tokens: 64,
+                speed,
+                ..ReplayConfig::default()
+            };
+            let mut policies: Vec<Box<dyn RoutingPolicy>> = vec![
+                Box::new(FewestInFlight::new(cfg.seed)),
+                Box::new(RoundRobin::default()),
+                Box::new(Kvpick::new(&cfg, false)),
+                Box::new(Kvpick::new(&cfg, true)),
+                Box::new(LlmD::new(&cfg)),
+            ];
+            let f: Vec<PolicyFigures> = policies
+                .iter_mut()
+                .map(|p| simulate(p.as_mut(), &t, &cfg))
+                .collect();
+            let row: Vec<String> = f
+                .iter()
+                .map(|p| {
+                    let hit = p.hit_rate * 100.0;
+                    format!("{hit:.1}% · {:.0} / {:.0}", p.ttft_p50_ms, p.ttft_p99_ms)
+                })
+                .collect();
+            eprintln!("| {workers} @ {speed}× | {} |", row.join(" | "));
+            let fewest = &f[0];
+            for k in &f[2..4] {
+                assert!(
+                    k.ttft_p50_ms <= 1.05 * fewest.ttft_p50_ms
+                        && k.ttft_p99_ms <= 1.05 * fewest.ttft_p99_ms,
+                    "{} at {workers} workers {speed}×: p50 {:.0} / p99 {:.0} against {:.0} / {:.0}",
+                    k.name,
+                    k.ttft_p50_ms,
+                    k.ttft_p99_ms,
+                    fewest.ttft_p50_ms,
+                    fewest.ttft_p99_ms
+                );
+            }
+        }
+    }
+
     #[test]
     fn speed_compresses_arrivals_and_raises_queueing() {
         let t: Vec<TraceRequest> = (0..40u64)
