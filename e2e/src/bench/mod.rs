@@ -10,6 +10,7 @@ pub mod plot;
 pub mod replay;
 pub mod replicas;
 pub mod scale;
+pub mod sync;
 pub mod sim;
 pub mod trace;
 
