@@ -182,9 +182,7 @@ impl SyncMetrics {
     /// samples exactly (one per peer batch applied live).
     pub fn recording(metrics: &Metrics, cap: usize) -> Arc<SyncMetrics> {
         let mut m = SyncMetrics::register(metrics);
-        Arc::get_mut(&mut m)
-            .expect("not shared yet")
-            .samples_cap = cap;
+        Arc::get_mut(&mut m).expect("not shared yet").samples_cap = cap;
         m
     }
 

@@ -10,8 +10,8 @@ pub mod plot;
 pub mod replay;
 pub mod replicas;
 pub mod scale;
-pub mod sync;
 pub mod sim;
+pub mod sync;
 pub mod trace;
 
 use std::time::Duration;

@@ -386,7 +386,8 @@ pub async fn run(cfg: &SyncBenchConfig) -> anyhow::Result<SyncReport> {
         let mut metrics = Vec::new();
         if sync {
             for r in &mut replicas {
-                let mut config = SyncConfig::new(&url, &format!("bench-{}-{i}", std::process::id()))?;
+                let mut config =
+                    SyncConfig::new(&url, &format!("bench-{}-{i}", std::process::id()))?;
                 config.warm_start_timeout = cfg.warm_start_timeout;
                 let m = SyncMetrics::recording(&Metrics::new("bench"), SAMPLES_CAP);
                 metrics.push(Arc::clone(&m));
@@ -464,7 +465,9 @@ fn summarise(
     let server: Vec<f64> = of("sync")
         .filter_map(|r| r.server_cpu_us_per_decision.map(|s| s * r.decisions as f64))
         .collect();
-    let sync_secs: f64 = of("sync").map(|r| r.decisions as f64 / r.rate.max(1e-9)).sum();
+    let sync_secs: f64 = of("sync")
+        .map(|r| r.decisions as f64 / r.rate.max(1e-9))
+        .sum();
     SyncReport {
         replicas: cfg.replicas,
         workers: cfg.workers,
@@ -485,5 +488,66 @@ fn summarise(
         server_cpu_us_per_decision: (!server.is_empty())
             .then(|| server.iter().sum::<f64>() / decisions("sync")),
         rounds,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn short(redis: Option<String>) -> SyncBenchConfig {
+        SyncBenchConfig {
+            redis,
+            workers: 16,
+            rate: 300.0,
+            round: Duration::from_millis(600),
+            rounds: 1,
+            prompt_tokens: 256,
+            in_flight: 16,
+            warm_start_timeout: Duration::from_millis(300),
+            ..SyncBenchConfig::default()
+        }
+    }
+
+    /// Nothing listens: decisions are made, nothing reaches a peer, so no
+    /// latency sample and no applied delta exist, and failures are counted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_that_is_down_yields_no_samples() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let r = run(&short(Some(format!("redis://127.0.0.1:{port}"))))
+            .await
+            .expect("runs without a server");
+        let sync = &r.rounds[1];
+        assert_eq!(sync.kind, "sync");
+        assert!(sync.decisions > 0, "{sync:?}");
+        assert_eq!((sync.applied_deltas, sync.samples), (0, 0), "{sync:?}");
+        assert_eq!(sync.published_bytes, 0, "{sync:?}");
+        assert!(sync.errors > 0, "{sync:?}");
+        assert_eq!(r.propagation_p99_ms, 0.0);
+        assert!(!r.own_server);
+    }
+
+    /// With a real server every peer applies the others' batches, each
+    /// sample a positive age from the sender's timestamp.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn peers_apply_batches_and_their_age_is_measured() {
+        let Some(server) = RedisServer::start().await else {
+            return;
+        };
+        let r = run(&short(Some(server.url()))).await.expect("runs");
+        let sync = &r.rounds[1];
+        assert!(sync.decisions > 0 && sync.published_bytes > 0, "{sync:?}");
+        // Two peers apply each replica's deltas.
+        assert!(sync.applied_deltas >= sync.published_deltas, "{sync:?}");
+        assert!(sync.samples > 0 && r.propagation_p50_ms > 0.0, "{r:?}");
+        assert!(r.propagation_p50_ms <= r.propagation_p99_ms);
+        assert!(
+            r.bytes_per_decision > 0.0 && r.deltas_per_decision >= 2.0,
+            "{r:?}"
+        );
+        assert_eq!(r.rounds[0].published_deltas, 0);
     }
 }
