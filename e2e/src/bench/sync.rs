@@ -259,7 +259,7 @@ impl Replica {
         Replica {
             scheduler,
             snapshot: table.snapshot(),
-            table: table,
+            table,
             sync: None,
         }
     }

@@ -159,8 +159,8 @@ enum Command {
         /// one replica (e.g. `2,4`).
         #[arg(long, value_delimiter = ',')]
         replicas: Vec<usize>,
-        /// With --replicas: propagation delay of a synced delta to the peers, ms
-        /// (default: above the loopback p99 of `kvpick-bench sync`).
+        /// With --replicas: modelled propagation delay of a synced delta to the
+        /// peers, ms (`kvpick-bench sync` measures the real one).
         #[arg(long, default_value_t = 1.0)]
         sync_delay_ms: f64,
     },
