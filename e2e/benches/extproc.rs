@@ -30,7 +30,7 @@ fn ext_proc_overhead(c: &mut Criterion) {
     let mut ports = Vec::new();
     for (name, kind) in [
         ("noop", ServerKind::Noop),
-        ("kvpick", ServerKind::Kvpick { endpoints: 64 }),
+        ("kvpick", ServerKind::kvpick(64)),
     ] {
         let l = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
         ports.push((name, l.local_addr().unwrap().port()));

@@ -10,6 +10,7 @@ pub mod kv_events;
 pub mod kvcache;
 pub mod mock_vision;
 pub mod mock_worker;
+pub mod otlp;
 pub mod replicas;
 pub mod report;
 pub mod serve;

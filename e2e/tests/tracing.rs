@@ -6,68 +6,15 @@
 //! exporter's `OTEL_*` variables).
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
+use e2e::otlp::OtlpReceiver;
 use e2e::stack::{Stack, StackOptions};
 use kvpick::tracing_export::{Exporter, TraceSettings};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::Span;
-use parking_lot::Mutex;
 use serde_json::json;
-use tonic::{Request, Response, Status};
-
-/// Collects every span exported to it, with its resource's service name.
-#[derive(Clone, Default)]
-struct Receiver(Arc<Mutex<Vec<(String, Span)>>>);
-
-#[tonic::async_trait]
-impl TraceService for Receiver {
-    async fn export(
-        &self,
-        request: Request<ExportTraceServiceRequest>,
-    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
-        for rs in request.into_inner().resource_spans {
-            let service = rs
-                .resource
-                .iter()
-                .flat_map(|r| &r.attributes)
-                .find(|kv| kv.key == "service.name")
-                .and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
-                    Any::StringValue(s) => Some(s.clone()),
-                    _ => None,
-                })
-                .unwrap_or_default();
-            for ss in rs.scope_spans {
-                for span in ss.spans {
-                    self.0.lock().push((service.clone(), span));
-                }
-            }
-        }
-        Ok(Response::new(ExportTraceServiceResponse::default()))
-    }
-}
-
-async fn start_receiver() -> (SocketAddr, Receiver) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let receiver = Receiver::default();
-    let service = TraceServiceServer::new(receiver.clone());
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    (addr, receiver)
-}
 
 /// A span's attributes as `key → value` strings.
 fn attributes(span: &Span) -> HashMap<String, String> {
@@ -99,20 +46,21 @@ fn parse_traceparent(v: &str) -> (String, String, String) {
 }
 
 /// Waits until the receiver holds `n` spans (flushing kvpick's queue).
-async fn spans(exporter: &Exporter, receiver: &Receiver, n: usize) -> Vec<(String, Span)> {
+async fn spans(exporter: &Exporter, receiver: &OtlpReceiver, n: usize) -> Vec<(String, Span)> {
     for _ in 0..100 {
         exporter.flush();
-        if receiver.0.lock().len() >= n {
+        if receiver.received() >= n as u64 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    receiver.0.lock().clone()
+    receiver.spans()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvpick_continues_the_callers_trace_and_passes_its_own_span_on() {
-    let (otlp, receiver) = start_receiver().await;
+    let receiver = OtlpReceiver::keeping();
+    let otlp = receiver.start().await.unwrap();
     // The standard variables, as a Deployment sets them (read at start).
     std::env::set_var(
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",

@@ -150,6 +150,7 @@ impl Args {
             token_block: s.prefix_token_block.max(1),
             max_prefix_blocks: s.max_prefix_blocks(),
             weights: s.weights(),
+            pending_prefill_weight: crate::scheduler::PENDING_PREFILL_WEIGHT,
             temperature: s.temperature.max(0.0),
             plugins: s.plugins.clone(),
             tie_break_seed: None,

@@ -15,17 +15,15 @@
 use std::net::{IpAddr, SocketAddr};
 
 use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::google::protobuf::value::Kind;
 
-use super::messages::LB_NAMESPACE;
+use super::messages::{served_endpoint, ServedMissing};
 use crate::endpoints::Snapshot;
 
 /// Request header restricting the candidates to the listed endpoints.
 pub const SELECTION_HEADER: &str = "test-epp-endpoint-selection";
 /// Response header carrying the endpoint the gateway reports as served.
 pub const SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
-/// Key of the served endpoint in the response's `envoy.lb` metadata.
-pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
+pub use super::messages::SERVED_KEY;
 
 /// The endpoints of `snapshot` the selection header's `value` names, as the
 /// addresses a subset hint lists; `None` when it names none.
@@ -57,11 +55,11 @@ pub fn within(selected: Vec<String>, hint: Option<&[String]>) -> Vec<String> {
 
 /// The served-endpoint header's value for a response with `metadata`.
 pub fn served(metadata: Option<&Metadata>) -> String {
-    let Some(lb) = metadata.and_then(|m| m.filter_metadata.get(LB_NAMESPACE)) else {
-        return "fail: missing envoy lb metadata".into();
-    };
-    match lb.fields.get(SERVED_KEY).and_then(|v| v.kind.as_ref()) {
-        Some(Kind::StringValue(s)) => s.clone(),
-        _ => "fail: missing destination endpoint served metadata".into(),
+    match served_endpoint(metadata) {
+        Ok(s) => s.to_string(),
+        Err(ServedMissing::LbMetadata) => "fail: missing envoy lb metadata".into(),
+        Err(ServedMissing::ServedKey) => {
+            "fail: missing destination endpoint served metadata".into()
+        }
     }
 }

@@ -100,6 +100,31 @@ pub fn destination_metadata(address: &str) -> Struct {
     }
 }
 
+/// Key of the endpoint the gateway served the request from, in the
+/// response's `envoy.lb` metadata.
+pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
+
+/// Where the gateway reports it served the request: the `envoy.lb`
+/// metadata's [`SERVED_KEY`] of a response; `Err` says what is missing.
+pub fn served_endpoint(metadata: Option<&Metadata>) -> Result<&str, ServedMissing> {
+    let lb = metadata
+        .and_then(|m| m.filter_metadata.get(LB_NAMESPACE))
+        .ok_or(ServedMissing::LbMetadata)?;
+    match lb.fields.get(SERVED_KEY).and_then(|v| v.kind.as_ref()) {
+        Some(Kind::StringValue(s)) => Ok(s),
+        _ => Err(ServedMissing::ServedKey),
+    }
+}
+
+/// What a response's metadata lacks to name the served endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServedMissing {
+    /// No `envoy.lb` metadata.
+    LbMetadata,
+    /// `envoy.lb` without [`SERVED_KEY`] (as a string).
+    ServedKey,
+}
+
 /// Reads the subset hint: `Some(list)` when the gateway sent one (possibly empty),
 /// `None` when it sent none. Accepts a list or a comma-separated string.
 pub fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<String>> {

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request, HeaderMutation, HttpBody, HttpHeaders, ProcessingRequest,
@@ -337,10 +338,11 @@ impl StreamState {
         if self.subset.is_none() {
             self.subset = messages::subset_hint(msg.metadata_context.as_ref());
         }
-        if self.shared.config.conformance_test_hooks
-            && matches!(msg.request, Some(Request::ResponseHeaders(_)))
-        {
-            self.served = Some(conformance::served(msg.metadata_context.as_ref()));
+        if matches!(msg.request, Some(Request::ResponseHeaders(_))) {
+            self.follow_served(msg.metadata_context.as_ref());
+            if self.shared.config.conformance_test_hooks {
+                self.served = Some(conformance::served(msg.metadata_context.as_ref()));
+            }
         }
         if msg.observability_mode {
             // Envoy ignores answers in observability mode; still track the request.
@@ -624,6 +626,37 @@ impl StreamState {
             BodyMode::FullDuplex => messages::streamed_body(&b.body, b.end_of_stream, false),
             BodyMode::None => Vec::new(),
             _ => vec![messages::body(messages::common(None, false), None, false)],
+        }
+    }
+
+    /// The first response of a request routed with fallbacks: when the
+    /// gateway reports (`envoy.lb` metadata) it served the request from a
+    /// fallback, the booking and the in-flight count move there, so load,
+    /// health and the session follow where the request runs.
+    fn follow_served(&mut self, metadata: Option<&Metadata>) {
+        if self.phase != Phase::Routed || self.response_seen {
+            return;
+        }
+        let Some(r) = self
+            .routed
+            .as_mut()
+            .filter(|r| !r.decision.fallbacks.is_empty())
+        else {
+            return;
+        };
+        let Some(served) = messages::served_endpoint(metadata)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        else {
+            return;
+        };
+        if self
+            .shared
+            .scheduler
+            .serve_on_fallback(&mut r.decision, served)
+        {
+            // The primary's guard drops as the served rank's begins.
+            r._in_flight = r.decision.begin();
         }
     }
 

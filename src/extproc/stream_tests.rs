@@ -547,3 +547,82 @@ fn conformance_hooks_restrict_by_the_selection_header_and_echo_the_served_endpoi
     }
     assert!(picked.len() > 1, "the header is ignored without the hooks");
 }
+
+/// With fallbacks (`--max-endpoints 2`), the gateway may serve a request from
+/// the second endpoint (the first refused it); the response's `envoy.lb`
+/// metadata says which. The in-flight count and the booked load move there,
+/// and the request's end releases them there; a response served by the first
+/// pick moves nothing.
+#[test]
+fn a_request_served_by_a_fallback_moves_its_booking_there() {
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+
+    let app = crate::server::App::with_scheduler(
+        "t",
+        crate::scheduler::SchedulerConfig {
+            max_endpoints: 2,
+            ..Default::default()
+        },
+    );
+    app.endpoints.replace(vec![
+        Endpoint::new("10.0.0.1:8000".parse().unwrap()),
+        Endpoint::new("10.0.0.2:8000".parse().unwrap()),
+    ]);
+    let service = app.ext_proc(ExtProcConfig::default());
+    let load = |addr: &str| {
+        let snap = app.endpoints.snapshot();
+        let e = snap
+            .endpoints
+            .iter()
+            .find(|e| e.endpoint.address.to_string() == addr)
+            .unwrap();
+        (e.in_flight(0), e.active_load(0).blocks)
+    };
+    for serve_second in [true, false] {
+        let mut s = StreamState::new(Arc::clone(&service.shared));
+        let out = s.handle(ProcessingRequest {
+            request: Some(Request::RequestHeaders(HttpHeaders {
+                headers: Some(header_map(&[(":method", "GET"), (":path", "/v1/models")])),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        });
+        let listed = destination(&out[0]).expect("routed");
+        let [first, second] = listed.split(',').collect::<Vec<_>>()[..] else {
+            panic!("expected a pick and one fallback: {listed}");
+        };
+        assert_eq!(load(first).0, 1);
+        assert_eq!(load(second), (0, 0));
+        let booked = load(first).1;
+        assert!(booked > 0);
+        let served = if serve_second { second } else { first };
+        let mut md = Metadata::default();
+        md.filter_metadata.insert(
+            messages::LB_NAMESPACE.into(),
+            Struct {
+                fields: [(
+                    messages::SERVED_KEY.to_string(),
+                    Value {
+                        kind: Some(Kind::StringValue(served.into())),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+            },
+        );
+        let mut response = response_headers("200");
+        if let Some(Request::ResponseHeaders(h)) = &mut response.request {
+            h.end_of_stream = false;
+        }
+        response.metadata_context = Some(md);
+        s.handle(response);
+        let other = if serve_second { first } else { second };
+        assert_eq!(load(served), (1, booked), "served {served} of {listed}");
+        assert_eq!(load(other), (0, 0), "not served: {other} of {listed}");
+        s.handle(response_chunk(b"", true));
+        assert_eq!(load(served), (0, 0));
+        assert_eq!(load(other), (0, 0));
+    }
+}

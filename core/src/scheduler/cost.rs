@@ -10,10 +10,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rand::Rng;
+use smallvec::SmallVec;
 
 use super::candidates::Side;
 use super::terms::{Candidate, CostTerms, RequestCost};
-use super::{Scheduler, Target};
+use super::{Scheduler, Target, MAX_TERMS};
 use crate::endpoints::{EndpointState, WorkerKey};
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
@@ -98,6 +99,8 @@ pub struct PendingWait {
     /// [`MAX_WAIT_BESIDE_IDLE_TOKENS`] in blocks, while a rank of the side has
     /// nothing pending; `None` otherwise.
     beside_idle_blocks: Option<f64>,
+    /// Weight of a pending block otherwise ([`PENDING_PREFILL_WEIGHT`] by default).
+    weight: f64,
 }
 
 impl PendingWait {
@@ -110,8 +113,8 @@ impl PendingWait {
             return pending;
         }
         match self.beside_idle_blocks {
-            Some(max) if pending > max => PENDING_PREFILL_WEIGHT * max + (pending - max),
-            _ => PENDING_PREFILL_WEIGHT * pending,
+            Some(max) if pending > max => self.weight * max + (pending - max),
+            _ => self.weight * pending,
         }
     }
 }
@@ -133,6 +136,7 @@ impl Scheduler {
             long_prompt_blocks: LONG_PROMPT_TOKENS.div_ceil(block),
             beside_idle_blocks: (idle_ranks > 0)
                 .then_some(MAX_WAIT_BESIDE_IDLE_TOKENS.div_ceil(block) as f64),
+            weight: self.config.pending_prefill_weight.clamp(0.0, 1.0),
         }
     }
 
@@ -179,18 +183,38 @@ impl Scheduler {
     }
 
     /// The cost of sending `req` to candidate `c`, left `new_blocks` to
-    /// prefill there: the sum of the terms.
+    /// prefill there: the sum of the terms, each written into `terms` (one
+    /// slot per scorer, in summing order), so the winner's need no rescoring.
     #[inline(always)]
-    pub(super) fn cost(&self, c: &Cand<'_>, new_blocks: usize, req: &RequestCost, now: i64) -> f64 {
+    pub(super) fn cost_into(
+        &self,
+        c: &Cand<'_>,
+        new_blocks: usize,
+        req: &RequestCost,
+        now: i64,
+        terms: &mut [f64],
+    ) -> f64 {
         let inputs = self.inputs(c, new_blocks, now);
         let mut total = 0.0;
-        for s in &self.plugins.scorers {
-            total += s.cost(&inputs, req);
+        for (s, term) in self.plugins.scorers.iter().zip(terms.iter_mut()) {
+            *term = s.cost(&inputs, req);
+            total += *term;
         }
         total
     }
 
-    /// [`Scheduler::cost`] term by term.
+    /// A buffer for [`Scheduler::cost_into`]: one slot per scorer.
+    pub(super) fn term_buffer(&self) -> TermCosts {
+        SmallVec::from_elem(0.0, self.plugins.scorers.len())
+    }
+
+    /// Names `costs` (one per scorer, in summing order) as [`CostTerms`].
+    pub(super) fn named_terms(&self, costs: &[f64]) -> CostTerms {
+        let names = self.plugins.scorers.iter().map(|s| s.name());
+        CostTerms(names.zip(costs.iter().copied()).collect())
+    }
+
+    /// [`Scheduler::cost_into`] as named terms.
     pub(super) fn cost_terms(
         &self,
         c: &Cand<'_>,
@@ -220,6 +244,10 @@ impl Scheduler {
         }
     }
 }
+
+/// One candidate's cost term by term, in the scorers' summing order (the
+/// scorers' names stay with the scheduler).
+pub(super) type TermCosts = SmallVec<[f64; MAX_TERMS]>;
 
 /// Argmin of `costs` with a uniform random tie-break; with `temperature > 0`,
 /// samples index i with probability ∝ exp(−c′ᵢ / temperature), where c′ are the
@@ -260,7 +288,7 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
 fn argmin(costs: impl Iterator<Item = f64>, seed: u64) -> usize {
     let mut least = Least::new(seed);
     for (i, c) in costs.enumerate() {
-        least.offer(i, c, false);
+        least.take(i, c, false);
     }
     least.best.unwrap_or(0)
 }
@@ -269,12 +297,15 @@ fn argmin(costs: impl Iterator<Item = f64>, seed: u64) -> usize {
 /// tied offers one whose overlap the worker's KV events confirmed beats one
 /// whose overlap is only a guess (provisional entries), and otherwise one
 /// wins uniformly (each tied offer gets a pseudo-random draw from the seed and
-/// the least draw wins: no generator call per tie). NaN never wins.
+/// the least draw wins: no generator call per tie). NaN never wins. Offered as
+/// a [`Best`], it keeps the winner's cost term by term.
 pub(super) struct Least<T> {
     /// The winner so far.
     pub(super) best: Option<T>,
     /// Its cost (infinite before any offer).
     pub(super) cost: f64,
+    /// Its cost term by term (offers as a [`Best`] only; copied when it wins).
+    pub(super) terms: TermCosts,
     /// Whether the winner's overlap is a guess.
     guessed: bool,
     draw: u64,
@@ -288,6 +319,7 @@ impl<T> Least<T> {
         Least {
             best: None,
             cost: f64::INFINITY,
+            terms: TermCosts::new(),
             guessed: false,
             draw: u64::MAX,
             seed,
@@ -296,8 +328,9 @@ impl<T> Least<T> {
     }
 
     /// Offers `item` at `cost`; `guessed`: its overlap is unconfirmed.
+    /// Whether `item` is now the winner.
     #[inline]
-    pub(super) fn offer(&mut self, item: T, cost: f64, guessed: bool) {
+    pub(super) fn take(&mut self, item: T, cost: f64, guessed: bool) -> bool {
         let i = self.offers;
         self.offers += 1;
         if cost < self.cost - 1e-9 {
@@ -305,6 +338,7 @@ impl<T> Least<T> {
             self.best = Some(item);
             self.guessed = guessed;
             self.draw = draw(self.seed, i);
+            return true;
         } else if cost <= self.cost + 1e-9 {
             self.cost = self.cost.min(cost);
             let d = draw(self.seed, i);
@@ -312,8 +346,10 @@ impl<T> Least<T> {
                 self.best = Some(item);
                 self.guessed = guessed;
                 self.draw = d;
+                return true;
             }
         }
+        false
     }
 
     /// Whether no candidate costing at least `floor` can win any more: the
@@ -331,16 +367,20 @@ impl<T> Least<T> {
 /// What the pruned argmin collects: offered candidates at their costs, and
 /// whether a candidate costing at least a floor can still change it.
 pub(super) trait Best<T> {
-    /// Offers `item` at `cost`; `guessed`: its overlap is unconfirmed.
-    fn offer(&mut self, item: T, cost: f64, guessed: bool);
+    /// Offers `item` at `cost`, `terms` term by term; `guessed`: its overlap
+    /// is unconfirmed. The terms are copied only if the item is kept.
+    fn offer(&mut self, item: T, cost: f64, terms: &[f64], guessed: bool);
     /// Whether no candidate costing at least `floor` can change the result.
     fn beats(&self, floor: f64) -> bool;
 }
 
 impl<T> Best<T> for Least<T> {
     #[inline(always)]
-    fn offer(&mut self, item: T, cost: f64, guessed: bool) {
-        Least::offer(self, item, cost, guessed);
+    fn offer(&mut self, item: T, cost: f64, terms: &[f64], guessed: bool) {
+        if self.take(item, cost, guessed) {
+            self.terms.clear();
+            self.terms.extend_from_slice(terms);
+        }
     }
 
     #[inline(always)]
@@ -358,8 +398,8 @@ pub(super) struct Ranked<'a> {
     n: usize,
     seed: u64,
     offers: usize,
-    /// (rank key, candidate), least first; at most `n`.
-    kept: Vec<(RankKey, Cand<'a>)>,
+    /// (rank key, candidate, its cost term by term), least first; at most `n`.
+    kept: Vec<(RankKey, Cand<'a>, TermCosts)>,
 }
 
 /// How [`Ranked`] orders offers: cost, then a confirmed overlap before a
@@ -394,14 +434,14 @@ impl<'a> Ranked<'a> {
         }
     }
 
-    /// The kept candidates, least cost first.
-    pub(super) fn into_vec(self) -> Vec<Cand<'a>> {
-        self.kept.into_iter().map(|(_, c)| c).collect()
+    /// The kept candidates with their costs term by term, least cost first.
+    pub(super) fn into_vec(self) -> Vec<(Cand<'a>, TermCosts)> {
+        self.kept.into_iter().map(|(_, c, t)| (c, t)).collect()
     }
 }
 
 impl<'a> Best<Cand<'a>> for Ranked<'a> {
-    fn offer(&mut self, item: Cand<'a>, cost: f64, guessed: bool) {
+    fn offer(&mut self, item: Cand<'a>, cost: f64, terms: &[f64], guessed: bool) {
         let draw = draw(self.seed, self.offers);
         self.offers += 1;
         if cost.is_nan() {
@@ -433,13 +473,14 @@ impl<'a> Best<Cand<'a>> for Ranked<'a> {
             .iter()
             .position(|k| key.before(k.0))
             .unwrap_or(self.kept.len());
-        self.kept.insert(at, (key, item));
+        self.kept
+            .insert(at, (key, item, TermCosts::from_slice(terms)));
     }
 
     fn beats(&self, floor: f64) -> bool {
         match self.kept.get(self.n - 1) {
-            Some((last, _)) if last.guessed => last.cost < floor - 1e-9,
-            Some((last, _)) => last.cost <= floor,
+            Some((last, ..)) if last.guessed => last.cost < floor - 1e-9,
+            Some((last, ..)) => last.cost <= floor,
             None => false,
         }
     }

@@ -109,6 +109,11 @@ impl Prefilled {
     pub(super) fn mark(&self) -> bool {
         !self.0.swap(true, Ordering::Relaxed)
     }
+
+    /// Whether the prefill was marked over.
+    pub(super) fn is_marked(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 impl Clone for Prefilled {

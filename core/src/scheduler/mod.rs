@@ -49,7 +49,7 @@ pub mod terms;
 mod tests;
 
 pub use candidates::Side;
-pub use cost::{PendingWait, Weights};
+pub use cost::{PendingWait, Weights, PENDING_PREFILL_WEIGHT};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation};
 pub use plugins::Plugins;
@@ -60,6 +60,7 @@ pub use stats::{
 pub use terms::CostTerms;
 
 use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -89,6 +90,9 @@ pub struct SchedulerConfig {
     pub max_prefix_blocks: usize,
     /// Cost weights of the default plugin list.
     pub weights: Weights,
+    /// Weight of a block pending on a candidate beyond a prompt's overlap
+    /// ([`PENDING_PREFILL_WEIGHT`] by default).
+    pub pending_prefill_weight: f64,
     /// 0 picks the cheapest candidate; above 0, softmax sampling over
     /// normalised costs (the default plugin list's picker).
     pub temperature: f64,
@@ -153,6 +157,7 @@ impl Default for SchedulerConfig {
             token_block: DEFAULT_TOKEN_BLOCK,
             max_prefix_blocks: DEFAULT_MAX_PREFIX_TOKENS / DEFAULT_TOKEN_BLOCK,
             weights: Weights::default(),
+            pending_prefill_weight: cost::PENDING_PREFILL_WEIGHT,
             temperature: 0.0,
             plugins: None,
             tie_break_seed: None,
@@ -356,6 +361,72 @@ impl Scheduler {
             self.release(decision, |l| ActiveLoad { blocks: 0, ..l }, false);
             self.await_confirmation(decision, now);
         }
+    }
+
+    /// The gateway served the request from the fallback at `served` (its
+    /// address as the response's `x-gateway-destination-endpoint-served`
+    /// reports it) rather than from the decode target: the decision's booking
+    /// moves there, so the load counts where the request runs. The fallback
+    /// rank books the decision's load with the whole prompt left to prefill
+    /// (its own overlap was not read); the first pick's prompt entries stay
+    /// where they were recorded (approximate ones age out as any other;
+    /// guessed ones on a precise worker wait for its events now, and end
+    /// without them). True when the booking moved; false when `served` is the
+    /// decode target or no fallback of the decision (nothing changes).
+    pub fn serve_on_fallback(&self, decision: &mut Decision, served: SocketAddr) -> bool {
+        self.serve_on_fallback_at(decision, served, Instant::now())
+    }
+
+    /// [`Scheduler::serve_on_fallback`] at a given instant.
+    pub fn serve_on_fallback_at(
+        &self,
+        decision: &mut Decision,
+        served: SocketAddr,
+        now: Instant,
+    ) -> bool {
+        if decision.decode.endpoint().address == served {
+            return false;
+        }
+        let Some(i) = decision
+            .fallbacks
+            .iter()
+            .position(|f| f.endpoint().address == served)
+        else {
+            return false;
+        };
+        let primary = decision.decode.clone();
+        // What the primary still carries: the uncached part unless the
+        // response (whose headers report the served endpoint) released it.
+        let carried = match decision.prefilled.is_marked() {
+            true => ActiveLoad {
+                uncached: 0,
+                ..decision.decode_load()
+            },
+            false => decision.decode_load(),
+        };
+        primary.state.release(primary.rank, carried);
+        self.share_release(primary.key(), carried, 1);
+        if let Some(hashes) = &decision.guess {
+            if self.index.is_precise(primary.key()) {
+                self.provisional
+                    .await_confirmation(primary.key(), Arc::clone(hashes), now);
+            }
+        }
+        // The primary takes the fallback's place in the list.
+        std::mem::swap(&mut decision.decode, &mut decision.fallbacks[i]);
+        decision.overlap_blocks = 0;
+        decision.uncached_blocks = decision.load_blocks;
+        let booked = match decision.prefilled.is_marked() {
+            true => ActiveLoad {
+                uncached: 0,
+                ..decision.decode_load()
+            },
+            false => decision.decode_load(),
+        };
+        let d = &decision.decode;
+        d.state.book(d.rank, booked);
+        self.share_book(d.key(), booked, 1);
+        true
     }
 
     /// Withdraws a decision that was replaced before its request went out: its

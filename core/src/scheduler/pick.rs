@@ -14,7 +14,7 @@ use std::time::Instant;
 use rand::Rng;
 
 use super::candidates::{Pool, Side};
-use super::cost::{pick_index, Best, Cand, Least, Ranked};
+use super::cost::{pick_index, Best, Cand, Least, Ranked, TermCosts};
 use super::overlap::PromptOverlaps;
 use super::pickers::Choice;
 use super::terms::{CostTerms, RequestCost};
@@ -107,24 +107,24 @@ impl Scheduler {
             now: tick,
         };
 
-        let (d, fallbacks, overlap, p) = {
+        let (d, d_terms, fallbacks, overlap, p) = {
             let _t = self.timer::<O>(Stage::Score);
-            let (d, fallbacks) = match self.max_endpoints {
+            let (d, d_terms, fallbacks) = match self.max_endpoints {
                 n if n > 1 && !O::EXPLAINS => self.choose_with_fallbacks(&scoring, pinned, n),
                 _ => self
                     .choose_unless_pinned(&scoring, Side::Decode, pinned, obs)
-                    .map(|d| (d, Vec::new())),
+                    .map(|(d, terms)| (d, terms, Vec::new())),
             }
             .ok_or(PickError::NoDecodeEndpoint)?;
             // Without a prefill-only endpoint there is no prefill candidate to
             // look for (a pass over the pool would find none).
             let p = match req.body {
-                Some(_) if pool.has_prefill_workers() => {
-                    self.choose_unless_pinned(&scoring, Side::Prefill, pinned_prefill, obs)
-                }
+                Some(_) if pool.has_prefill_workers() => self
+                    .choose_unless_pinned(&scoring, Side::Prefill, pinned_prefill, obs)
+                    .map(|(p, _)| p),
                 _ => None,
             };
-            (d, fallbacks, scoring.overlap(&d), p)
+            (d, d_terms, fallbacks, scoring.overlap(&d), p)
         };
         if O::EXPLAINS {
             obs.chosen(
@@ -135,19 +135,16 @@ impl Scheduler {
             );
         } else {
             self.count_blocks(prompt.hashes.len(), overlap);
-        }
-        if !O::EXPLAINS {
-            // The chosen rank scored once more, term by term (what the pick
-            // summed): one candidate's work, for the per-term averages.
-            let req = self.request_cost(
-                Side::Decode,
-                load_blocks,
-                scoring.adapter,
-                pool.idle_ranks(Side::Decode),
-            );
-            let terms = self.cost_terms(&d, prompt.uncached(overlap), &req, tick);
+            // The winner's terms as the argmin summed them; a pinned rank,
+            // which nothing scored, is scored here once.
+            let terms = d_terms.unwrap_or_else(|| {
+                let req = scoring.request_cost(self, Side::Decode);
+                let mut terms = self.term_buffer();
+                self.cost_into(&d, prompt.uncached(overlap), &req, tick, &mut terms);
+                terms
+            });
             self.stats.decision_cost.add(&terms);
-            obs.decode_terms(terms);
+            obs.decode_terms(self, &terms);
         }
 
         let decode_blocks = req
@@ -287,20 +284,24 @@ impl Scheduler {
         }
     }
 
-    /// The `pinned` candidate, else [`Self::choose`]'s (an explaining pick
-    /// scores every candidate, pinned or not).
+    /// The `pinned` candidate, else [`Self::choose`]'s with its cost term by
+    /// term (`None` for a pinned one: an explaining pick scores every
+    /// candidate, pinned or not, a routing pick none).
     fn choose_unless_pinned<'s, O: Observer>(
         &self,
         at: &Scoring<'s, '_>,
         side: Side,
         pinned: Option<Cand<'s>>,
         obs: &mut O,
-    ) -> Option<Cand<'s>> {
+    ) -> Option<(Cand<'s>, Option<TermCosts>)> {
         match pinned {
-            Some(c) if !O::EXPLAINS => Some(c),
+            Some(c) if !O::EXPLAINS => Some((c, None)),
             _ => {
                 let best = self.choose(at, side, obs);
-                pinned.or(best)
+                match pinned {
+                    Some(c) => Some((c, None)),
+                    None => best.map(|(c, terms)| (c, Some(terms))),
+                }
             }
         }
     }
@@ -324,8 +325,8 @@ impl Scheduler {
         at: &Scoring<'s, '_>,
         side: Side,
         obs: &mut O,
-    ) -> Option<Cand<'s>> {
-        let req = self.request_cost(side, at.size, at.adapter, at.pool.idle_ranks(side));
+    ) -> Option<(Cand<'s>, TermCosts)> {
+        let req = at.request_cost(self, side);
         if O::EXPLAINS {
             let mut best: Option<(Cand<'s>, f64, bool)> = None;
             for c in at.pool.iter(side) {
@@ -340,58 +341,71 @@ impl Scheduler {
                 }
                 obs.scored(&c, overlap, terms);
             }
-            return best.map(|(c, _, _)| c);
+            // An explaining pick records no terms.
+            return best.map(|(c, _, _)| (c, TermCosts::new()));
         }
         if let Choice::Sample { temperature } = self.plugins.choice() {
-            let cands: Vec<Cand<'s>> = at.pool.iter(side).collect();
-            let costs: Vec<f64> = cands.iter().map(|c| at.cost(self, c, &req)).collect();
+            let (cands, costs, terms) = at.score_all(self, side, &req);
             let i = pick_index(&costs, temperature, &mut rand::rng());
-            return cands.get(i).copied();
+            return cands.get(i).map(|c| (*c, terms[i].clone()));
         }
         let seed = self.tie_break_seed();
         let mut least = Least::new(seed);
         self.prune(at, side, &req, seed, &mut least);
-        least.best
+        least.best.map(|c| (c, least.terms))
     }
 
-    /// The decode target (`pinned`, else the best) and up to `n - 1`
-    /// fallbacks: the next best of other addresses, best first.
+    /// The decode target (`pinned`, else the best, with its cost term by
+    /// term) and up to `n - 1` fallbacks: the next best of other addresses,
+    /// best first.
     fn choose_with_fallbacks<'s>(
         &self,
         at: &Scoring<'s, '_>,
         pinned: Option<Cand<'s>>,
         n: usize,
-    ) -> Option<(Cand<'s>, Vec<Cand<'s>>)> {
+    ) -> Option<(Cand<'s>, Option<TermCosts>, Vec<Cand<'s>>)> {
         let mut ranked = self.choose_ranked(at, Side::Decode, n);
-        let d = match pinned {
-            Some(c) => c,
+        let (d, terms) = match pinned {
+            Some(c) => (c, None),
             None if ranked.is_empty() => return None,
-            None => ranked.remove(0),
+            None => {
+                let (c, terms) = ranked.remove(0);
+                (c, Some(terms))
+            }
         };
-        ranked.retain(|c| c.ep.endpoint.address != d.ep.endpoint.address);
-        ranked.truncate(n - 1);
-        Some((d, ranked))
+        let fallbacks = ranked
+            .into_iter()
+            .map(|(c, _)| c)
+            .filter(|c| c.ep.endpoint.address != d.ep.endpoint.address)
+            .take(n - 1)
+            .collect();
+        Some((d, terms, fallbacks))
     }
 
     /// The `n` best candidates of `side` at distinct addresses, best first:
     /// the pruned argmin kept `n` deep, or with a sampling picker, `n` draws
     /// without replacement.
-    fn choose_ranked<'s>(&self, at: &Scoring<'s, '_>, side: Side, n: usize) -> Vec<Cand<'s>> {
-        let req = self.request_cost(side, at.size, at.adapter, at.pool.idle_ranks(side));
+    fn choose_ranked<'s>(
+        &self,
+        at: &Scoring<'s, '_>,
+        side: Side,
+        n: usize,
+    ) -> Vec<(Cand<'s>, TermCosts)> {
+        let req = at.request_cost(self, side);
         if let Choice::Sample { temperature } = self.plugins.choice() {
-            let cands: Vec<Cand<'s>> = at.pool.iter(side).collect();
-            let mut costs: Vec<f64> = cands.iter().map(|c| at.cost(self, c, &req)).collect();
+            let (cands, mut costs, terms) = at.score_all(self, side, &req);
             let mut out = Vec::with_capacity(n);
             let mut rng = rand::rng();
             // A drawn address is out of the next draws (NaN weighs nothing).
             while out.len() < n && costs.iter().any(|c| !c.is_nan()) {
-                let chosen = cands[pick_index(&costs, temperature, &mut rng)];
+                let i = pick_index(&costs, temperature, &mut rng);
+                let chosen = cands[i];
                 for (c, cost) in cands.iter().zip(costs.iter_mut()) {
                     if c.ep.endpoint.address == chosen.ep.endpoint.address {
                         *cost = f64::NAN;
                     }
                 }
-                out.push(chosen);
+                out.push((chosen, terms[i].clone()));
             }
             return out;
         }
@@ -412,15 +426,19 @@ impl Scheduler {
         seed: u64,
         best: &mut B,
     ) {
-        let cost =
-            |c: &Cand<'_>, overlap: usize| self.cost(c, at.prompt.uncached(overlap), req, at.now);
+        // Each candidate's terms land here; the best copies a winner's.
+        let mut terms = self.term_buffer();
+        let cost = |c: &Cand<'_>, overlap: usize, terms: &mut [f64]| {
+            self.cost_into(c, at.prompt.uncached(overlap), req, at.now, terms)
+        };
         let floor = |overlap: usize| self.cost_floor(at.prompt.uncached(overlap), req);
         let (Some(no_overlap), true) = (floor(0), at.pool.direct()) else {
             // No floor (a negative weight), or a holder's key may name several
             // endpoints: score every candidate.
             for c in at.pool.iter(side) {
                 let (overlap, guessed) = at.held(&c);
-                best.offer(c, cost(&c, overlap), guessed);
+                let total = cost(&c, overlap, &mut terms);
+                best.offer(c, total, &terms, guessed);
             }
             return;
         };
@@ -434,7 +452,8 @@ impl Scheduler {
                     // order costs less than finding each holder by its key.
                     for c in at.pool.iter_from(side, start) {
                         let (overlap, guessed) = at.held(&c);
-                        best.offer(c, cost(&c, overlap), guessed);
+                        let total = cost(&c, overlap, &mut terms);
+                        best.offer(c, total, &terms, guessed);
                         if best.beats(within) {
                             break;
                         }
@@ -444,7 +463,8 @@ impl Scheduler {
                 let found = level.try_for_each(start, |key| {
                     if let Some(c) = at.pool.get(key, side) {
                         let (overlap, guessed) = o.get(&c);
-                        best.offer(c, cost(&c, overlap), guessed);
+                        let total = cost(&c, overlap, &mut terms);
+                        best.offer(c, total, &terms, guessed);
                     }
                     match best.beats(within) {
                         true => ControlFlow::Break(()),
@@ -463,7 +483,8 @@ impl Scheduler {
         // A holder met here costs at most this (its overlap counted as none),
         // and was offered at its own cost above.
         for c in at.pool.iter_from(side, start) {
-            best.offer(c, cost(&c, 0), false);
+            let total = cost(&c, 0, &mut terms);
+            best.offer(c, total, &terms, false);
             if best.beats(no_overlap) {
                 break;
             }
@@ -505,7 +526,7 @@ pub(super) struct Scoring<'s, 'p> {
     now: i64,
 }
 
-impl Scoring<'_, '_> {
+impl<'s> Scoring<'s, '_> {
     /// The pick's instant, coded by [`Epoch::process`].
     pub(super) fn now(&self) -> i64 {
         self.now
@@ -522,9 +543,38 @@ impl Scoring<'_, '_> {
         self.overlaps.map_or((0, false), |o| o.get(c))
     }
 
-    /// What `s` charges for sending `req` to `c`, with its overlap.
-    fn cost(&self, s: &Scheduler, c: &Cand<'_>, req: &RequestCost) -> f64 {
-        s.cost(c, self.prompt.uncached(self.overlap(c)), req, self.now)
+    /// What the terms of `s` read about this request on `side`.
+    fn request_cost(&self, s: &Scheduler, side: Side) -> RequestCost {
+        s.request_cost(side, self.size, self.adapter, self.pool.idle_ranks(side))
+    }
+
+    /// Every candidate of `side` with what `s` charges for sending `req`
+    /// there (its overlap counted), in total and term by term.
+    #[allow(clippy::type_complexity)]
+    fn score_all(
+        &self,
+        s: &Scheduler,
+        side: Side,
+        req: &RequestCost,
+    ) -> (Vec<Cand<'s>>, Vec<f64>, Vec<TermCosts>) {
+        let cands: Vec<Cand<'s>> = self.pool.iter(side).collect();
+        let mut terms = Vec::with_capacity(cands.len());
+        let costs = cands
+            .iter()
+            .map(|c| {
+                let mut t = s.term_buffer();
+                let total = s.cost_into(
+                    c,
+                    self.prompt.uncached(self.overlap(c)),
+                    req,
+                    self.now,
+                    &mut t,
+                );
+                terms.push(t);
+                total
+            })
+            .collect();
+        (cands, costs, terms)
     }
 }
 
@@ -549,9 +599,9 @@ pub(super) trait Observer {
     ) {
     }
 
-    /// A routing pick's chosen decode rank's cost, term by term, before its
-    /// booking.
-    fn decode_terms(&mut self, _terms: CostTerms) {}
+    /// A routing pick's chosen decode rank's cost, term by term in the
+    /// scorers' summing order of `_s`, before its booking.
+    fn decode_terms(&mut self, _s: &Scheduler, _terms: &[f64]) {}
 }
 
 /// A routing pick: observes nothing.
@@ -570,7 +620,7 @@ struct RouteWithTerms {
 impl Observer for RouteWithTerms {
     const EXPLAINS: bool = false;
 
-    fn decode_terms(&mut self, terms: CostTerms) {
-        self.terms = terms;
+    fn decode_terms(&mut self, s: &Scheduler, terms: &[f64]) {
+        self.terms = s.named_terms(terms);
     }
 }

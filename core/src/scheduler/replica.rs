@@ -44,6 +44,17 @@ impl Scheduler {
         }
     }
 
+    /// Load (and `requests` in flight) was booked on `worker` outside a pick.
+    pub(super) fn share_book(&self, worker: WorkerKey, load: ActiveLoad, requests: u32) {
+        if let Some(sink) = self.replica.get() {
+            sink.push(Delta::Book {
+                worker,
+                load,
+                requests,
+            });
+        }
+    }
+
     /// Load was released on `worker`.
     pub(super) fn share_release(&self, worker: WorkerKey, load: ActiveLoad, requests: u32) {
         if let Some(sink) = self.replica.get() {

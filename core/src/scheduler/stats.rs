@@ -119,9 +119,9 @@ pub struct CostSums {
 }
 
 impl CostSums {
-    /// Adds one decision's terms.
-    pub fn add(&self, terms: &super::CostTerms) {
-        for (sum, (_, cost)) in self.sums.iter().zip(&terms.0) {
+    /// Adds one decision's term costs (in the scorers' summing order).
+    pub fn add(&self, terms: &[f64]) {
+        for (sum, cost) in self.sums.iter().zip(terms) {
             let _ = sum.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
                 Some((f64::from_bits(bits) + cost).to_bits())
             });

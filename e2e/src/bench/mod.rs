@@ -3,6 +3,8 @@
 //! returns a serialisable report that prints as a Markdown table or one JSON object.
 
 pub mod flood;
+pub mod instructions;
+pub mod lowreuse;
 pub mod noop;
 pub mod overhead;
 pub mod overload;

@@ -13,7 +13,14 @@
 //! Each server runs in its own child process. In a cell both are started, then
 //! take turns (`--rounds` slices each, the order alternating), so load from
 //! other work on the machine that comes and goes during a cell falls on both.
+//!
+//! kvpick's child runs what `kvpick` runs in production: the allocator pin of
+//! `main` ([`kvpick::malloc::pin_mmap_threshold`]) and, in a tracing cell,
+//! kvpick's OTLP exporter ([`kvpick::tracing_export`]) sending to a real
+//! OTLP/gRPC receiver in the driving process ([`crate::otlp`]). The no-op child
+//! does neither: it stands for the proxy without kvpick.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +33,7 @@ use envoy_client::{BodyMode, EnvoyStream, Phase, ResponseOutcome};
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
+use kvpick::tracing_export::{Exporter, TraceSettings};
 use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::TcpListener;
@@ -33,6 +41,7 @@ use tokio::process::{Child, Command};
 use tonic::transport::Channel;
 
 use super::{micros, quantile, sorted, table_of, SplitMix64};
+use crate::otlp::OtlpReceiver;
 
 /// Body chunk size the load generator sends (Envoy forwards reads of about this size).
 pub const CHUNK: usize = 16 * 1024;
@@ -44,6 +53,8 @@ pub struct OverheadConfig {
     pub body_bytes: Vec<usize>,
     /// Endpoint counts.
     pub endpoints: Vec<usize>,
+    /// kvpick's tracing in each cell.
+    pub tracing: Vec<Tracing>,
     /// Measured time per (cell, server).
     pub duration: Duration,
     /// Unmeasured warm-up before each measured slice.
@@ -78,13 +89,17 @@ pub struct ServerFigures {
     pub cpu_us_per_request: f64,
 }
 
-/// One (body size, endpoint count) cell.
+/// One (body size, endpoint count, tracing) cell.
 #[derive(Debug, Clone, Serialize)]
 pub struct OverheadRun {
     /// Request body size in bytes.
     pub body_bytes: usize,
     /// Endpoints in the pool.
     pub endpoints: usize,
+    /// kvpick's tracing.
+    pub tracing: Tracing,
+    /// Spans kvpick's exporter delivered to the receiver in the cell.
+    pub spans_exported: u64,
     /// kvpick's figures.
     pub kvpick: ServerFigures,
     /// The no-op server's figures.
@@ -111,6 +126,8 @@ impl OverheadReport {
             &[
                 "body bytes",
                 "endpoints",
+                "tracing",
+                "spans",
                 "kvpick p50 µs",
                 "noop p50 µs",
                 "kvpick p99 µs",
@@ -130,6 +147,8 @@ impl OverheadReport {
                 vec![
                     r.body_bytes.to_string(),
                     r.endpoints.to_string(),
+                    r.tracing.as_str().to_string(),
+                    r.spans_exported.to_string(),
                     format!("{:.0}", r.kvpick.p50_us),
                     format!("{:.0}", r.noop.p50_us),
                     format!("{:.0}", r.kvpick.p99_us),
@@ -223,6 +242,48 @@ fn endpoints(n: usize) -> Vec<Endpoint> {
         .collect()
 }
 
+/// kvpick's OpenTelemetry tracing in a cell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Tracing {
+    /// No exporter (kvpick's default).
+    Off,
+    /// `--tracing` with its default sampling (parent-based, one root trace in
+    /// [`kvpick::tracing_export::DEFAULT_RATIO`]).
+    On,
+    /// `--tracing` with `OTEL_TRACES_SAMPLER_ARG=1`: every request exported.
+    All,
+}
+
+impl Tracing {
+    /// Its name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tracing::Off => "off",
+            Tracing::On => "on",
+            Tracing::All => "all",
+        }
+    }
+
+    /// The settings `--tracing` gives in this mode, the `OTEL_*` variables
+    /// read by `var` apart from the sampler's, which the mode sets; `None`
+    /// when off.
+    pub fn settings(
+        self,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> anyhow::Result<Option<TraceSettings>> {
+        if self == Tracing::Off {
+            return Ok(None);
+        }
+        let var = |name: &str| match name {
+            "OTEL_TRACES_SAMPLER" => None,
+            "OTEL_TRACES_SAMPLER_ARG" => (self == Tracing::All).then(|| "1".to_string()),
+            _ => var(name),
+        };
+        Ok(TraceSettings::from_vars(Some(true), var)?)
+    }
+}
+
 /// Which ext_proc server a cell drives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ServerKind {
@@ -230,27 +291,44 @@ pub enum ServerKind {
     Kvpick {
         /// Endpoints in the pool.
         endpoints: usize,
+        /// Its tracing.
+        tracing: Tracing,
     },
     /// The no-op baseline.
     Noop,
 }
 
 impl ServerKind {
+    /// kvpick over `endpoints`, tracing off.
+    pub fn kvpick(endpoints: usize) -> Self {
+        ServerKind::Kvpick {
+            endpoints,
+            tracing: Tracing::Off,
+        }
+    }
+
     /// The arguments of `kvpick-bench overhead-server` that serve this kind.
     pub fn args(self) -> Vec<String> {
         match self {
-            ServerKind::Kvpick { endpoints } => {
-                vec!["--endpoints".into(), endpoints.to_string()]
+            ServerKind::Kvpick { endpoints, tracing } => {
+                let mut args = vec!["--endpoints".into(), endpoints.to_string()];
+                // Off is the default, so a build older than the flag serves it too
+                // (`kvpick-bench instructions --against`).
+                if tracing != Tracing::Off {
+                    args.extend(["--tracing".into(), tracing.as_str().into()]);
+                }
+                args
             }
             ServerKind::Noop => vec!["--noop".into()],
         }
     }
 }
 
-/// Serves `kind` on `listener` until the future is dropped.
+/// Serves `kind` on `listener` until the future is dropped (tracing, if any,
+/// is the process's: see [`serve_until_stdin_closes`]).
 pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()> {
     match kind {
-        ServerKind::Kvpick { endpoints: n } => {
+        ServerKind::Kvpick { endpoints: n, .. } => {
             let app = App::new("bench");
             app.endpoints.replace(endpoints(n));
             let service = app.ext_proc(ExtProcConfig::default());
@@ -263,16 +341,32 @@ pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()
 
 /// The server side of a cell, run in its own process (`kvpick-bench
 /// overhead-server`) so its peak RSS is its own: prints the port on stdout and
-/// serves until stdin closes.
+/// serves until stdin closes. A tracing kvpick exports its spans as `kvpick`
+/// does (to `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, set by [`ServerProcess`]),
+/// flushing them before it returns. (The caller pins the allocator as `kvpick`'s
+/// `main` does, before the runtime starts.)
 pub async fn serve_until_stdin_closes(kind: ServerKind) -> anyhow::Result<()> {
+    let exporter = match kind {
+        ServerKind::Kvpick { tracing, .. } => tracing
+            .settings(|name| std::env::var(name).ok())?
+            .map(|s| Exporter::start(&s))
+            .transpose()?,
+        ServerKind::Noop => None,
+    };
+    if let Some(e) = &exporter {
+        kvpick::telemetry::init_logging(kvpick::telemetry::LogFormat::Text, "warn", Some(e));
+    }
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     println!("{}", listener.local_addr()?.port());
     let mut stdin = tokio::io::stdin();
     let mut sink = Vec::new();
-    tokio::select! {
+    let served = tokio::select! {
         served = serve(kind, listener) => served,
         _ = stdin.read_to_end(&mut sink) => Ok(()),
-    }
+    };
+    // Dropping the exporter sends what is queued.
+    drop(exporter);
+    served
 }
 
 /// A server child process of one (cell, server) run; killed when dropped.
@@ -283,16 +377,33 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
-    /// Starts `exe overhead-server <kind args>` and reads its port.
-    pub async fn start(exe: &Path, kind: ServerKind) -> anyhow::Result<Self> {
-        let mut child = Command::new(exe)
-            .arg("overhead-server")
-            .args(kind.args())
+    /// Starts `exe overhead-server <kind args>` and reads its port; a tracing
+    /// kvpick exports to the OTLP/gRPC receiver at `otlp`.
+    pub async fn start(
+        exe: &Path,
+        kind: ServerKind,
+        otlp: Option<SocketAddr>,
+    ) -> anyhow::Result<Self> {
+        let mut command = Command::new(exe);
+        if let Some(otlp) = otlp {
+            command.env(
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                format!("http://{otlp}"),
+            );
+        }
+        command.arg("overhead-server").args(kind.args());
+        Self::spawn(command).await
+    }
+
+    /// Starts `command` (an `overhead-server`, possibly under a wrapper such as
+    /// valgrind) and reads its port.
+    pub async fn spawn(mut command: Command) -> anyhow::Result<Self> {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .with_context(|| format!("starting {}", exe.display()))?;
+            .with_context(|| format!("starting {:?}", command.as_std().get_program()))?;
         let stdout = child.stdout.take().context("child stdout")?;
         let mut line = String::new();
         BufReader::new(stdout).read_line(&mut line).await?;
@@ -472,7 +583,7 @@ async fn measure(
     cfg: &OverheadConfig,
     large: Option<&LargeLoad>,
 ) -> anyhow::Result<ServerFigures> {
-    let server = ServerProcess::start(&cfg.server_exe, kind).await?;
+    let server = ServerProcess::start(&cfg.server_exe, kind, None).await?;
     let mut tally = Tally::default();
     tally
         .drive(&server, bodies, cfg, cfg.duration, large)
@@ -482,16 +593,18 @@ async fn measure(
     Ok(figures)
 }
 
-/// The no-op server and kvpick over `endpoints` in one cell: both started, then
-/// driven in `cfg.rounds` alternating slices of `cfg.duration / rounds` each
-/// (no-op first in even rounds, kvpick first in odd ones).
+/// The no-op server and kvpick (`kind`, exporting to `otlp` if it traces) in
+/// one cell: both started, then driven in `cfg.rounds` alternating slices of
+/// `cfg.duration / rounds` each (no-op first in even rounds, kvpick first in
+/// odd ones).
 async fn measure_pair(
-    endpoints: usize,
+    kind: ServerKind,
+    otlp: Option<SocketAddr>,
     bodies: &Arc<Vec<Vec<u8>>>,
     cfg: &OverheadConfig,
 ) -> anyhow::Result<(ServerFigures, ServerFigures)> {
-    let noop = ServerProcess::start(&cfg.server_exe, ServerKind::Noop).await?;
-    let kvpick = ServerProcess::start(&cfg.server_exe, ServerKind::Kvpick { endpoints }).await?;
+    let noop = ServerProcess::start(&cfg.server_exe, ServerKind::Noop, None).await?;
+    let kvpick = ServerProcess::start(&cfg.server_exe, kind, otlp).await?;
     let rounds = cfg.rounds.max(1);
     let slice = cfg.duration / rounds as u32;
     let (mut noop_tally, mut kvpick_tally) = (Tally::default(), Tally::default());
@@ -515,12 +628,17 @@ async fn measure_pair(
 
 /// Distinct bodies per cell: 64, fewer for large bodies so the client holds at
 /// most about 256 MiB of them.
-fn variants(bytes: usize) -> u64 {
+pub fn variants(bytes: usize) -> u64 {
     ((256 << 20) / bytes.max(1)).clamp(4, 64) as u64
 }
 
-/// Runs every (body size, endpoint count) cell against both servers.
+/// Runs every (body size, endpoint count, tracing) cell against both servers.
 pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
+    let receiver = OtlpReceiver::counting();
+    let otlp = match cfg.tracing.iter().any(|t| *t != Tracing::Off) {
+        true => Some(receiver.start().await?),
+        false => None,
+    };
     let mut runs = Vec::new();
     for &bytes in &cfg.body_bytes {
         let bodies = Arc::new(
@@ -528,16 +646,31 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
                 .map(|v| chat_body(bytes, v))
                 .collect::<Vec<_>>(),
         );
-        for &n in &cfg.endpoints {
-            let (noop, kvpick) = measure_pair(n, &bodies, cfg).await?;
+        for (&n, &tracing) in cfg
+            .endpoints
+            .iter()
+            .flat_map(|n| cfg.tracing.iter().map(move |t| (n, t)))
+        {
+            let kind = ServerKind::Kvpick {
+                endpoints: n,
+                tracing,
+            };
+            let spans_before = receiver.received();
+            let (noop, kvpick) = measure_pair(kind, otlp, &bodies, cfg).await?;
+            // The child flushed its queue as it stopped.
+            let spans_exported = receiver.received() - spans_before;
             eprintln!(
-                "overhead: {bytes} B, {n} endpoints: kvpick p99 {:.0} µs, noop p99 {:.0} µs",
-                kvpick.p99_us, noop.p99_us
+                "overhead: {bytes} B, {n} endpoints, tracing {}: kvpick p99 {:.0} µs, noop p99 {:.0} µs, {spans_exported} spans",
+                tracing.as_str(),
+                kvpick.p99_us,
+                noop.p99_us
             );
             let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
             runs.push(OverheadRun {
                 body_bytes: bodies[0].len(),
                 endpoints: n,
+                tracing,
+                spans_exported,
                 p99_ratio: ratio(kvpick.p99_us, noop.p99_us),
                 throughput_ratio: ratio(kvpick.rps, noop.rps),
                 cpu_ratio: ratio(kvpick.cpu_us_per_request, noop.cpu_us_per_request),
@@ -629,7 +762,7 @@ pub async fn stall(
         streams: large_streams,
     };
     let mut runs = Vec::new();
-    for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints }] {
+    for kind in [ServerKind::Noop, ServerKind::kvpick(endpoints)] {
         let alone = measure(kind, &bodies, cfg, None).await?;
         let with_large = measure(kind, &bodies, cfg, Some(&large)).await?;
         runs.push(StallRun {
@@ -733,8 +866,8 @@ pub async fn peak_rss(
     let body = Arc::new(body);
     let mib = |b: u64| b as f64 / f64::from(1 << 20);
     let mut runs = Vec::new();
-    for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints }] {
-        let server = ServerProcess::start(exe, kind).await?;
+    for kind in [ServerKind::Noop, ServerKind::kvpick(endpoints)] {
+        let server = ServerProcess::start(exe, kind, None).await?;
         let ch = Channel::from_shared(format!("http://127.0.0.1:{}", server.port))?
             .tcp_nodelay(true)
             .connect()
@@ -791,7 +924,7 @@ mod tests {
     #[tokio::test]
     async fn one_request_completes_against_both_servers() {
         let body = chat_body(100_000, 0);
-        for kind in [ServerKind::Noop, ServerKind::Kvpick { endpoints: 8 }] {
+        for kind in [ServerKind::Noop, ServerKind::kvpick(8)] {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
             let server = tokio::spawn(serve(kind, listener));
@@ -803,6 +936,34 @@ mod tests {
             one_request(&ch, &body).await.unwrap();
             server.abort();
         }
+    }
+
+    #[test]
+    fn tracing_cells_sample_as_the_flag_does_or_every_request() {
+        // The caller's sampler variables do not change a cell's sampling.
+        let env = |name: &str| match name {
+            "OTEL_TRACES_SAMPLER" => Some("always_off".to_string()),
+            "OTEL_TRACES_SAMPLER_ARG" => Some("0.5".to_string()),
+            _ => None,
+        };
+        let sampler = |t: Tracing| t.settings(env).unwrap().map(|s| format!("{:?}", s.sampler));
+        assert_eq!(sampler(Tracing::Off), None);
+        let default = TraceSettings::from_vars(Some(true), |_| None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(sampler(Tracing::On), Some(format!("{:?}", default.sampler)));
+        assert!(sampler(Tracing::On).unwrap().contains("0.1"));
+        assert!(sampler(Tracing::All)
+            .unwrap()
+            .contains("TraceIdRatioBased(1.0)"));
+        assert_eq!(
+            ServerKind::Kvpick {
+                endpoints: 8,
+                tracing: Tracing::All
+            }
+            .args(),
+            ["--endpoints", "8", "--tracing", "all"]
+        );
     }
 
     #[test]

@@ -259,7 +259,7 @@ impl Sim<'_> {
     }
 
     fn route(&mut self, r: usize, now: u64) {
-        let body = trace::body(&self.trace[r]);
+        let body = trace::body(&self.trace[r], BLOCK_TOKENS);
         let req = PickRequest {
             body: Some(&body),
             ..Default::default()

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::overhead::OverheadReport;
+use super::overhead::{OverheadReport, Tracing};
 use super::replay::ReplayReport;
 
 const SIZE: (u32, u32) = (900, 500);
@@ -45,7 +45,15 @@ pub fn overhead(report: &OverheadReport, path: &Path) -> anyhow::Result<()> {
     let labels: Vec<String> = report
         .runs
         .iter()
-        .map(|r| format!("{}B/{}ep", human_bytes(r.body_bytes), r.endpoints))
+        .map(|r| match r.tracing {
+            Tracing::Off => format!("{}B/{}ep", human_bytes(r.body_bytes), r.endpoints),
+            t => format!(
+                "{}B/{}ep/trace {}",
+                human_bytes(r.body_bytes),
+                r.endpoints,
+                t.as_str()
+            ),
+        })
         .collect();
     let mut chart = ChartBuilder::on(&root)
         .caption(
@@ -236,6 +244,8 @@ mod tests {
             runs: vec![OverheadRun {
                 body_bytes: 1024,
                 endpoints: 8,
+                tracing: Tracing::Off,
+                spans_exported: 0,
                 kvpick: fig(150.0, 400.0),
                 noop: fig(100.0, 300.0),
                 p99_ratio: 4.0 / 3.0,
@@ -259,6 +269,7 @@ mod tests {
             requests: 3,
             workers: 2,
             capacity_blocks: 10,
+            block_tokens: 512,
             speed: 1.0,
             ceiling_hit_rate: 0.6,
             pooled_ceiling_hit_rate: 0.55,

@@ -13,7 +13,7 @@
 //! - `round-robin`; `fewest-in-flight` (seeded random tie-break);
 //! - `kvpick-approx` / `kvpick-precise`: kvpick's real [`Scheduler`] over a real
 //!   [`EndpointTable`]. Each request becomes a token-id prompt (see
-//!   [`super::trace`]) hashed in 512-token blocks, so kvpick's block hashes line up
+//!   [`super::trace`]) hashed in the trace's blocks (`--block-tokens`, 512 by default), so kvpick's block hashes line up
 //!   with the trace's blocks. Before each pick every endpoint gets a fresh scrape
 //!   (engine queue, running requests, KV usage), as kvpick reads from vLLM's
 //!   metrics. The in-flight guard from [`Decision::begin`] is held until the
@@ -46,10 +46,11 @@ use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Sna
 use kvpick::kvevents::KvEventSink;
 use kvpick::scheduler::{
     Decision, PickRequest, Scheduler, SchedulerConfig, Weights, DEFAULT_PROVISIONAL_TTL,
+    PENDING_PREFILL_WEIGHT,
 };
 use serde::Serialize;
 
-use super::sim::{output_blocks, BlockPool, TimeModel, Worker};
+use super::sim::{BlockPool, Engine, TimeModel};
 use super::trace::{self, TraceRequest, BLOCK_TOKENS};
 use super::{markdown_table, quantile, sorted, SplitMix64};
 
@@ -62,7 +63,7 @@ pub struct WorkerView {
     pub running: usize,
     /// Share of KV blocks held by running requests, 0..1 (`kv_cache_usage_perc`).
     pub kv_usage: f64,
-    /// KV pool size in 512-token blocks (`num_gpu_blocks`).
+    /// KV pool size in blocks of the trace's block size (`num_gpu_blocks`).
     pub capacity_blocks: usize,
 }
 
@@ -109,8 +110,10 @@ pub trait RoutingPolicy {
 pub struct ReplayConfig {
     /// Simulated workers.
     pub workers: usize,
-    /// KV pool size of each worker in 512-token blocks.
+    /// KV pool size of each worker in blocks.
     pub capacity_blocks: usize,
+    /// Tokens per block of the trace (its `hash_ids`), of the pools and of kvpick.
+    pub block_tokens: usize,
     /// The time model.
     pub model: TimeModel,
     /// Arrival-rate multiple: request `i` arrives at `timestamp / speed`.
@@ -123,6 +126,8 @@ pub struct ReplayConfig {
     pub kvpick_weights: Weights,
     /// kvpick's provisional TTL (precise mode).
     pub provisional_ttl: Duration,
+    /// kvpick's weight of a pending prefill block.
+    pub pending_prefill_weight: f64,
 }
 
 impl Default for ReplayConfig {
@@ -130,12 +135,14 @@ impl Default for ReplayConfig {
         ReplayConfig {
             workers: 8,
             capacity_blocks: 1000,
+            block_tokens: BLOCK_TOKENS,
             model: TimeModel::default(),
             speed: 1.0,
             kv_event_delay: Duration::from_millis(50),
             seed: 1,
             kvpick_weights: Weights::default(),
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
+            pending_prefill_weight: PENDING_PREFILL_WEIGHT,
         }
     }
 }
@@ -152,9 +159,13 @@ pub struct ReplayArgs {
     /// Simulated workers.
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
-    /// KV pool size of each worker in 512-token blocks (several: one run each).
+    /// KV pool size of each worker in blocks (several: one run each).
     #[arg(long, value_delimiter = ',', default_value = "1000")]
     pub capacity_blocks: Vec<usize>,
+    /// Tokens per block of the trace's `hash_ids` (512 in Mooncake's traces, 64
+    /// in `gen-trace`'s); pools and kvpick hash in blocks of this size.
+    #[arg(long, default_value_t = BLOCK_TOKENS)]
+    pub block_tokens: usize,
     /// Arrival-rate multiples (several: one run each).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pub speed: Vec<f64>,
@@ -176,6 +187,12 @@ pub struct ReplayArgs {
     /// Decoding requests at which per-token time has doubled.
     #[arg(long, default_value_t = TimeModel::default().decode_batch_knee)]
     pub decode_batch_knee: f64,
+    /// Tokens a worker's engine step may compute (vLLM's `max_num_batched_tokens`).
+    #[arg(long, default_value_t = TimeModel::default().max_num_batched_tokens)]
+    pub max_num_batched_tokens: usize,
+    /// Requests a worker may run at once (vLLM's `max_num_seqs`).
+    #[arg(long, default_value_t = TimeModel::default().max_num_seqs)]
+    pub max_num_seqs: usize,
     /// Seed of the policies' tie-breaking.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -186,6 +203,10 @@ pub struct ReplayArgs {
     /// kvpick's provisional TTL in precise mode, seconds (default: kvpick's).
     #[arg(long)]
     pub provisional_ttl_secs: Option<f64>,
+    /// kvpick's weight of a block of prefill pending on a worker beyond the
+    /// prompt's overlap there, 0..1 (default: kvpick's).
+    #[arg(long, default_value_t = PENDING_PREFILL_WEIGHT)]
+    pub kvpick_pending_weight: f64,
     /// Also write every request's figures, one CSV per policy and run
     /// (`POLICY-BLOCKS-SPEED.csv`), into this directory: where a tail comes from.
     #[arg(long)]
@@ -214,6 +235,8 @@ impl ReplayArgs {
             prefill_fixed_ms: self.prefill_fixed_ms,
             decode_ms_per_token: self.decode_ms_per_token,
             decode_batch_knee: self.decode_batch_knee,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
         }
     }
 
@@ -239,6 +262,7 @@ impl ReplayArgs {
                 out.push(ReplayConfig {
                     workers: self.workers,
                     capacity_blocks,
+                    block_tokens: self.block_tokens.max(1),
                     model: self.model(),
                     speed,
                     kv_event_delay: Duration::from_secs_f64(self.kv_event_delay_ms / 1000.0),
@@ -247,6 +271,7 @@ impl ReplayArgs {
                     provisional_ttl: self
                         .provisional_ttl_secs
                         .map_or(DEFAULT_PROVISIONAL_TTL, Duration::from_secs_f64),
+                    pending_prefill_weight: self.kvpick_pending_weight,
                 });
             }
         }
@@ -317,9 +342,9 @@ pub struct RequestFigures {
     /// The most leading prompt blocks any worker's pool held when it arrived:
     /// above `arrival_hit_blocks`, the placement gave up blocks on hand.
     pub best_arrival_hit_blocks: usize,
-    /// Time from arrival to the start of its prefill.
+    /// Time from arrival to its admission by the engine (its prefill's start).
     pub wait_ms: f64,
-    /// Its prefill time.
+    /// Time from admission to its first token (its prefill's steps).
     pub prefill_ms: f64,
 }
 
@@ -379,6 +404,8 @@ pub struct ReplayReport {
     pub workers: usize,
     /// Pool size per worker in blocks.
     pub capacity_blocks: usize,
+    /// Tokens per block.
+    pub block_tokens: usize,
     /// Arrival-rate multiple.
     pub speed: f64,
     /// Hit rate of an infinite cache shared by all workers.
@@ -434,7 +461,7 @@ impl ReplayReport {
             self.speed,
             self.workers,
             self.capacity_blocks,
-            BLOCK_TOKENS,
+            self.block_tokens,
             markdown_table(
                 &[
                     "policy",
@@ -544,6 +571,7 @@ pub fn run(
         requests: trace.len(),
         workers: cfg.workers,
         capacity_blocks: cfg.capacity_blocks,
+        block_tokens: cfg.block_tokens,
         speed: cfg.speed,
         ceiling_hit_rate: ceiling_hit_rate(trace),
         pooled_ceiling_hit_rate: pooled,
@@ -600,7 +628,7 @@ impl MatrixReport {
         let head = self.runs.first().map_or(String::new(), |r| {
             format!(
                 "{}: {} requests, {} workers, blocks of {} tokens\n\n",
-                self.trace, r.requests, r.workers, BLOCK_TOKENS
+                self.trace, r.requests, r.workers, r.block_tokens
             )
         });
         let mut out = head
@@ -757,6 +785,7 @@ pub struct Kvpick {
     worker_of: HashMap<u64, usize>,
     keys: Vec<WorkerKey>,
     precise: bool,
+    block_tokens: usize,
     base: Instant,
     routed: HashMap<usize, Routed>,
     /// kvpick's hashes of a routed request's full blocks, until its store event.
@@ -774,10 +803,11 @@ impl Kvpick {
     pub fn new(cfg: &ReplayConfig, precise: bool) -> Self {
         let base = Instant::now();
         let scheduler = Scheduler::new(SchedulerConfig {
-            token_block: BLOCK_TOKENS,
+            token_block: cfg.block_tokens,
             weights: cfg.kvpick_weights,
             tie_break_seed: Some(cfg.seed),
             provisional_ttl: cfg.provisional_ttl,
+            pending_prefill_weight: cfg.pending_prefill_weight,
             ..SchedulerConfig::default()
         });
         let table = EndpointTable::new();
@@ -810,6 +840,7 @@ impl Kvpick {
             worker_of,
             keys,
             precise,
+            block_tokens: cfg.block_tokens,
             base,
             routed: HashMap::new(),
             hashes: HashMap::new(),
@@ -859,7 +890,7 @@ impl RoutingPolicy for Kvpick {
                 at: now,
             });
         }
-        let body = trace::body(request);
+        let body = trace::body(request, self.block_tokens);
         let req = PickRequest {
             body: Some(&body),
             ..Default::default()
@@ -932,7 +963,7 @@ impl RoutingPolicy for Kvpick {
 /// - KV utilization: `1 − kv_usage`;
 /// - prefix: matched blocks / prompt blocks from the `approx-prefix-cache-producer`
 ///   with `autoTune` (block size and per-pod LRU capacity from the engine's
-///   metrics: 512-token blocks, `capacity_blocks` entries): prompts hashed in
+///   metrics: the trace's block size, `capacity_blocks` entries): prompts hashed in
 ///   full blocks (at most 131,072 tokens), a pod's match counts the leading blocks
 ///   it holds while any pod holds them, and the chosen pod's LRU gets the prompt's
 ///   blocks at routing time (the producer's `PreRequest`).
@@ -941,6 +972,7 @@ impl RoutingPolicy for Kvpick {
 pub struct LlmD {
     rng: SplitMix64,
     capacity: usize,
+    block_tokens: usize,
     /// Per pod: block → last use; and use → block (its LRU).
     lru: Vec<(HashMap<u64, u64>, std::collections::BTreeMap<u64, u64>)>,
     clock: u64,
@@ -963,16 +995,17 @@ impl LlmD {
         LlmD {
             rng: SplitMix64::new(cfg.seed),
             capacity: cfg.capacity_blocks.max(1),
+            block_tokens: cfg.block_tokens,
             lru: (0..cfg.workers).map(|_| Default::default()).collect(),
             clock: 0,
             pods_of: HashMap::new(),
         }
     }
 
-    /// The blocks the producer hashes: full 512-token blocks, capped.
-    fn blocks(request: &TraceRequest) -> &[u64] {
-        let full = (request.input_length / BLOCK_TOKENS)
-            .min(Self::MAX_PREFIX_TOKENS / BLOCK_TOKENS)
+    /// The blocks the producer hashes: full blocks, capped.
+    fn blocks<'r>(&self, request: &'r TraceRequest) -> &'r [u64] {
+        let full = (request.input_length / self.block_tokens)
+            .min(Self::MAX_PREFIX_TOKENS / self.block_tokens)
             .min(request.hash_ids.len());
         &request.hash_ids[..full]
     }
@@ -1007,7 +1040,7 @@ impl RoutingPolicy for LlmD {
     }
 
     fn route(&mut self, _: usize, request: &TraceRequest, workers: &[WorkerView], _: u64) -> usize {
-        let blocks = Self::blocks(request);
+        let blocks = self.blocks(request);
         let mut matched = vec![0usize; workers.len()];
         for b in blocks {
             let Some(pods) = self.pods_of.get(b) else {
@@ -1047,10 +1080,8 @@ impl RoutingPolicy for LlmD {
 enum Event {
     /// A request arrives (trace index).
     Arrival(usize),
-    /// A worker's prefill finishes.
-    PrefillDone(usize),
-    /// A request's decode finishes (trace index).
-    Done(usize),
+    /// A worker's engine step ends.
+    StepEnd(usize),
     /// A stored event (worker, request, first new block) reaches the router.
     Stored(usize, usize, usize),
     /// An eviction event (worker, blocks) reaches the router.
@@ -1060,12 +1091,13 @@ enum Event {
 struct Sim<'a> {
     trace: &'a [TraceRequest],
     cfg: &'a ReplayConfig,
-    workers: Vec<Worker>,
+    workers: Vec<Engine>,
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
-    routed_to: Vec<usize>,
     /// First newly stored block of each request (its stored event).
     stored_from: Vec<usize>,
+    /// When each request was admitted (µs).
+    admitted_us: Vec<u64>,
     ttft_ms: Vec<f64>,
     hits: usize,
     blocks: usize,
@@ -1102,49 +1134,38 @@ impl Sim<'_> {
         self.workers
             .iter()
             .map(|w| WorkerView {
-                waiting: w.queue.len(),
-                running: w.running(),
+                waiting: w.waiting.len(),
+                running: w.running.len(),
                 kv_usage: w.pool.usage(),
                 capacity_blocks: self.cfg.capacity_blocks,
             })
             .collect()
     }
 
-    /// Starts the next queued prefill on worker `w` at `now`, if it is idle and
-    /// the request's blocks fit next to the running ones.
-    fn start_prefill(&mut self, w: usize, now: u64) {
-        let worker = &self.workers[w];
-        if worker.prefilling.is_some() {
+    /// Starts worker `w`'s next engine step at `now` if it is idle and has work.
+    fn step(&mut self, w: usize, now: u64) {
+        if self.workers[w].stepping {
             return;
         }
-        let Some(&r) = worker.queue.front() else {
+        let Some(start) = self.workers[w].begin_step(self.trace, &self.cfg.model) else {
             return;
         };
-        let req = &self.trace[r];
-        let extra = output_blocks(req);
-        if !worker.pool.fits(&req.hash_ids, extra) && worker.running() > 0 {
-            return;
+        for a in start.admitted {
+            let r = a.request;
+            self.hits += a.stored.hits;
+            self.blocks += self.trace[r].hash_ids.len();
+            self.stored_from[r] = a.stored.hits;
+            self.admitted_us[r] = now;
+            let wait_ms = (now - self.arrival_us(r)) as f64 / 1000.0;
+            let figures = &mut self.requests[r];
+            figures.hit_blocks = a.stored.hits;
+            figures.wait_ms = wait_ms;
+            if !a.stored.evicted.is_empty() {
+                self.schedule(now + self.delay_us, Event::Removed(w, a.stored.evicted));
+            }
         }
-        let worker = &mut self.workers[w];
-        worker.queue.pop_front();
-        worker.prefilling = Some(r);
-        let s = worker.pool.acquire(&req.hash_ids, extra);
-        self.hits += s.hits;
-        self.blocks += req.hash_ids.len();
-        self.stored_from[r] = s.hits;
-        if !s.evicted.is_empty() {
-            self.schedule(now + self.delay_us, Event::Removed(w, s.evicted));
-        }
-        let uncached = req.input_length.saturating_sub(s.hits * BLOCK_TOKENS);
-        let dur_us = (self.cfg.model.prefill_ms(uncached) * 1000.0) as u64;
-        let arrival_us = self.arrival_us(r);
-        self.ttft_ms
-            .push((now + dur_us - arrival_us) as f64 / 1000.0);
-        let figures = &mut self.requests[r];
-        figures.hit_blocks = s.hits;
-        figures.wait_ms = (now - arrival_us) as f64 / 1000.0;
-        figures.prefill_ms = dur_us as f64 / 1000.0;
-        self.schedule(now + dur_us, Event::PrefillDone(w));
+        let dur_us = ((start.ms * 1000.0) as u64).max(1);
+        self.schedule(now + dur_us, Event::StepEnd(w));
     }
 }
 
@@ -1158,12 +1179,12 @@ pub fn simulate(
         trace,
         cfg,
         workers: (0..cfg.workers.max(1))
-            .map(|_| Worker::new(cfg.capacity_blocks))
+            .map(|_| Engine::new(cfg.capacity_blocks, cfg.block_tokens))
             .collect(),
         events: BinaryHeap::new(),
         seq: 0,
-        routed_to: vec![0; trace.len()],
         stored_from: vec![0; trace.len()],
+        admitted_us: vec![0; trace.len()],
         ttft_ms: Vec::with_capacity(trace.len()),
         hits: 0,
         blocks: 0,
@@ -1183,18 +1204,16 @@ pub fn simulate(
                 sim.sample_spread();
                 let views = sim.views();
                 let w = policy.route(r, &trace[r], &views, now);
-                sim.routed_to[r] = w;
                 let ids = &trace[r].hash_ids;
-                let held = |x: &Worker| x.pool.prefix_hits(ids);
+                let held = |x: &Engine| x.pool.prefix_hits(ids);
                 let pool_in_flight = sim.workers.iter().map(|w| w.in_flight).sum::<usize>() as f64
                     / sim.workers.len() as f64;
                 let worker = &sim.workers[w];
-                let ahead = worker.queue.iter().chain(worker.prefilling.iter());
                 sim.requests[r] = RequestFigures {
                     worker: w,
                     arrival_ms: now as f64 / 1000.0,
-                    ahead: ahead.clone().count(),
-                    ahead_tokens: ahead.map(|&q| trace[q].input_length).sum(),
+                    ahead: worker.ahead().count(),
+                    ahead_tokens: worker.ahead().map(|q| trace[q].input_length).sum(),
                     in_flight: worker.in_flight,
                     pool_in_flight,
                     input_tokens: trace[r].input_length,
@@ -1204,35 +1223,25 @@ pub fn simulate(
                     ..RequestFigures::default()
                 };
                 sim.workers[w].in_flight += 1;
-                sim.workers[w].queue.push_back(r);
-                sim.start_prefill(w, now);
+                sim.workers[w].waiting.push_back(r);
+                sim.step(w, now);
             }
-            Event::PrefillDone(w) => {
-                let r = sim.workers[w]
-                    .prefilling
-                    .take()
-                    .expect("a prefill was running");
-                policy.prefill_done(r, now);
-                let decoding = sim.workers[w].decoding;
-                sim.workers[w].decoding += 1;
-                let dur = cfg.model.decode_ms(trace[r].output_length, decoding);
-                sim.schedule(now + (dur * 1000.0) as u64, Event::Done(r));
-                sim.schedule(now + sim.delay_us, Event::Stored(w, r, sim.stored_from[r]));
-                sim.start_prefill(w, now);
-            }
-            Event::Done(r) => {
-                let w = sim.routed_to[r];
-                let worker = &mut sim.workers[w];
-                worker.decoding -= 1;
-                worker.in_flight -= 1;
-                let evicted = worker
-                    .pool
-                    .release(&trace[r].hash_ids, output_blocks(&trace[r]));
-                if !evicted.is_empty() {
-                    sim.schedule(now + sim.delay_us, Event::Removed(w, evicted));
+            Event::StepEnd(w) => {
+                let end = sim.workers[w].end_step(trace);
+                for r in end.first_token {
+                    let arrival_us = sim.arrival_us(r);
+                    sim.ttft_ms.push((now - arrival_us) as f64 / 1000.0);
+                    sim.requests[r].prefill_ms = (now - sim.admitted_us[r]) as f64 / 1000.0;
+                    policy.prefill_done(r, now);
+                    sim.schedule(now + sim.delay_us, Event::Stored(w, r, sim.stored_from[r]));
                 }
-                policy.finished(r, now);
-                sim.start_prefill(w, now);
+                for &r in &end.finished {
+                    policy.finished(r, now);
+                }
+                if !end.evicted.is_empty() {
+                    sim.schedule(now + sim.delay_us, Event::Removed(w, end.evicted));
+                }
+                sim.step(w, now);
             }
             Event::Stored(w, r, from) => {
                 let event = KvEvent::Stored {
@@ -1248,7 +1257,7 @@ pub fn simulate(
     debug_assert!(sim
         .workers
         .iter()
-        .all(|w| w.in_flight == 0 && w.queue.is_empty() && w.prefilling.is_none()));
+        .all(|w| w.in_flight == 0 && w.waiting.is_empty() && w.running.is_empty()));
     let ttft = sorted(std::mem::take(&mut sim.ttft_ms));
     PolicyFigures {
         name: policy.name(),
@@ -1520,8 +1529,10 @@ mod tests {
         let mut rec = Recorder::default();
         let f = simulate(&mut rec, &t, &cfg);
         let m = cfg.model;
-        let prefill = (m.prefill_ms(1024) * 1000.0) as u64;
-        let decode = (m.decode_ms(10, 0) * 1000.0) as u64;
+        // One step prefills the prompt and gives the first token; the other 9
+        // tokens take a lone decoding step each.
+        let prefill = (m.step_ms(1024, 0) * 1000.0) as u64;
+        let decode = 9 * (m.step_ms(0, 1) * 1000.0) as u64;
         let expect = vec![
             (0, "route 0 waiting 0".to_string()),
             (1000, "route 1 waiting 0".to_string()),
@@ -1555,6 +1566,7 @@ mod tests {
             requests: 2,
             workers: 1,
             capacity_blocks: 4,
+            block_tokens: 512,
             speed: 1.0,
             ceiling_hit_rate: 0.0,
             pooled_ceiling_hit_rate: 0.0,

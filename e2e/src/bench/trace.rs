@@ -1,21 +1,22 @@
 //! Mooncake-format request traces and deterministic prompts for them.
 //!
 //! One JSON object a line: `timestamp` (ms), `input_length` and `output_length`
-//! (tokens) and `hash_ids` (one id per 512-token prompt block; equal leading ids
-//! mean an equal prefix). A prompt is made by turning each id into 512 token ids
-//! drawn from a PRNG seeded with the id, concatenating them, and cutting to
-//! `input_length`, so requests share exactly the prefixes the trace says.
+//! (tokens) and `hash_ids` (one id per prompt block of the trace's block size,
+//! 512 tokens in Mooncake's traces; equal leading ids mean an equal prefix). A
+//! prompt is made by turning each id into a block of token ids drawn from a PRNG
+//! seeded with the id, concatenating them, and cutting to `input_length`, so
+//! requests share exactly the prefixes the trace says.
 
 use std::io::Read;
 use std::path::Path;
 
 use anyhow::Context;
 use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use super::SplitMix64;
 
-/// Tokens per trace block.
+/// Tokens per block of Mooncake's traces (the default block size of a replay).
 pub const BLOCK_TOKENS: usize = 512;
 
 /// The model name of replayed requests (seeds kvpick's block hashes).
@@ -25,7 +26,7 @@ pub const MODEL: &str = "mooncake-replay";
 const VOCAB: u64 = 128_000;
 
 /// One request of a trace.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 pub struct TraceRequest {
     /// Arrival in milliseconds from the start of the trace.
     pub timestamp: u64,
@@ -33,7 +34,7 @@ pub struct TraceRequest {
     pub input_length: usize,
     /// Generated tokens.
     pub output_length: usize,
-    /// Prefix block ids, one per 512 prompt tokens.
+    /// Prefix block ids, one per block of prompt tokens.
     pub hash_ids: Vec<u64>,
 }
 
@@ -45,11 +46,17 @@ pub const SYNTHETIC: &str = "../shared/data/mooncake_synthetic_trace.jsonl";
 /// is not in this repository: a fetched data file is never committed here.
 pub const CONVERSATION: &str = "../shared/data/mooncake_conversation_trace.jsonl";
 
-/// The trace file a `--trace` value names: `synthetic` or `conversation`, else a path.
+/// The low-reuse trace `kvpick-bench gen-trace` writes with its defaults
+/// (64-token blocks; see [`super::lowreuse`]), committed beside the bench docs.
+pub const LOWREUSE: &str = "docs/bench/lowreuse.jsonl";
+
+/// The trace file a `--trace` value names: `synthetic`, `conversation` or
+/// `lowreuse`, else a path.
 pub fn resolve(choice: &Path) -> &Path {
     match choice.to_str() {
         Some("synthetic") => Path::new(SYNTHETIC),
         Some("conversation") => Path::new(CONVERSATION),
+        Some("lowreuse") => Path::new(LOWREUSE),
         _ => choice,
     }
 }
@@ -85,30 +92,30 @@ pub fn parse(text: &str) -> anyhow::Result<Vec<TraceRequest>> {
     Ok(out)
 }
 
-/// The 512 deterministic token ids of block `hash_id`.
-pub fn block_tokens(hash_id: u64) -> Vec<u32> {
+/// The `block` deterministic token ids of block `hash_id`.
+pub fn block_tokens(hash_id: u64, block: usize) -> Vec<u32> {
     let mut g = SplitMix64::new(hash_id ^ 0x6b76_7069_636b);
-    (0..BLOCK_TOKENS).map(|_| g.below(VOCAB) as u32).collect()
+    (0..block).map(|_| g.below(VOCAB) as u32).collect()
 }
 
-/// The prompt token ids of a request: its blocks' tokens, cut to `input_length`
-/// (never longer than its blocks).
-pub fn prompt_tokens(r: &TraceRequest) -> Vec<u32> {
-    let mut out = Vec::with_capacity(r.hash_ids.len() * BLOCK_TOKENS);
+/// The prompt token ids of a request whose blocks hold `block` tokens: its
+/// blocks' tokens, cut to `input_length` (never longer than its blocks).
+pub fn prompt_tokens(r: &TraceRequest, block: usize) -> Vec<u32> {
+    let mut out = Vec::with_capacity(r.hash_ids.len() * block);
     for &id in &r.hash_ids {
-        out.extend(block_tokens(id));
+        out.extend(block_tokens(id, block));
     }
     out.truncate(r.input_length);
     out
 }
 
 /// A request's body as kvpick parses it: a streamed completion of its token-id
-/// prompt for [`MODEL`].
-pub fn body(r: &TraceRequest) -> InferenceRequest {
+/// prompt (blocks of `block` tokens) for [`MODEL`].
+pub fn body(r: &TraceRequest, block: usize) -> InferenceRequest {
     InferenceRequest {
         kind: ApiKind::Completions,
         model: MODEL.to_string(),
-        segments: vec![Segment::Tokens(prompt_tokens(r))],
+        segments: vec![Segment::Tokens(prompt_tokens(r, block))],
         stream: true,
         nvext: NvExt::default(),
         salt: None,
@@ -177,11 +184,12 @@ mod tests {
             input_length: 1024,
             ..a.clone()
         };
-        let (ta, tb) = (prompt_tokens(&a), prompt_tokens(&b));
+        let (ta, tb) = (prompt_tokens(&a, 512), prompt_tokens(&b, 512));
         assert_eq!(ta.len(), 700);
         assert_eq!(tb.len(), 1024);
         assert_eq!(ta[..512], tb[..512]);
         assert_ne!(ta[512..700], tb[512..700]);
-        assert_eq!(block_tokens(10), block_tokens(10));
+        assert_eq!(block_tokens(10, 512), block_tokens(10, 512));
+        assert_eq!(prompt_tokens(&a, 64).len(), 128, "cut to its blocks");
     }
 }

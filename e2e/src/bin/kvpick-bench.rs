@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use e2e::bench::{flood, overhead, overload, plot, replay, replicas, scale, sync};
+use e2e::bench::{
+    flood, instructions, lowreuse, overhead, overload, plot, replay, replicas, scale, sync,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -63,6 +65,34 @@ enum Command {
         /// HTTP/2 connections shared by the streams.
         #[arg(long, default_value_t = 2)]
         connections: usize,
+        /// kvpick's OpenTelemetry tracing, one cell each: `off`, `on` (its
+        /// default sampling) or `all` (every request), exported over OTLP/gRPC
+        /// to a receiver in this process.
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "off")]
+        tracing: Vec<overhead::Tracing>,
+    },
+    /// Instructions per request of kvpick's ext_proc server and the no-op server,
+    /// counted by valgrind, this binary beside older ones in one run.
+    Instructions {
+        /// Chat body sizes in bytes.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1024,32768,225280,1048576,8388608"
+        )]
+        body_bytes: Vec<usize>,
+        /// Endpoint counts.
+        #[arg(long, value_delimiter = ',', default_value = "8,64,1024")]
+        endpoints: Vec<usize>,
+        /// A baseline: `NAME=PATH` of another `kvpick-bench` (repeatable).
+        #[arg(long = "against", value_parser = named_path)]
+        against: Vec<(String, PathBuf)>,
+        /// Body bytes the longer run of each cell sends in all.
+        #[arg(long, default_value_t = 64 << 20)]
+        bytes_per_run: usize,
+        /// Directory for valgrind's output files.
+        #[arg(long, default_value = "target/instructions")]
+        work_dir: PathBuf,
     },
     /// Decision latency of small requests alone and next to large ones, kvpick
     /// and the no-op server, in one run.
@@ -135,7 +165,13 @@ enum Command {
         /// The no-op server instead of kvpick.
         #[arg(long)]
         noop: bool,
+        /// kvpick's tracing (exported to `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`).
+        #[arg(long, value_enum, default_value = "off")]
+        tracing: overhead::Tracing,
     },
+    /// Writes a seeded low-reuse chat trace (Mooncake format, 64-token blocks):
+    /// short multi-turn chats of ~2k-token prompts sharing only a small system prompt.
+    GenTrace(lowreuse::GenTraceArgs),
     /// Replays a Mooncake-format trace through routing policies against simulated
     /// workers (several capacities or speeds: one table of every run).
     Replay {
@@ -233,10 +269,12 @@ fn main() -> anyhow::Result<()> {
             rounds,
             concurrency,
             connections,
+            tracing,
         } => {
             let cfg = overhead::OverheadConfig {
                 body_bytes,
                 endpoints,
+                tracing,
                 duration: Duration::from_secs_f64(duration),
                 warmup: Duration::from_secs_f64(warmup),
                 rounds,
@@ -248,6 +286,25 @@ fn main() -> anyhow::Result<()> {
             if let Some(dir) = &cli.plots {
                 plot::overhead(&report, &dir.join("overhead.svg"))?;
             }
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::Instructions {
+            body_bytes,
+            endpoints,
+            against,
+            bytes_per_run,
+            work_dir,
+        } => {
+            let mut servers = vec![("this".to_string(), std::env::current_exe()?)];
+            servers.extend(against);
+            let cfg = instructions::InstructionsConfig {
+                body_bytes,
+                endpoints,
+                servers,
+                bytes_per_run,
+                work_dir,
+            };
+            let report = tokio::runtime::Runtime::new()?.block_on(instructions::run(&cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::Stall {
@@ -262,6 +319,7 @@ fn main() -> anyhow::Result<()> {
             let cfg = overhead::OverheadConfig {
                 body_bytes: vec![small_bytes],
                 endpoints: vec![endpoints],
+                tracing: vec![overhead::Tracing::Off],
                 duration: Duration::from_secs_f64(duration),
                 warmup: Duration::from_secs_f64(warmup),
                 rounds: 1,
@@ -315,12 +373,25 @@ fn main() -> anyhow::Result<()> {
             let report = tokio::runtime::Runtime::new()?.block_on(flood::run(&cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
-        Command::OverheadServer { endpoints, noop } => {
+        Command::OverheadServer {
+            endpoints,
+            noop,
+            tracing,
+        } => {
             let kind = match noop {
                 true => overhead::ServerKind::Noop,
-                false => overhead::ServerKind::Kvpick { endpoints },
+                false => {
+                    // As `kvpick`'s `main` does, before any allocation of note.
+                    kvpick::malloc::pin_mmap_threshold();
+                    overhead::ServerKind::Kvpick { endpoints, tracing }
+                }
             };
             tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))
+        }
+        Command::GenTrace(args) => {
+            let n = args.write()?;
+            eprintln!("gen-trace: {n} requests written to {}", args.out.display());
+            Ok(())
         }
         Command::Replay {
             args,
@@ -419,5 +490,15 @@ fn main() -> anyhow::Result<()> {
             });
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
+    }
+}
+
+/// `NAME=PATH` of `--against`.
+fn named_path(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), PathBuf::from(path)))
+        }
+        _ => Err(format!("expected NAME=PATH, got {s:?}")),
     }
 }

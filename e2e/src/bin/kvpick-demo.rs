@@ -59,12 +59,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let a = Args::parse();
-    let worker = WorkerConfig {
-        ttft: Duration::from_millis(5),
-        prefill_per_token: Duration::from_micros(20),
-        itl: Duration::from_millis(1),
-        ..WorkerConfig::default()
-    };
+    let worker = demo_worker();
     let stack = start_stack(&a, &worker).await?;
     println!(
         "kvpick (standalone, ext_proc on {}) + {} mock workers + test gateway on {}",
@@ -127,6 +122,17 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The mock workers' model: a short fixed TTFT plus a prefill time per
+/// uncached prompt token, and a short inter-token latency.
+fn demo_worker() -> WorkerConfig {
+    WorkerConfig {
+        ttft: Duration::from_millis(5),
+        prefill_per_token: Duration::from_micros(20),
+        itl: Duration::from_millis(1),
+        ..WorkerConfig::default()
+    }
+}
+
 /// kvpick behind the test gateway with `a.workers` fresh mock workers.
 async fn start_stack(a: &Args, worker: &WorkerConfig) -> anyhow::Result<Stack> {
     Ok(Stack::start(StackOptions {
@@ -142,17 +148,7 @@ async fn start_stack(a: &Args, worker: &WorkerConfig) -> anyhow::Result<Stack> {
 /// and through round robin (fresh stacks); prints each worker's share of the
 /// requests and each picker's hit rate.
 async fn at_load(a: &Args, worker: &WorkerConfig, light: &Workload) -> anyhow::Result<()> {
-    let w = Workload {
-        sessions: a.load_sessions,
-        ..light.clone()
-    };
-    let stack = start_stack(a, worker).await?;
-    let outcome = workload::run(&stack.client(), &w).await?;
-    ensure_ok("kvpick at load", &outcome)?;
-    let picked: Vec<Counters> = stack.workers.iter().map(WorkerHandle::counters).collect();
-    drop(stack);
-    let (unpicked, rr) = round_robin(a, worker, &w).await?;
-    ensure_ok("round robin at load", &rr)?;
+    let (w, picked, unpicked) = load_phase(a, worker, light).await?;
     println!(
         "\nat load: {} conversations x {} turns at once\n",
         w.sessions, w.turns
@@ -165,6 +161,27 @@ async fn at_load(a: &Args, worker: &WorkerConfig, light: &Workload) -> anyhow::R
         println!("| {name} | {:.1}% | {ttft:.1} |", hit * 100.0);
     }
     Ok(())
+}
+
+/// Runs the phase at load: its workload, and each worker's counters under
+/// kvpick and under round robin.
+async fn load_phase(
+    a: &Args,
+    worker: &WorkerConfig,
+    light: &Workload,
+) -> anyhow::Result<(Workload, Vec<Counters>, Vec<Counters>)> {
+    let w = Workload {
+        sessions: a.load_sessions,
+        ..light.clone()
+    };
+    let stack = start_stack(a, worker).await?;
+    let outcome = workload::run(&stack.client(), &w).await?;
+    ensure_ok("kvpick at load", &outcome)?;
+    let picked: Vec<Counters> = stack.workers.iter().map(WorkerHandle::counters).collect();
+    drop(stack);
+    let (unpicked, rr) = round_robin(a, worker, &w).await?;
+    ensure_ok("round robin at load", &rr)?;
+    Ok((w, picked, unpicked))
 }
 
 /// Each worker's share of the requests under both pickers, as a markdown table.
@@ -250,6 +267,44 @@ fn summary(counters: &[Counters], worker: &WorkerConfig) -> (f64, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The demo's phase at load, as `kvpick-demo` runs it by default: kvpick
+    /// spreads over every worker (each at least 15% of the requests, a fair
+    /// share being 25%) and still hits the prefix cache at least as often as
+    /// round robin.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_load_kvpick_spreads_over_every_worker_and_keeps_its_hit_rate() {
+        let a = Args::parse_from(["kvpick-demo"]);
+        let light = Workload {
+            sessions: a.sessions,
+            turns: a.turns,
+            system_prompts: a.system_prompts,
+            session_control: a.session_control,
+            ..Workload::default()
+        };
+        let worker = demo_worker();
+        let (w, picked, unpicked) = load_phase(&a, &worker, &light).await.unwrap();
+        let total: u64 = picked.iter().map(|c| c.requests).sum();
+        assert_eq!(total, (w.sessions * w.turns) as u64);
+        assert_eq!(picked.len(), 4);
+        for (i, c) in picked.iter().enumerate() {
+            let share = c.requests as f64 / total as f64;
+            assert!(
+                share >= 0.15,
+                "worker {} got {:.1}%: {picked:?}",
+                i + 1,
+                share * 100.0
+            );
+        }
+        let (kvpick_hit, _) = summary(&picked, &worker);
+        let (rr_hit, _) = summary(&unpicked, &worker);
+        assert!(
+            kvpick_hit >= rr_hit,
+            "kvpick {:.1}% < round robin {:.1}%",
+            kvpick_hit * 100.0,
+            rr_hit * 100.0
+        );
+    }
 
     #[tokio::test]
     async fn the_baseline_spreads_every_request_round_robin_without_a_picker() {

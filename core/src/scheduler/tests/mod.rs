@@ -1266,3 +1266,62 @@ fn fallbacks_name_other_addresses_and_a_session_keeps_its_worker() {
         s.finish(&held, Some(200));
     }
 }
+
+/// The per-term decision cost sums (`kvpick_decision_cost_blocks_total`) are
+/// the chosen ranks' costs as `explain` scores them, term by term: the pruned
+/// argmin's winner (with and without fallbacks) and a session's pinned rank.
+#[test]
+fn decision_cost_sums_are_the_chosen_ranks_terms() {
+    for max_endpoints in [1, 3] {
+        let s = Scheduler::new(SchedulerConfig {
+            max_endpoints,
+            ..Default::default()
+        });
+        let t = table(&[
+            ("10.0.0.1:80", 2, Role::Both),
+            ("10.0.0.2:80", 1, Role::Both),
+            ("10.0.0.3:80", 1, Role::Both),
+        ]);
+        let snap = t.snapshot();
+        let t0 = Instant::now();
+        let shared = "a system prompt every request shares ".repeat(40);
+        let names: Vec<&str> = s.plugins().scorers.iter().map(|x| x.name()).collect();
+        let mut expected = vec![0.0; names.len()];
+        let mut held = Vec::new();
+        let bodies: Vec<InferenceRequest> = (0..6)
+            .map(|i| prompt(&format!("{shared} question {i} {}", "x".repeat(i * 300))))
+            .chain([
+                session("s", Some("open"), &shared),
+                session("s", None, &format!("{shared} again")),
+            ])
+            .collect();
+        for body in &bodies {
+            let req = with_body(body);
+            let explained = s.explain(&req, &snap, t0).unwrap();
+            let d = s.pick_at(&req, &snap, t0).unwrap();
+            let chosen = explained
+                .candidates
+                .iter()
+                .find(|c| !c.prefill && c.key == d.decode.key())
+                .expect("the chosen rank is explained");
+            for (sum, name) in expected.iter_mut().zip(&names) {
+                *sum += chosen.terms.get(name);
+            }
+            held.push(d);
+        }
+        let costs = &s.stats().decision_cost;
+        assert_eq!(costs.decisions(), bodies.len() as u64);
+        assert!(expected.iter().any(|c| *c > 0.0), "{expected:?}");
+        for (i, want) in expected.iter().enumerate() {
+            let got = costs.sum(i);
+            assert!(
+                (got - want).abs() < 1e-6,
+                "max_endpoints {max_endpoints}, term {}: {got} != {want}",
+                names[i]
+            );
+        }
+        for d in &held {
+            s.finish(d, Some(200));
+        }
+    }
+}

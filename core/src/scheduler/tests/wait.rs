@@ -54,6 +54,25 @@ fn thresholds_are_tokens_in_the_configured_blocks() {
 }
 
 #[test]
+fn the_pending_weight_is_configurable_within_zero_and_one() {
+    let with = |w: f64| {
+        Scheduler::new(SchedulerConfig {
+            token_block: 512,
+            pending_prefill_weight: w,
+            ..Default::default()
+        })
+        .pending_wait(0)
+    };
+    assert!((with(1.0).weigh(100.0, 10) - 100.0).abs() < 1e-9);
+    assert!((with(0.5).weigh(100.0, 10) - 50.0).abs() < 1e-9);
+    assert!(
+        (with(7.0).weigh(100.0, 10) - 100.0).abs() < 1e-9,
+        "at most 1"
+    );
+    assert_eq!(with(-1.0).weigh(100.0, 10), 0.0, "never below zero");
+}
+
+#[test]
 fn a_short_prompt_leaves_a_long_wait_only_while_another_rank_is_idle() {
     let s = scheduler();
     let t = both(2);

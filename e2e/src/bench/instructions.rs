@@ -1,0 +1,271 @@
+//! `kvpick-bench instructions`: instructions an ext_proc server executes per
+//! request, counted by valgrind, for changes smaller than timing noise.
+//!
+//! On a shared two-core machine one binary's throughput and CPU time per request
+//! move by ±20 % between runs of `overhead`, so a 3 % difference between two
+//! builds cannot be read from them. An instruction count does not depend on what
+//! else runs on the machine: each server runs under `valgrind --tool=cachegrind
+//! --cache-sim=no` (instruction counting only) and is driven with one request at
+//! a time, as `overhead` builds them (the same chat bodies, an Envoy-style
+//! FULL_DUPLEX_STREAMED stream each).
+//!
+//! Each (server binary, server kind, body size, endpoint count) is run twice, with
+//! `n` and with `4n` requests; the difference of the two totals over `3n` is the
+//! count per request, without start-up (runtime, endpoint table) and shutdown.
+//! The no-op server is counted the same way per body size; kvpick's own work is
+//! kvpick's count minus the no-op's. Every binary named with `--against` (an
+//! older `kvpick-bench` with the same `overhead-server` interface) runs in the
+//! same invocation, so a change reads as a ratio to a baseline from the same run.
+//! Background work that runs on a timer (none on the request path) would show as
+//! a small difference between the two runs' wall times; valgrind serialises the
+//! server's threads, so the count of one request is the same whichever thread
+//! runs it.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use tokio::process::Command;
+use tonic::transport::Channel;
+
+use super::overhead::{chat_body, one_request, variants, ServerKind, ServerProcess};
+use super::table_of;
+
+/// Settings of one `instructions` run.
+#[derive(Debug, Clone)]
+pub struct InstructionsConfig {
+    /// Chat body sizes in bytes.
+    pub body_bytes: Vec<usize>,
+    /// Endpoint counts.
+    pub endpoints: Vec<usize>,
+    /// The binaries serving the cells, by name; the first is the one the
+    /// ratios are of, each other one a baseline.
+    pub servers: Vec<(String, PathBuf)>,
+    /// Body bytes the longer run of a cell sends in all (its request count is
+    /// this over the body size, within `MIN_REQUESTS..=MAX_REQUESTS`).
+    pub bytes_per_run: usize,
+    /// Where the counts' cachegrind files go.
+    pub work_dir: PathBuf,
+}
+
+/// Fewest requests of the shorter run of a cell.
+const MIN_REQUESTS: usize = 2;
+/// Most requests of the longer run of a cell.
+const MAX_REQUESTS: usize = 400;
+
+/// One server binary's counts in one cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct BinaryCounts {
+    /// The binary's name.
+    pub server: String,
+    /// kvpick's instructions per request.
+    pub kvpick: f64,
+    /// The no-op server's instructions per request.
+    pub noop: f64,
+    /// kvpick's own work: `kvpick - noop`.
+    pub own: f64,
+}
+
+/// One (body size, endpoint count) cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct InstructionsCell {
+    /// Request body size in bytes.
+    pub body_bytes: usize,
+    /// Endpoints in the pool.
+    pub endpoints: usize,
+    /// Requests of the shorter and the longer run.
+    pub requests: [usize; 2],
+    /// One entry per binary, in `--against` order after the measured one.
+    pub binaries: Vec<BinaryCounts>,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub struct InstructionsReport {
+    /// One entry per cell.
+    pub cells: Vec<InstructionsCell>,
+}
+
+impl InstructionsReport {
+    /// One row per (cell, baseline): the measured binary's counts beside the
+    /// baseline's and their ratios.
+    pub fn markdown(&self) -> String {
+        // A cell without a baseline is compared with itself (ratios 1).
+        let rows: Vec<(&InstructionsCell, &BinaryCounts)> = self
+            .cells
+            .iter()
+            .flat_map(|c| {
+                let skip = usize::from(c.binaries.len() > 1);
+                c.binaries.iter().skip(skip).map(move |b| (c, b))
+            })
+            .collect();
+        table_of(
+            &[
+                "body bytes",
+                "endpoints",
+                "baseline",
+                "kvpick instr/req",
+                "baseline kvpick instr/req",
+                "ratio",
+                "kvpick's own work",
+                "baseline's own work",
+                "own-work ratio",
+                "no-op instr/req",
+            ],
+            &rows,
+            |(c, base)| {
+                let head = &c.binaries[0];
+                vec![
+                    c.body_bytes.to_string(),
+                    c.endpoints.to_string(),
+                    base.server.clone(),
+                    format!("{:.0}", head.kvpick),
+                    format!("{:.0}", base.kvpick),
+                    format!("{:.4}", ratio(head.kvpick, base.kvpick)),
+                    format!("{:.0}", head.own),
+                    format!("{:.0}", base.own),
+                    format!("{:.4}", ratio(head.own, base.own)),
+                    format!("{:.0}", head.noop),
+                ]
+            },
+        )
+    }
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b != 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// Request counts of a cell's two runs for bodies of `bytes`.
+pub fn request_counts(bytes: usize, bytes_per_run: usize) -> [usize; 2] {
+    let long = (bytes_per_run / bytes.max(1)).clamp(4 * MIN_REQUESTS, MAX_REQUESTS);
+    [long / 4, long / 4 * 4]
+}
+
+/// The `summary:` total of a cachegrind output file (instructions executed,
+/// with `--cache-sim=no`).
+pub fn cachegrind_total(text: &str) -> anyhow::Result<u64> {
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("summary:"))
+        .context("no summary line in the cachegrind output")?;
+    let first = line.split_whitespace().next().context("empty summary")?;
+    Ok(first.parse()?)
+}
+
+/// Counts the instructions `exe overhead-server <kind>` executes to serve
+/// `requests` of `bodies` (one at a time), start-up and shutdown included.
+async fn count(
+    exe: &Path,
+    kind: ServerKind,
+    bodies: &[Vec<u8>],
+    requests: usize,
+    out: &Path,
+) -> anyhow::Result<u64> {
+    let mut command = Command::new("valgrind");
+    command
+        .arg("--tool=cachegrind")
+        .arg("--cache-sim=no")
+        .arg("--quiet")
+        .arg(format!("--cachegrind-out-file={}", out.display()))
+        .arg(exe)
+        .arg("overhead-server")
+        .args(kind.args());
+    let server = ServerProcess::spawn(command).await?;
+    let ch = Channel::from_shared(format!("http://127.0.0.1:{}", server.port))?
+        .tcp_nodelay(true)
+        .connect()
+        .await?;
+    for i in 0..requests {
+        one_request(&ch, &bodies[i % bodies.len()]).await?;
+    }
+    drop(ch);
+    server.stop().await?;
+    let text =
+        std::fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
+    cachegrind_total(&text)
+}
+
+/// Instructions per request of `exe` serving `kind`: the difference of a short
+/// and a long run over their difference in requests.
+async fn per_request(
+    exe: &Path,
+    kind: ServerKind,
+    bodies: &[Vec<u8>],
+    requests: [usize; 2],
+    out: &Path,
+) -> anyhow::Result<f64> {
+    let short = count(exe, kind, bodies, requests[0], out).await?;
+    let long = count(exe, kind, bodies, requests[1], out).await?;
+    if long <= short {
+        bail!("{requests:?} requests counted {short} then {long} instructions: not increasing");
+    }
+    Ok((long - short) as f64 / (requests[1] - requests[0]) as f64)
+}
+
+/// Runs every cell on every binary.
+pub async fn run(cfg: &InstructionsConfig) -> anyhow::Result<InstructionsReport> {
+    std::fs::create_dir_all(&cfg.work_dir)?;
+    let out = cfg.work_dir.join("cachegrind.out");
+    let mut cells = Vec::new();
+    for &bytes in &cfg.body_bytes {
+        let bodies: Vec<Vec<u8>> = (0..variants(bytes)).map(|v| chat_body(bytes, v)).collect();
+        let requests = request_counts(bytes, cfg.bytes_per_run);
+        let mut noop = Vec::new();
+        for (_, exe) in &cfg.servers {
+            noop.push(per_request(exe, ServerKind::Noop, &bodies, requests, &out).await?);
+        }
+        for &n in &cfg.endpoints {
+            let mut binaries = Vec::new();
+            for ((name, exe), &noop) in cfg.servers.iter().zip(&noop) {
+                let kind = ServerKind::kvpick(n);
+                let kvpick = per_request(exe, kind, &bodies, requests, &out).await?;
+                binaries.push(BinaryCounts {
+                    server: name.clone(),
+                    kvpick,
+                    noop,
+                    own: kvpick - noop,
+                });
+            }
+            eprintln!(
+                "instructions: {bytes} B, {n} endpoints: {}",
+                binaries
+                    .iter()
+                    .map(|b| format!("{} {:.0}/req", b.server, b.kvpick))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            cells.push(InstructionsCell {
+                body_bytes: bodies[0].len(),
+                endpoints: n,
+                requests,
+                binaries,
+            });
+        }
+    }
+    Ok(InstructionsReport { cells })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_line_is_the_total() {
+        let text = "desc: --cache-sim=no\ncmd: x\nevents: Ir\nfl=a\n1 5\nsummary: 123456789\n";
+        assert_eq!(cachegrind_total(text).unwrap(), 123_456_789);
+        assert!(cachegrind_total("events: Ir\n").is_err());
+    }
+
+    #[test]
+    fn the_long_run_is_four_times_the_short_one_within_bounds() {
+        assert_eq!(request_counts(1024, 64 << 20), [100, 400]);
+        assert_eq!(request_counts(8 << 20, 64 << 20), [2, 8]);
+        let [short, long] = request_counts(1 << 20, 64 << 20);
+        assert_eq!((short, long), (16, 64));
+    }
+}
