@@ -61,6 +61,11 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// The server process's id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Kills the server (SIGKILL: every connection drops, the stream is lost).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

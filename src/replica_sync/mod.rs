@@ -96,6 +96,11 @@ pub struct SyncMetrics {
     warm_start_entries: Counter,
     published_bytes: Counter,
     propagation: Option<Histogram>,
+    /// Exact propagation samples in seconds, at most `samples_cap`: kept only
+    /// when made by [`SyncMetrics::recording`] (benchmarks read percentiles
+    /// the histogram's buckets cannot give).
+    samples: std::sync::Mutex<Vec<f64>>,
+    samples_cap: usize,
 }
 
 impl SyncMetrics {
@@ -173,6 +178,56 @@ impl SyncMetrics {
 }
 
 impl SyncMetrics {
+    /// Like [`SyncMetrics::register`], and keeps the first `cap` propagation
+    /// samples exactly (one per peer batch applied live).
+    pub fn recording(metrics: &Metrics, cap: usize) -> Arc<SyncMetrics> {
+        let mut m = SyncMetrics::register(metrics);
+        Arc::get_mut(&mut m).expect("not shared yet").samples_cap = cap;
+        m
+    }
+
+    /// Takes the recorded propagation samples (seconds), in arrival order.
+    pub fn take_propagation_samples(&self) -> Vec<f64> {
+        std::mem::take(&mut *self.samples.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Deltas this replica published.
+    pub fn published_deltas(&self) -> u64 {
+        self.published.get()
+    }
+
+    /// Bytes of the batches this replica published.
+    pub fn published_bytes(&self) -> u64 {
+        self.published_bytes.get()
+    }
+
+    /// Peers' deltas applied here.
+    pub fn applied_deltas(&self) -> u64 {
+        self.applied.get()
+    }
+
+    /// Deltas dropped (queue full or server unreachable).
+    pub fn dropped_deltas(&self) -> u64 {
+        self.dropped.get()
+    }
+
+    /// Failed commands.
+    pub fn errors(&self) -> u64 {
+        self.errors.get()
+    }
+
+    fn observe_propagation(&self, seconds: f64) {
+        if let Some(h) = &self.propagation {
+            h.observe(seconds);
+        }
+        if self.samples_cap > 0 {
+            let mut s = self.samples.lock().unwrap_or_else(|e| e.into_inner());
+            if s.len() < self.samples_cap {
+                s.push(seconds);
+            }
+        }
+    }
+
     /// Stream entries replayed at warm start so far.
     pub fn warm_start_entries(&self) -> u64 {
         self.warm_start_entries.get()
@@ -411,9 +466,7 @@ impl Applier {
                 let now_us = now_us();
                 let age = Duration::from_micros(now_us.saturating_sub(b.sent_us));
                 if !replay {
-                    if let Some(h) = &self.metrics.propagation {
-                        h.observe(age.as_secs_f64());
-                    }
+                    self.metrics.observe_propagation(age.as_secs_f64());
                 }
                 let bookings = !replay || age < self.peers.lease();
                 let snapshot = self.endpoints.snapshot();

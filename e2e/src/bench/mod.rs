@@ -13,6 +13,7 @@ pub mod replay;
 pub mod replicas;
 pub mod scale;
 pub mod sim;
+pub mod sync;
 pub mod trace;
 
 use std::time::Duration;

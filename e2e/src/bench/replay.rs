@@ -1272,22 +1272,30 @@ pub fn simulate(
     }
 }
 
+/// Test traces and settings shared by the replay tests here and in `replicas`.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(super) mod fixtures {
+    use super::{ReplayConfig, TraceRequest, BLOCK_TOKENS};
 
-    /// Four conversations, each re-sent ten times with a new tail, interleaved, on
-    /// three workers whose pools fit about two conversations: round robin sends each
-    /// conversation around all workers and keeps missing; prefix-aware routing keeps
-    /// each conversation on one worker.
-    fn conversations() -> Vec<TraceRequest> {
+    /// `conversations` conversations of `turns` turns, turn after turn, each
+    /// request `gap_us` after the previous one. Conversation `c` is a prefix
+    /// of `shared` blocks of its own, then its tail: turn `t`'s own block, or
+    /// with `growing` every block of turns `0..=t` (each turn extends the last).
+    pub fn conversations(
+        conversations: u64,
+        turns: u64,
+        shared: u64,
+        growing: bool,
+        gap_us: u64,
+    ) -> Vec<TraceRequest> {
         let mut out = Vec::new();
-        for turn in 0..10u64 {
-            for conv in 0..4u64 {
-                let mut ids: Vec<u64> = (0..4).map(|b| conv * 1000 + b).collect();
-                ids.push(conv * 1000 + 100 + turn);
+        for turn in 0..turns {
+            for conv in 0..conversations {
+                let mut ids: Vec<u64> = (0..shared).map(|b| conv * 1000 + b).collect();
+                let first = if growing { 0 } else { turn };
+                ids.extend((first..=turn).map(|t| conv * 1000 + 100 + t));
                 out.push(TraceRequest {
-                    timestamp: (turn * 4 + conv) * 2_000,
+                    timestamp: (turn * conversations + conv) * gap_us,
                     input_length: ids.len() * BLOCK_TOKENS,
                     output_length: 4,
                     hash_ids: ids,
@@ -1297,12 +1305,30 @@ mod tests {
         out
     }
 
-    fn cfg() -> ReplayConfig {
+    /// The replay's defaults with `workers` workers of `capacity_blocks` blocks.
+    pub fn config(workers: usize, capacity_blocks: usize) -> ReplayConfig {
         ReplayConfig {
-            workers: 3,
-            capacity_blocks: 12,
+            workers,
+            capacity_blocks,
             ..ReplayConfig::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Four conversations, each re-sent ten times with a new tail, interleaved, on
+    /// three workers whose pools fit about two conversations: round robin sends each
+    /// conversation around all workers and keeps missing; prefix-aware routing keeps
+    /// each conversation on one worker.
+    fn conversations() -> Vec<TraceRequest> {
+        fixtures::conversations(4, 10, 4, false, 2_000)
+    }
+
+    fn cfg() -> ReplayConfig {
+        fixtures::config(3, 12)
     }
 
     fn by_name<'a>(r: &'a ReplayReport, name: &str) -> &'a PolicyFigures {

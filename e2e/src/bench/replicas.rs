@@ -416,28 +416,11 @@ mod tests {
     /// Five conversations, so that request `i`'s replica `i mod R` changes
     /// from one turn of a conversation to the next.
     fn conversations() -> Vec<TraceRequest> {
-        let mut out = Vec::new();
-        for turn in 0..12u64 {
-            for conv in 0..5u64 {
-                let mut ids: Vec<u64> = (0..6).map(|b| conv * 1000 + b).collect();
-                ids.extend((0..=turn).map(|t| conv * 1000 + 100 + t));
-                out.push(TraceRequest {
-                    timestamp: (turn * 5 + conv) * 1_500,
-                    input_length: ids.len() * BLOCK_TOKENS,
-                    output_length: 4,
-                    hash_ids: ids,
-                });
-            }
-        }
-        out
+        crate::bench::replay::fixtures::conversations(5, 12, 6, true, 1_500)
     }
 
     fn cfg() -> ReplayConfig {
-        ReplayConfig {
-            workers: 4,
-            capacity_blocks: 64,
-            ..ReplayConfig::default()
-        }
+        crate::bench::replay::fixtures::config(4, 64)
     }
 
     #[test]

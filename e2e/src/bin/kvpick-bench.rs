@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use e2e::bench::{
-    flood, instructions, lowreuse, overhead, overload, plot, replay, replicas, scale,
+    flood, instructions, lowreuse, overhead, overload, plot, replay, replicas, scale, sync,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -195,10 +195,35 @@ enum Command {
         /// one replica (e.g. `2,4`).
         #[arg(long, value_delimiter = ',')]
         replicas: Vec<usize>,
-        /// With --replicas: propagation delay of a synced delta to the peers, ms
-        /// (default: above the loopback p99 of `kvpick-bench sync`).
+        /// With --replicas: modelled propagation delay of a synced delta to the
+        /// peers, ms (`kvpick-bench sync` measures the real one).
         #[arg(long, default_value_t = 1.0)]
         sync_delay_ms: f64,
+    },
+    /// Replica sync against a real redis-server: propagation p50/p99, bytes and
+    /// CPU per decision, beside the same decisions without sync (alternating rounds).
+    Sync {
+        /// The server (`redis://HOST:PORT`); default: start redis-server on a free port.
+        #[arg(long)]
+        redis: Option<String>,
+        /// Replicas.
+        #[arg(long, default_value_t = 3)]
+        replicas: usize,
+        /// Workers every replica routes over.
+        #[arg(long, default_value_t = 1_024)]
+        workers: usize,
+        /// Target decisions per second, all replicas together.
+        #[arg(long, default_value_t = 5_000.0)]
+        rate: f64,
+        /// Seconds of one round.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Rounds of each kind (baseline, sync, alternating).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Tokens of each prompt (a 512-token system prompt shared by all).
+        #[arg(long, default_value_t = 2_048)]
+        prompt_tokens: usize,
     },
     /// Index and scheduler at fleet scale: memory, lookup, ingest, churn.
     Scale {
@@ -429,6 +454,28 @@ fn main() -> anyhow::Result<()> {
             if let Some(dir) = &args.dump_requests {
                 replay::write_requests(dir, &report.runs)?;
             }
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::Sync {
+            redis,
+            replicas,
+            workers,
+            rate,
+            seconds,
+            rounds,
+            prompt_tokens,
+        } => {
+            let cfg = sync::SyncBenchConfig {
+                redis,
+                replicas,
+                workers,
+                rate,
+                round: Duration::from_secs_f64(seconds),
+                rounds,
+                prompt_tokens,
+                ..sync::SyncBenchConfig::default()
+            };
+            let report = tokio::runtime::Runtime::new()?.block_on(sync::run(&cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::Scale {
