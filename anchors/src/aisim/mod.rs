@@ -29,6 +29,7 @@ use std::time::Instant;
 
 use aisimulate_core::engine::{Backend, EngineConfig, EngineLaunchConfig};
 use aisimulate_core::replay::loadgen::Trace;
+use aisimulate_core::replay::loadgen::TraceFileFormat;
 use aisimulate_core::replay::{
     ProviderSpec, ReplayAdapters, ReplayEngineConfig, ReplayEngineFactory, ReplayReport,
     ReplayRuntimeInput, ReplaySpec, ReplayTopology, Replayer, WorkerPoolSpec,
@@ -36,9 +37,7 @@ use aisimulate_core::replay::{
 };
 use anyhow::Context;
 use dynamo_mocker::common::protocols::MockerConfig;
-use aisimulate_core::replay::loadgen::TraceFileFormat;
 use dynamo_mocker::replay::{
-    simulate_trace_file_with_router_mode,
     simulate_trace_file_with_router_mode_and_format_and_runtime_observers, ReplayRouterMode,
     ReplayRuntimeObservers, ReplayTelemetryOptions, SlaThresholds,
 };
@@ -375,7 +374,10 @@ impl KvpickRun {
             counts.num_requests
         );
         let idle = self.placed.iter().filter(|&&n| n == 0).count() + workers - self.placed.len();
-        anyhow::ensure!(idle == 0, "kvpick placed nothing on {idle} of {workers} workers");
+        anyhow::ensure!(
+            idle == 0,
+            "kvpick placed nothing on {idle} of {workers} workers"
+        );
         let scraped = self.scrapes.workers();
         anyhow::ensure!(
             scraped == workers,
@@ -403,10 +405,7 @@ pub fn run(args: AisimArgs) -> anyhow::Result<()> {
          polynomial perf model (`dynamo-mocker`'s default `PerfModel`, no external timing \
          provider), dp 1, tp 1; `num_gpu_blocks` per table. kvpick reads the engines' gauges \
          every {} ms of virtual time.\n",
-        args.block_size,
-        args.max_num_seqs,
-        args.max_num_batched_tokens,
-        args.scrape_interval_ms,
+        args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.scrape_interval_ms,
     )?;
     writeln!(
         md,
@@ -542,6 +541,7 @@ fn verdict(rows: &[Figures]) -> String {
 mod tests {
     use super::*;
     use clap::Parser;
+    use dynamo_mocker::replay::simulate_trace_file_with_router_mode;
 
     #[derive(Parser)]
     struct Cli {

@@ -514,7 +514,10 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
             placement_replica_id: None,
         };
         {
-            let mut placed = self.placed.lock().map_err(|_| anyhow!("placed lock poisoned"))?;
+            let mut placed = self
+                .placed
+                .lock()
+                .map_err(|_| anyhow!("placed lock poisoned"))?;
             placed.resize(self.workers.len(), 0);
             placed[endpoint] += 1;
         }
