@@ -31,6 +31,7 @@ use aisimulate_core::replay::{
     ReplayTelemetrySnapshot, RequestIdentity, WorkerStage, WorkerTopology,
 };
 use anyhow::{anyhow, bail, Context};
+use clap::Parser;
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
 use kvpick::kvevents::decode::{self, BlockRemoved, BlockStored, EventBatch};
 use kvpick::kvevents::Ingest;
@@ -74,32 +75,81 @@ pub struct KvpickSettings {
 
 /// One engine's gauges as a `/metrics` scrape shows them.
 #[derive(Debug, Clone, Copy, Default)]
-struct Gauges {
-    waiting: u64,
-    running: u64,
-    kv_usage: f64,
-    total_blocks: u64,
-    sampled_at_ms: f64,
+pub struct Gauges {
+    pub waiting: u64,
+    pub running: u64,
+    pub kv_usage: f64,
+    pub total_blocks: u64,
+    pub sampled_at_ms: f64,
 }
 
 /// The latest gauges of every worker, by AISimulate worker id: written by the
-/// telemetry observer, read by the placement before each pick.
+/// telemetry observer, read by the placement before each pick; and load figures
+/// over every sample ([`LoadStats`]), for the report.
 #[derive(Debug, Clone, Default)]
-pub struct Scrapes(Arc<Mutex<HashMap<usize, Gauges>>>);
+pub struct Scrapes(Arc<Mutex<ScrapeState>>);
+
+#[derive(Debug, Default)]
+struct ScrapeState {
+    latest: HashMap<usize, Gauges>,
+    stats: LoadStats,
+}
+
+/// How evenly a run loaded its workers, over the telemetry samples.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadStats {
+    /// Samples with any request on any worker.
+    pub busy_samples: u64,
+    /// Sum over busy samples of max / mean (waiting + running) over workers.
+    spread_sum: f64,
+    /// Sum over busy samples of the waiting requests of all workers.
+    waiting_sum: f64,
+}
+
+impl LoadStats {
+    /// Mean over busy samples of max / mean requests (waiting + running) per worker.
+    pub fn spread(&self) -> f64 {
+        self.spread_sum / self.busy_samples.max(1) as f64
+    }
+
+    /// Mean over busy samples of the requests waiting in all engines.
+    pub fn waiting(&self) -> f64 {
+        self.waiting_sum / self.busy_samples.max(1) as f64
+    }
+}
 
 impl Scrapes {
     /// Workers with at least one sample.
     pub fn workers(&self) -> usize {
-        self.0.lock().map(|m| m.len()).unwrap_or(0)
+        self.0.lock().map(|m| m.latest.len()).unwrap_or(0)
+    }
+
+    /// The latest gauges of AISimulate worker `worker_id`, if sampled yet.
+    pub fn latest(&self, worker_id: usize) -> Option<Gauges> {
+        self.0.lock().ok()?.latest.get(&worker_id).copied()
+    }
+
+    /// Load figures over the samples so far.
+    pub fn stats(&self) -> LoadStats {
+        self.0.lock().map(|m| m.stats).unwrap_or_default()
     }
 }
 
 impl ReplayTelemetryObserver for Scrapes {
     fn on_sample(&mut self, snapshot: ReplayTelemetrySnapshot) -> anyhow::Result<()> {
-        let mut latest = self.0.lock().map_err(|_| anyhow!("scrape lock poisoned"))?;
+        let mut state = self.0.lock().map_err(|_| anyhow!("scrape lock poisoned"))?;
+        let rows = &snapshot.decode_scheduler_metrics;
+        let loads = rows.iter().map(|m| m.waiting_requests + m.running_requests);
+        let (total, max) = loads.fold((0, 0), |(t, m), l| (t + l, m.max(l)));
+        if total > 0 {
+            let stats = &mut state.stats;
+            stats.busy_samples += 1;
+            stats.spread_sum += max as f64 * rows.len() as f64 / total as f64;
+            stats.waiting_sum += rows.iter().map(|m| m.waiting_requests as f64).sum::<f64>();
+        }
         for m in snapshot.decode_scheduler_metrics {
             // One gauge set per worker: dp size is 1 here.
-            latest.insert(
+            state.latest.insert(
                 m.worker_id,
                 Gauges {
                     waiting: m.waiting_requests,
@@ -153,7 +203,12 @@ pub struct KvpickComposition {
     scrapes: Scrapes,
     /// The endpoint table of the placement built, for checks after the run.
     table: Arc<Mutex<Option<Arc<Snapshot>>>>,
+    /// Requests placed on each worker (by endpoint index), for checks after the run.
+    placed: Placed,
 }
+
+/// Requests placed on each worker, by endpoint index.
+pub type Placed = Arc<Mutex<Vec<usize>>>;
 
 impl KvpickComposition {
     /// A composition whose placement reads `scrapes`.
@@ -162,12 +217,19 @@ impl KvpickComposition {
             settings,
             scrapes,
             table: Arc::default(),
+            placed: Arc::default(),
         }
     }
 
     /// A handle on the endpoints of the placement this composition builds.
     pub fn endpoints(&self) -> Arc<Mutex<Option<Arc<Snapshot>>>> {
         Arc::clone(&self.table)
+    }
+
+    /// A handle on the per-worker placement counts of the placement this
+    /// composition builds.
+    pub fn placed(&self) -> Placed {
+        Arc::clone(&self.placed)
     }
 }
 
@@ -185,7 +247,12 @@ impl ReplayComposition for KvpickComposition {
         if dp_size != 1 {
             bail!("kvpick placement runs dp size 1 workers, got {dp_size}");
         }
-        let placement = KvpickPlacement::new(&self.settings, topology, self.scrapes.clone())?;
+        let placement = KvpickPlacement::new(
+            &self.settings,
+            topology,
+            self.scrapes.clone(),
+            Arc::clone(&self.placed),
+        )?;
         *self
             .table
             .lock()
@@ -230,6 +297,7 @@ pub struct KvpickPlacement {
     scrapes: Scrapes,
     block_size: usize,
     routed: HashMap<Uuid, Routed>,
+    placed: Placed,
     base: Instant,
     last_upkeep_ms: f64,
 }
@@ -239,12 +307,9 @@ impl KvpickPlacement {
         settings: &KvpickSettings,
         topology: Vec<WorkerTopology>,
         scrapes: Scrapes,
+        placed: Placed,
     ) -> anyhow::Result<Self> {
-        let scheduler = Arc::new(Scheduler::new(SchedulerConfig {
-            token_block: settings.block_size,
-            tie_break_seed: Some(settings.seed),
-            ..SchedulerConfig::default()
-        }));
+        let scheduler = Arc::new(Scheduler::new(scheduler_config(settings)?));
         let table = EndpointTable::new();
         table.replace(
             (0..topology.len())
@@ -299,6 +364,7 @@ impl KvpickPlacement {
             scrapes,
             block_size: settings.block_size,
             routed: HashMap::new(),
+            placed,
             base: Instant::now(),
             last_upkeep_ms: 0.0,
         })
@@ -311,13 +377,13 @@ impl KvpickPlacement {
     /// Sets every endpoint's scraped load from the latest sample, and runs the
     /// scheduler's periodic upkeep once per virtual second, as the server does.
     fn scrape(&mut self, now_ms: f64) -> anyhow::Result<()> {
-        let latest = self
+        let state = self
             .scrapes
             .0
             .lock()
             .map_err(|_| anyhow!("scrape lock poisoned"))?;
         for (i, w) in self.workers.iter().enumerate() {
-            let Some(g) = latest.get(&w.worker_id) else {
+            let Some(g) = state.latest.get(&w.worker_id) else {
                 continue;
             };
             self.snapshot.endpoints[i].set_scraped(ScrapedLoad {
@@ -329,7 +395,7 @@ impl KvpickPlacement {
                 at: self.at(g.sampled_at_ms),
             });
         }
-        drop(latest);
+        drop(state);
         if now_ms - self.last_upkeep_ms >= 1_000.0 {
             self.scheduler.maintain(&self.snapshot, self.at(now_ms));
             self.last_upkeep_ms = now_ms;
@@ -344,6 +410,17 @@ impl KvpickPlacement {
                 .finish_at(&routed.decision, Some(200), self.at(now_ms));
         }
     }
+}
+
+/// The scheduler settings of a kvpick started with its default flags and
+/// `--prefix-token-block` at the engine's block size, seeded.
+fn scheduler_config(settings: &KvpickSettings) -> anyhow::Result<SchedulerConfig> {
+    let token_block = format!("--prefix-token-block={}", settings.block_size);
+    let flags = kvpick::config::Args::try_parse_from(["kvpick", token_block.as_str()])?;
+    Ok(SchedulerConfig {
+        tie_break_seed: Some(settings.seed),
+        ..flags.scheduler(Vec::new())
+    })
 }
 
 /// A prompt as kvpick parses it: a streamed completion of its token ids.
@@ -436,6 +513,14 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
             cache_sample: None,
             placement_replica_id: None,
         };
+        {
+            let mut placed = self
+                .placed
+                .lock()
+                .map_err(|_| anyhow!("placed lock poisoned"))?;
+            placed.resize(self.workers.len(), 0);
+            placed[endpoint] += 1;
+        }
         let guard = decision.begin();
         self.routed.insert(
             request_id,
