@@ -363,8 +363,7 @@ pub struct KvpickRun {
 
 impl KvpickRun {
     /// The run's figures count only if every request completed, kvpick read
-    /// every engine's gauges, placed requests on every worker, and every booking
-    /// ended with its request.
+    /// every engine's gauges and every booking ended with its request.
     fn check(&self, workers: usize) -> anyhow::Result<()> {
         let counts = &self.report.request_counts;
         anyhow::ensure!(
@@ -373,11 +372,12 @@ impl KvpickRun {
             counts.completed_requests,
             counts.num_requests
         );
+        // Not an error: at light load with little reuse, kvpick may need fewer
+        // workers than the fleet has; the report shows it beside the figures.
         let idle = self.placed.iter().filter(|&&n| n == 0).count() + workers - self.placed.len();
-        anyhow::ensure!(
-            idle == 0,
-            "kvpick placed nothing on {idle} of {workers} workers"
-        );
+        if idle > 0 {
+            eprintln!("aisim: kvpick placed nothing on {idle} of {workers} workers");
+        }
         let scraped = self.scrapes.workers();
         anyhow::ensure!(
             scraped == workers,

@@ -61,6 +61,33 @@ pub fn resolve(choice: &Path) -> &Path {
     }
 }
 
+/// Spreads requests recorded at one timestamp evenly over the interval to the
+/// next recorded timestamp, keeping their order; the last group stays as it is.
+///
+/// A trace recorded at a coarse resolution (the Mooncake conversation trace
+/// rounds arrivals to 3-second buckets, about ten requests on one millisecond)
+/// makes those requests arrive at the same instant. One router sees them one
+/// after another anyway; several replicas see them at once, before any delta can
+/// travel, which real arrivals spread over the bucket would not do.
+pub fn spread_ties(requests: &mut [TraceRequest]) {
+    let mut start = 0;
+    while start < requests.len() {
+        let t = requests[start].timestamp;
+        let end = start
+            + requests[start..]
+                .iter()
+                .take_while(|r| r.timestamp == t)
+                .count();
+        if let Some(next) = requests.get(end).map(|r| r.timestamp) {
+            let (k, span) = ((end - start) as u64, next - t);
+            for (j, r) in requests[start..end].iter_mut().enumerate() {
+                r.timestamp = t + j as u64 * span / k;
+            }
+        }
+        start = end;
+    }
+}
+
 /// Reads a trace file (gunzipped when its name ends in `.gz`); requests are
 /// returned in arrival order.
 pub fn load(path: &Path) -> anyhow::Result<Vec<TraceRequest>> {
@@ -191,5 +218,28 @@ mod tests {
         assert_ne!(ta[512..700], tb[512..700]);
         assert_eq!(block_tokens(10, 512), block_tokens(10, 512));
         assert_eq!(prompt_tokens(&a, 64).len(), 128, "cut to its blocks");
+    }
+
+    #[test]
+    fn ties_are_spread_over_the_gap_to_the_next_timestamp() {
+        let at = |t| TraceRequest {
+            timestamp: t,
+            input_length: 1,
+            output_length: 1,
+            hash_ids: vec![],
+        };
+        let mut rs = vec![
+            at(0),
+            at(0),
+            at(0),
+            at(3000),
+            at(3000),
+            at(3001),
+            at(4000),
+            at(4000),
+        ];
+        spread_ties(&mut rs);
+        let ts: Vec<u64> = rs.iter().map(|r| r.timestamp).collect();
+        assert_eq!(ts, [0, 1000, 2000, 3000, 3000, 3001, 4000, 4000]);
     }
 }

@@ -199,6 +199,10 @@ enum Command {
         /// peers, ms (`kvpick-bench sync` measures the real one).
         #[arg(long, default_value_t = 1.0)]
         sync_delay_ms: f64,
+        /// With --replicas: spread requests recorded on one timestamp over the gap
+        /// to the next (a trace rounded to coarse buckets), for every replica count.
+        #[arg(long)]
+        spread_ties: bool,
     },
     /// Replica sync against a real redis-server: propagation p50/p99, bytes and
     /// CPU per decision, beside the same decisions without sync (alternating rounds).
@@ -401,8 +405,12 @@ fn main() -> anyhow::Result<()> {
             ttl,
             replicas: counts,
             sync_delay_ms,
+            spread_ties,
         } => {
-            let (name, requests) = args.load()?;
+            let (name, mut requests) = args.load()?;
+            if spread_ties && !counts.is_empty() {
+                e2e::bench::trace::spread_ties(&mut requests);
+            }
             let configs = args.configs();
             if !counts.is_empty() {
                 let rc = replicas::ReplicaConfig {
