@@ -26,9 +26,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Serialize;
 use tokio::process::Command;
-use tonic::transport::Channel;
 
-use super::overhead::{chat_body, one_request, variants, ServerKind, ServerProcess};
+use super::overhead::{chat_body, connect, one_request, variants, ServerKind, ServerProcess};
 use super::table_of;
 
 /// Settings of one `instructions` run.
@@ -176,10 +175,7 @@ async fn count(
         .arg("overhead-server")
         .args(kind.args());
     let server = ServerProcess::spawn(command).await?;
-    let ch = Channel::from_shared(format!("http://127.0.0.1:{}", server.port))?
-        .tcp_nodelay(true)
-        .connect()
-        .await?;
+    let ch = connect(server.port).await?;
     for i in 0..requests {
         one_request(&ch, &bodies[i % bodies.len()]).await?;
     }

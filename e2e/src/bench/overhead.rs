@@ -369,6 +369,13 @@ pub async fn serve_until_stdin_closes(kind: ServerKind) -> anyhow::Result<()> {
     served
 }
 
+/// An HTTP/2 channel to the ext_proc server on 127.0.0.1:`port`, as the load
+/// generator opens them (`TCP_NODELAY`).
+pub async fn connect(port: u16) -> anyhow::Result<Channel> {
+    let endpoint = Channel::from_shared(format!("http://127.0.0.1:{port}"))?;
+    Ok(endpoint.tcp_nodelay(true).connect().await?)
+}
+
 /// A server child process of one (cell, server) run; killed when dropped.
 pub struct ServerProcess {
     child: Child,
@@ -469,17 +476,9 @@ async fn drive(
     duration: Duration,
     large: Option<&LargeLoad>,
 ) -> anyhow::Result<(Vec<f64>, u64)> {
-    let connect = || async {
-        anyhow::Ok(
-            Channel::from_shared(format!("http://127.0.0.1:{port}"))?
-                .tcp_nodelay(true)
-                .connect()
-                .await?,
-        )
-    };
     let mut channels = Vec::new();
     for _ in 0..cfg.connections.max(1) {
-        channels.push(connect().await?);
+        channels.push(connect(port).await?);
     }
     let start = Instant::now();
     let measure_from = start + cfg.warmup;
@@ -487,7 +486,7 @@ async fn drive(
     // Large requests on their own connection, unmeasured, for the whole run.
     let mut background = Vec::new();
     if let Some(large) = large {
-        let ch = connect().await?;
+        let ch = connect(port).await?;
         for _ in 0..large.streams {
             let (ch, body) = (ch.clone(), Arc::clone(&large.body));
             background.push(tokio::spawn(async move {
@@ -868,10 +867,7 @@ pub async fn peak_rss(
     let mut runs = Vec::new();
     for kind in [ServerKind::Noop, ServerKind::kvpick(endpoints)] {
         let server = ServerProcess::start(exe, kind, None).await?;
-        let ch = Channel::from_shared(format!("http://127.0.0.1:{}", server.port))?
-            .tcp_nodelay(true)
-            .connect()
-            .await?;
+        let ch = connect(server.port).await?;
         one_request(&ch, &chat_body(1024, 0)).await?;
         let idle = server.peak_rss_bytes()?;
         let mut tasks = Vec::new();
