@@ -56,7 +56,7 @@ pub struct SchedulingFlags {
     /// (provisional entries) at most, from its first routing (the requests it
     /// attracts do not renew it); its blocks' KV events end it sooner.
     /// A bare number counts seconds; `90s`, `15m`, `1h` also work.
-    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value = "10", value_parser = duration::secs)]
+    #[arg(long, env = "KVPICK_PROVISIONAL_TTL_SECS", default_value = "120", value_parser = duration::secs)]
     pub provisional_ttl_secs: Duration,
 
     /// Precise workers: how long after a request's response began (or it

@@ -184,11 +184,14 @@ impl Default for SchedulerConfig {
 pub const DEFAULT_MAX_PREFIX_TOKENS: usize = 131_072;
 
 /// Default [`SchedulerConfig::provisional_ttl`]: covers a burst sharing a
-/// prefix while its first prefill runs, however long it queues. Entries end
-/// earlier at their blocks' KV events (stored or removed), so the TTL only
-/// bounds those whose events never come (on the tuning trace, 1,000 blocks
-/// 2×: 27% hits at 2 s, 33% at 10 s).
-pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(10);
+/// prefix while its first request waits for and runs its prefill, also in a
+/// saturated fleet whose queues hold a request for tens of seconds. A guess
+/// ends sooner at its blocks' KV events (stored or removed) and within
+/// [`DEFAULT_PROVISIONAL_CONFIRM`] of its response's start, so the TTL only
+/// bounds requests that neither start a response nor end. On the tuning trace
+/// at 1,000 blocks 2× (TTFT p50 ~30 s) precise mode keeps 12.9% hits at 10 s
+/// and 17.9% at 120 s (the same as at 1,000 s); BENCHMARKS.md §2.
+pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(120);
 
 /// Default [`SchedulerConfig::provisional_confirm`]: an engine publishes a
 /// block's `BlockStored` in the step that fills it, so by the time the first

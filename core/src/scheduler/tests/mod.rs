@@ -912,6 +912,34 @@ fn a_prompt_routed_to_a_precise_worker_counts_there_until_its_events_or_ttl() {
 }
 
 #[test]
+fn by_default_a_guess_outlives_a_deep_queue() {
+    // A saturated fleet queues a request for tens of seconds before its
+    // prefill (TTFT p50 ~30 s on the tuning trace, 1,000 blocks, 2x): its
+    // guess must still attract the prompt's next requests then, or they
+    // scatter and every worker computes the prefix again.
+    let s = Scheduler::new(SchedulerConfig {
+        tie_break_seed: Some(7),
+        ..Default::default()
+    });
+    let t = both(8);
+    let snap = t.snapshot();
+    for e in &snap.endpoints {
+        s.index().set_precise(e.key(0), true);
+    }
+    let now = Instant::now();
+    let long = prompt(&"d".repeat(64 * 10));
+    let first = s.pick_at(&with_body(&long), &snap, now).unwrap();
+    let queued = now + Duration::from_secs(60);
+    s.maintain(&snap, queued);
+    let d = s.pick_at(&with_body(&long), &snap, queued).unwrap();
+    assert_eq!(
+        (d.decode.key(), d.overlap_blocks),
+        (first.decode.key(), 10),
+        "the guess expired while its request was still queued"
+    );
+}
+
+#[test]
 fn a_confirmed_holder_beats_a_guess_at_equal_cost() {
     let (s, t) = precise_pool(2);
     let snap = t.snapshot();
