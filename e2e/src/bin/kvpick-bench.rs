@@ -93,6 +93,9 @@ enum Command {
         /// Directory for valgrind's output files.
         #[arg(long, default_value = "target/instructions")]
         work_dir: PathBuf,
+        /// Times each count is taken; the table shows their median.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
     },
     /// Decision latency of small requests alone and next to large ones, kvpick
     /// and the no-op server, in one run.
@@ -302,6 +305,7 @@ fn main() -> anyhow::Result<()> {
             against,
             bytes_per_run,
             work_dir,
+            rounds,
         } => {
             let mut servers = vec![("this".to_string(), std::env::current_exe()?)];
             servers.extend(against);
@@ -311,6 +315,7 @@ fn main() -> anyhow::Result<()> {
                 servers,
                 bytes_per_run,
                 work_dir,
+                rounds,
             };
             let report = tokio::runtime::Runtime::new()?.block_on(instructions::run(&cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
