@@ -482,6 +482,7 @@ impl ReplicaReport {
 
 #[cfg(test)]
 mod tests {
+    use super::super::trace;
     use super::*;
 
     /// Conversations re-sent with a growing tail, so each turn's best worker is
@@ -561,6 +562,37 @@ mod tests {
             );
             assert_eq!(synced.ttft_ms, one.ttft_ms, "{r} replicas");
             assert_eq!(synced.hit_rate, one.hit_rate, "{r} replicas");
+        }
+    }
+
+    /// Under capacity pressure (evictions on every worker), with deltas
+    /// that arrive before the next decision: once every delta has arrived,
+    /// every replica's index answers the same for every prompt of the run.
+    /// (Deltas that cross in flight do not converge: see docs/replicas.md.)
+    #[test]
+    fn indexes_converge_once_every_delta_arrived() {
+        let cfg = crate::bench::replay::fixtures::config(4, 24);
+        let t = conversations();
+        let mut p = Replicated::new(&cfg, 3, Some(Duration::from_millis(1)));
+        simulate(&mut p, &t, &cfg);
+        p.deliver(u64::MAX);
+        let end_us = t.last().expect("a request").timestamp + 10_000_000;
+        let answers = |r: &Replica| -> Vec<Vec<usize>> {
+            let k = &r.kvpick;
+            let keys: Vec<_> = k.snapshot().endpoints.iter().map(|e| e.key(0)).collect();
+            t.iter()
+                .map(|q| {
+                    let h = k
+                        .scheduler()
+                        .block_hashes(&trace::body(q, cfg.block_tokens));
+                    k.scheduler().index().lookup(&h, &keys, k.at(end_us))
+                })
+                .collect()
+        };
+        let first = answers(&p.replicas[0]);
+        assert!(first.iter().flatten().any(|&n| n > 0), "{first:?}");
+        for r in &p.replicas[1..] {
+            assert_eq!(answers(r), first);
         }
     }
 
