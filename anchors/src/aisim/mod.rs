@@ -19,6 +19,7 @@
 //! engines' prefix-cache reuse (`prefix_cache_reused_ratio`: prompt tokens served
 //! from cache over all prompt tokens), which is the hit rate of each policy.
 
+mod fixed_pool;
 pub mod peer;
 pub mod placement;
 

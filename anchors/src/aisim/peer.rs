@@ -30,6 +30,7 @@ use e2e::bench::replay::{FewestInFlight, LlmD, ReplayConfig, RoutingPolicy, Work
 use e2e::bench::trace::{TraceRequest, BLOCK_TOKENS};
 use uuid::Uuid;
 
+use super::fixed_pool;
 use super::placement::Scrapes;
 
 /// Which peer.
@@ -252,27 +253,19 @@ impl PlacementPolicy<ReplayRequestPayload> for PeerPlacement {
     }
 
     fn worker_ready(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
-        if !self.workers.iter().any(|&(id, _)| id == w.worker_id) {
-            bail!(
-                "peer placement runs a fixed pool; worker {} joined",
-                w.worker_id
-            );
-        }
-        Ok(Vec::new())
+        fixed_pool::ready(
+            "peer",
+            self.workers.iter().any(|&(id, _)| id == w.worker_id),
+            &w,
+        )
     }
 
     fn worker_draining(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
-        bail!(
-            "peer placement runs a fixed pool; worker {} drains",
-            w.worker_id
-        )
+        fixed_pool::changed("peer", &w, "drains")
     }
 
     fn worker_removed(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
-        bail!(
-            "peer placement runs a fixed pool; worker {} left",
-            w.worker_id
-        )
+        fixed_pool::changed("peer", &w, "left")
     }
 
     fn topology_settled(&mut self, _: f64) -> anyhow::Result<Vec<Placement>> {

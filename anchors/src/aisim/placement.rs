@@ -39,6 +39,8 @@ use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use uuid::Uuid;
 
+use super::fixed_pool;
+
 /// The model name requests carry and KV events are seeded with.
 const MODEL: &str = "aisim-replay";
 
@@ -583,27 +585,15 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
     }
 
     fn worker_ready(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
-        if !self.endpoint_of.contains_key(&w.worker_id) {
-            bail!(
-                "kvpick placement runs a fixed pool; worker {} joined",
-                w.worker_id
-            );
-        }
-        Ok(Vec::new())
+        fixed_pool::ready("kvpick", self.endpoint_of.contains_key(&w.worker_id), &w)
     }
 
     fn worker_draining(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
-        bail!(
-            "kvpick placement runs a fixed pool; worker {} drains",
-            w.worker_id
-        )
+        fixed_pool::changed("kvpick", &w, "drains")
     }
 
     fn worker_removed(&mut self, w: WorkerTopology, _: f64) -> anyhow::Result<Vec<Placement>> {
-        bail!(
-            "kvpick placement runs a fixed pool; worker {} left",
-            w.worker_id
-        )
+        fixed_pool::changed("kvpick", &w, "left")
     }
 
     fn topology_settled(&mut self, _: f64) -> anyhow::Result<Vec<Placement>> {

@@ -4,6 +4,7 @@
 //!
 //! Without a sink nothing is built: the hot path's cost is one unset check.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,6 +19,20 @@ impl Scheduler {
     /// was already set.
     pub fn set_replica_sink(&self, sink: Arc<dyn ReplicaSink>) -> bool {
         self.replica.set(sink).is_ok()
+    }
+
+    /// Tie-breaks drawn so far from the sequence of
+    /// [`SchedulerConfig::tie_break_seed`](super::SchedulerConfig::tie_break_seed).
+    pub fn tie_break_draws(&self) -> u64 {
+        self.tie_breaks.load(Ordering::Relaxed)
+    }
+
+    /// Continues that sequence from draw `n`. Replicas with one seed that hand
+    /// the count on from pick to pick draw the very tie-breaks one scheduler
+    /// making their picks would draw: a replay comparing R replicas with one
+    /// then differs only by what the replicas know, not by luck.
+    pub fn set_tie_break_draws(&self, n: u64) {
+        self.tie_breaks.store(n, Ordering::Relaxed);
     }
 
     /// A decision was booked: its prompt and load on each of its ranks.

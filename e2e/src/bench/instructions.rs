@@ -13,13 +13,19 @@
 //! `n` and with `4n` requests; the difference of the two totals over `3n` is the
 //! count per request, without start-up (runtime, endpoint table) and shutdown.
 //! The no-op server is counted the same way per body size; kvpick's own work is
-//! kvpick's count minus the no-op's. Every binary named with `--against` (an
+//! kvpick's count minus the no-op's. `--rounds N` takes every count N times and
+//! reports the median. Every binary named with `--against` (an
 //! older `kvpick-bench` with the same `overhead-server` interface) runs in the
 //! same invocation, so a change reads as a ratio to a baseline from the same run.
 //! Background work that runs on a timer (none on the request path) would show as
-//! a small difference between the two runs' wall times; valgrind serialises the
-//! server's threads, so the count of one request is the same whichever thread
-//! runs it.
+//! a small difference between the two runs' wall times. Valgrind serialises the
+//! server's threads anyway, so the server runs one tokio worker
+//! (`TOKIO_WORKER_THREADS=1`): with two, how often tasks are stolen and woken
+//! across threads moved a 1 KiB cell's count by up to 1.5 % between three runs
+//! of the same binary; with one, by up to 0.6 %. Its tie-break is seeded
+//! (`KVPICK_BENCH_TIE_BREAK_SEED=1`): with a random one each run spreads the
+//! bodies over other endpoints, and the prefix index it grows moved a 32 KiB
+//! cell's count by up to 10 %.
 
 use std::path::{Path, PathBuf};
 
@@ -27,7 +33,9 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 use tokio::process::Command;
 
-use super::overhead::{chat_body, connect, one_request, variants, ServerKind, ServerProcess};
+use super::overhead::{
+    chat_body, connect, one_request, variants, ServerKind, ServerProcess, TIE_BREAK_SEED_ENV,
+};
 use super::table_of;
 
 /// Settings of one `instructions` run.
@@ -45,6 +53,8 @@ pub struct InstructionsConfig {
     pub bytes_per_run: usize,
     /// Where the counts' cachegrind files go.
     pub work_dir: PathBuf,
+    /// Times each count is taken; the report has their median.
+    pub rounds: usize,
 }
 
 /// Fewest requests of the shorter run of a cell.
@@ -81,6 +91,8 @@ pub struct InstructionsCell {
 /// The whole report.
 #[derive(Debug, Clone, Serialize)]
 pub struct InstructionsReport {
+    /// Times each count was taken (the report has their median).
+    pub rounds: usize,
     /// One entry per cell.
     pub cells: Vec<InstructionsCell>,
 }
@@ -171,6 +183,8 @@ async fn count(
         .arg("--cache-sim=no")
         .arg("--quiet")
         .arg(format!("--cachegrind-out-file={}", out.display()))
+        .env("TOKIO_WORKER_THREADS", "1")
+        .env(TIE_BREAK_SEED_ENV, "1")
         .arg(exe)
         .arg("overhead-server")
         .args(kind.args());
@@ -203,6 +217,33 @@ async fn per_request(
     Ok((long - short) as f64 / (requests[1] - requests[0]) as f64)
 }
 
+/// The median of `rounds` counts of [`per_request`].
+async fn median_per_request(
+    exe: &Path,
+    kind: ServerKind,
+    bodies: &[Vec<u8>],
+    requests: [usize; 2],
+    out: &Path,
+    rounds: usize,
+) -> anyhow::Result<f64> {
+    let mut counts = Vec::with_capacity(rounds.max(1));
+    for _ in 0..rounds.max(1) {
+        counts.push(per_request(exe, kind, bodies, requests, out).await?);
+    }
+    Ok(median(&mut counts))
+}
+
+/// The median of `xs` (the mean of the middle two for an even count).
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let mid = xs.len() / 2;
+    if xs.len() % 2 == 1 {
+        xs[mid]
+    } else {
+        (xs[mid - 1] + xs[mid]) / 2.0
+    }
+}
+
 /// Runs every cell on every binary.
 pub async fn run(cfg: &InstructionsConfig) -> anyhow::Result<InstructionsReport> {
     std::fs::create_dir_all(&cfg.work_dir)?;
@@ -213,13 +254,17 @@ pub async fn run(cfg: &InstructionsConfig) -> anyhow::Result<InstructionsReport>
         let requests = request_counts(bytes, cfg.bytes_per_run);
         let mut noop = Vec::new();
         for (_, exe) in &cfg.servers {
-            noop.push(per_request(exe, ServerKind::Noop, &bodies, requests, &out).await?);
+            noop.push(
+                median_per_request(exe, ServerKind::Noop, &bodies, requests, &out, cfg.rounds)
+                    .await?,
+            );
         }
         for &n in &cfg.endpoints {
             let mut binaries = Vec::new();
             for ((name, exe), &noop) in cfg.servers.iter().zip(&noop) {
                 let kind = ServerKind::kvpick(n);
-                let kvpick = per_request(exe, kind, &bodies, requests, &out).await?;
+                let kvpick =
+                    median_per_request(exe, kind, &bodies, requests, &out, cfg.rounds).await?;
                 binaries.push(BinaryCounts {
                     server: name.clone(),
                     kvpick,
@@ -243,7 +288,10 @@ pub async fn run(cfg: &InstructionsConfig) -> anyhow::Result<InstructionsReport>
             });
         }
     }
-    Ok(InstructionsReport { cells })
+    Ok(InstructionsReport {
+        rounds: cfg.rounds.max(1),
+        cells,
+    })
 }
 
 #[cfg(test)]
@@ -255,6 +303,13 @@ mod tests {
         let text = "desc: --cache-sim=no\ncmd: x\nevents: Ir\nfl=a\n1 5\nsummary: 123456789\n";
         assert_eq!(cachegrind_total(text).unwrap(), 123_456_789);
         assert!(cachegrind_total("events: Ir\n").is_err());
+    }
+
+    #[test]
+    fn the_median_is_the_middle_count() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&mut [7.0]), 7.0);
     }
 
     #[test]

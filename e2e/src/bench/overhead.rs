@@ -324,12 +324,24 @@ impl ServerKind {
     }
 }
 
+/// The environment variable that seeds a kvpick server's tie-break in
+/// [`serve`] (unset: random, as `kvpick` runs).
+pub const TIE_BREAK_SEED_ENV: &str = "KVPICK_BENCH_TIE_BREAK_SEED";
+
 /// Serves `kind` on `listener` until the future is dropped (tracing, if any,
 /// is the process's: see [`serve_until_stdin_closes`]).
 pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()> {
     match kind {
         ServerKind::Kvpick { endpoints: n, .. } => {
-            let app = App::new("bench");
+            // `instructions` seeds the tie-break so every run routes (and
+            // grows the prefix index) alike.
+            let config = kvpick::scheduler::SchedulerConfig {
+                tie_break_seed: std::env::var(TIE_BREAK_SEED_ENV)
+                    .ok()
+                    .and_then(|s| s.parse().ok()),
+                ..Default::default()
+            };
+            let app = App::with_scheduler("bench", config);
             app.endpoints.replace(endpoints(n));
             let service = app.ext_proc(ExtProcConfig::default());
             serve_ext_proc(listener, service, None).await?;

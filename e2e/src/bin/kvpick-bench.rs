@@ -93,6 +93,9 @@ enum Command {
         /// Directory for valgrind's output files.
         #[arg(long, default_value = "target/instructions")]
         work_dir: PathBuf,
+        /// Times each count is taken; the table shows their median.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
     },
     /// Decision latency of small requests alone and next to large ones, kvpick
     /// and the no-op server, in one run.
@@ -203,6 +206,10 @@ enum Command {
         /// to the next (a trace rounded to coarse buckets), for every replica count.
         #[arg(long)]
         spread_ties: bool,
+        /// With --replicas: run every cell with this many tie-break seeds from
+        /// --seed on; figures are means over them.
+        #[arg(long, default_value_t = 1)]
+        seeds: u64,
     },
     /// Replica sync against a real redis-server: propagation p50/p99, bytes and
     /// CPU per decision, beside the same decisions without sync (alternating rounds).
@@ -298,6 +305,7 @@ fn main() -> anyhow::Result<()> {
             against,
             bytes_per_run,
             work_dir,
+            rounds,
         } => {
             let mut servers = vec![("this".to_string(), std::env::current_exe()?)];
             servers.extend(against);
@@ -307,6 +315,7 @@ fn main() -> anyhow::Result<()> {
                 servers,
                 bytes_per_run,
                 work_dir,
+                rounds,
             };
             let report = tokio::runtime::Runtime::new()?.block_on(instructions::run(&cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
@@ -406,6 +415,7 @@ fn main() -> anyhow::Result<()> {
             replicas: counts,
             sync_delay_ms,
             spread_ties,
+            seeds,
         } => {
             let (name, mut requests) = args.load()?;
             if spread_ties && !counts.is_empty() {
@@ -416,10 +426,12 @@ fn main() -> anyhow::Result<()> {
                 let rc = replicas::ReplicaConfig {
                     replicas: counts,
                     delay: Duration::from_secs_f64(sync_delay_ms / 1000.0),
+                    seeds: (args.seed..).take(seeds.max(1) as usize).collect(),
                 };
                 let report = replicas::ReplicaReport {
                     workers: args.workers,
                     delay_ms: sync_delay_ms,
+                    seeds: rc.seeds.clone(),
                     cells: configs
                         .iter()
                         .map(|cfg| replicas::cell(&name, &requests, cfg, &rc))
