@@ -36,7 +36,7 @@ use tokio::process::Command;
 use super::overhead::{
     chat_body, connect, one_request, variants, ServerKind, ServerProcess, TIE_BREAK_SEED_ENV,
 };
-use super::table_of;
+use super::{ratio, table_of};
 
 /// Settings of one `instructions` run.
 #[derive(Debug, Clone)]
@@ -140,14 +140,6 @@ impl InstructionsReport {
                 ]
             },
         )
-    }
-}
-
-fn ratio(a: f64, b: f64) -> f64 {
-    if b != 0.0 {
-        a / b
-    } else {
-        0.0
     }
 }
 

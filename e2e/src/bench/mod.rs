@@ -18,6 +18,15 @@ pub mod trace;
 
 use std::time::Duration;
 
+/// `a / b`, or 0 when `b` is 0 (nothing measured).
+pub fn ratio(a: f64, b: f64) -> f64 {
+    if b == 0.0 {
+        0.0
+    } else {
+        a / b
+    }
+}
+
 /// The `p`-quantile (0..=1) of `sorted` by nearest rank; 0 for an empty slice.
 pub fn quantile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

@@ -52,7 +52,7 @@ use serde::Serialize;
 
 use super::sim::{BlockPool, Engine, TimeModel};
 use super::trace::{self, TraceRequest, BLOCK_TOKENS};
-use super::{markdown_table, quantile, sorted, SplitMix64};
+use super::{markdown_table, quantile, ratio, sorted, SplitMix64};
 
 /// What a router can read of one worker when it routes: the engine's metrics.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -491,7 +491,7 @@ pub fn ceiling_hit_rate(trace: &[TraceRequest]) -> f64 {
         total += r.hash_ids.len();
         seen.extend(r.hash_ids.iter().copied());
     }
-    ratio(hits, total)
+    ratio(hits as f64, total as f64)
 }
 
 /// Hit rate of one LRU cache of `capacity` blocks that every request uses in
@@ -503,19 +503,7 @@ pub fn pooled_ceiling_hit_rate(trace: &[TraceRequest], capacity: usize) -> f64 {
         hits += pool.store(&r.hash_ids).hits;
         total += r.hash_ids.len();
     }
-    ratio(hits, total)
-}
-
-fn ratio(a: usize, b: usize) -> f64 {
-    ratio_f(a as f64, b)
-}
-
-fn ratio_f(a: f64, b: usize) -> f64 {
-    if b == 0 {
-        0.0
-    } else {
-        a / b as f64
-    }
+    ratio(hits as f64, total as f64)
 }
 
 /// Max/mean in-flight of `total` requests (at least 1) on `workers` placed as
@@ -1261,10 +1249,10 @@ pub fn simulate(
     let ttft = sorted(std::mem::take(&mut sim.ttft_ms));
     PolicyFigures {
         name: policy.name(),
-        hit_rate: ratio(sim.hits, sim.blocks),
+        hit_rate: ratio(sim.hits as f64, sim.blocks as f64),
         of_achievable: 0.0,
-        spread: ratio_f(sim.spread_sum, sim.spread_samples),
-        spread_floor: ratio_f(sim.spread_floor_sum, sim.spread_samples),
+        spread: ratio(sim.spread_sum, sim.spread_samples as f64),
+        spread_floor: ratio(sim.spread_floor_sum, sim.spread_samples as f64),
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p99_ms: quantile(&ttft, 0.99),
         ttft_ms: ttft,

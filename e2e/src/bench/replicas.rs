@@ -355,9 +355,9 @@ pub fn cell(
                 .zip(one)
                 .map(|((f, _), (o, _))| {
                     (
-                        ratio(f.hit_rate, o.hit_rate),
-                        ratio(f.ttft_p50_ms, o.ttft_p50_ms),
-                        ratio(f.ttft_p99_ms, o.ttft_p99_ms),
+                        relative(f.hit_rate, o.hit_rate),
+                        relative(f.ttft_p50_ms, o.ttft_p50_ms),
+                        relative(f.ttft_p99_ms, o.ttft_p99_ms),
                     )
                 })
                 .collect();
@@ -396,10 +396,11 @@ fn mean(xs: impl Iterator<Item = f64>) -> f64 {
 fn spread(xs: impl Iterator<Item = f64> + Clone) -> f64 {
     let max = xs.clone().fold(f64::NEG_INFINITY, f64::max);
     let min = xs.fold(f64::INFINITY, f64::min);
-    ratio(max, min)
+    relative(max, min)
 }
 
-fn ratio(a: f64, b: f64) -> f64 {
+/// `a / b` where `0 / 0` is 1 (the same) and `a / 0` infinite.
+fn relative(a: f64, b: f64) -> f64 {
     if b == 0.0 {
         if a == 0.0 {
             1.0

@@ -197,7 +197,10 @@ impl SyncReport {
                     format!("{:.1}", r.cpu_us_per_decision),
                     r.server_cpu_us_per_decision
                         .map_or("-".into(), |s| format!("{s:.1}")),
-                    ratio(r.published_bytes, r.decisions),
+                    match r.decisions {
+                        0 => "-".into(),
+                        n => format!("{:.0}", r.published_bytes as f64 / n as f64),
+                    },
                     r.applied_deltas.to_string(),
                     r.samples.to_string(),
                     format!("{:.3}", r.propagation_p50_ms),
@@ -224,13 +227,6 @@ impl SyncReport {
         ));
         out
     }
-}
-
-fn ratio(a: u64, b: u64) -> String {
-    if b == 0 {
-        return "-".into();
-    }
-    format!("{:.0}", a as f64 / b as f64)
 }
 
 /// One replica: a scheduler over its own table, with sync when on.
