@@ -18,6 +18,24 @@ pub mod trace;
 
 use std::time::Duration;
 
+use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
+
+/// A streamed `/v1/completions` request of `tokens` for `model`, as kvpick
+/// parses one: the prompt every simulated and scaled workload sends.
+pub fn completion_of_tokens(model: &str, tokens: Vec<u32>) -> InferenceRequest {
+    InferenceRequest {
+        kind: ApiKind::Completions,
+        model: model.to_string(),
+        segments: vec![Segment::Tokens(tokens)],
+        stream: true,
+        nvext: NvExt::default(),
+        salt: None,
+        names_worker: false,
+        omitted_tokens: 0,
+        template: None,
+    }
+}
+
 /// `a / b`, or 0 when `b` is 0 (nothing measured).
 pub fn ratio(a: f64, b: f64) -> f64 {
     if b == 0.0 {

@@ -17,11 +17,10 @@ use std::time::Instant;
 
 use kvpick::endpoints::{Endpoint, EndpointTable, WorkerKey};
 use kvpick::kv::hash::{model_seed, token_block_hashes};
-use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
 use kvpick::scheduler::{PickRequest, Scheduler, SchedulerConfig};
 use serde::Serialize;
 
-use super::{markdown_table, micros, quantile, sorted, SplitMix64};
+use super::{completion_of_tokens, markdown_table, micros, quantile, sorted, SplitMix64};
 
 const MODEL: &str = "scale";
 /// Blocks of the shared system prompt every worker holds.
@@ -231,17 +230,7 @@ pub fn run(cfg: &ScaleConfig) -> ScaleReport {
             "the shared prefix is indexed"
         );
     }
-    let body = InferenceRequest {
-        kind: ApiKind::Completions,
-        model: MODEL.to_string(),
-        segments: vec![Segment::Tokens(prompt.clone())],
-        stream: true,
-        nvext: NvExt::default(),
-        salt: None,
-        names_worker: false,
-        omitted_tokens: 0,
-        template: None,
-    };
+    let body = completion_of_tokens(MODEL, prompt.clone());
     let mut picks = Vec::with_capacity(cfg.iterations);
     for _ in 0..cfg.iterations {
         let req = PickRequest {

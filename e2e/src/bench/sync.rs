@@ -29,12 +29,12 @@ use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, Snapshot};
 use kvpick::replica_sync::{ReplicaSync, SyncConfig, SyncMetrics};
-use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
+use kvpick::request::InferenceRequest;
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use kvpick::telemetry::Metrics;
 use serde::Serialize;
 
-use super::{markdown_table, quantile, sorted, SplitMix64};
+use super::{completion_of_tokens, markdown_table, quantile, sorted, SplitMix64};
 use crate::replicas::RedisServer;
 
 const MODEL: &str = "sync-bench";
@@ -271,17 +271,7 @@ fn prompts(tokens: usize) -> Vec<InferenceRequest> {
         .map(|_| {
             let mut t = shared.clone();
             t.extend((t.len()..tokens).map(|_| rng.below(50_000) as u32));
-            InferenceRequest {
-                kind: ApiKind::Completions,
-                model: MODEL.to_string(),
-                segments: vec![Segment::Tokens(t)],
-                stream: true,
-                nvext: NvExt::default(),
-                salt: None,
-                names_worker: false,
-                omitted_tokens: 0,
-                template: None,
-            }
+            completion_of_tokens(MODEL, t)
         })
         .collect()
 }

@@ -11,7 +11,7 @@ use std::io::Read;
 use std::path::Path;
 
 use anyhow::Context;
-use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
+use kvpick::request::InferenceRequest;
 use serde::{Deserialize, Serialize};
 
 use super::SplitMix64;
@@ -139,17 +139,7 @@ pub fn prompt_tokens(r: &TraceRequest, block: usize) -> Vec<u32> {
 /// A request's body as kvpick parses it: a streamed completion of its token-id
 /// prompt (blocks of `block` tokens) for [`MODEL`].
 pub fn body(r: &TraceRequest, block: usize) -> InferenceRequest {
-    InferenceRequest {
-        kind: ApiKind::Completions,
-        model: MODEL.to_string(),
-        segments: vec![Segment::Tokens(prompt_tokens(r, block))],
-        stream: true,
-        nvext: NvExt::default(),
-        salt: None,
-        names_worker: false,
-        omitted_tokens: 0,
-        template: None,
-    }
+    super::completion_of_tokens(MODEL, prompt_tokens(r, block))
 }
 
 #[cfg(test)]
