@@ -32,8 +32,8 @@ use aisimulate_core::engine::{Backend, EngineConfig, EngineLaunchConfig};
 use aisimulate_core::replay::loadgen::Trace;
 use aisimulate_core::replay::loadgen::TraceFileFormat;
 use aisimulate_core::replay::{
-    ProviderSpec, ReplayAdapters, ReplayEngineConfig, ReplayEngineFactory, ReplayReport,
-    ReplayRuntimeInput, ReplaySpec, ReplayTopology, Replayer, WorkerPoolSpec,
+    ProviderSpec, ReplayAdapters, ReplayComposition, ReplayEngineConfig, ReplayEngineFactory,
+    ReplayReport, ReplayRuntimeInput, ReplaySpec, ReplayTopology, Replayer, WorkerPoolSpec,
     CURRENT_REPLAY_SPEC_VERSION,
 };
 use anyhow::Context;
@@ -241,6 +241,23 @@ fn replay_input(
     Ok((spec, requests))
 }
 
+/// Runs `requests` on `spec`'s engines through `composition`, `scrapes`
+/// sampling the engines' gauges every `opts.scrape_interval_ms`.
+fn replay<C: ReplayComposition>(
+    opts: &AisimArgs,
+    spec: ReplaySpec,
+    requests: Vec<DirectRequest>,
+    composition: C,
+    scrapes: &Scrapes,
+) -> anyhow::Result<ReplayReport> {
+    Ok(
+        Replayer::with_composition(spec, ReplayEngineFactory::new(), composition)?
+            .with_runtime_input(ReplayRuntimeInput::Requests(requests.into()))
+            .with_telemetry_observer(opts.scrape_interval_ms, Box::new(scrapes.clone()))?
+            .run()?,
+    )
+}
+
 /// Replays `trace`, arrivals sped up `speedup` times, through kvpick in `mode`
 /// on `args`' engine, with `opts`' fleet, scrape interval and seed.
 pub fn run_kvpick(
@@ -262,10 +279,7 @@ pub fn run_kvpick(
     let composition = KvpickComposition::new(settings, scrapes.clone());
     let endpoints = composition.endpoints();
     let placed = composition.placed();
-    let report = Replayer::with_composition(spec, ReplayEngineFactory::new(), composition)?
-        .with_runtime_input(ReplayRuntimeInput::Requests(requests.into()))
-        .with_telemetry_observer(opts.scrape_interval_ms, Box::new(scrapes.clone()))?
-        .run()?;
+    let report = replay(opts, spec, requests, composition, &scrapes)?;
     let endpoints = endpoints
         .lock()
         .map_err(|_| anyhow::anyhow!("endpoint handle poisoned"))?
@@ -339,10 +353,7 @@ pub fn run_peer(
         seed: opts.seed,
     };
     let composition = PeerComposition::new(settings, scrapes.clone());
-    let report = Replayer::with_composition(spec, ReplayEngineFactory::new(), composition)?
-        .with_runtime_input(ReplayRuntimeInput::Requests(requests.into()))
-        .with_telemetry_observer(opts.scrape_interval_ms, Box::new(scrapes.clone()))?
-        .run()?;
+    let report = replay(opts, spec, requests, composition, &scrapes)?;
     anyhow::ensure!(
         scrapes.workers() == opts.workers,
         "{} read gauges of {} of {} workers",

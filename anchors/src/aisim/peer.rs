@@ -25,7 +25,7 @@ use aisimulate_core::replay::{
     NoEngineEvents, NoReplayMetadata, Placement, PlacementDecision, PlacementEffects,
     PlacementPolicy, ReplayComposition, RequestIdentity, WorkerTopology,
 };
-use anyhow::{bail, Context};
+use anyhow::Context;
 use e2e::bench::replay::{FewestInFlight, LlmD, ReplayConfig, RoutingPolicy, WorkerView};
 use e2e::bench::trace::{TraceRequest, BLOCK_TOKENS};
 use uuid::Uuid;
@@ -86,9 +86,7 @@ impl ReplayComposition for PeerComposition {
         dp_size: u32,
         topology: Vec<WorkerTopology>,
     ) -> anyhow::Result<PeerPlacement> {
-        if dp_size != 1 {
-            bail!("peer placement runs dp size 1 workers, got {dp_size}");
-        }
+        fixed_pool::single_rank("peer", dp_size)?;
         let s = &self.settings;
         let capacity_blocks = (s.num_gpu_blocks * s.block_size / BLOCK_TOKENS).max(1);
         let cfg = ReplayConfig {
@@ -126,7 +124,7 @@ impl ReplayComposition for PeerComposition {
         _: u32,
         _: Vec<WorkerTopology>,
     ) -> anyhow::Result<(PeerPlacement, PeerPlacement)> {
-        bail!("peer placement runs aggregated replays only")
+        fixed_pool::aggregated_only("peer")
     }
 }
 

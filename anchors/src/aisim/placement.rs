@@ -30,12 +30,12 @@ use aisimulate_core::replay::{
     PlacementPolicy, ReplayComposition, ReplayEngineObservation, ReplayTelemetryObserver,
     ReplayTelemetrySnapshot, RequestIdentity, WorkerStage, WorkerTopology,
 };
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, Context};
 use clap::Parser;
+use e2e::bench::completion_of_tokens;
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
 use kvpick::kvevents::decode::{self, BlockRemoved, BlockStored, EventBatch};
 use kvpick::kvevents::Ingest;
-use kvpick::request::{ApiKind, InferenceRequest, NvExt, Segment};
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use uuid::Uuid;
 
@@ -246,9 +246,7 @@ impl ReplayComposition for KvpickComposition {
         dp_size: u32,
         topology: Vec<WorkerTopology>,
     ) -> anyhow::Result<KvpickPlacement> {
-        if dp_size != 1 {
-            bail!("kvpick placement runs dp size 1 workers, got {dp_size}");
-        }
+        fixed_pool::single_rank("kvpick", dp_size)?;
         let placement = KvpickPlacement::new(
             &self.settings,
             topology,
@@ -269,7 +267,7 @@ impl ReplayComposition for KvpickComposition {
         _: u32,
         _: Vec<WorkerTopology>,
     ) -> anyhow::Result<(KvpickPlacement, KvpickPlacement)> {
-        bail!("kvpick placement runs aggregated replays only")
+        fixed_pool::aggregated_only("kvpick")
     }
 }
 
@@ -425,21 +423,6 @@ fn scheduler_config(settings: &KvpickSettings) -> anyhow::Result<SchedulerConfig
     })
 }
 
-/// A prompt as kvpick parses it: a streamed completion of its token ids.
-fn body(tokens: Vec<u32>) -> InferenceRequest {
-    InferenceRequest {
-        kind: ApiKind::Completions,
-        model: MODEL.to_string(),
-        segments: vec![Segment::Tokens(tokens)],
-        stream: true,
-        nvext: NvExt::default(),
-        names_worker: false,
-        omitted_tokens: 0,
-        template: None,
-        salt: None,
-    }
-}
-
 /// One engine event as vLLM publishes it; host-tier events are not on the GPU
 /// and are published with their medium, which kvpick's ingest skips.
 fn vllm_event(event: KvEvent, block_size: usize) -> decode::KvEvent {
@@ -493,7 +476,7 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
             Some(t) => t.to_vec(),
             None => request.prompt_tokens(),
         };
-        let body = body(tokens);
+        let body = completion_of_tokens(MODEL, tokens);
         let pick = PickRequest {
             body: Some(&body),
             ..Default::default()
