@@ -33,22 +33,29 @@ struct Cli {
     command: Command,
 }
 
+/// The cells of a request-path benchmark: every body size at every endpoint count.
+#[derive(Debug, clap::Args)]
+struct Cells {
+    /// Chat body sizes in bytes.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1024,32768,225280,1048576,8388608"
+    )]
+    body_bytes: Vec<usize>,
+    /// Endpoint counts.
+    #[arg(long, value_delimiter = ',', default_value = "8,64,1024")]
+    endpoints: Vec<usize>,
+}
+
 // Parsed once per run: the size of the largest variant costs nothing.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Decision latency and throughput of kvpick's ext_proc server next to a no-op server.
     Overhead {
-        /// Chat body sizes in bytes.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "1024,32768,225280,1048576,8388608"
-        )]
-        body_bytes: Vec<usize>,
-        /// Endpoint counts.
-        #[arg(long, value_delimiter = ',', default_value = "8,64,1024")]
-        endpoints: Vec<usize>,
+        #[command(flatten)]
+        cells: Cells,
         /// Measured seconds per cell and server.
         #[arg(long, default_value_t = 3.0)]
         duration: f64,
@@ -74,16 +81,8 @@ enum Command {
     /// Instructions per request of kvpick's ext_proc server and the no-op server,
     /// counted by valgrind, this binary beside older ones in one run.
     Instructions {
-        /// Chat body sizes in bytes.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "1024,32768,225280,1048576,8388608"
-        )]
-        body_bytes: Vec<usize>,
-        /// Endpoint counts.
-        #[arg(long, value_delimiter = ',', default_value = "8,64,1024")]
-        endpoints: Vec<usize>,
+        #[command(flatten)]
+        cells: Cells,
         /// A baseline: `NAME=PATH` of another `kvpick-bench` (repeatable).
         #[arg(long = "against", value_parser = named_path)]
         against: Vec<(String, PathBuf)>,
@@ -273,8 +272,10 @@ fn main() -> anyhow::Result<()> {
     }
     match cli.command {
         Command::Overhead {
-            body_bytes,
-            endpoints,
+            cells: Cells {
+                body_bytes,
+                endpoints,
+            },
             duration,
             warmup,
             rounds,
@@ -300,8 +301,10 @@ fn main() -> anyhow::Result<()> {
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::Instructions {
-            body_bytes,
-            endpoints,
+            cells: Cells {
+                body_bytes,
+                endpoints,
+            },
             against,
             bytes_per_run,
             work_dir,

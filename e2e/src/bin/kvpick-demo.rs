@@ -48,6 +48,19 @@ struct Args {
     load_sessions: usize,
 }
 
+impl Args {
+    /// The idle-pool phase's conversations (the at-load phase runs more of them).
+    fn light_workload(&self) -> Workload {
+        Workload {
+            sessions: self.sessions,
+            turns: self.turns,
+            system_prompts: self.system_prompts,
+            session_control: self.session_control,
+            ..Workload::default()
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -67,13 +80,7 @@ async fn main() -> anyhow::Result<()> {
         stack.workers.len(),
         stack.gateway.addr()
     );
-    let w = Workload {
-        sessions: a.sessions,
-        turns: a.turns,
-        system_prompts: a.system_prompts,
-        session_control: a.session_control,
-        ..Workload::default()
-    };
+    let w = a.light_workload();
     println!(
         "workload: {} conversations x {} turns, {} shared system prompts of {} words, streaming\n",
         w.sessions, w.turns, w.system_prompts, w.system_words
@@ -275,13 +282,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn at_load_kvpick_spreads_over_every_worker_and_keeps_its_hit_rate() {
         let a = Args::parse_from(["kvpick-demo"]);
-        let light = Workload {
-            sessions: a.sessions,
-            turns: a.turns,
-            system_prompts: a.system_prompts,
-            session_control: a.session_control,
-            ..Workload::default()
-        };
+        let light = a.light_workload();
         let worker = demo_worker();
         let (w, picked, unpicked) = load_phase(&a, &worker, &light).await.unwrap();
         let total: u64 = picked.iter().map(|c| c.requests).sum();
