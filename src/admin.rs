@@ -433,7 +433,14 @@ mod tests {
             let names: Vec<&str> = c.terms.iter().map(|t| t.name.as_str()).collect();
             assert_eq!(
                 names,
-                ["prefill", "decode_load", "queue", "kv_usage", "lora"]
+                [
+                    "prefill",
+                    "decode_load",
+                    "queue",
+                    "kv_usage",
+                    "lora",
+                    "failures"
+                ]
             );
             let terms: f64 = c.terms.iter().map(|t| t.cost).sum();
             assert!((c.cost - terms).abs() < 1e-9);

@@ -315,7 +315,8 @@ impl<E> Built<Result<Arc<dyn Scorer>, E>, Result<Arc<dyn Filter>, E>, Result<Arc
 type BuiltPlugin = Built<Arc<dyn Scorer>, Arc<dyn Filter>, Arc<dyn Picker>>;
 
 /// The plugin list of `profile`: the built-in filters and its own, one
-/// scorer per term in the registry's order, its picker (max-score by default).
+/// scorer per term in the registry's order then the built-in terms, its picker
+/// (max-score by default).
 fn profile_plugins(
     profile: &SchedulingProfile,
     built: &BTreeMap<&str, BuiltPlugin>,
@@ -348,7 +349,9 @@ fn profile_plugins(
     scorers.sort_by_key(|(place, _)| *place);
     Ok(Plugins {
         filters,
-        scorers: scorers.into_iter().map(|(_, s)| s).collect(),
+        scorers: (scorers.into_iter().map(|(_, s)| s))
+            .chain(Plugins::builtin_scorers())
+            .collect(),
         picker: picker.unwrap_or_else(|| {
             Arc::new(MaxScore {
                 temperature,
@@ -638,8 +641,9 @@ mod tests {
                 "passive-health-filter"
             ]
         );
-        // In the registry's summing order; no load scorer in that profile.
-        assert_eq!(scorers, ["prefill", "queue", "kv_usage"]);
+        // In the registry's summing order; no load scorer in that profile, and
+        // the failures term built in, so failed responses still cost.
+        assert_eq!(scorers, ["prefill", "queue", "kv_usage", "failures"]);
         assert_eq!(picker, "max-score-picker");
         // No scorer kvpick maps: the default list at the flag weights.
         let text = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: max-score-picker\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: max-score-picker\n";

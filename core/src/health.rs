@@ -13,8 +13,9 @@
 //! row lasts twice as long as the one before (from `base_ejection` up to
 //! `max_ejection`); when one ends the endpoint is back on probation, and its next
 //! failure ejects it again at once. While it keeps a failure record (ejected or
-//! not) each recent failure also counts as load in its cost, so failed requests,
-//! which release their load immediately, never make it look idle.
+//! not) each recent failure also counts in its cost (the scheduler's `failures`
+//! term), so failed requests, which release their load immediately, never make
+//! it look idle.
 
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use std::time::{Duration, Instant};

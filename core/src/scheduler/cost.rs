@@ -28,8 +28,9 @@ pub struct Weights {
     /// overlap, plus [`PENDING_PREFILL_WEIGHT`] per block of the requests routed
     /// there whose prefill is not done.
     pub prefill: f64,
-    /// Per block of active load on the candidate (prompts of unfinished requests
-    /// kvpick routed there, plus scraped running requests kvpick does not know).
+    /// Per block of active load on a candidate without a fresh scrape (prompts
+    /// of unfinished requests kvpick routed there, plus a suspect worker's last
+    /// scraped running requests kvpick does not know).
     pub decode: f64,
     /// Per scraped queued request, counted at this request's size.
     pub queue: f64,
@@ -118,10 +119,6 @@ impl PendingWait {
         }
     }
 }
-
-/// KV-cache usage from which a worker counts as saturated (the Inference
-/// Extension's saturation detector default, `kvCacheUtilThreshold` 0.8).
-pub const SATURATION_KV_USAGE: f64 = 0.8;
 
 impl Scheduler {
     /// How this pick counts waits behind pending prefills, with `idle_ranks`

@@ -7,7 +7,8 @@ use super::filters::{body::PrefillNeedsBody, ejected::Ejected, subset::Subset, F
 use super::pickers::{max_score::MaxScore, Choice, Picker};
 use super::terms::Scorer;
 use super::terms::{
-    kv_usage::KvUsage, load::ActiveLoad, lora::LoraAffinity, prefix::PrefixCache, queue::Queue,
+    failures::FailedResponses, kv_usage::KvUsage, load::ActiveLoad, lora::LoraAffinity,
+    prefix::PrefixCache, queue::Queue,
 };
 use super::Weights;
 
@@ -32,31 +33,39 @@ impl Plugins {
         ]
     }
 
-    /// The default list: every built-in term at `weights` (in the order
+    /// The terms every scheduler sums after its own: failed responses (passive
+    /// health's cost, whatever the load weights).
+    pub fn builtin_scorers() -> Vec<Arc<dyn Scorer>> {
+        vec![Arc::new(FailedResponses::default())]
+    }
+
+    /// The default list: every weighted term at `weights` (in the order
     /// prefill, active load, queue, KV usage), LoRA affinity at its default
     /// weight (it costs nothing until workers export adapter state), the
-    /// max-score picker at `temperature`.
+    /// built-in terms, the max-score picker at `temperature`.
     pub fn from_weights(weights: Weights, temperature: f64) -> Self {
+        let mut scorers: Vec<Arc<dyn Scorer>> = vec![
+            Arc::new(PrefixCache {
+                weight: weights.prefill,
+                prefill_weight: weights.prefill_overlap,
+            }),
+            Arc::new(ActiveLoad {
+                weight: weights.decode,
+            }),
+            Arc::new(Queue {
+                weight: weights.queue,
+            }),
+            Arc::new(KvUsage {
+                weight: weights.kv_usage,
+            }),
+            Arc::new(LoraAffinity {
+                weight: super::terms::lora::DEFAULT_WEIGHT,
+            }),
+        ];
+        scorers.extend(Self::builtin_scorers());
         Plugins {
             filters: Self::builtin_filters(),
-            scorers: vec![
-                Arc::new(PrefixCache {
-                    weight: weights.prefill,
-                    prefill_weight: weights.prefill_overlap,
-                }),
-                Arc::new(ActiveLoad {
-                    weight: weights.decode,
-                }),
-                Arc::new(Queue {
-                    weight: weights.queue,
-                }),
-                Arc::new(KvUsage {
-                    weight: weights.kv_usage,
-                }),
-                Arc::new(LoraAffinity {
-                    weight: super::terms::lora::DEFAULT_WEIGHT,
-                }),
-            ],
+            scorers,
             picker: Arc::new(MaxScore {
                 temperature,
                 max_endpoints: None,

@@ -1,20 +1,22 @@
 //! `active-request-scorer` (and llm-d's other load scorers): the candidate's
 //! active load.
 //!
-//! Blocks booked by unfinished requests kvpick routed there, plus scraped
+//! What kvpick knows of a candidate's load when the engine's own figures are
+//! missing: blocks booked by unfinished requests kvpick routed there, plus, for
+//! a suspect worker (scrapes stopped or fail after a success), its last scraped
 //! running requests kvpick did not route (other replicas, direct traffic) at
-//! the mean size of its own, plus one request of this size per failed response
-//! since the last success. Sticky until saturated: a candidate whose fresh
-//! scrape shows KV room (usage under [`SATURATION_KV_USAGE`]) counts none of
-//! it, as running requests delay a new one only by holding KV (what it waits
-//! behind is the queue, [`super::queue`]); once its KV fills, its load counts
-//! in full. Failures count either way.
+//! the mean size of its own. A candidate with a fresh scrape costs none of it:
+//! what a new request waits behind there is the scraped queue
+//! ([`super::queue`]) and what it finds full is the scraped KV usage
+//! ([`super::kv_usage`]); counting booked requests on top counts the queued
+//! ones twice, so a saturated holder loses its prompts (BENCHMARKS.md §2, the
+//! 1,000-block 2× point). Failed responses are a term of their own
+//! ([`super::failures`]).
 
 use serde::{Deserialize, Serialize};
 
 use super::{bound, Candidate, RequestCost, Scorer};
 use crate::endpoints::LoadView;
-use crate::scheduler::cost::SATURATION_KV_USAGE;
 use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
 
 /// The active-load cost term.
@@ -45,27 +47,20 @@ impl Scorer for ActiveLoad {
 
     #[inline]
     fn cost(&self, c: &Candidate<'_>, req: &RequestCost) -> f64 {
-        let size = req.size as f64;
         let active = c.booked.blocks as f64;
-        let mut decode = active;
-        if let Some(s) = c.scraped() {
-            let in_flight = c.in_flight();
-            let per_request = if in_flight > 0.0 {
-                active / in_flight
-            } else {
-                size
-            };
-            decode += (s.running / c.ranks() - in_flight).max(0.0) * per_request;
-            if matches!(c.view, LoadView::Fresh(_))
-                && s.kv_usage.clamp(0.0, 1.0) < SATURATION_KV_USAGE
-            {
-                decode = 0.0;
-            }
-        }
-        // Failed responses release their load at once; until a success, each one
-        // counts as a request of this size still running there.
-        decode += f64::from(c.endpoint.health().failures()) * size;
-        self.weight * decode
+        let s = match c.view {
+            LoadView::Fresh(_) => return 0.0,
+            LoadView::Suspect(Some(s)) => s,
+            LoadView::Suspect(None) | LoadView::Unknown => return self.weight * active,
+        };
+        let in_flight = c.in_flight();
+        let per_request = if in_flight > 0.0 {
+            active / in_flight
+        } else {
+            req.size as f64
+        };
+        let unknown = (s.running / c.ranks() - in_flight).max(0.0);
+        self.weight * (active + unknown * per_request)
     }
 
     fn lower_bound(&self, _new_blocks: usize, _req: &RequestCost) -> Option<f64> {

@@ -22,8 +22,11 @@
 //! - [`queue::Queue`] (`queue-scorer`): scraped queue;
 //! - [`kv_usage::KvUsage`] (`kv-cache-utilization-scorer`): scraped KV usage;
 //! - [`lora::LoraAffinity`] (`lora-affinity-scorer`): the request's LoRA
-//!   adapter resident, else a free adapter slot.
+//!   adapter resident, else a free adapter slot;
+//! - [`failures::FailedResponses`] (built in, no llm-d type): responses the
+//!   candidate failed since its last success.
 
+pub mod failures;
 pub mod kv_usage;
 pub mod load;
 pub mod lora;
@@ -146,7 +149,7 @@ pub struct RequestCost {
 
 /// A candidate's cost term by term (name, weighted cost), in summing order.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct CostTerms(pub SmallVec<[(&'static str, f64); 5]>);
+pub struct CostTerms(pub SmallVec<[(&'static str, f64); 6]>);
 
 impl CostTerms {
     /// The cost: the sum of the terms.

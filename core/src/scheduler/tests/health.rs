@@ -85,19 +85,34 @@ fn an_endpoint_failing_responses_sits_out_a_growing_backoff() {
 
 #[test]
 fn failed_requests_do_not_make_a_worker_look_idle() {
-    let (s, snap, body) = (Scheduler::default(), two(), prompt());
-    let req = with_body(&body);
-    let now = Instant::now();
-    // One failure (below the ejection threshold) on the first endpoint.
-    let failed = pick_on(&s, &req, &snap, 0, now);
-    assert!(!s.record_response(&failed, 503, now));
-    s.finish_at(&failed, Some(503), now);
-    assert!(snap.endpoints[0].health().available(now));
-    for _ in 0..50 {
-        let d = s.pick_at(&req, &snap, now).unwrap();
-        assert_eq!(addr(&d), "10.0.0.2:80", "a failing worker looked idle");
-        s.record_response(&d, 200, now);
-        s.finish_at(&d, Some(200), now);
+    // The failure's cost is its own term: it holds with the active-load term
+    // weighted 0 as well.
+    for decode in [Weights::default().decode, 0.0] {
+        let s = Scheduler::new(SchedulerConfig {
+            weights: Weights {
+                decode,
+                ..Weights::default()
+            },
+            ..Default::default()
+        });
+        let (snap, body) = (two(), prompt());
+        let req = with_body(&body);
+        let now = Instant::now();
+        // One failure (below the ejection threshold) on the first endpoint.
+        let failed = pick_on(&s, &req, &snap, 0, now);
+        assert!(!s.record_response(&failed, 503, now));
+        s.finish_at(&failed, Some(503), now);
+        assert!(snap.endpoints[0].health().available(now));
+        for _ in 0..50 {
+            let d = s.pick_at(&req, &snap, now).unwrap();
+            assert_eq!(
+                addr(&d),
+                "10.0.0.2:80",
+                "a failing worker looked idle (load weight {decode})"
+            );
+            s.record_response(&d, 200, now);
+            s.finish_at(&d, Some(200), now);
+        }
     }
 }
 
