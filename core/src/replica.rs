@@ -39,6 +39,10 @@ pub enum Delta {
         worker: WorkerKey,
         /// The prompt's leading block hashes.
         hashes: Vec<u64>,
+        /// The sender's LRU key for the touch (nanoseconds since the Unix epoch,
+        /// [`crate::kv::index::PrefixIndex::key`]): block `i` ranks at `at + i`
+        /// in every replica's LRU, however late the delta arrives.
+        at: u64,
     },
     /// Load booked on `worker`.
     Book {

@@ -3,16 +3,22 @@
 //! Little-endian, fixed-width: version byte, sender's replica id, sender's
 //! wall clock (µs since the Unix epoch, for the propagation figure), delta
 //! count, then each delta as a tag byte and its fields. A prompt is its
-//! worker and its chained block hashes (8 bytes a block, one delta a
-//! decision). Decoding checks every length against the bytes left, so a bad
-//! entry costs at most its own size.
+//! worker, the sender's LRU key for it and its chained block hashes (8 bytes
+//! a block, one delta a decision). Decoding checks every length against the
+//! bytes left, so a bad entry costs at most its own size.
+//!
+//! Versions: 2 (written) carries each prompt's LRU key; 1 (still read, from
+//! replicas not yet upgraded) has none, and its prompts rank at the batch's
+//! send time. A version-1 reader skips and counts version-2 entries.
 
 use std::time::Duration;
 
 use crate::endpoints::{ActiveLoad, WorkerKey};
 use crate::replica::{Delta, ReplicaId, WorkerLoad};
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// The version before prompts carried their LRU key.
+const VERSION_UNKEYED: u8 = 1;
 const PROMPT: u8 = 1;
 const BOOK: u8 = 2;
 const RELEASE: u8 = 3;
@@ -57,9 +63,10 @@ pub fn encode(from: ReplicaId, sent_us: u64, deltas: &[Delta]) -> Vec<u8> {
     b.extend_from_slice(&(deltas.len() as u32).to_le_bytes());
     for d in deltas {
         match d {
-            Delta::Prompt { worker, hashes } => {
+            Delta::Prompt { worker, hashes, at } => {
                 b.push(PROMPT);
                 put_worker(&mut b, *worker);
+                b.extend_from_slice(&at.to_le_bytes());
                 b.extend_from_slice(&(hashes.len() as u32).to_le_bytes());
                 for h in hashes {
                     b.extend_from_slice(&h.to_le_bytes());
@@ -141,7 +148,7 @@ fn put_str(b: &mut Vec<u8>, s: &str) {
 pub fn decode(bytes: &[u8]) -> Result<Batch, DecodeError> {
     let mut r = Reader(bytes);
     let version = r.u8()?;
-    if version != VERSION {
+    if version != VERSION && version != VERSION_UNKEYED {
         return Err(DecodeError::Version(version));
     }
     let from = r.u64()?;
@@ -153,12 +160,16 @@ pub fn decode(bytes: &[u8]) -> Result<Batch, DecodeError> {
         deltas.push(match r.u8()? {
             PROMPT => {
                 let worker = r.worker()?;
+                let at = match version {
+                    VERSION_UNKEYED => sent_us.saturating_mul(1_000),
+                    _ => r.u64()?,
+                };
                 let len = r.u32()? as usize;
                 if len > r.0.len() / 8 {
                     return Err(DecodeError::Truncated);
                 }
                 let hashes = (0..len).map(|_| r.u64()).collect::<Result<_, _>>()?;
-                Delta::Prompt { worker, hashes }
+                Delta::Prompt { worker, hashes, at }
             }
             BOOK => {
                 let (worker, load, requests) = r.load()?;
@@ -285,6 +296,7 @@ mod tests {
             Delta::Prompt {
                 worker: w(1),
                 hashes: vec![1, 2, u64::MAX],
+                at: 1_700_000_000_123_456_789,
             },
             Delta::Book {
                 worker: w(2),
@@ -334,6 +346,29 @@ mod tests {
         let mut huge = encode(1, 1, &[]);
         huge[17..21].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode(&huge), Err(DecodeError::Truncated));
+    }
+
+    #[test]
+    fn a_version_1_prompt_ranks_at_its_batch_send_time() {
+        // Version 1 wrote a prompt as tag, worker, count, hashes: no key.
+        let mut v1 = vec![VERSION_UNKEYED];
+        v1.extend_from_slice(&7u64.to_le_bytes());
+        v1.extend_from_slice(&123u64.to_le_bytes());
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        v1.push(PROMPT);
+        put_worker(&mut v1, w(1));
+        v1.extend_from_slice(&2u32.to_le_bytes());
+        v1.extend_from_slice(&5u64.to_le_bytes());
+        v1.extend_from_slice(&6u64.to_le_bytes());
+        let b = decode(&v1).unwrap();
+        assert_eq!(
+            b.deltas,
+            vec![Delta::Prompt {
+                worker: w(1),
+                hashes: vec![5, 6],
+                at: 123_000,
+            }]
+        );
     }
 
     #[test]

@@ -68,7 +68,7 @@ use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use smallvec::SmallVec;
@@ -135,12 +135,11 @@ struct Worker {
     capacity: Option<usize>,
     precise_limit: Option<usize>,
     precise: bool,
-    /// Approximate entries in touch order, with the stamp of their last touch.
+    /// Approximate entries ordered by the key of their latest touch
+    /// ([`PrefixIndex::key`]).
     recency: Lru,
-    /// Stamp of the oldest live approximate entry (`u32::MAX`: none); stamps are
-    /// kept non-decreasing per worker.
+    /// Stamp of the oldest live approximate entry (`u32::MAX`: none).
     oldest: u32,
-    last_stamp: u32,
     /// Precise entries: extra engine blocks naming a kvpick hash already held
     /// precisely (beyond the first); usually empty.
     extra: Map<u64, u32>,
@@ -227,6 +226,48 @@ struct Inner {
     free_slots: Vec<u32>,
     /// (oldest approximate stamp, slot) of every worker with approximate entries.
     expiring: BTreeSet<(u32, u32)>,
+    clock: Clock,
+}
+
+/// The index's two time scales: an LRU **key** (nanoseconds since the Unix
+/// epoch, the order of touches, comparable between replicas) and a **stamp**
+/// (whole seconds since the index's base, what TTLs count).
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    base: Instant,
+    /// The key of `base`.
+    epoch: u64,
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock::at(Instant::now())
+    }
+}
+
+impl Clock {
+    /// A clock whose base is `base`, placed on the system clock.
+    fn at(base: Instant) -> Self {
+        let wall = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        let wall = wall.saturating_sub(Instant::now().saturating_duration_since(base));
+        Clock {
+            base,
+            epoch: u64::try_from(wall.as_nanos()).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn key(&self, now: Instant) -> u64 {
+        let since = now.saturating_duration_since(self.base).as_nanos();
+        self.epoch
+            .saturating_add(u64::try_from(since).unwrap_or(u64::MAX))
+    }
+
+    fn stamp_of(&self, key: u64) -> u32 {
+        let secs = key.saturating_sub(self.epoch) / 1_000_000_000;
+        secs.min(u64::from(u32::MAX - 1)) as u32
+    }
 }
 
 /// Which (worker, rank) holds which prefix blocks. Send + Sync; share it in an `Arc`.
@@ -237,7 +278,7 @@ pub struct PrefixIndex {
     /// precise writes and clears, for a whole call.
     engines: Mutex<Engines>,
     config: IndexConfig,
-    base: Instant,
+    clock: Clock,
     entries: AtomicUsize,
     precise_dropped: AtomicU64,
     /// Lookups spinning for the lock; writers let them in before their next chunk.
@@ -258,28 +299,27 @@ impl Default for PrefixIndex {
 impl PrefixIndex {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Self {
-        PrefixIndex {
-            inner: RwLock::new(Inner {
-                chained: config.chained,
-                ..Inner::default()
-            }),
-            engines: Mutex::default(),
-            config,
-            base: Instant::now(),
-            entries: AtomicUsize::new(0),
-            precise_dropped: AtomicU64::new(0),
-            lookups_waiting: AtomicUsize::new(0),
-            lookups_announced: AtomicU64::new(0),
-            writers_gave_up_at: AtomicU64::new(0),
-        }
+        Self::with_base(config, Instant::now())
     }
 
     /// An empty index whose clock starts at `base` (for tests that pass their own
     /// instants; `now` arguments before `base` count as `base`).
     pub fn with_base(config: IndexConfig, base: Instant) -> Self {
+        let clock = Clock::at(base);
         PrefixIndex {
-            base,
-            ..Self::new(config)
+            inner: RwLock::new(Inner {
+                chained: config.chained,
+                clock,
+                ..Inner::default()
+            }),
+            engines: Mutex::default(),
+            config,
+            clock,
+            entries: AtomicUsize::new(0),
+            precise_dropped: AtomicU64::new(0),
+            lookups_waiting: AtomicUsize::new(0),
+            lookups_announced: AtomicU64::new(0),
+            writers_gave_up_at: AtomicU64::new(0),
         }
     }
 
@@ -350,8 +390,13 @@ impl PrefixIndex {
     }
 
     fn stamp(&self, now: Instant) -> u32 {
-        let secs = now.saturating_duration_since(self.base).as_secs();
-        secs.min(u64::from(u32::MAX - 1)) as u32
+        self.clock.stamp_of(self.clock.key(now))
+    }
+
+    /// The LRU key of a touch at `now`: nanoseconds since the Unix epoch by
+    /// this index's clock (see [`PrefixIndex::insert_chain_at`]).
+    pub fn key(&self, now: Instant) -> u64 {
+        self.clock.key(now)
     }
 
     fn alive(&self, stamp: u32, now: u32) -> bool {
@@ -366,8 +411,13 @@ impl PrefixIndex {
     /// its expired ones. Does nothing for a precise worker. Of a prompt longer
     /// than the worker's capacity only the leading blocks that fit are recorded:
     /// the rest would evict the prompt's own prefix, the part a later request can match.
-    pub fn insert(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
-        self.insert_unless(worker, hashes, now, true, |_, _, _| false)
+    ///
+    /// The touch's key (the newest of `now`'s and one past the worker's newest
+    /// entry, so it ranks last) is returned when anything was touched: block `i`
+    /// was touched at that key plus `i`. A peer replaying the touch at that key
+    /// ([`PrefixIndex::insert_chain_at`]) orders it exactly as here.
+    pub fn insert(&self, worker: WorkerKey, hashes: &[u64], now: Instant) -> Option<u64> {
+        self.insert_unless(worker, hashes, now, None, true, |_, _, _| false)
     }
 
     /// [`PrefixIndex::insert`] of a chain: each of `hashes` names every block
@@ -375,11 +425,24 @@ impl PrefixIndex {
     /// already hold from an insert within the same second (its last recorded
     /// block carries this second's stamp, so that insert touched every block
     /// before it then) is left as it is: inserting it again would only reorder
-    /// its blocks among that second's touches.
-    pub fn insert_chain(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
-        self.insert_unless(worker, hashes, now, true, |w, last, stamp| {
-            !w.precise && w.recency.stamp(last) == Some(stamp.max(w.last_stamp))
+    /// its blocks among that second's touches. Returns the touch's key, `None`
+    /// when it was left as it is (so it is no touch for peers either).
+    pub fn insert_chain(&self, worker: WorkerKey, hashes: &[u64], now: Instant) -> Option<u64> {
+        let clock = self.clock;
+        self.insert_unless(worker, hashes, now, None, true, |w, last, stamp| {
+            let newest = w.recency.newest_key().map_or(0, |k| clock.stamp_of(k));
+            !w.precise && w.recency.key(last).map(|k| clock.stamp_of(k)) == Some(stamp.max(newest))
         })
+    }
+
+    /// A peer's [`PrefixIndex::insert_chain`] that touched `hashes` at key
+    /// `at` (block `i` at `at + i`): each block ranks by the newest key it was
+    /// touched with, here or by any peer, wherever the touch lands in the
+    /// worker's LRU. Indexes that apply the same touches, in whatever order
+    /// and however late, hold the same entries in the same order once capacity
+    /// evictions are done (TTL expiry counts from each one's own `now`).
+    pub fn insert_chain_at(&self, worker: WorkerKey, hashes: &[u64], at: u64, now: Instant) {
+        self.insert_unless(worker, hashes, now, Some(at), true, |_, _, _| false);
     }
 
     /// [`PrefixIndex::insert_chain`] that renews nothing: blocks `worker`
@@ -387,22 +450,24 @@ impl PrefixIndex {
     /// new to it are recorded at `now`. For guesses that a later use must not
     /// keep alive (a precise worker's provisional entries).
     pub fn insert_chain_unrenewed(&self, worker: WorkerKey, hashes: &[u64], now: Instant) {
-        self.insert_unless(worker, hashes, now, false, |w, last, _| {
+        self.insert_unless(worker, hashes, now, None, false, |w, last, _| {
             !w.precise && w.recency.contains(last)
-        })
+        });
     }
 
     /// [`PrefixIndex::insert`], unless `recorded(worker's entries, the last
     /// block that fits, stamp)` says the insert would change nothing; blocks
-    /// already held are touched again only with `renew`.
+    /// already held are touched again only with `renew`. Touches at key `at`
+    /// (a peer's), else ranking after every entry; returns the key.
     fn insert_unless(
         &self,
         worker: WorkerKey,
         hashes: &[u64],
         now: Instant,
+        at: Option<u64>,
         renew: bool,
         recorded: impl Fn(&Worker, u64, u32) -> bool,
-    ) {
+    ) -> Option<u64> {
         let stamp = self.stamp(now);
         let hashes = {
             let g = self.inner.read();
@@ -412,31 +477,36 @@ impl PrefixIndex {
                 .unwrap_or(self.config.default_capacity);
             let hashes = &hashes[..hashes.len().min(cap)];
             match (w, hashes.last()) {
-                (Some(w), Some(&last)) if recorded(w, last, stamp) => return,
+                (Some(w), Some(&last)) if recorded(w, last, stamp) => return None,
                 _ => hashes,
             }
         };
         let mut prev = None;
         let mut placed = Vec::new();
-        for chunk in hashes.chunks(WRITE_CHUNK) {
+        let mut key = at;
+        for (c, chunk) in hashes.chunks(WRITE_CHUNK).enumerate() {
             self.inner.read().warm_insert(worker, chunk);
             let mut g = self.write();
             let slot = g.slot(worker);
             let w = &mut g.workers[slot as usize];
             if w.precise {
-                return;
+                return None;
             }
-            let stamp = stamp.max(w.last_stamp);
-            w.last_stamp = stamp;
+            let first = *key.get_or_insert_with(|| {
+                let newest = w.recency.newest_key().map_or(0, |k| k.saturating_add(1));
+                self.clock.key(now).max(newest)
+            });
+            let first = first.saturating_add((c * WRITE_CHUNK) as u64);
             // One bit per block of the chunk new in the LRU.
             let mut fresh = 0u64;
             for (k, &h) in chunk.iter().enumerate() {
-                if (renew || !w.recency.contains(h)) && w.recency.touch(h, stamp) {
+                let touched = first.saturating_add(k as u64);
+                if (renew || !w.recency.contains(h)) && w.recency.touch(h, touched) {
                     fresh |= 1 << k;
                 }
             }
-            if w.oldest == u32::MAX {
-                g.set_oldest(slot, stamp);
+            if w.oldest == u32::MAX || at.is_some() {
+                g.settle_lru(slot);
             }
             // The whole chunk (blocks already held included) keeps the chain's
             // context; blocks the worker holds already are left as they are.
@@ -450,7 +520,13 @@ impl PrefixIndex {
             }
             prev = chunk.last().copied().zip(placed.last().map(|p| p.0));
         }
-        self.evict(worker, stamp);
+        // A local touch counts from its own key (it may rank after `now`).
+        let now = match (at, key) {
+            (None, Some(k)) => self.clock.stamp_of(k).max(stamp),
+            _ => stamp,
+        };
+        self.evict(worker, now);
+        key
     }
 
     /// Evicts `worker`'s approximate entries beyond its capacity and expired ones,
@@ -471,10 +547,10 @@ impl PrefixIndex {
                     if dropped.len() >= WRITE_CHUNK {
                         break false;
                     }
-                    let Some((h, stamp)) = w.recency.oldest() else {
+                    let Some((h, key)) = w.recency.oldest() else {
                         break true;
                     };
-                    if w.recency.len() <= cap && self.alive(stamp, now) {
+                    if w.recency.len() <= cap && self.alive(self.clock.stamp_of(key), now) {
                         break true;
                     }
                     w.recency.pop_oldest();
@@ -720,6 +796,16 @@ impl PrefixIndex {
         }
     }
 
+    /// `worker`'s approximate entries, least recently touched first.
+    pub fn approximate_entries(&self, worker: WorkerKey) -> Vec<u64> {
+        let g = self.inner.read();
+        g.names
+            .slots
+            .get(&worker)
+            .map(|s| g.workers[*s as usize].recency.keys().collect())
+            .unwrap_or_default()
+    }
+
     /// Whether `worker` is fed by KV events.
     pub fn is_precise(&self, worker: WorkerKey) -> bool {
         let g = self.inner.read();
@@ -823,7 +909,9 @@ impl PrefixIndex {
                     .iter()
                     .take_while(|h| {
                         w.precise_held.contains(h)
-                            || w.recency.stamp(**h).is_some_and(|s| self.alive(s, now))
+                            || w.recency
+                                .key(**h)
+                                .is_some_and(|k| self.alive(self.clock.stamp_of(k), now))
                     })
                     .count();
                 ov.corrected.push((slot, visible));
@@ -1105,7 +1193,7 @@ impl Inner {
         let oldest = self.workers[slot as usize]
             .recency
             .oldest()
-            .map_or(u32::MAX, |(_, s)| s);
+            .map_or(u32::MAX, |(_, k)| self.clock.stamp_of(k));
         self.set_oldest(slot, oldest);
     }
 

@@ -1,12 +1,20 @@
-//! [`Lru`]: a worker's approximate index entries in touch order.
+//! [`Lru`]: a worker's approximate index entries in the order of their last touch.
 //!
 //! Each entry is a node of a doubly linked list threaded through one vector,
-//! least recently touched at the head; a [`BlockTable`] finds a block's node. A
-//! touch moves the node to the tail in place, so the list holds exactly one node
-//! per block: nothing stale to skip or compact, and eviction takes the head.
-//! Touching a prompt's blocks in chain order costs one table probe and one node
-//! per block (the neighbours a move relinks are the nodes just moved or touched
-//! next).
+//! ordered by its **key** (the time of its latest touch, ties by hash), oldest
+//! at the head; a [`BlockTable`] finds a block's node. A touch with a newer key
+//! moves the node in place (one with an older key changes nothing), so the list
+//! holds exactly one node per block: nothing stale to skip or compact, and
+//! eviction takes the head.
+//!
+//! Invariant: keys never decrease from head to tail. Because an entry's rank
+//! depends only on the newest key it was touched with, lists that receive the
+//! same touches in any order end in the same order (what replicas applying each
+//! other's decisions late rely on). A touch newer than every entry (every local
+//! one) goes to the tail after one comparison; an older one (a peer's, arriving
+//! late) walks back from the tail to its place. Touching a prompt's blocks in
+//! chain order costs one table probe and one node per block (the neighbours a
+//! move relinks are the nodes just moved or touched next).
 
 use crate::kv::table::BlockTable;
 
@@ -19,10 +27,18 @@ struct Node {
     prev: u32,
     /// The next node in touch order, or in the free list for an unused node.
     next: u32,
-    stamp: u32,
+    /// The latest touch's key.
+    key: u64,
 }
 
-/// Block hashes in touch order with the stamp of their last touch; see the module doc.
+impl Node {
+    /// Whether this node ranks after a touch of `hash` at `key`.
+    fn after(&self, key: u64, hash: u64) -> bool {
+        (self.key, self.hash) > (key, hash)
+    }
+}
+
+/// Block hashes ordered by the key of their latest touch; see the module doc.
 #[derive(Debug)]
 pub struct Lru {
     nodes: BlockTable<u32>,
@@ -56,24 +72,32 @@ impl Lru {
         self.nodes.get(hash).is_some()
     }
 
-    /// The stamp of `hash`'s last touch, if held.
-    pub fn stamp(&self, hash: u64) -> Option<u32> {
-        self.nodes.get(hash).map(|i| self.list[i as usize].stamp)
+    /// The key of `hash`'s latest touch, if held.
+    pub fn key(&self, hash: u64) -> Option<u64> {
+        self.nodes.get(hash).map(|i| self.list[i as usize].key)
     }
 
-    /// Makes `hash` the most recently touched entry, with `stamp`; whether it is new.
-    pub fn touch(&mut self, hash: u64, stamp: u32) -> bool {
+    /// The newest entry's key.
+    pub fn newest_key(&self) -> Option<u64> {
+        self.list.get(self.tail as usize).map(|n| n.key)
+    }
+
+    /// Records a touch of `hash` at `key`: it ranks by its newest touch, so an
+    /// older key than it holds changes nothing. Whether it is new.
+    pub fn touch(&mut self, hash: u64, key: u64) -> bool {
         if let Some(i) = self.nodes.get(hash) {
-            self.unlink(i);
-            self.list[i as usize].stamp = stamp;
-            self.push_tail(i);
+            if self.list[i as usize].key < key {
+                self.unlink(i);
+                self.list[i as usize].key = key;
+                self.place(i);
+            }
             return false;
         }
         let node = Node {
             hash,
             prev: NIL,
             next: NIL,
-            stamp,
+            key,
         };
         let i = match self.free {
             NIL => {
@@ -87,7 +111,7 @@ impl Lru {
             }
         };
         self.nodes.insert(hash, i);
-        self.push_tail(i);
+        self.place(i);
         true
     }
 
@@ -100,10 +124,10 @@ impl Lru {
         true
     }
 
-    /// The least recently touched entry and its stamp.
-    pub fn oldest(&self) -> Option<(u64, u32)> {
+    /// The least recently touched entry and its key.
+    pub fn oldest(&self) -> Option<(u64, u64)> {
         let n = self.list.get(self.head as usize)?;
-        Some((n.hash, n.stamp))
+        Some((n.hash, n.key))
     }
 
     /// Drops the least recently touched entry; returns its hash.
@@ -137,7 +161,7 @@ impl Lru {
             .into_iter()
             .filter(move |&&h| match self.nodes.get(h) {
                 Some(i) => {
-                    std::hint::black_box(self.list[i as usize].stamp);
+                    std::hint::black_box(self.list[i as usize].key);
                     false
                 }
                 None => true,
@@ -161,16 +185,24 @@ impl Lru {
         }
     }
 
-    fn push_tail(&mut self, i: u32) {
-        let tail = self.tail;
-        let n = &mut self.list[i as usize];
-        n.prev = tail;
-        n.next = NIL;
-        match tail {
-            NIL => self.head = i,
-            t => self.list[t as usize].next = i,
+    /// Links unlinked node `i` after the last node that does not rank after it.
+    fn place(&mut self, i: u32) {
+        let Node { key, hash, .. } = self.list[i as usize];
+        let mut prev = self.tail;
+        while prev != NIL && self.list[prev as usize].after(key, hash) {
+            prev = self.list[prev as usize].prev;
         }
-        self.tail = i;
+        let next = match prev {
+            NIL => std::mem::replace(&mut self.head, i),
+            p => std::mem::replace(&mut self.list[p as usize].next, i),
+        };
+        match next {
+            NIL => self.tail = i,
+            n => self.list[n as usize].prev = i,
+        }
+        let n = &mut self.list[i as usize];
+        n.prev = prev;
+        n.next = next;
     }
 
     /// Unlinks node `i` (already out of the table) and puts it on the free list.
@@ -191,7 +223,7 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Touch(u64, u32),
+        Touch(u64, u64),
         Remove(u64),
         PopOldest,
     }
@@ -200,27 +232,31 @@ mod tests {
         // Few distinct hashes (0 included) so that touches meet.
         let h = 0u64..10;
         prop_oneof![
-            4 => (h.clone(), any::<u32>()).prop_map(|(h, s)| Op::Touch(h, s)),
+            // Few distinct keys too, so that ties are broken by hash.
+            4 => (h.clone(), 0u64..8).prop_map(|(h, k)| Op::Touch(h, k)),
             1 => h.prop_map(Op::Remove),
             1 => Just(Op::PopOldest),
         ]
     }
 
     proptest! {
-        /// Against a naive list (oldest first): same order, stamps and answers.
+        /// Against a naive list sorted by (key, hash) of each entry's newest
+        /// touch: same order, keys and answers.
         #[test]
         fn lru_agrees_with_a_naive_list(ops in prop::collection::vec(op(), 1..200)) {
             let mut lru = Lru::default();
-            let mut naive: VecDeque<(u64, u32)> = VecDeque::new();
+            let mut naive: VecDeque<(u64, u64)> = VecDeque::new();
             for op in ops {
                 match op {
-                    Op::Touch(h, s) => {
+                    Op::Touch(h, k) => {
                         let held = naive.iter().position(|(x, _)| *x == h);
-                        if let Some(p) = held {
-                            naive.remove(p);
-                        }
-                        naive.push_back((h, s));
-                        prop_assert_eq!(lru.touch(h, s), held.is_none());
+                        let key = match held {
+                            Some(p) => naive.remove(p).unwrap().1.max(k),
+                            None => k,
+                        };
+                        let at = naive.partition_point(|&(x, y)| (y, x) <= (key, h));
+                        naive.insert(at, (h, key));
+                        prop_assert_eq!(lru.touch(h, k), held.is_none());
                     }
                     Op::Remove(h) => {
                         let held = naive.iter().position(|(x, _)| *x == h);
@@ -235,13 +271,14 @@ mod tests {
                 }
                 prop_assert_eq!(lru.len(), naive.len());
                 prop_assert_eq!(lru.oldest(), naive.front().copied());
+                prop_assert_eq!(lru.newest_key(), naive.back().map(|(_, k)| *k));
                 let keys: Vec<u64> = lru.keys().collect();
                 let want: Vec<u64> = naive.iter().map(|(h, _)| *h).collect();
                 prop_assert_eq!(keys, want);
                 for h in 0..10 {
-                    let stamp = naive.iter().find(|(x, _)| *x == h).map(|(_, s)| *s);
-                    prop_assert_eq!(lru.stamp(h), stamp);
-                    prop_assert_eq!(lru.contains(h), stamp.is_some());
+                    let key = naive.iter().find(|(x, _)| *x == h).map(|(_, k)| *k);
+                    prop_assert_eq!(lru.key(h), key);
+                    prop_assert_eq!(lru.contains(h), key.is_some());
                 }
                 let all: Vec<u64> = (0..10).collect();
                 let absent: Vec<u64> = lru.prefetch(&all).copied().collect();
@@ -252,11 +289,27 @@ mod tests {
     }
 
     #[test]
+    fn the_same_touches_in_any_order_give_the_same_order() {
+        let touches = [(1, 5), (2, 3), (3, 5), (1, 2), (4, 9), (2, 7), (5, 1)];
+        let mut first = Lru::default();
+        let mut reversed = Lru::default();
+        for &(h, k) in &touches {
+            first.touch(h, k);
+        }
+        for &(h, k) in touches.iter().rev() {
+            reversed.touch(h, k);
+        }
+        let order: Vec<u64> = first.keys().collect();
+        assert_eq!(order, vec![5, 1, 3, 2, 4]);
+        assert_eq!(order, reversed.keys().collect::<Vec<_>>());
+    }
+
+    #[test]
     fn freed_nodes_are_reused() {
         let mut lru = Lru::default();
         for round in 0..100u32 {
             for h in 1..=50u64 {
-                lru.touch(h + u64::from(round) * 50, round);
+                lru.touch(h + u64::from(round) * 50, u64::from(round));
             }
             while lru.len() > 50 {
                 lru.pop_oldest();

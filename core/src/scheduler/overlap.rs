@@ -106,14 +106,37 @@ impl Scheduler {
 
     /// `worker` was sent a prompt of `hashes`: approximate entries for an
     /// approximate worker, a guess (not renewing one it has) for a precise
-    /// worker. Whether it was a guess.
-    pub(super) fn record_prompt(&self, worker: WorkerKey, hashes: &[u64], now: Instant) -> bool {
-        let precise = self.index.is_precise(worker);
-        match precise {
-            true => self.provisional.record(worker, hashes, now),
-            false => self.index.insert_chain(worker, hashes, now),
+    /// worker. Whether it was a guess, and the LRU key peers record it at
+    /// (`None`: the approximate entries were left as they were, nothing to share).
+    pub(super) fn record_prompt(
+        &self,
+        worker: WorkerKey,
+        hashes: &[u64],
+        now: Instant,
+    ) -> (bool, Option<u64>) {
+        match self.index.is_precise(worker) {
+            true => {
+                self.provisional.record(worker, hashes, now);
+                (true, Some(self.index.key(now)))
+            }
+            false => (false, self.index.insert_chain(worker, hashes, now)),
         }
-        precise
+    }
+
+    /// A peer sent `worker` a prompt of `hashes`, touching it at LRU key `at`:
+    /// approximate entries ranked by that key, or a guess from `now` for a
+    /// precise worker.
+    pub(super) fn record_peer_prompt(
+        &self,
+        worker: WorkerKey,
+        hashes: &[u64],
+        at: u64,
+        now: Instant,
+    ) {
+        match self.index.is_precise(worker) {
+            true => self.provisional.record(worker, hashes, now),
+            false => self.index.insert_chain_at(worker, hashes, at, now),
+        }
     }
 
     /// `worker`'s KV events stored or removed these blocks (kvpick hashes): its

@@ -179,13 +179,16 @@ impl Scheduler {
         };
         if !O::EXPLAINS {
             // Booked from the decision, so `cancel`/`finish` release exactly this.
-            let mut guessed = self.record(&d, hashes, decision.decode_load(), now);
+            let (mut guessed, decode_at) = self.record(&d, hashes, decision.decode_load(), now);
+            let mut prefill_at = None;
             if let Some(p) = p {
-                guessed |= self.record(&p, hashes, decision.prefill_load(), now);
+                let (g, at) = self.record(&p, hashes, decision.prefill_load(), now);
+                guessed |= g;
+                prefill_at = at;
             }
             decision.guess = guessed.then(|| Arc::from(&hashes[..]));
+            self.share_decision(&decision, hashes, decode_at, prefill_at);
         }
-        self.share_decision(&decision, hashes);
         Ok(decision)
     }
 
@@ -493,9 +496,16 @@ impl Scheduler {
 
     /// The target now holds the prompt's blocks (approximate entries, or
     /// provisional ones on a precise worker); it carries the request's load (and
-    /// its uncached part) until it finishes. Whether the blocks are a guess.
-    fn record(&self, c: &Cand<'_>, hashes: &[u64], load: ActiveLoad, now: Instant) -> bool {
-        let mut guessed = false;
+    /// its uncached part) until it finishes. Whether the blocks are a guess,
+    /// and the key peers record them at ([`Scheduler::record_prompt`]).
+    fn record(
+        &self,
+        c: &Cand<'_>,
+        hashes: &[u64],
+        load: ActiveLoad,
+        now: Instant,
+    ) -> (bool, Option<u64>) {
+        let mut recorded = (false, None);
         if !hashes.is_empty() {
             if let Some(s) = c.ep.scraped(now, self.config.scrape_max_age) {
                 if let Some(n) = s.num_blocks {
@@ -507,10 +517,10 @@ impl Scheduler {
                     self.index.set_engine_blocks(c.key, n);
                 }
             }
-            guessed = self.record_prompt(c.key, hashes, now);
+            recorded = self.record_prompt(c.key, hashes, now);
         }
         c.ep.book(c.rank, load);
-        guessed
+        recorded
     }
 }
 

@@ -35,16 +35,24 @@ impl Scheduler {
         self.tie_breaks.store(n, Ordering::Relaxed);
     }
 
-    /// A decision was booked: its prompt and load on each of its ranks.
-    pub(super) fn share_decision(&self, decision: &Decision, hashes: &[u64]) {
+    /// A decision was booked: its prompt (where it was recorded, at the LRU
+    /// key it was recorded with) and load on each of its ranks.
+    pub(super) fn share_decision(
+        &self,
+        decision: &Decision,
+        hashes: &[u64],
+        decode_at: Option<u64>,
+        prefill_at: Option<u64>,
+    ) {
         let Some(sink) = self.replica.get() else {
             return;
         };
-        let record = |worker, load, requests| {
-            if !hashes.is_empty() {
+        let record = |worker, at: Option<u64>, load, requests| {
+            if let Some(at) = at {
                 sink.push(Delta::Prompt {
                     worker,
                     hashes: hashes.to_vec(),
+                    at,
                 });
             }
             sink.push(Delta::Book {
@@ -53,9 +61,9 @@ impl Scheduler {
                 requests,
             });
         };
-        record(decision.decode.key(), decision.decode_load(), 1);
+        record(decision.decode.key(), decode_at, decision.decode_load(), 1);
         if let Some(p) = &decision.prefill {
-            record(p.key(), decision.prefill_load(), 0);
+            record(p.key(), prefill_at, decision.prefill_load(), 0);
         }
     }
 
@@ -122,9 +130,9 @@ impl Scheduler {
         now: Instant,
     ) {
         match delta {
-            Delta::Prompt { worker, hashes } => {
+            Delta::Prompt { worker, hashes, at } => {
                 let limit = self.config.max_prefix_blocks;
-                self.record_prompt(worker, &hashes[..hashes.len().min(limit)], now);
+                self.record_peer_prompt(worker, &hashes[..hashes.len().min(limit)], at, now);
             }
             Delta::Book {
                 worker,

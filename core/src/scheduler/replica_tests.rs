@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 use super::tests::{both, prompt, with_body};
 use super::*;
 use crate::endpoints::EndpointTable;
+use crate::keys::WorkerKey;
 use crate::replica::{Delta, PeerLoads, ReplicaSink};
 
 /// Keeps every delta pushed.
@@ -205,4 +206,84 @@ fn peer_session_bindings_pin_turns_here() {
     a.scheduler.finish_at(&e, Some(200), now);
     sync(&a, 1, &b, now);
     assert_eq!(b.scheduler.sessions().get("s1", now), None);
+}
+
+/// Under capacity pressure (24 blocks a worker), three replicas route
+/// conversations whose deltas reach each peer at different delays (replica 0
+/// every 2nd pick, replica 1 every 3rd, replica 2 only at the end, its peers'
+/// backlogs in the reverse order): deltas cross in flight and land long after
+/// decisions made since. Once every delta has arrived, every replica holds the
+/// same approximate entries for every worker, in the same LRU order.
+#[test]
+fn indexes_converge_whatever_order_and_delay_deltas_arrive_in() {
+    let rs = [replica(4), replica(4), replica(4)];
+    let keys: Vec<WorkerKey> = rs[0]
+        .table
+        .snapshot()
+        .endpoints
+        .iter()
+        .map(|e| e.key(0))
+        .collect();
+    for r in &rs {
+        for &k in &keys {
+            r.scheduler.index().set_capacity(k, 24);
+        }
+    }
+    let start = Instant::now();
+    // pending[to]: (sender, delta) not yet delivered to `to`, oldest first.
+    let mut pending: [Vec<(u64, Delta)>; 3] = Default::default();
+    let deliver = |to: usize, deltas: Vec<(u64, Delta)>, now: Instant| {
+        let r = &rs[to];
+        let snap = r.table.snapshot();
+        for (from, d) in deltas {
+            r.scheduler.apply_peer(from, d, &r.peers, &snap, true, now);
+        }
+    };
+    for step in 0..60u64 {
+        // 0.3 s apart: several picks share a second, others do not.
+        let now = start + Duration::from_millis(300 * step);
+        let i = (step % 3) as usize;
+        let (conversation, turn) = ((step * 5) % 7, step / 7);
+        let text = format!(
+            "conversation {conversation} opens with a long shared preamble. {}",
+            format!("turn {turn} adds more words. ").repeat(turn as usize + 1)
+        );
+        let d = rs[i]
+            .scheduler
+            .pick_at(&with_body(&prompt(&text)), &rs[i].table.snapshot(), now)
+            .unwrap();
+        rs[i].scheduler.finish_at(&d, Some(200), now);
+        for d in rs[i].sink.take() {
+            for (to, queue) in pending.iter_mut().enumerate() {
+                if to != i {
+                    queue.push((i as u64 + 1, d.clone()));
+                }
+            }
+        }
+        for (to, every) in [(0, 2), (1, 3)] {
+            if step % every == 0 {
+                deliver(to, std::mem::take(&mut pending[to]), now);
+            }
+        }
+    }
+    let end = start + Duration::from_secs(30);
+    let [to_0, to_1, mut to_2] = pending;
+    deliver(0, to_0, end);
+    deliver(1, to_1, end);
+    to_2.sort_by_key(|(from, _)| std::cmp::Reverse(*from));
+    deliver(2, to_2, end);
+
+    let entries = |r: &Replica| -> Vec<Vec<u64>> {
+        keys.iter()
+            .map(|&k| r.scheduler.index().approximate_entries(k))
+            .collect()
+    };
+    let first = entries(&rs[0]);
+    assert!(
+        first.iter().filter(|e| e.len() == 24).count() >= 2,
+        "{first:?}"
+    );
+    for r in &rs[1..] {
+        assert_eq!(entries(r), first);
+    }
 }

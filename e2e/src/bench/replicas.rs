@@ -566,15 +566,21 @@ mod tests {
         }
     }
 
-    /// Under capacity pressure (evictions on every worker), with deltas
-    /// that arrive before the next decision: once every delta has arrived,
-    /// every replica's index answers the same for every prompt of the run.
-    /// (Deltas that cross in flight do not converge: see docs/replicas.md.)
+    /// Under capacity pressure (evictions on every worker), with deltas that
+    /// arrive before the next decision (1 ms) or cross in flight (4 s): once
+    /// every delta has arrived, every replica's index answers the same for
+    /// every prompt of the run.
     #[test]
     fn indexes_converge_once_every_delta_arrived() {
+        for delay in [Duration::from_millis(1), Duration::from_secs(4)] {
+            indexes_converge_with(delay);
+        }
+    }
+
+    fn indexes_converge_with(delay: Duration) {
         let cfg = crate::bench::replay::fixtures::config(4, 24);
         let t = conversations();
-        let mut p = Replicated::new(&cfg, 3, Some(Duration::from_millis(1)));
+        let mut p = Replicated::new(&cfg, 3, Some(delay));
         simulate(&mut p, &t, &cfg);
         p.deliver(u64::MAX);
         let end_us = t.last().expect("a request").timestamp + 10_000_000;
@@ -593,7 +599,7 @@ mod tests {
         let first = answers(&p.replicas[0]);
         assert!(first.iter().flatten().any(|&n| n > 0), "{first:?}");
         for r in &p.replicas[1..] {
-            assert_eq!(answers(r), first);
+            assert_eq!(answers(r), first, "{delay:?}");
         }
     }
 
