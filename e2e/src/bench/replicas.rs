@@ -318,7 +318,10 @@ pub fn cell(
         let f = simulate(&mut p, trace, cfg);
         if let Some(dir) = &rc.dump_requests {
             let name = f.name.replace(" ×", "-x").replace(' ', "-");
-            let file = format!("{name}-{}-{}-s{}.csv", cfg.capacity_blocks, cfg.speed, cfg.seed);
+            let file = format!(
+                "{name}-{}-{}-s{}.csv",
+                cfg.capacity_blocks, cfg.speed, cfg.seed
+            );
             if let Err(e) = std::fs::create_dir_all(dir)
                 .and_then(|()| crate::bench::replay::write_policy_requests(&dir.join(&file), &f))
             {
