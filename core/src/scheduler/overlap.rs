@@ -15,12 +15,16 @@
 use std::iter::Peekable;
 use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::cost::Cand;
 use super::{Decision, Scheduler};
 use crate::endpoints::WorkerKey;
 use crate::kv::index::Overlaps;
+
+/// How far past this replica's clock a peer's LRU key may rank (clock skew
+/// beyond it, or a corrupt key, is cut to it).
+pub(super) const PEER_KEY_AHEAD: Duration = Duration::from_secs(60);
 
 /// Every worker's overlap with one prompt.
 pub(super) struct PromptOverlaps {
@@ -125,7 +129,9 @@ impl Scheduler {
 
     /// A peer sent `worker` a prompt of `hashes`, touching it at LRU key `at`:
     /// approximate entries ranked by that key, or a guess from `now` for a
-    /// precise worker.
+    /// precise worker. A key more than [`PEER_KEY_AHEAD`] past this replica's
+    /// clock counts as that far ahead: local touches rank after the newest
+    /// entry, so a far-future key would drag every later one with it.
     pub(super) fn record_peer_prompt(
         &self,
         worker: WorkerKey,
@@ -133,6 +139,8 @@ impl Scheduler {
         at: u64,
         now: Instant,
     ) {
+        let ahead = PEER_KEY_AHEAD.as_nanos() as u64;
+        let at = at.min(self.index.key(now).saturating_add(ahead));
         match self.index.is_precise(worker) {
             true => self.provisional.record(worker, hashes, now),
             false => self.index.insert_chain_at(worker, hashes, at, now),

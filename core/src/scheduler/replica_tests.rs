@@ -287,3 +287,25 @@ fn indexes_converge_whatever_order_and_delay_deltas_arrive_in() {
         assert_eq!(entries(r), first);
     }
 }
+
+/// A peer's key far in the future (a skewed clock, a corrupt entry) ranks at
+/// most a minute ahead: its entries expire a minute after their TTL at most,
+/// and this replica's own touches are not dragged past its clock for longer.
+#[test]
+fn a_far_future_peer_key_is_cut_to_a_minute_ahead() {
+    let r = replica(1);
+    let key = r.table.snapshot().endpoints[0].key(0);
+    let now = Instant::now();
+    let (snap, index) = (r.table.snapshot(), r.scheduler.index());
+    let peer = Delta::Prompt {
+        worker: key,
+        hashes: vec![1, 2],
+        at: u64::MAX - 5,
+    };
+    r.scheduler.apply_peer(9, peer, &r.peers, &snap, true, now);
+    assert_eq!(index.lookup(&[1, 2], &[key], now), vec![2]);
+    let expired = now + crate::kv::index::DEFAULT_TTL + Duration::from_secs(62);
+    assert_eq!(index.lookup(&[1, 2], &[key], expired), vec![0]);
+    index.purge_expired(expired);
+    assert!(index.approximate_entries(key).is_empty());
+}

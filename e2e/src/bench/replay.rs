@@ -208,7 +208,8 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = PENDING_PREFILL_WEIGHT)]
     pub kvpick_pending_weight: f64,
     /// Also write every request's figures, one CSV per policy and run
-    /// (`POLICY-BLOCKS-SPEED.csv`), into this directory: where a tail comes from.
+    /// (`POLICY-BLOCKS-SPEED.csv`, with --replicas `POLICY-BLOCKS-SPEED-sSEED.csv`),
+    /// into this directory: where a tail comes from.
     #[arg(long)]
     pub dump_requests: Option<PathBuf>,
 }
@@ -380,17 +381,22 @@ pub fn write_requests(dir: &std::path::Path, runs: &[ReplayReport]) -> std::io::
     std::fs::create_dir_all(dir)?;
     for r in runs {
         for p in &r.policies {
-            let mut csv = String::from(RequestFigures::CSV_HEADER);
-            csv.push('\n');
-            for (i, q) in p.requests.iter().enumerate() {
-                csv.push_str(&q.csv_row(i));
-                csv.push('\n');
-            }
             let file = format!("{}-{}-{}.csv", p.name, r.capacity_blocks, r.speed);
-            std::fs::write(dir.join(file), csv)?;
+            write_policy_requests(&dir.join(file), p)?;
         }
     }
     Ok(())
+}
+
+/// Writes one run's per-request figures to `path` as CSV.
+pub fn write_policy_requests(path: &std::path::Path, p: &PolicyFigures) -> std::io::Result<()> {
+    let mut csv = String::from(RequestFigures::CSV_HEADER);
+    csv.push('\n');
+    for (i, q) in p.requests.iter().enumerate() {
+        csv.push_str(&q.csv_row(i));
+        csv.push('\n');
+    }
+    std::fs::write(path, csv)
 }
 
 /// The replay report.

@@ -239,6 +239,9 @@ pub struct ReplicaConfig {
     /// Tie-break seeds: each runs the whole cell, and a figure is the mean
     /// over them (a ratio: of each seed's ratio to one replica of that seed).
     pub seeds: Vec<u64>,
+    /// Where to write every run's per-request figures
+    /// (`POLICY-BLOCKS-SPEED-sSEED.csv`), if anywhere.
+    pub dump_requests: Option<std::path::PathBuf>,
 }
 
 /// One policy's figures beside the one-replica baseline, means over the seeds.
@@ -313,6 +316,18 @@ pub fn cell(
         let mut p = Replicated::new(cfg, replicas, sync);
         let started = std::time::Instant::now();
         let f = simulate(&mut p, trace, cfg);
+        if let Some(dir) = &rc.dump_requests {
+            let name = f.name.replace(" ×", "-x").replace(' ', "-");
+            let file = format!(
+                "{name}-{}-{}-s{}.csv",
+                cfg.capacity_blocks, cfg.speed, cfg.seed
+            );
+            if let Err(e) = std::fs::create_dir_all(dir)
+                .and_then(|()| crate::bench::replay::write_policy_requests(&dir.join(&file), &f))
+            {
+                eprintln!("replay: {file} not written: {e}");
+            }
+        }
         eprintln!(
             "replay: {} on {trace_name} at {} blocks, {}×, seed {} done in {:.1} s (hit rate {:.3})",
             f.name,
@@ -518,6 +533,7 @@ mod tests {
                 replicas: vec![2, 4],
                 delay: Duration::from_millis(1),
                 seeds: vec![1, 2],
+                dump_requests: None,
             },
         );
         assert_eq!(c.figures.len(), 5);

@@ -430,6 +430,7 @@ fn main() -> anyhow::Result<()> {
                     replicas: counts,
                     delay: Duration::from_secs_f64(sync_delay_ms / 1000.0),
                     seeds: (args.seed..).take(seeds.max(1) as usize).collect(),
+                    dump_requests: args.dump_requests.clone(),
                 };
                 let report = replicas::ReplicaReport {
                     workers: args.workers,
