@@ -131,6 +131,7 @@ impl Lru {
     }
 
     /// Drops the least recently touched entry; returns its hash.
+    #[inline]
     pub fn pop_oldest(&mut self) -> Option<u64> {
         let (hash, _) = self.oldest()?;
         self.nodes.remove(hash);
@@ -185,10 +186,24 @@ impl Lru {
         }
     }
 
-    /// Links unlinked node `i` after the last node that does not rank after it.
+    /// Links unlinked node `i` after the last node that does not rank after it:
+    /// at the tail at once for the newest touch (every local one).
+    #[inline]
     fn place(&mut self, i: u32) {
         let Node { key, hash, .. } = self.list[i as usize];
-        let mut prev = self.tail;
+        let tail = self.tail;
+        if tail == NIL || !self.list[tail as usize].after(key, hash) {
+            let n = &mut self.list[i as usize];
+            n.prev = tail;
+            n.next = NIL;
+            match tail {
+                NIL => self.head = i,
+                t => self.list[t as usize].next = i,
+            }
+            self.tail = i;
+            return;
+        }
+        let mut prev = self.list[tail as usize].prev;
         while prev != NIL && self.list[prev as usize].after(key, hash) {
             prev = self.list[prev as usize].prev;
         }
