@@ -406,6 +406,11 @@ impl PrefixIndex {
         }
     }
 
+    /// [`Self::alive`] of an entry last touched at LRU key `key`.
+    fn alive_at_key(&self, key: u64, now: u32) -> bool {
+        self.alive(self.clock.stamp_of(key), now)
+    }
+
     /// Approximate mode: records that `worker` now holds `hashes` (touching them in
     /// its LRU), then evicts its least recently used blocks beyond its capacity and
     /// its expired ones. Does nothing for a precise worker. Of a prompt longer
@@ -550,7 +555,7 @@ impl PrefixIndex {
                     let Some((h, key)) = w.recency.oldest() else {
                         break true;
                     };
-                    if w.recency.len() <= cap && self.alive(self.clock.stamp_of(key), now) {
+                    if w.recency.len() <= cap && self.alive_at_key(key, now) {
                         break true;
                     }
                     w.recency.pop_oldest();
@@ -911,7 +916,7 @@ impl PrefixIndex {
                         w.precise_held.contains(h)
                             || w.recency
                                 .key(**h)
-                                .is_some_and(|k| self.alive(self.clock.stamp_of(k), now))
+                                .is_some_and(|k| self.alive_at_key(k, now))
                     })
                     .count();
                 ov.corrected.push((slot, visible));
