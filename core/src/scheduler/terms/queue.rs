@@ -1,7 +1,10 @@
 //! `queue-scorer`: the candidate's scraped queue, each queued request counted
 //! at the blocks it has left to prefill (the mean uncached blocks of the
 //! requests kvpick has in flight there, else this request's size): the work
-//! this request waits behind. A stale or failing scrape never makes a worker
+//! this request waits behind. And the work it puts in front of them: with
+//! chunked prefill a queued request's prefill ends in a step this request's
+//! first chunk joins, so each queued request counts this request's blocks to
+//! prefill there as well. A stale or failing scrape never makes a worker
 //! cheaper: its last figures stand, with one more request of this size queued.
 
 use serde::{Deserialize, Serialize};
@@ -46,7 +49,9 @@ impl Scorer for Queue {
             } else {
                 size
             };
-            queue = s.queue / c.ranks() * per_queued;
+            // Each queued request waits for its own work and, in the step
+            // that ends its prefill, for this request's first chunk.
+            queue = s.queue / c.ranks() * (per_queued + c.new_blocks as f64);
         }
         if c.suspect() {
             queue += size;

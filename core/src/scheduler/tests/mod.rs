@@ -267,6 +267,38 @@ fn queued_requests_count_at_their_uncached_size() {
 }
 
 #[test]
+fn a_prompt_to_prefill_does_not_join_a_queued_requests_step_for_its_system_prompt() {
+    // Default weights. A short turn waits in one worker's queue; a new
+    // conversation shares its 4-block system prompt and has 60 more blocks to
+    // prefill. With chunked prefill its first chunk would join the step that
+    // ends the queued turn's prefill, and that turn's first token would wait
+    // for it (held-out trace, 4,000 blocks 0.5×: TTFT p50 716 ms against
+    // llm-d's 594, BENCHMARKS.md §2).
+    let s = Scheduler::default();
+    let t = both(2);
+    let snap = t.snapshot();
+    let system = "s".repeat(64 * 4);
+    let turn = prompt(&format!("{system}{}", "t".repeat(64 * 4)));
+    let queued = s.pick(&with_body(&turn), &snap).unwrap();
+    let _in_flight = queued.begin();
+    let busy = queued.decode.key();
+    let now = Instant::now();
+    for e in snap.endpoints.iter() {
+        let waiting = f64::from(u8::from(e.key(0) == busy));
+        scrape(e, waiting, 0.0, 0.0, now);
+    }
+    let new = prompt(&format!("{system}{}", "n".repeat(64 * 60)));
+    let d = s.pick_at(&with_body(&new), &snap, now).unwrap();
+    assert_ne!(d.decode.key(), busy, "joined the queued turn's step");
+    s.cancel(&d);
+    // A prefix worth the queued turn's delay still holds: the turn's next
+    // one, all but 2 of its blocks cached there, stays.
+    let next = prompt(&format!("{system}{}", "t".repeat(64 * 6)));
+    let d = s.pick_at(&with_body(&next), &snap, now).unwrap();
+    assert_eq!((d.decode.key(), d.overlap_blocks), (busy, 8));
+}
+
+#[test]
 fn prefill_done_releases_the_booked_uncached_blocks_once() {
     let s = Scheduler::default();
     let t = table(&[
