@@ -4,8 +4,11 @@
 //! this request waits behind. And the work it puts in front of them: with
 //! chunked prefill a queued request's prefill ends in a step this request's
 //! first chunk joins, so each queued request counts this request's blocks to
-//! prefill there as well. A stale or failing scrape never makes a worker
-//! cheaper: its last figures stand, with one more request of this size queued.
+//! prefill there as well, and so does one while kvpick has a prefill pending
+//! there (a scrape shows a request only after it: counting the queue alone,
+//! the requests of one scrape interval all went to the workers it showed
+//! idle). A stale or failing scrape never makes a worker cheaper: its last
+//! figures stand, with one more request of this size queued.
 
 use serde::{Deserialize, Serialize};
 
@@ -49,9 +52,14 @@ impl Scorer for Queue {
             } else {
                 size
             };
-            // Each queued request waits for its own work and, in the step
-            // that ends its prefill, for this request's first chunk.
-            queue = s.queue / c.ranks() * (per_queued + c.new_blocks as f64);
+            let queued = s.queue / c.ranks();
+            // Each queued request waits for this request's first chunk in the
+            // step that ends its prefill. While a prefill kvpick routed here
+            // is pending that is at least one request, whether or not the
+            // scrape (up to an interval old) shows it yet.
+            let pending = if c.booked.uncached > 0 { 1.0 } else { 0.0 };
+            let delayed = queued.max(pending);
+            queue = queued * per_queued + delayed * c.new_blocks as f64;
         }
         if c.suspect() {
             queue += size;
