@@ -32,7 +32,9 @@ pub struct Weights {
     /// of unfinished requests kvpick routed there, plus a suspect worker's last
     /// scraped running requests kvpick does not know).
     pub decode: f64,
-    /// Per scraped queued request, counted at this request's size.
+    /// Per block of work queued ahead (each scraped queued request at the
+    /// blocks it has left to prefill) and per block of this prompt's prefill
+    /// for each request it delays there ([`super::terms::queue`]).
     pub queue: f64,
     /// Per unit of scraped KV-cache usage (0..1), counted at this request's size.
     pub kv_usage: f64,

@@ -266,6 +266,16 @@ fn queued_requests_count_at_their_uncached_size() {
     assert_eq!(d.decode.state.active_load(d.decode.rank), left);
 }
 
+/// A 4-block system prompt, a short turn under it (4 blocks more) and a new
+/// conversation under it (60 blocks more): a prompt sharing only the system
+/// prompt with the turn, with much more to prefill.
+fn system_prompt_turn_and_new_chat() -> (String, InferenceRequest, InferenceRequest) {
+    let system = "s".repeat(64 * 4);
+    let turn = prompt(&format!("{system}{}", "t".repeat(64 * 4)));
+    let new = prompt(&format!("{system}{}", "n".repeat(64 * 60)));
+    (system, turn, new)
+}
+
 #[test]
 fn a_prompt_to_prefill_does_not_join_a_queued_requests_step_for_its_system_prompt() {
     // Default weights. A short turn waits in one worker's queue; a new
@@ -277,8 +287,7 @@ fn a_prompt_to_prefill_does_not_join_a_queued_requests_step_for_its_system_promp
     let s = Scheduler::default();
     let t = both(2);
     let snap = t.snapshot();
-    let system = "s".repeat(64 * 4);
-    let turn = prompt(&format!("{system}{}", "t".repeat(64 * 4)));
+    let (system, turn, new) = system_prompt_turn_and_new_chat();
     let queued = s.pick(&with_body(&turn), &snap).unwrap();
     let _in_flight = queued.begin();
     let busy = queued.decode.key();
@@ -287,7 +296,6 @@ fn a_prompt_to_prefill_does_not_join_a_queued_requests_step_for_its_system_promp
         let waiting = f64::from(u8::from(e.key(0) == busy));
         scrape(e, waiting, 0.0, 0.0, now);
     }
-    let new = prompt(&format!("{system}{}", "n".repeat(64 * 60)));
     let d = s.pick_at(&with_body(&new), &snap, now).unwrap();
     assert_ne!(d.decode.key(), busy, "joined the queued turn's step");
     s.cancel(&d);
@@ -312,11 +320,9 @@ fn a_prefill_kvpick_routed_counts_before_the_scrape_shows_it_queued() {
     for e in snap.endpoints.iter() {
         scrape(e, 0.0, 0.0, 0.0, now);
     }
-    let system = "s".repeat(64 * 4);
-    let turn = prompt(&format!("{system}{}", "t".repeat(64 * 4)));
+    let (_, turn, new) = system_prompt_turn_and_new_chat();
     let first = s.pick_at(&with_body(&turn), &snap, now).unwrap();
     let _in_flight = first.begin();
-    let new = prompt(&format!("{system}{}", "n".repeat(64 * 60)));
     let d = s.pick_at(&with_body(&new), &snap, now).unwrap();
     assert_ne!(
         d.decode.key(),
