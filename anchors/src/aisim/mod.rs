@@ -3,7 +3,8 @@
 //! configuration, one trace, one run.
 //!
 //! Every point of the matrix (trace × KV capacity × load) replays the same Mooncake
-//! trace four times through the same engine configuration:
+//! trace once per policy (`--policy` picks some) through the same engine
+//! configuration:
 //! - `round-robin` and `dynamo`: `dynamo-mocker` 1.6.1's own entry point,
 //!   `simulate_trace_file_with_router_mode(.., RoundRobin | KvRouter)` (Dynamo's
 //!   KV router with its default `KvRouterConfig`);
@@ -13,11 +14,15 @@
 //!   configuration that `dynamo-mocker` builds from the same `MockerConfig`
 //!   (polynomial perf model: no external timing provider), run by
 //!   `aisimulate_core::replay::Replayer::with_composition` with kvpick's
-//!   composition ([`placement`]).
+//!   composition ([`placement`]);
+//! - `fewest-in-flight` and `llm-d`: `kvpick-bench replay`'s policies on the same
+//!   trait, engines and scrape ([`peer`]).
 //!
 //! Figures are AISimulate's own report: TTFT p50/p99, end-to-end p50, and the
 //! engines' prefix-cache reuse (`prefix_cache_reused_ratio`: prompt tokens served
 //! from cache over all prompt tokens), which is the hit rate of each policy.
+//! `--dump-requests` writes each run's per-request records beside them, to read
+//! which requests make a tail.
 
 mod fixed_pool;
 pub mod peer;
@@ -85,6 +90,13 @@ pub struct AisimArgs {
     /// Write the report (markdown) here too.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Run only these policies (default: all six).
+    #[arg(long = "policy", value_delimiter = ',')]
+    policies: Vec<String>,
+    /// Write each run's per-request records (AISimulate's `PerRequestRecord`,
+    /// JSON lines) to `DIR/{trace}-{blocks}-{speedup}-{policy}.jsonl`.
+    #[arg(long = "dump-requests", value_name = "DIR")]
+    dump_requests: Option<PathBuf>,
 }
 
 /// A trace file and the tokens per hash id it was written with.
@@ -113,6 +125,26 @@ impl AisimArgs {
                 block_size: sizes[i.min(sizes.len() - 1)],
             })
             .collect())
+    }
+
+    /// Whether `policy` is among those `--policy` selected.
+    fn runs(&self, policy: &str) -> bool {
+        self.policies.is_empty() || self.policies.iter().any(|p| p == policy)
+    }
+
+    /// Writes `report`'s per-request records if `--dump-requests` asked for them.
+    fn dump(&self, report: &ReplayReport, point: &str, policy: &str) -> anyhow::Result<()> {
+        let Some(dir) = &self.dump_requests else {
+            return Ok(());
+        };
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join(format!("{point}-{policy}.jsonl"));
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&path)?);
+        for record in &report.per_request {
+            serde_json::to_writer(&mut out, record)?;
+            std::io::Write::write_all(&mut out, b"\n")?;
+        }
+        std::io::Write::flush(&mut out).with_context(|| format!("writing {}", path.display()))
     }
 
     /// The engine configuration every policy of a point runs on.
@@ -219,7 +251,7 @@ fn replay_input(
         },
         max_sim_time_ms: None,
         max_in_flight: None,
-        record_per_request: false,
+        record_per_request: opts.dump_requests.is_some(),
         sla: Default::default(),
         requests: Vec::new(),
     };
@@ -327,7 +359,7 @@ pub fn run_dynamo(
         TraceFileFormat::Mooncake,
         0.0,
         0,
-        false,
+        opts.dump_requests.is_some(),
         None,
         None,
         SlaThresholds::default(),
@@ -448,30 +480,43 @@ pub fn run(args: AisimArgs) -> anyhow::Result<()> {
             let mut verdicts = Vec::new();
             for &speedup in &args.speedups {
                 let mut rows = Vec::new();
+                let point = format!("{name}-{blocks}-{speedup}");
                 for (policy, mode) in [
                     ("round-robin", ReplayRouterMode::RoundRobin),
                     ("dynamo", ReplayRouterMode::KvRouter),
                 ] {
+                    if !args.runs(policy) {
+                        continue;
+                    }
                     let t = Instant::now();
                     let (report, load) = run_dynamo(&args, &config, trace, speedup, mode)
                         .with_context(|| format!("{policy} on {name}"))?;
                     let wall = t.elapsed().as_secs_f64();
+                    args.dump(&report, &point, policy)?;
                     rows.push(Figures::of(policy, &report, load, wall));
                 }
                 for peer in [Peer::FewestInFlight, Peer::LlmD] {
+                    if !args.runs(peer.name()) {
+                        continue;
+                    }
                     let t = Instant::now();
                     let (report, load) = run_peer(&args, &config, trace, speedup, peer)
                         .with_context(|| format!("{} on {name}", peer.name()))?;
                     let wall = t.elapsed().as_secs_f64();
+                    args.dump(&report, &point, peer.name())?;
                     rows.push(Figures::of(peer.name(), &report, load, wall));
                 }
                 for mode in [Mode::Approximate, Mode::Precise] {
+                    if !args.runs(mode.name()) {
+                        continue;
+                    }
                     let t = Instant::now();
                     let run = run_kvpick(&args, &config, trace, speedup, mode)
                         .with_context(|| format!("{} on {name}", mode.name()))?;
                     run.check(args.workers)?;
                     eprintln!("{} placed per worker: {:?}", mode.name(), run.placed);
                     let wall = t.elapsed().as_secs_f64();
+                    args.dump(&run.report, &point, mode.name())?;
                     rows.push(Figures::of(
                         mode.name(),
                         &run.report,
@@ -585,6 +630,58 @@ mod tests {
         }
         std::fs::write(&path, text).unwrap();
         path
+    }
+
+    /// `--policy` runs only the policies named, and `--dump-requests` writes one
+    /// record per request of each run it makes, with the request's TTFT.
+    #[test]
+    fn dump_requests_writes_every_request_of_the_policies_run() {
+        let path = grouped_trace(4, 40);
+        let dir = std::env::temp_dir().join(format!("kvpick-aisim-dump-{}", std::process::id()));
+        let trace = path.to_str().unwrap();
+        let cli = Cli::parse_from([
+            "aisim",
+            "--trace",
+            trace,
+            "--workers",
+            "4",
+            "--num-gpu-blocks",
+            "256",
+            "--speedup",
+            "1",
+            "--policy",
+            "round-robin,kvpick-precise",
+            "--dump-requests",
+            dir.to_str().unwrap(),
+        ]);
+        run(cli.args).unwrap();
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        files.sort();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert_eq!(
+            files,
+            [
+                format!("{name}-256-1-kvpick-precise.jsonl"),
+                format!("{name}-256-1-round-robin.jsonl"),
+            ]
+        );
+        for file in files {
+            let text = std::fs::read_to_string(dir.join(&file)).unwrap();
+            let records: Vec<serde_json::Value> = text
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            assert_eq!(records.len(), 40, "{file}");
+            assert!(
+                records.iter().all(|r| r["ttft_ms"].as_f64().is_some()),
+                "{file}"
+            );
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+        std::fs::remove_file(path).unwrap();
     }
 
     fn args(trace: &Path) -> AisimArgs {
