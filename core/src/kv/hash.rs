@@ -170,6 +170,9 @@ pub struct PromptBlocks {
     image_extra: Vec<(usize, u64)>,
     /// Blocks of the prompt past the hashing cap (not hashed, always uncached).
     beyond: usize,
+    /// Tokens a block holds: `token_block` for a prompt of token ids only, else
+    /// a quarter of `byte_block` (text at about four bytes a token).
+    pub tokens_per_block: usize,
 }
 
 impl PromptBlocks {
@@ -211,10 +214,18 @@ impl PromptBlocks {
             })
             .filter(|&(_, extra)| extra > 0)
             .collect();
+        let token_ids =
+            !segments.is_empty() && segments.iter().all(|s| matches!(s, Segment::Tokens(_)));
         PromptBlocks {
             hashes,
             image_extra,
             beyond,
+            tokens_per_block: if token_ids {
+                token_block
+            } else {
+                byte_block / 4
+            }
+            .max(1),
         }
     }
 

@@ -179,10 +179,10 @@ impl Scheduler {
         };
         if !O::EXPLAINS {
             // Booked from the decision, so `cancel`/`finish` release exactly this.
-            let (mut guessed, decode_at) = self.record(&d, hashes, decision.decode_load(), now);
+            let (mut guessed, decode_at) = self.record(&d, &prompt, decision.decode_load(), now);
             let mut prefill_at = None;
             if let Some(p) = p {
-                let (g, at) = self.record(&p, hashes, decision.prefill_load(), now);
+                let (g, at) = self.record(&p, &prompt, decision.prefill_load(), now);
                 guessed |= g;
                 prefill_at = at;
             }
@@ -501,17 +501,20 @@ impl Scheduler {
     fn record(
         &self,
         c: &Cand<'_>,
-        hashes: &[u64],
+        prompt: &hash::PromptBlocks,
         load: ActiveLoad,
         now: Instant,
     ) -> (bool, Option<u64>) {
         let mut recorded = (false, None);
+        let hashes = &prompt.hashes;
         if !hashes.is_empty() {
             if let Some(s) = c.ep.scraped(now, self.config.scrape_max_age) {
                 if let Some(n) = s.num_blocks {
-                    // Engine blocks of `block_size` tokens → kvpick blocks (~4 bytes a token).
+                    // Engine blocks of `block_size` tokens → blocks of this
+                    // prompt's kind (token ids or text): the bound follows the
+                    // kind of the prompt recorded last.
                     let tokens = n.saturating_mul(u64::from(s.block_size.unwrap_or(16)));
-                    let per_block = (self.config.byte_block / 4).max(1) as u64;
+                    let per_block = prompt.tokens_per_block.max(1) as u64;
                     self.index
                         .set_capacity(c.key, (tokens / per_block) as usize);
                     self.index.set_engine_blocks(c.key, n);

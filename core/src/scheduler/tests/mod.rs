@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::cost::{pick_index, Cand};
 use super::*;
 use crate::endpoints::ActiveLoad;
-use crate::endpoints::{Endpoint, EndpointTable, Role};
+use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
 pub(super) use crate::fixtures::{parse as body, pool, prompt, scrape, table, with_body};
 
 mod health;
@@ -436,6 +436,55 @@ fn only_the_leading_prefix_blocks_are_hashed_recorded_and_matched() {
     let second = prompt(&format!("{head}{}", "b".repeat(64 * 30)));
     let d = s.pick(&with_body(&second), &snap).unwrap();
     assert_eq!((d.prompt_blocks, d.overlap_blocks), (8, 8));
+}
+
+/// A worker scraped with 32 engine blocks of 64 tokens holds 2,048 tokens. A
+/// prompt of token ids hashes in blocks of `token_block` (64) tokens, so the
+/// approximate LRU keeps 32 of them: a second prompt of 2,048 tokens evicts the
+/// first. Text hashes in blocks of `byte_block` bytes (about 16 tokens), 128 of
+/// them: both prompts of 512 tokens' worth stay. (Counted in text blocks, the
+/// bound kept 128 blocks of token ids: 8,192 tokens on a worker holding 2,048.)
+#[test]
+fn the_lru_bound_counts_the_engines_tokens_in_blocks_of_the_prompts_kind() {
+    let s = Scheduler::new(SchedulerConfig {
+        token_block: 64,
+        ..Default::default()
+    });
+    let t = both(1);
+    let snap = t.snapshot();
+    let now = Instant::now();
+    snap.endpoints[0].set_scraped(ScrapedLoad {
+        queue: 0.0,
+        running: 0.0,
+        kv_usage: 0.0,
+        block_size: Some(64),
+        num_blocks: Some(32),
+        at: now,
+    });
+    let tokens = |from: u32| {
+        body(
+            &serde_json::json!({"model": "m", "prompt": (from..from + 2048).collect::<Vec<_>>()})
+                .to_string(),
+        )
+    };
+    let text = |c: &str| prompt(&c.repeat(64 * 32));
+    let route = |b: &InferenceRequest| {
+        let d = s.pick_at(&with_body(b), &snap, now).unwrap();
+        s.finish_at(&d, Some(200), now);
+        d
+    };
+    let (first, second) = (tokens(0), tokens(100_000));
+    assert_eq!(route(&first).prompt_blocks, 32);
+    route(&second);
+    assert_eq!(
+        route(&first).overlap_blocks,
+        0,
+        "the first prompt outlived the engine's cache"
+    );
+    let (a, b) = (text("a"), text("b"));
+    assert_eq!(route(&a).prompt_blocks, 32);
+    route(&b);
+    assert_eq!(route(&a).overlap_blocks, 32);
 }
 
 #[test]
