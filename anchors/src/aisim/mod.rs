@@ -29,6 +29,7 @@ pub mod peer;
 pub mod placement;
 
 use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -137,14 +138,17 @@ impl AisimArgs {
         let Some(dir) = &self.dump_requests else {
             return Ok(());
         };
-        std::fs::create_dir_all(dir)?;
         let path = dir.join(format!("{point}-{policy}.jsonl"));
-        let mut out = std::io::BufWriter::new(std::fs::File::create(&path)?);
-        for record in &report.per_request {
-            serde_json::to_writer(&mut out, record)?;
-            std::io::Write::write_all(&mut out, b"\n")?;
-        }
-        std::io::Write::flush(&mut out).with_context(|| format!("writing {}", path.display()))
+        let write = || -> anyhow::Result<()> {
+            std::fs::create_dir_all(dir)?;
+            let mut out = std::io::BufWriter::new(std::fs::File::create(&path)?);
+            for record in &report.per_request {
+                serde_json::to_writer(&mut out, record)?;
+                out.write_all(b"\n")?;
+            }
+            Ok(out.flush()?)
+        };
+        write().with_context(|| format!("writing {}", path.display()))
     }
 
     /// The engine configuration every policy of a point runs on.
