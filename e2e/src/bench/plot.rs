@@ -227,7 +227,7 @@ pub fn replay_ttft(report: &ReplayReport, path: &Path) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use crate::bench::overhead::{OverheadRun, ServerFigures};
-    use crate::bench::replay::PolicyFigures;
+    use crate::bench::replay::{OneEngine, PolicyFigures};
 
     #[test]
     fn plots_render_labelled_svg() {
@@ -273,6 +273,7 @@ mod tests {
             speed: 1.0,
             ceiling_hit_rate: 0.6,
             pooled_ceiling_hit_rate: 0.55,
+            one_engine: OneEngine::default(),
             policies: vec![policy("round-robin", 0.1), policy("kvpick-precise", 0.5)],
         };
         overhead(&overhead_report, &dir.join("o.svg")).unwrap();

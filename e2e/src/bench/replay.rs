@@ -30,7 +30,12 @@
 //! shared by all workers); the pooled one is the hit rate of one LRU cache holding
 //! all workers' blocks (`workers × capacity`), which perfect placement could
 //! approach with the fleet's finite KV. Each policy's "fraction of achievable" is
-//! its hit rate over the pooled ceiling. Load spread is max/mean in-flight over
+//! its hit rate over the pooled ceiling. Beside them, the fleet as one engine
+//! ([`one_engine`]): the trace on a single engine with every worker's blocks and
+//! compute, where running requests pin blocks as on the fleet but no placement
+//! can lose a prefix. It is a reference, not a bound: the pooled ceiling ignores
+//! pinning, and a fleet that keeps each prefix group on its own worker can
+//! outdo one pool's LRU when pinned blocks churn it. Load spread is max/mean in-flight over
 //! workers, sampled at every arrival that finds any request in flight, averaged
 //! over those arrivals; next to it, the spread floor: the same average for the
 //! same totals in flight placed as evenly as whole requests allow (with few
@@ -418,6 +423,8 @@ pub struct ReplayReport {
     pub ceiling_hit_rate: f64,
     /// Hit rate of one LRU cache of `workers × capacity_blocks` blocks.
     pub pooled_ceiling_hit_rate: f64,
+    /// The trace on the fleet as one engine.
+    pub one_engine: OneEngine,
     /// One entry per policy.
     pub policies: Vec<PolicyFigures>,
 }
@@ -453,6 +460,18 @@ impl ReplayReport {
             "–".into(),
         ]);
         rows.push(vec![
+            format!(
+                "one engine with the fleet's KV and compute ({} blocks)",
+                self.workers * self.capacity_blocks
+            ),
+            format!("{:.1}%", self.one_engine.hit_rate * 100.0),
+            format!("{:.2}", self.one_engine.of_pooled_ceiling(self)),
+            "–".into(),
+            "–".into(),
+            format!("{:.0}", self.one_engine.ttft_p50_ms),
+            format!("{:.0}", self.one_engine.ttft_p99_ms),
+        ]);
+        rows.push(vec![
             "ceiling (infinite shared cache)".into(),
             format!("{:.1}%", self.ceiling_hit_rate * 100.0),
             "–".into(),
@@ -481,6 +500,44 @@ impl ReplayReport {
                 &rows,
             )
         )
+    }
+}
+
+/// The trace on the fleet as one engine: its hit rate and TTFT.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct OneEngine {
+    /// Prefix hit rate (blocks), 0..1.
+    pub hit_rate: f64,
+    /// Median modeled TTFT.
+    pub ttft_p50_ms: f64,
+    /// 99th percentile modeled TTFT.
+    pub ttft_p99_ms: f64,
+}
+
+impl OneEngine {
+    /// Its hit rate over `report`'s pooled ceiling (0 when that is 0).
+    pub fn of_pooled_ceiling(&self, report: &ReplayReport) -> f64 {
+        match report.pooled_ceiling_hit_rate > 0.0 {
+            true => self.hit_rate / report.pooled_ceiling_hit_rate,
+            false => 0.0,
+        }
+    }
+}
+
+/// `trace` on one engine holding all of `cfg`'s workers' blocks, with their
+/// compute ([`TimeModel::pooled`]) and the same arrivals.
+pub fn one_engine(trace: &[TraceRequest], cfg: &ReplayConfig) -> OneEngine {
+    let pooled = ReplayConfig {
+        workers: 1,
+        capacity_blocks: cfg.workers.max(1) * cfg.capacity_blocks,
+        model: cfg.model.pooled(cfg.workers),
+        ..cfg.clone()
+    };
+    let f = simulate(&mut RoundRobin::default(), trace, &pooled);
+    OneEngine {
+        hit_rate: f.hit_rate,
+        ttft_p50_ms: f.ttft_p50_ms,
+        ttft_p99_ms: f.ttft_p99_ms,
     }
 }
 
@@ -531,7 +588,8 @@ pub fn builtin(cfg: &ReplayConfig) -> Vec<Box<dyn RoutingPolicy>> {
     ]
 }
 
-/// Runs every policy over `trace` and reports them next to the ceilings.
+/// Runs every policy over `trace` and reports them next to the ceilings and the
+/// fleet as one engine.
 pub fn run(
     trace_name: &str,
     trace: &[TraceRequest],
@@ -569,6 +627,7 @@ pub fn run(
         speed: cfg.speed,
         ceiling_hit_rate: ceiling_hit_rate(trace),
         pooled_ceiling_hit_rate: pooled,
+        one_engine: one_engine(trace, cfg),
         policies,
     }
 }
@@ -617,6 +676,17 @@ impl MatrixReport {
                 "–".into(),
                 "–".into(),
                 "–".into(),
+            ]);
+            rows.push(vec![
+                r.capacity_blocks.to_string(),
+                format!("{}×", r.speed),
+                "one engine with the fleet's KV and compute".into(),
+                format!("{:.1}%", r.one_engine.hit_rate * 100.0),
+                format!("{:.2}", r.one_engine.of_pooled_ceiling(r)),
+                "–".into(),
+                "–".into(),
+                format!("{:.0}", r.one_engine.ttft_p50_ms),
+                format!("{:.0}", r.one_engine.ttft_p99_ms),
             ]);
         }
         let head = self.runs.first().map_or(String::new(), |r| {
@@ -672,6 +742,10 @@ impl MatrixReport {
                         true => format!("yes ({:.2})", k.spread_floor),
                         false => format!("no ({:.2})", k.spread_floor),
                     },
+                    match r.one_engine.of_pooled_ceiling(r) {
+                        f if f >= 0.85 => format!("yes ({f:.2})"),
+                        f => format!("no ({f:.2})"),
+                    },
                 ]);
             }
         }
@@ -688,6 +762,7 @@ impl MatrixReport {
                 "TTFT p50 and p99 ≤ round robin and peers",
                 "spread ≤ 1.3",
                 "1.3 reachable (spread floor)",
+                "0.85 reached by one engine",
             ],
             &crit,
         ));
@@ -1357,6 +1432,42 @@ mod tests {
             .contains("one pooled LRU cache of 36 blocks"));
     }
 
+    #[test]
+    fn one_engine_of_a_one_worker_fleet_is_that_worker() {
+        let t = conversations();
+        let c = fixtures::config(1, 12);
+        let rr = simulate(&mut RoundRobin::default(), &t, &c);
+        let one = one_engine(&t, &c);
+        assert_eq!(
+            (one.hit_rate, one.ttft_p50_ms, one.ttft_p99_ms),
+            (rr.hit_rate, rr.ttft_p50_ms, rr.ttft_p99_ms)
+        );
+    }
+
+    /// 80 prompts of 5 blocks at once on 3 × 12 blocks: the running ones pin
+    /// the pool, so one engine reuses less than one LRU of 36 blocks, which
+    /// stores each prompt as it arrives. With one request at a time and 4
+    /// conversations, whose prefixes fit, it reuses as much.
+    #[test]
+    fn one_engine_counts_the_blocks_running_requests_pin() {
+        let burst = fixtures::conversations(8, 10, 4, false, 0);
+        let c = cfg();
+        let report = run("t", &burst, &c, Vec::new());
+        assert!(
+            report.one_engine.hit_rate < report.pooled_ceiling_hit_rate,
+            "{:?} against {}",
+            report.one_engine,
+            report.pooled_ceiling_hit_rate
+        );
+        let apart = fixtures::conversations(4, 10, 4, false, 60_000_000);
+        let one = one_engine(&apart, &c);
+        let lru = pooled_ceiling_hit_rate(&apart, 36);
+        assert!((one.hit_rate - lru).abs() < 1e-9, "{one:?} against {lru}");
+        assert!(report
+            .markdown()
+            .contains("one engine with the fleet's KV and compute (36 blocks)"));
+    }
+
     /// Every seed of the tie-breaks, with a 10 s provisional TTL: provisional
     /// entries end at their blocks' KV events, so the small pools are never
     /// credited with prompts they evicted (before, about 1 seed in 40 sent
@@ -1564,6 +1675,7 @@ mod tests {
             speed: 1.0,
             ceiling_hit_rate: 0.0,
             pooled_ceiling_hit_rate: 0.0,
+            one_engine: OneEngine::default(),
             policies: vec![f.clone()],
         };
         write_requests(&dir, &[report]).unwrap();

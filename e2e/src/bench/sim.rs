@@ -71,6 +71,21 @@ impl Default for TimeModel {
 }
 
 impl TimeModel {
+    /// `n` engines as one: `n`× the prefill throughput, step budget, running
+    /// requests and decode batch knee, the same fixed and per-token costs. A
+    /// step of it takes as long as `n` engines' steps side by side, each with
+    /// `1/n` of its prefill tokens and decodes.
+    pub fn pooled(&self, n: usize) -> TimeModel {
+        let n = n.max(1);
+        TimeModel {
+            prefill_tokens_per_s: self.prefill_tokens_per_s * n as f64,
+            decode_batch_knee: self.decode_batch_knee * n as f64,
+            max_num_batched_tokens: self.max_num_batched_tokens * n,
+            max_num_seqs: self.max_num_seqs * n,
+            ..*self
+        }
+    }
+
     /// Prefill time of `uncached` tokens.
     pub fn prefill_ms(&self, uncached: usize) -> f64 {
         self.prefill_fixed_ms + uncached as f64 * 1000.0 / self.prefill_tokens_per_s
