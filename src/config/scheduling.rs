@@ -47,7 +47,8 @@ pub struct SchedulingFlags {
     pub prefix_capacity_blocks: usize,
 
     /// Approximate prefix index: seconds an entry stays valid after its last use
-    /// (0: no expiry, LRU only).
+    /// on a rank whose KV capacity is not scraped (0: no expiry, LRU only). Once
+    /// the engine's capacity bounds a rank's LRU, its entries do not expire.
     /// A bare number counts seconds; `90s`, `15m`, `1h` also work.
     #[arg(long, env = "KVPICK_PREFIX_TTL_SECS", default_value = "900", value_parser = duration::secs)]
     pub prefix_ttl_secs: Duration,

@@ -337,6 +337,7 @@ impl KvpickPlacement {
             .enumerate()
             .map(|(i, w)| (w.worker_id, i))
             .collect();
+        let base = Instant::now();
         let keys: Vec<WorkerKey> = snapshot.endpoints.iter().map(|e| e.key(0)).collect();
         let ingest = match settings.mode {
             Mode::Precise => {
@@ -348,7 +349,9 @@ impl KvpickPlacement {
             }
             Mode::Approximate => {
                 for k in &keys {
-                    scheduler.index().set_capacity(*k, settings.num_gpu_blocks);
+                    scheduler
+                        .index()
+                        .set_capacity(*k, settings.num_gpu_blocks, base);
                 }
                 None
             }
@@ -365,7 +368,7 @@ impl KvpickPlacement {
             block_size: settings.block_size,
             routed: HashMap::new(),
             placed,
-            base: Instant::now(),
+            base,
             last_upkeep_ms: 0.0,
         })
     }

@@ -37,7 +37,9 @@
 //! Two ways in:
 //! - approximate mode ([`PrefixIndex::insert`]): each routing decision records the
 //!   request's blocks for the chosen worker; an LRU bound per worker (its capacity
-//!   in blocks) and a TTL keep the guess close to what the engine still holds;
+//!   in blocks) keeps the guess close to what the engine still holds, and until
+//!   that capacity is known ([`PrefixIndex::set_capacity`]) a TTL stands in for
+//!   the engine's evictions;
 //! - precise mode ([`PrefixIndex::store_engine_chain`],
 //!   [`PrefixIndex::remove_engine_blocks`]): the engine's KV events say exactly
 //!   what is stored and evicted; such entries have no TTL, and at most a per-worker
@@ -162,7 +164,11 @@ struct Engines {
 pub struct IndexConfig {
     /// LRU bound per worker in blocks until [`PrefixIndex::set_capacity`] is called.
     pub default_capacity: usize,
-    /// How long an approximate entry stays valid after its last touch (`None`: forever).
+    /// How long an approximate entry of a worker whose capacity is unknown
+    /// stays valid after its last touch (`None`: forever). Once
+    /// [`PrefixIndex::set_capacity`] gives the engine's capacity, its LRU bound
+    /// alone stands for the engine's evictions: an engine under no pressure
+    /// keeps its blocks however old.
     pub ttl: Option<Duration>,
     /// Cap on a worker's precise entries until [`PrefixIndex::set_precise_limit`]
     /// is called.
@@ -555,7 +561,9 @@ impl PrefixIndex {
                     let Some((h, key)) = w.recency.oldest() else {
                         break true;
                     };
-                    if w.recency.len() <= cap && self.alive_at_key(key, now) {
+                    if w.recency.len() <= cap
+                        && (w.capacity.is_some() || self.alive_at_key(key, now))
+                    {
                         break true;
                     }
                     w.recency.pop_oldest();
@@ -821,8 +829,9 @@ impl PrefixIndex {
     }
 
     /// Sets the LRU bound of `worker` in blocks (e.g. from the engine's
-    /// `num_gpu_blocks`), evicting at once if it shrank.
-    pub fn set_capacity(&self, worker: WorkerKey, blocks: usize) {
+    /// `num_gpu_blocks`), evicting at once if it shrank. Entries expired by then
+    /// (at `now`) go first; from then on its entries do not expire.
+    pub fn set_capacity(&self, worker: WorkerKey, blocks: usize, now: Instant) {
         {
             let g = self.inner.read();
             if g.names
@@ -833,12 +842,15 @@ impl PrefixIndex {
                 return;
             }
         }
+        let now = self.stamp(now);
+        self.evict(worker, now);
         {
             let mut g = self.write();
             let slot = g.slot(worker);
             g.workers[slot as usize].capacity = Some(blocks);
+            g.settle_lru(slot);
         }
-        self.evict(worker, self.stamp(Instant::now()));
+        self.evict(worker, now);
     }
 
     /// Caps `worker`'s precise entries (e.g. the engine's `num_gpu_blocks` times a
@@ -1193,12 +1205,18 @@ impl Inner {
         w.oldest = oldest;
     }
 
-    /// After `slot`'s approximate entries changed: records its oldest stamp.
+    /// After `slot`'s approximate entries or capacity changed: records its
+    /// oldest stamp, none for a worker whose capacity is known (its entries do
+    /// not expire).
     fn settle_lru(&mut self, slot: u32) {
-        let oldest = self.workers[slot as usize]
-            .recency
-            .oldest()
-            .map_or(u32::MAX, |(_, k)| self.clock.stamp_of(k));
+        let w = &self.workers[slot as usize];
+        let oldest = match w.capacity {
+            Some(_) => u32::MAX,
+            None => w
+                .recency
+                .oldest()
+                .map_or(u32::MAX, |(_, k)| self.clock.stamp_of(k)),
+        };
         self.set_oldest(slot, oldest);
     }
 
@@ -1917,7 +1935,7 @@ mod tests {
         assert_eq!(idx.lookup(&[2], &[wk(1)], t), vec![0]);
         assert_eq!(idx.lookup(&[3, 4], &[wk(1)], t), vec![2]);
         assert_eq!(idx.len(), 3);
-        idx.set_capacity(wk(1), 1);
+        idx.set_capacity(wk(1), 1, t);
         assert_eq!(idx.len(), 1);
         assert_eq!(idx.lookup(&[4], &[wk(1)], t), vec![1]);
     }
@@ -1987,6 +2005,24 @@ mod tests {
     }
 
     #[test]
+    fn entries_expire_by_ttl_only_until_the_capacity_is_known() {
+        let (idx, t) = index(100, Some(10));
+        idx.insert(wk(1), &[1, 2], t);
+        idx.insert(wk(2), &[1, 2], t);
+        idx.set_capacity(wk(1), 50, t + Duration::from_secs(5));
+        let later = t + Duration::from_secs(1000);
+        assert_eq!(idx.lookup(&[1, 2], &[wk(1), wk(2)], later), vec![2, 0]);
+        idx.purge_expired(later);
+        assert_eq!(idx.len(), 2);
+        // Expired before the capacity came: gone, not brought back.
+        idx.set_capacity(wk(2), 50, later);
+        assert_eq!(idx.lookup(&[1, 2], &[wk(2)], later), vec![0]);
+        // The bound still evicts.
+        idx.insert(wk(1), &(10..60).collect::<Vec<_>>(), later);
+        assert_eq!(idx.lookup(&[1, 2], &[wk(1)], later), vec![0]);
+    }
+
+    #[test]
     fn precise_workers_take_events_not_decisions() {
         let (idx, t) = index(100, Some(10));
         idx.insert(wk(1), &[1, 2], t);
@@ -2026,7 +2062,7 @@ mod tests {
         idx.remove_engine_blocks(wk(1), &[20]);
         assert_eq!(idx.lookup(&[1, 2], &[wk(1)], t), vec![1]);
         // The forgotten entries no longer count against the capacity.
-        idx.set_capacity(wk(1), 1);
+        idx.set_capacity(wk(1), 1, t);
         assert_eq!(idx.lookup(&[1], &[wk(1)], t), vec![1]);
     }
 
@@ -2181,12 +2217,16 @@ mod tests {
     impl Model {
         fn holds(&self, h: u64, now: u64) -> bool {
             self.engine.values().any(|v| *v == h)
-                || self.lru.iter().any(|(x, t)| *x == h && now - t < TTL)
+                || self.lru.iter().any(|(x, t)| *x == h && self.alive(*t, now))
+        }
+        /// Entries of a worker with a known capacity do not expire.
+        fn alive(&self, t: u64, now: u64) -> bool {
+            self.capacity.is_some() || now - t < TTL
         }
         fn evict(&mut self, now: u64) {
             let cap = self.capacity.unwrap_or(CAP);
             while let Some(&(_, t)) = self.lru.first() {
-                if self.lru.len() > cap || now - t >= TTL {
+                if self.lru.len() > cap || !self.alive(t, now) {
                     self.lru.remove(0);
                 } else {
                     break;
@@ -2253,13 +2293,12 @@ mod tests {
                 model.remove(&w);
             }
             Op::Capacity(w, c) => {
-                idx.set_capacity(wk(w), c);
+                idx.set_capacity(wk(w), c, at);
                 let m = model.entry(w).or_default();
+                // Expired entries go first; then the bound is by size alone.
+                m.evict(*now);
                 m.capacity = Some(c);
-                // set_capacity evicts by size; expired entries are invisible anyway.
-                while m.lru.len() > c {
-                    m.lru.remove(0);
-                }
+                m.evict(*now);
             }
             Op::Precise(w, p) => {
                 idx.set_precise(wk(w), p);
@@ -2299,7 +2338,7 @@ mod tests {
         let mut pairs = HashSet::new();
         for (w, m) in model {
             for (h, t) in &m.lru {
-                if now - t < TTL {
+                if m.alive(*t, now) {
                     pairs.insert((*w, *h));
                 }
             }

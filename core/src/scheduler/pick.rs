@@ -516,7 +516,7 @@ impl Scheduler {
                     let tokens = n.saturating_mul(u64::from(s.block_size.unwrap_or(16)));
                     let per_block = prompt.tokens_per_block.max(1) as u64;
                     self.index
-                        .set_capacity(c.key, (tokens / per_block) as usize);
+                        .set_capacity(c.key, (tokens / per_block) as usize, now);
                     self.index.set_engine_blocks(c.key, n);
                 }
             }

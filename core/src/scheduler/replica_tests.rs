@@ -226,7 +226,7 @@ fn indexes_converge_whatever_order_and_delay_deltas_arrive_in() {
         .collect();
     for r in &rs {
         for &k in &keys {
-            r.scheduler.index().set_capacity(k, 24);
+            r.scheduler.index().set_capacity(k, 24, Instant::now());
         }
     }
     let start = Instant::now();

@@ -365,7 +365,7 @@ fn simulate(
     for e in &snapshot.endpoints {
         scheduler
             .index()
-            .set_capacity(e.key(0), cfg.capacity_blocks);
+            .set_capacity(e.key(0), cfg.capacity_blocks, base);
     }
     let gate = Gate::new(
         AdmissionConfig {

@@ -899,7 +899,9 @@ impl Kvpick {
             if precise {
                 scheduler.index().set_precise(*k, true);
             } else {
-                scheduler.index().set_capacity(*k, cfg.capacity_blocks);
+                scheduler
+                    .index()
+                    .set_capacity(*k, cfg.capacity_blocks, base);
             }
         }
         Kvpick {

@@ -487,6 +487,47 @@ fn the_lru_bound_counts_the_engines_tokens_in_blocks_of_the_prompts_kind() {
     assert_eq!(route(&a).overlap_blocks, 32);
 }
 
+/// An engine under no pressure keeps a prefix however long it sits unused: once
+/// the scrape gives the engine's capacity, its LRU bound alone ages kvpick's
+/// approximate entries, and a prompt back after longer than the TTL (900 s)
+/// still finds its worker. Without the capacity the TTL stands in for it.
+#[test]
+fn a_prefix_outlives_the_ttl_on_an_engine_whose_capacity_is_scraped() {
+    let overlap_after_the_ttl = |num_blocks: Option<u64>| {
+        let s = Scheduler::default();
+        let t = both(2);
+        let snap = t.snapshot();
+        let scrape_at = |at: Instant| {
+            for e in &snap.endpoints {
+                e.set_scraped(ScrapedLoad {
+                    queue: 0.0,
+                    running: 0.0,
+                    kv_usage: 0.0,
+                    block_size: Some(16),
+                    num_blocks,
+                    at,
+                });
+            }
+        };
+        let a = prompt(&"a".repeat(64 * 32));
+        let now = Instant::now();
+        scrape_at(now);
+        let first = s.pick_at(&with_body(&a), &snap, now).unwrap();
+        s.finish_at(&first, Some(200), now);
+        let later = now + crate::kv::index::DEFAULT_TTL + Duration::from_secs(100);
+        s.maintain(&snap, later);
+        scrape_at(later);
+        let again = s.pick_at(&with_body(&a), &snap, later).unwrap();
+        assert_eq!(again.prompt_blocks, 32);
+        (
+            again.overlap_blocks,
+            first.decode.key() == again.decode.key(),
+        )
+    };
+    assert_eq!(overlap_after_the_ttl(Some(1000)), (32, true));
+    assert_eq!(overlap_after_the_ttl(None).0, 0, "the TTL applies");
+}
+
 #[test]
 fn a_body_parsed_with_the_token_limit_routes_and_weighs_like_the_whole_body() {
     let s = Scheduler::new(SchedulerConfig {
