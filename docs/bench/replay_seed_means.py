@@ -30,7 +30,7 @@ def load(directory, seeds):
     for seed in seeds:
         for line in (Path(directory) / f"s{seed}" / "matrix.md").read_text().splitlines():
             c = [x.strip() for x in line.strip().strip("|").split("|")]
-            if len(c) != 9 or not c[0].isdigit() or c[2].startswith(("ceiling", "one engine")):
+            if len(c) != 9 or not c[0].isdigit() or not c[3].endswith("%") or c[5] == "–":
                 continue
             figures = (float(c[3].rstrip("%")), float(c[5]), float(c[7]), float(c[8]))
             rows.setdefault((int(c[0]), c[1], c[2]), []).append(figures)
