@@ -35,11 +35,11 @@
 //! compute, where running requests pin blocks as on the fleet but no placement
 //! can lose a prefix. It is a reference, not a bound: the pooled ceiling ignores
 //! pinning, and a fleet that keeps each prefix group on its own worker can
-//! outdo one pool's LRU when pinned blocks churn it. Load spread is max/mean in-flight over
-//! workers, sampled at every arrival that finds any request in flight, averaged
-//! over those arrivals; next to it, the spread floor: the same average for the
-//! same totals in flight placed as evenly as whole requests allow (with few
-//! requests in flight on many workers even that is far above 1).
+//! outdo one pool's LRU when pinned blocks churn it. Load spread is max/mean
+//! in-flight over workers, sampled at every arrival that finds any request in
+//! flight, averaged over those arrivals; next to it, the spread floor: the same
+//! average for the same totals in flight placed as evenly as whole requests
+//! allow (with few requests in flight on many workers even that is far above 1).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
