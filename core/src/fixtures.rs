@@ -72,6 +72,19 @@ pub fn with_body(body: &InferenceRequest) -> PickRequest<'_> {
     }
 }
 
+/// Records a scrape of an idle engine taken `at` that reports its KV capacity:
+/// `num_blocks` blocks of `block_size` tokens.
+pub fn scrape_capacity(ep: &EndpointState, block_size: u32, num_blocks: Option<u64>, at: Instant) {
+    ep.set_scraped(ScrapedLoad {
+        queue: 0.0,
+        running: 0.0,
+        kv_usage: 0.0,
+        block_size: Some(block_size),
+        num_blocks,
+        at,
+    });
+}
+
 /// Records a scrape of `ep` taken `at`.
 pub fn scrape(ep: &EndpointState, queue: f64, running: f64, kv_usage: f64, at: Instant) {
     ep.set_scraped(ScrapedLoad {

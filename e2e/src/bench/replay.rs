@@ -459,18 +459,12 @@ impl ReplayReport {
             "–".into(),
             "–".into(),
         ]);
-        rows.push(vec![
-            format!(
-                "one engine with the fleet's KV and compute ({} blocks)",
-                self.workers * self.capacity_blocks
-            ),
-            format!("{:.1}%", self.one_engine.hit_rate * 100.0),
-            format!("{:.2}", self.one_engine.of_pooled_ceiling(self)),
-            "–".into(),
-            "–".into(),
-            format!("{:.0}", self.one_engine.ttft_p50_ms),
-            format!("{:.0}", self.one_engine.ttft_p99_ms),
-        ]);
+        let mut one = vec![format!(
+            "one engine with the fleet's KV and compute ({} blocks)",
+            self.workers * self.capacity_blocks
+        )];
+        one.extend(self.one_engine.cells(self));
+        rows.push(one);
         rows.push(vec![
             "ceiling (infinite shared cache)".into(),
             format!("{:.1}%", self.ceiling_hit_rate * 100.0),
@@ -517,10 +511,20 @@ pub struct OneEngine {
 impl OneEngine {
     /// Its hit rate over `report`'s pooled ceiling (0 when that is 0).
     pub fn of_pooled_ceiling(&self, report: &ReplayReport) -> f64 {
-        match report.pooled_ceiling_hit_rate > 0.0 {
-            true => self.hit_rate / report.pooled_ceiling_hit_rate,
-            false => 0.0,
-        }
+        ratio(self.hit_rate, report.pooled_ceiling_hit_rate)
+    }
+
+    /// Its cells in a table of policies: hit rate, fraction of the pooled
+    /// ceiling, no spreads, TTFT p50 and p99.
+    fn cells(&self, report: &ReplayReport) -> [String; 6] {
+        [
+            format!("{:.1}%", self.hit_rate * 100.0),
+            format!("{:.2}", self.of_pooled_ceiling(report)),
+            "–".into(),
+            "–".into(),
+            format!("{:.0}", self.ttft_p50_ms),
+            format!("{:.0}", self.ttft_p99_ms),
+        ]
     }
 }
 
@@ -677,17 +681,13 @@ impl MatrixReport {
                 "–".into(),
                 "–".into(),
             ]);
-            rows.push(vec![
+            let mut one = vec![
                 r.capacity_blocks.to_string(),
                 format!("{}×", r.speed),
                 "one engine with the fleet's KV and compute".into(),
-                format!("{:.1}%", r.one_engine.hit_rate * 100.0),
-                format!("{:.2}", r.one_engine.of_pooled_ceiling(r)),
-                "–".into(),
-                "–".into(),
-                format!("{:.0}", r.one_engine.ttft_p50_ms),
-                format!("{:.0}", r.one_engine.ttft_p99_ms),
-            ]);
+            ];
+            one.extend(r.one_engine.cells(r));
+            rows.push(one);
         }
         let head = self.runs.first().map_or(String::new(), |r| {
             format!(

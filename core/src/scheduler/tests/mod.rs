@@ -7,8 +7,10 @@ use std::time::Duration;
 use super::cost::{pick_index, Cand};
 use super::*;
 use crate::endpoints::ActiveLoad;
-use crate::endpoints::{Endpoint, EndpointTable, Role, ScrapedLoad};
-pub(super) use crate::fixtures::{parse as body, pool, prompt, scrape, table, with_body};
+use crate::endpoints::{Endpoint, EndpointTable, Role};
+pub(super) use crate::fixtures::{
+    parse as body, pool, prompt, scrape, scrape_capacity, table, with_body,
+};
 
 mod health;
 mod lora;
@@ -453,14 +455,7 @@ fn the_lru_bound_counts_the_engines_tokens_in_blocks_of_the_prompts_kind() {
     let t = both(1);
     let snap = t.snapshot();
     let now = Instant::now();
-    snap.endpoints[0].set_scraped(ScrapedLoad {
-        queue: 0.0,
-        running: 0.0,
-        kv_usage: 0.0,
-        block_size: Some(64),
-        num_blocks: Some(32),
-        at: now,
-    });
+    scrape_capacity(&snap.endpoints[0], 64, Some(32), now);
     let tokens = |from: u32| {
         body(
             &serde_json::json!({"model": "m", "prompt": (from..from + 2048).collect::<Vec<_>>()})
@@ -499,14 +494,7 @@ fn a_prefix_outlives_the_ttl_on_an_engine_whose_capacity_is_scraped() {
         let snap = t.snapshot();
         let scrape_at = |at: Instant| {
             for e in &snap.endpoints {
-                e.set_scraped(ScrapedLoad {
-                    queue: 0.0,
-                    running: 0.0,
-                    kv_usage: 0.0,
-                    block_size: Some(16),
-                    num_blocks,
-                    at,
-                });
+                scrape_capacity(e, 16, num_blocks, at);
             }
         };
         let a = prompt(&"a".repeat(64 * 32));
