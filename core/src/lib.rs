@@ -10,6 +10,7 @@
 //! - [`sessions`]: sticky session bindings.
 //! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
 //! - [`scheduler`]: candidates, costs and the pick.
+//! - [`latency`]: learned per-worker TTFT and decode-time models.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
@@ -25,6 +26,7 @@ pub mod health;
 pub mod identity;
 pub mod keys;
 pub mod kv;
+pub mod latency;
 pub mod multimodal;
 pub mod pipeline;
 pub mod replica;
