@@ -364,7 +364,13 @@ fn series(metrics: &str, name: &str, engine: u32) -> Series {
     };
     for l in metrics.lines().filter(|l| l.contains(&engine)) {
         if let Some(rest) = l.strip_prefix(&format!("{name}_bucket{{")) {
-            let le = rest.split("le=\"").nth(1).unwrap().split('"').next().unwrap();
+            let le = rest
+                .split("le=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
             s.buckets.push((le.to_string(), value(l)));
         } else if l.starts_with(&format!("{name}_count{{")) {
             s.count = value(l);
@@ -396,7 +402,10 @@ async fn serves_vllm_latency_histograms_from_its_simulated_timing() {
         c.post_json("/v1/chat/completions", &first, &[]),
         c.post_json("/v1/chat/completions", &second, &[]),
     );
-    assert_eq!((a.unwrap().status.as_u16(), b.unwrap().status.as_u16()), (200, 200));
+    assert_eq!(
+        (a.unwrap().status.as_u16(), b.unwrap().status.as_u16()),
+        (200, 200)
+    );
     let metrics = c.get("/metrics").await.unwrap().text();
     // vLLM's bucket boundaries, in its exposition format.
     let les = |s: &Series| s.buckets.iter().map(|b| b.0.clone()).collect::<Vec<_>>();
@@ -405,9 +414,9 @@ async fn serves_vllm_latency_histograms_from_its_simulated_timing() {
     assert_eq!(
         les(&ttft),
         bounds(&[
-            "0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5",
-            "0.75", "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0",
-            "2560.0", "+Inf"
+            "0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75",
+            "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0", "2560.0",
+            "+Inf"
         ])
     );
     let itl = series(&metrics, "vllm:inter_token_latency_seconds", 0);
@@ -422,9 +431,8 @@ async fn serves_vllm_latency_histograms_from_its_simulated_timing() {
     assert_eq!(
         les(&queue),
         bounds(&[
-            "0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0",
-            "30.0", "40.0", "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0",
-            "7680.0", "+Inf"
+            "0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0",
+            "40.0", "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf"
         ])
     );
     for (name, kind) in [

@@ -135,7 +135,10 @@ fn a_new_worker_predicts_from_the_pool_prior() {
     // Its coefficients are the pool's mean costs (1.75× the fast worker's).
     assert_eq!(m.prior().observations(), 600);
     let waiting = m.prior().ttft_coefficients()[3];
-    assert!((waiting - 0.0525).abs() < 0.015, "prior wait per request {waiting}");
+    assert!(
+        (waiting - 0.0525).abs() < 0.015,
+        "prior wait per request {waiting}"
+    );
     // Its first observation starts its own model from the prior.
     m.observe(3, &f, &seen).unwrap();
     assert_eq!(m.observations(&3), 1);

@@ -20,8 +20,8 @@ const ITL_BUCKETS: [f64; 19] = [
 ];
 /// vLLM's request-latency buckets, used for queue time (seconds).
 const REQUEST_LATENCY_BUCKETS: [f64; 21] = [
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 ];
 
 /// One histogram series: per-bucket counts (not cumulative), count and sum.
@@ -86,10 +86,13 @@ impl EngineLatency {
     }
 }
 
+/// Which of an engine's histograms a family shows.
+type SeriesOf = fn(&EngineLatency) -> &Histogram;
+
 /// The exposition text of every engine's histograms for `model`.
 pub(super) fn render(model: &str, engines: &[EngineLatency]) -> String {
     let mut out = String::new();
-    let families: [(&str, &str, fn(&EngineLatency) -> &Histogram); 3] = [
+    let families: [(&str, &str, SeriesOf); 3] = [
         (
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
