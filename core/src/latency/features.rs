@@ -48,8 +48,12 @@ pub const TTFT_TERMS: usize = 5;
 /// request, per unit of KV usage, per prompt kilotoken (attention context).
 pub const TPOT_TERMS: usize = 4;
 
+/// Index of the uncached-tokens term in the TTFT inputs.
+pub(crate) const TTFT_UNCACHED: usize = 1;
 /// Index of the pending-prefill term in the TTFT inputs.
 pub(crate) const TTFT_PENDING: usize = 2;
+/// Index of the waiting-requests term in the TTFT inputs.
+pub(crate) const TTFT_WAITING: usize = 3;
 /// Index of the running-requests term in the decode inputs.
 pub(crate) const TPOT_RUNNING: usize = 1;
 
@@ -172,7 +176,9 @@ pub enum Ended {
 
 /// The instants of one streamed response, folded as they arrive into an
 /// [`Observed`]: the first body chunk marks TTFT, later chunks the decode pace.
-/// Fixed size; no allocation.
+/// Fixed size; no allocation. For streamed responses only: a non-streamed body
+/// arrives whole at the end, so its first chunk marks the end, not the first
+/// token.
 #[derive(Debug, Clone, Copy)]
 pub struct Timeline {
     decided: Instant,

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::features::{
     Features, Observed, Rejected, TPOT_RUNNING, TPOT_TERMS, TTFT_PENDING, TTFT_TERMS,
+    TTFT_UNCACHED, TTFT_WAITING,
 };
 use super::rls::{Rls, RlsSnapshot};
 
@@ -97,11 +98,10 @@ impl WorkerModel {
         let ttft_x = f.ttft_inputs();
         let tpot_x = f.tpot_inputs();
         let wait_per_token = self.ttft.coefficients()[TTFT_PENDING];
-        let uncached = ttft_x[1];
         Prediction {
             ttft: self.ttft.predict(&ttft_x),
             tpot: self.tpot.predict(&tpot_x),
-            queued_delay: wait_per_token * uncached * ttft_x[3],
+            queued_delay: wait_per_token * ttft_x[TTFT_UNCACHED] * ttft_x[TTFT_WAITING],
             decode_slowdown: self.tpot.coefficients()[TPOT_RUNNING] * tpot_x[TPOT_RUNNING],
             observations: self.observations,
             recent_error: self.recent_error,
