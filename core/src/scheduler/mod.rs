@@ -441,7 +441,7 @@ impl Scheduler {
 
     /// [`Scheduler::cancel`] at a given instant; a decision whose response
     /// never began starts its guesses' wait for events now.
-    fn cancel_at(&self, decision: &Decision, now: Instant) {
+    pub fn cancel_at(&self, decision: &Decision, now: Instant) {
         let pending = decision.prefilled.mark();
         if pending {
             self.await_confirmation(decision, now);
