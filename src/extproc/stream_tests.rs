@@ -113,7 +113,7 @@ fn headers_answered_after_the_body_wait_carry_a_destination() {
     assert_eq!(out.len(), 1);
     assert!(matches!(out[0].response, Some(Response::RequestBody(_))));
     let routed = destination(&out[0]).expect("body answer without a destination");
-    let d = &s.routed.as_ref().unwrap().decision;
+    let d = s.flow.decision().unwrap();
     assert_eq!(booked(&app), d.load_blocks + d.decode_blocks);
     assert!(d.prompt_blocks > 0, "routed on the body, not the headers");
     assert!([early.as_str(), routed.as_str()]
@@ -277,7 +277,7 @@ fn repeated_or_early_response_headers_change_nothing() {
     s.handle(post_headers());
     let out = s.handle(body_chunk(br#"{"model":"m","prompt":"hi"}"#, true));
     let to = destination(&out[0]).unwrap();
-    let ep = Arc::clone(&s.routed.as_ref().unwrap().decision.decode.state);
+    let ep = Arc::clone(&s.flow.decision().unwrap().decode.state);
     // One real failure, then forged repeats of it on the same stream: enough to
     // eject the worker (3 failures) if each counted.
     let not_last = |status: &str| {
@@ -357,7 +357,7 @@ fn the_first_response_body_chunk_ends_the_prefill_once() {
         s
     };
     let (mut first, second) = (route("a"), route("b"));
-    let decision = |s: &StreamState| s.routed.as_ref().unwrap().decision.clone();
+    let decision = |s: &StreamState| s.flow.decision().unwrap().clone();
     let (d1, d2) = (decision(&first), decision(&second));
     let load = || d1.decode.state.active_load(d1.decode.rank);
     assert!(d1.uncached_blocks >= 10 && d2.uncached_blocks >= 10);
@@ -399,7 +399,7 @@ fn overlap_of(service: &crate::extproc::ExtProcService, tenant: Option<&str>, bo
     });
     let out = s.handle(body_chunk(body.as_bytes(), true));
     assert!(destination(&out[0]).is_some(), "not routed: {out:?}");
-    let overlap = s.routed.as_ref().unwrap().decision.overlap_blocks;
+    let overlap = s.flow.decision().unwrap().overlap_blocks;
     s.handle(response_headers("200"));
     overlap
 }
