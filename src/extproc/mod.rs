@@ -5,10 +5,12 @@
 //! INTERNAL status and never touches others. The answers go from the work to the
 //! response stream through an [`Outbox`] that wakes nobody: both run in one task.
 
+pub mod body;
 pub mod budget;
 pub mod conformance;
 pub mod messages;
 pub mod metrics;
+pub mod mode;
 pub mod stream;
 
 use std::collections::VecDeque;

@@ -15,16 +15,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request, HeaderMutation, HttpBody, HttpHeaders, ProcessingRequest,
     ProcessingResponse,
 };
 use tracing::{debug, info, warn};
 
-use super::budget::Reservation;
+use super::body::{Overflow, RequestBuffer};
 use super::conformance;
 use super::messages::{self, find_header, set_header, EnvoyHeaders};
+use super::mode::BodyMode;
 use super::Shared;
 use crate::admission::{Permit, Rejection, Ticket, DROPPED_REASON_HEADER};
 use crate::flow::{Refusal, RequestFlow, Routing, Step};
@@ -32,32 +32,6 @@ use crate::pipeline::{RequestHead, TokenizeJob, Tokenized};
 use crate::scheduler::PickError;
 use crate::telemetry::RequestResult;
 use crate::tracing_export::RequestSpan;
-
-/// How Envoy sends the request body on this stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyMode {
-    /// Not announced and not yet inferred.
-    Unknown,
-    /// FULL_DUPLEX_STREAMED: chunks arrive without waiting; kvpick answers the
-    /// headers after the last chunk and streams the body back.
-    FullDuplex,
-    /// BUFFERED, BUFFERED_PARTIAL or STREAMED: Envoy waits for the headers answer,
-    /// then sends the body, one answer per body message.
-    Buffered,
-    /// NONE: the body is never sent to kvpick.
-    None,
-}
-
-impl BodyMode {
-    fn from_config(mode: i32) -> BodyMode {
-        match BodySendMode::try_from(mode) {
-            Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
-            Ok(BodySendMode::None) => BodyMode::None,
-            Ok(_) => BodyMode::Buffered,
-            Err(_) => BodyMode::Unknown,
-        }
-    }
-}
 
 /// Where the stream stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,9 +55,8 @@ pub struct StreamState {
     headers_answered: bool,
     /// The request itself: admission, the pick, the response, the end.
     flow: RequestFlow,
-    body: Vec<u8>,
-    /// The buffered body's share of the process-wide budget.
-    reservation: Reservation,
+    /// The request body until it is complete.
+    body: RequestBuffer,
     /// The complete body ended the request stream (no trailers follow).
     body_ended_stream: bool,
     /// The routed body being streamed back (full duplex).
@@ -97,7 +70,7 @@ pub struct StreamState {
 impl StreamState {
     /// A fresh stream.
     pub fn new(shared: Arc<Shared>) -> Self {
-        let reservation = shared.body_budget.reservation();
+        let body = RequestBuffer::new(&shared.body_budget, shared.config.max_body_bytes);
         StreamState {
             flow: RequestFlow::new(Arc::clone(&shared.flow)),
             shared,
@@ -105,8 +78,7 @@ impl StreamState {
             response_mode: BodyMode::Unknown,
             phase: Phase::Start,
             headers_answered: false,
-            body: Vec::new(),
-            reservation,
+            body,
             body_ended_stream: false,
             echo: None,
             served: None,
@@ -180,12 +152,7 @@ impl StreamState {
         }
         let message = format!("{why} ({})", why.reason());
         let mut out = self.reject(429, "rate_limit_exceeded", &message);
-        if let Some(envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response::ImmediateResponse(ir)) = &mut out.response {
-            ir.headers
-                .get_or_insert_with(Default::default)
-                .set_headers
-                .push(set_header(DROPPED_REASON_HEADER, why.reason()));
-        }
+        messages::add_immediate_header(&mut out, DROPPED_REASON_HEADER, why.reason());
         out
     }
 
@@ -366,38 +333,17 @@ impl StreamState {
             debug!(phase = ?self.phase, "request body outside the body phase; passing through");
             return self.pass_request_body(b);
         }
-        if self.request_mode == BodyMode::Unknown {
-            self.request_mode = if self.headers_answered {
-                BodyMode::Buffered
-            } else {
-                BodyMode::FullDuplex
-            };
+        self.request_mode = self.request_mode.on_request_body(self.headers_answered);
+        if let Err(overflow) = self.body.push(&b.body, self.flow.head().content_length) {
+            let msg = overflow.to_string();
+            return vec![match overflow {
+                Overflow::TooLarge { .. } => self.reject(413, "invalid_request_error", &msg),
+                Overflow::OverBudget { .. } => {
+                    self.shared.extproc_metrics.body_budget_rejections.inc();
+                    self.reject(429, "rate_limit_exceeded", &msg)
+                }
+            }];
         }
-        if self.body.len() + b.body.len() > self.shared.config.max_body_bytes {
-            let msg = format!(
-                "request body exceeds the {} byte limit",
-                self.shared.config.max_body_bytes
-            );
-            return vec![self.reject(413, "invalid_request_error", &msg)];
-        }
-        if !self.reservation.grow(b.body.len()) {
-            let budget = &self.shared.body_budget;
-            let msg = format!(
-                "kvpick is buffering {} of its {} byte request-body budget; this body does not fit, retry later",
-                budget.used(),
-                budget.limit()
-            );
-            self.shared.extproc_metrics.body_budget_rejections.inc();
-            return vec![self.reject(429, "rate_limit_exceeded", &msg)];
-        }
-        if self.body.is_empty() {
-            // One allocation of the announced size instead of doubling growth.
-            let announced = self.flow.head().content_length;
-            if let Some(n) = announced.filter(|n| *n <= self.shared.config.max_body_bytes) {
-                self.body.reserve_exact(n);
-            }
-        }
-        self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
             return match self.request_mode {
                 // Streamed mode expects one answer per chunk; pass it on unchanged.
@@ -428,7 +374,7 @@ impl StreamState {
 
     fn finish_request_body(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
         self.body_ended_stream = end_of_stream;
-        let body = std::mem::take(&mut self.body);
+        let body = self.body.take();
         let step = self.flow.request_body(body, Instant::now());
         self.answer(step)
     }
@@ -438,7 +384,7 @@ impl StreamState {
     /// the body streamed back (full duplex), or on the headers answer alone.
     fn forward(&mut self, routing: Routing) -> Vec<ProcessingResponse> {
         // The body leaves the stream's buffer with this answer.
-        self.reservation.release();
+        self.body.release();
         if !routing.replaced {
             // A body replacing a decision made on its headers counts once.
             self.shared.metrics.record_decision(routing.decided_in);
@@ -449,50 +395,32 @@ impl StreamState {
             t.routed(d, terms);
         }
         let outcome = routing.outcome;
-        let mut mutation = HeaderMutation {
-            set_headers: outcome
-                .set_headers
-                .into_iter()
-                .map(|(name, value)| set_header(name, value))
-                .collect(),
-            remove_headers: outcome.remove_headers,
-        };
+        let mut set_headers: Vec<_> = messages::set_headers(outcome.set_headers).collect();
         if let Some(t) = &self.trace {
             // The worker's spans continue this request's trace from kvpick's span.
-            let context = t.forward_headers().into_iter();
-            mutation
-                .set_headers
-                .extend(context.map(|(name, value)| set_header(name, value)));
+            set_headers.extend(messages::set_headers(t.forward_headers()));
         }
-        let metadata = Some(messages::destination_metadata(&outcome.destination));
+        let mutation = HeaderMutation {
+            set_headers,
+            remove_headers: outcome.remove_headers,
+        };
+        let destination = &outcome.destination;
         self.phase = Phase::Routed;
-        match outcome.body {
+        let answer = match outcome.body {
+            // Buffered: the decision rides on the body answer.
             Some(body) if self.headers_answered => {
-                // Buffered: the decision rides on the body answer.
-                let mut common = messages::common(Some(mutation), true);
-                if body.changed {
-                    common.body_mutation = Some(messages::replace_body(body.bytes));
-                }
-                vec![messages::body(common, metadata, false)]
+                messages::routed_body(mutation, destination, body.changed.then_some(body.bytes))
             }
+            // Full duplex: headers answer first, then the body streamed back.
             Some(body) => {
-                // Full duplex: headers answer first, then the body streamed back.
-                self.headers_answered = true;
                 self.echo = Some(messages::Echo::new(body.bytes, self.body_ended_stream));
-                vec![messages::request_headers(
-                    messages::common(Some(mutation), true),
-                    metadata,
-                )]
+                messages::routed_headers(mutation, destination)
             }
-            None => {
-                // Header-only: the decision rides on the headers answer.
-                self.headers_answered = true;
-                vec![messages::request_headers(
-                    messages::common(Some(mutation), true),
-                    metadata,
-                )]
-            }
-        }
+            // Header-only: the decision rides on the headers answer.
+            None => messages::routed_headers(mutation, destination),
+        };
+        self.headers_answered = true;
+        vec![answer]
     }
 
     /// Answers held request headers with CONTINUE, removing spoofed routing headers.
@@ -555,10 +483,7 @@ impl StreamState {
             t.response(status);
         }
         let mutation = start.headers.map(|headers| HeaderMutation {
-            set_headers: headers
-                .into_iter()
-                .map(|(k, v)| set_header(&k, v))
-                .collect(),
+            set_headers: messages::set_headers(headers).collect(),
             ..Default::default()
         });
         if h.end_of_stream {
@@ -579,13 +504,7 @@ impl StreamState {
     }
 
     fn on_response_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {
-        if self.response_mode == BodyMode::Unknown {
-            // GIE configures both directions alike; follow the request side.
-            self.response_mode = match self.request_mode {
-                BodyMode::FullDuplex => BodyMode::FullDuplex,
-                _ => BodyMode::Buffered,
-            };
-        }
+        self.response_mode = self.response_mode.on_response_body(self.request_mode);
         let seen: &[u8] = match self.response_mode {
             BodyMode::None => &[],
             _ => &b.body,
@@ -618,8 +537,7 @@ impl StreamState {
             t.rejected(status, message);
         }
         self.phase = Phase::Done;
-        self.body = Vec::new();
-        self.reservation.release();
+        self.body.release();
         messages::immediate_error(status, kind, message)
     }
 }

@@ -1,6 +1,7 @@
 //! Socket-free tests of the stream state machine.
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 
 use std::collections::HashSet;

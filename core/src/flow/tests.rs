@@ -72,7 +72,8 @@ fn head() -> RequestHead {
     RequestHead::read(headers, "x-session-id", "x-kvpick-session")
 }
 
-const BODY: &[u8] = br#"{"model":"m","prompt":"a prompt long enough to fill a block or two of bytes"}"#;
+const BODY: &[u8] =
+    br#"{"model":"m","prompt":"a prompt long enough to fill a block or two of bytes"}"#;
 
 /// Requests in flight and blocks booked, over the whole pool.
 fn load(ctx: &FlowContext) -> (u32, u64) {
