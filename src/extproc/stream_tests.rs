@@ -627,3 +627,100 @@ fn a_request_served_by_a_fallback_moves_its_booking_there() {
         assert_eq!(load(other), (0, 0));
     }
 }
+
+/// Counts what a flow observer is told.
+#[derive(Default)]
+struct Counted(parking_lot::Mutex<Vec<&'static str>>);
+
+impl crate::flow::FlowObserver for Counted {
+    fn routed(&self, _: crate::flow::FlowId, _: &crate::scheduler::Decision, _: Instant) {
+        self.0.lock().push("routed");
+    }
+
+    fn first_chunk(
+        &self,
+        _: crate::flow::FlowId,
+        _: &crate::scheduler::Decision,
+        _: Instant,
+        _: usize,
+    ) {
+        self.0.lock().push("first");
+    }
+
+    fn chunk(&self, _: crate::flow::FlowId, _: &crate::scheduler::Decision, _: Instant, _: usize) {
+        self.0.lock().push("chunk");
+    }
+
+    fn ended(
+        &self,
+        _: crate::flow::FlowId,
+        _: &crate::scheduler::Decision,
+        _: Instant,
+        end: crate::flow::FlowEnd,
+    ) {
+        self.0.lock().push(match end {
+            crate::flow::FlowEnd::Finished { .. } => "finished",
+            crate::flow::FlowEnd::Cancelled => "cancelled",
+        });
+    }
+}
+
+#[test]
+fn the_observers_in_shared_see_each_stream_end_once() {
+    let app = app();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let counted = Arc::new(Counted::default());
+    let base = &service.shared;
+    let flow = crate::flow::FlowContext::new(
+        Arc::clone(&app.endpoints),
+        Arc::clone(&app.scheduler),
+        base.flow.pipeline.clone(),
+        base.flow.admission.clone(),
+    )
+    .observed_by(Arc::clone(&counted) as _);
+    let shared = Arc::new(crate::extproc::Shared {
+        flow: Arc::new(flow),
+        metrics: Arc::clone(&base.metrics),
+        extproc_metrics: Arc::clone(&base.extproc_metrics),
+        config: base.config.clone(),
+        admission_metrics: None,
+        body_budget: base.body_budget.clone(),
+    });
+    let routed = || {
+        let mut s = StreamState::new(Arc::clone(&shared));
+        s.handle(post_headers());
+        s.handle(body_chunk(br#"{"model":"m","prompt":"hi"}"#, true));
+        let mut headers = response_headers("200");
+        if let Some(Request::ResponseHeaders(h)) = headers.request.as_mut() {
+            h.end_of_stream = false;
+        }
+        s.handle(headers);
+        s.handle(response_chunk(b"data: 1\n\n", false));
+        s
+    };
+    // The body's end of stream, then trailers: the request ends once.
+    let mut s = routed();
+    s.handle(response_chunk(b"data: [DONE]\n\n", true));
+    s.handle(ProcessingRequest {
+        request: Some(Request::ResponseTrailers(Default::default())),
+        ..Default::default()
+    });
+    drop(s);
+    // A stream gone mid-response: cancelled, and nothing stays in flight.
+    drop(routed());
+    assert_eq!(
+        *counted.0.lock(),
+        [
+            "routed",
+            "first",
+            "chunk",
+            "finished",
+            "routed",
+            "first",
+            "cancelled"
+        ]
+    );
+    let snapshot = app.endpoints.snapshot();
+    assert!(snapshot.endpoints.iter().all(|e| e.in_flight(0) == 0));
+    assert_eq!(booked(&app), 0);
+}
