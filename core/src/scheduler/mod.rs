@@ -50,7 +50,7 @@ mod tests;
 
 pub use candidates::Side;
 pub use cost::{PendingWait, Weights, PENDING_PREFILL_WEIGHT};
-pub use decision::{Decision, PickError, PickRequest, Target};
+pub use decision::{Decision, PickError, PickRequest, Slo, Target};
 pub use explain::{CandidateScore, Explanation};
 pub use plugins::Plugins;
 pub use stats::{
@@ -69,6 +69,7 @@ use crate::endpoints::{ActiveLoad, Snapshot, WorkerKey};
 use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
 use crate::kv::index::{IndexConfig, PrefixIndex};
+use crate::latency::{LatencyConfig, Learner};
 use crate::replica::ReplicaSink;
 use crate::request::InferenceRequest;
 use crate::sessions::{SessionConfig, SessionStore};
@@ -140,6 +141,19 @@ pub struct SchedulerConfig {
     /// this many less one fallbacks (distinct addresses) for the gateway's
     /// retries. A picker's `maxNumOfEndpoints` overrides it.
     pub max_endpoints: usize,
+    /// What a candidate's cost is in.
+    pub scoring: ScoringMode,
+}
+
+/// What a candidate's cost is in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ScoringMode {
+    /// KV blocks of work, from the weighted terms.
+    #[default]
+    Heuristic,
+    /// Predicted seconds, from latency models learned online
+    /// ([`terms::predicted`]); the heuristic while they are cold.
+    Predicted,
 }
 
 impl SchedulerConfig {
@@ -175,6 +189,7 @@ impl Default for SchedulerConfig {
             sglang_bootstrap_port: Some(DEFAULT_SGLANG_BOOTSTRAP_PORT),
             health: HealthConfig::default(),
             max_endpoints: 1,
+            scoring: ScoringMode::Heuristic,
         }
     }
 }
@@ -222,6 +237,8 @@ pub struct Scheduler {
     replica: OnceLock<Arc<dyn ReplicaSink>>,
     /// Endpoints a decision names (the picker's, else the config's; at least 1).
     max_endpoints: usize,
+    /// The learned latency models (`--scoring predicted` only).
+    latency: Option<Arc<Learner>>,
 }
 
 impl Default for Scheduler {
@@ -233,11 +250,20 @@ impl Default for Scheduler {
 impl Scheduler {
     /// A scheduler with `config`.
     pub fn new(config: SchedulerConfig) -> Self {
-        let plugins = config
+        let mut plugins = config
             .plugins
             .clone()
             .unwrap_or_else(|| Plugins::from_weights(config.weights, config.temperature));
+        let latency = match config.scoring {
+            ScoringMode::Heuristic => None,
+            ScoringMode::Predicted => {
+                let learner = Arc::new(Learner::new(LatencyConfig::default()));
+                plugins = plugins.predicted(Arc::clone(&learner));
+                Some(learner)
+            }
+        };
         Scheduler {
+            latency,
             index: Arc::new(PrefixIndex::new(config.index)),
             provisional: provisional::Guesses::new(
                 config.index,
@@ -280,6 +306,12 @@ impl Scheduler {
     /// The settings.
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    /// The learned latency models, in predicted mode: the request flow
+    /// feeds them ([`crate::flow::FlowContext::observed_by`]).
+    pub fn latency(&self) -> Option<&Arc<Learner>> {
+        self.latency.as_ref()
     }
 
     /// The filters, terms and picker the pick runs.
@@ -492,6 +524,9 @@ impl Scheduler {
             if !live.contains(&w) {
                 self.provisional.clear_worker(w);
             }
+        }
+        if let Some(l) = &self.latency {
+            l.retain(|w| live.contains(w));
         }
         reaped
     }

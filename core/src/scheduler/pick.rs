@@ -17,10 +17,12 @@ use super::candidates::{Pool, Side};
 use super::cost::{pick_index, Best, Cand, Least, Ranked, TermCosts};
 use super::overlap::PromptOverlaps;
 use super::pickers::Choice;
+use super::terms::predicted::LatencyAsk;
 use super::terms::{CostTerms, RequestCost};
 use super::{Decision, PickError, PickRequest, Scheduler, Stage, StageTimer};
 use crate::endpoints::{adapter_id, ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
+use crate::latency::Prediction;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
 use crate::time::Epoch;
@@ -105,8 +107,12 @@ impl Scheduler {
             prompt: &prompt,
             size: load_blocks,
             adapter: req.body.map(|b| adapter_id(&b.model)),
+            latency: self.latency_ask(req, &prompt, load_blocks),
             now: tick,
         };
+        if let (Some(l), false) = (&self.latency, O::EXPLAINS || scoring.latency.warm) {
+            l.count_fallback();
+        }
 
         let (d, d_terms, fallbacks, overlap, p) = {
             let _t = self.timer::<O>(Stage::Score);
@@ -163,7 +169,16 @@ impl Scheduler {
             })
         });
         let bootstrap_room = bootstrap_port.map(|_| rand::rng().random::<u64>() >> 1);
+        // What the latency model learns from, read before this request books.
+        let latency_features = match (&self.latency, req.body) {
+            (Some(_), Some(b)) if b.stream && !O::EXPLAINS => {
+                let req = scoring.request_cost(self, Side::Decode);
+                Some(self.latency_features(&d, prompt.uncached(overlap), &req, tick))
+            }
+            _ => None,
+        };
         let mut decision = Decision {
+            latency_features,
             decode: d.target(),
             fallbacks: fallbacks.iter().map(Cand::target).collect(),
             prefill: prefill_target,
@@ -335,7 +350,9 @@ impl Scheduler {
             let mut best: Option<(Cand<'s>, f64, bool)> = None;
             for c in at.pool.iter(side) {
                 let (overlap, guessed) = at.held(&c);
-                let terms = self.cost_terms(&c, at.prompt.uncached(overlap), &req, at.now);
+                let uncached = at.prompt.uncached(overlap);
+                let terms = self.cost_terms(&c, uncached, &req, at.now);
+                let prediction = self.prediction(&c, uncached, &req, at.now);
                 let total = terms.total();
                 let better = |&(_, least, least_guessed): &(Cand<'s>, f64, bool)| {
                     total < least - 1e-9 || (total <= least + 1e-9 && least_guessed && !guessed)
@@ -343,7 +360,7 @@ impl Scheduler {
                 if best.as_ref().is_none_or(better) {
                     best = Some((c, total, guessed));
                 }
-                obs.scored(&c, overlap, terms);
+                obs.scored(&c, overlap, terms, prediction);
             }
             // An explaining pick records no terms.
             return best.map(|(c, _, _)| (c, TermCosts::new()));
@@ -537,6 +554,8 @@ pub(super) struct Scoring<'s, 'p> {
     size: u64,
     /// The request's `model` as an adapter id.
     adapter: Option<u64>,
+    /// What the predicted term reads.
+    latency: LatencyAsk,
     now: i64,
 }
 
@@ -559,7 +578,10 @@ impl<'s> Scoring<'s, '_> {
 
     /// What the terms of `s` read about this request on `side`.
     fn request_cost(&self, s: &Scheduler, side: Side) -> RequestCost {
-        s.request_cost(side, self.size, self.adapter, self.pool.idle_ranks(side))
+        RequestCost {
+            latency: self.latency,
+            ..s.request_cost(side, self.size, self.adapter, self.pool.idle_ranks(side))
+        }
     }
 
     /// Every candidate of `side` with what `s` charges for sending `req`
@@ -599,8 +621,16 @@ pub(super) trait Observer {
     /// pinned, nothing booked, counted or timed.
     const EXPLAINS: bool;
 
-    /// An explaining pick scored `c`, holding `overlap` leading blocks.
-    fn scored(&mut self, _c: &Cand<'_>, _overlap: usize, _terms: CostTerms) {}
+    /// An explaining pick scored `c`, holding `overlap` leading blocks, with
+    /// its predicted latency when latency is learned and warm.
+    fn scored(
+        &mut self,
+        _c: &Cand<'_>,
+        _overlap: usize,
+        _terms: CostTerms,
+        _prediction: Option<Prediction>,
+    ) {
+    }
 
     /// An explaining pick chose `decode` (and `prefill`); `pinned` says which
     /// of the two the session pinned.

@@ -10,7 +10,9 @@ use super::terms::{
     failures::FailedResponses, kv_usage::KvUsage, load::ActiveLoad, lora::LoraAffinity,
     prefix::PrefixCache, queue::Queue,
 };
+use super::terms::predicted::Predicted;
 use super::Weights;
+use crate::latency::Learner;
 
 /// Filters, terms and picker of a scheduler.
 #[derive(Debug, Clone)]
@@ -71,6 +73,20 @@ impl Plugins {
                 max_endpoints: None,
             }),
         }
+    }
+
+    /// The list with its weighted terms wrapped in one [`Predicted`] term
+    /// reading `learner` (the built-in terms still summed after it).
+    pub fn predicted(mut self, learner: Arc<Learner>) -> Self {
+        let builtin: Vec<&'static str> = Self::builtin_scorers().iter().map(|s| s.name()).collect();
+        let (kept, fallback) = self
+            .scorers
+            .into_iter()
+            .partition(|s| builtin.contains(&s.name()));
+        let mut scorers: Vec<Arc<dyn Scorer>> = vec![Arc::new(Predicted { learner, fallback })];
+        scorers.extend::<Vec<_>>(kept);
+        self.scorers = scorers;
+        self
     }
 
     /// How the picker chooses.
