@@ -14,7 +14,9 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::{Ended, Features, LatencyConfig, LatencyModels, Prediction, Timeline};
+use super::{
+    Ended, Features, LatencyConfig, LatencyModels, Prediction, Rejected, Timeline, WorkerSnapshot,
+};
 use crate::flow::{FlowEnd, FlowId, FlowObserver};
 use crate::keys::WorkerKey;
 use crate::scheduler::Decision;
@@ -118,6 +120,16 @@ impl Learner {
             .collect();
         let sum = self.error_sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
         (buckets, sum)
+    }
+
+    /// Adopts a peer's model of `worker` when it rests on more observations.
+    pub fn restore(&self, worker: WorkerKey, snapshot: &WorkerSnapshot) -> Result<(), Rejected> {
+        self.models.write().restore(worker, snapshot)
+    }
+
+    /// Adopts a peer's pool prior when it rests on more observations.
+    pub fn restore_prior(&self, snapshot: &WorkerSnapshot) -> Result<(), Rejected> {
+        self.models.write().restore_prior(snapshot)
     }
 
     /// Keeps only the models of workers `live` accepts.

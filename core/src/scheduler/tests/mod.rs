@@ -15,6 +15,7 @@ pub(super) use crate::fixtures::{
 mod health;
 mod lora;
 mod plugins;
+mod predicted;
 mod prop;
 mod wait;
 
