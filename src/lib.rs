@@ -9,8 +9,8 @@
 //! [`telemetry`] and [`tracing_export`] (OpenTelemetry traces), [`admin`] and [`server`], which wires them together.
 
 pub use kvpick_core::{
-    admission, endpoints, error_chain, flow, health, identity, keys, kv, multimodal, pipeline,
-    replica, request, scheduler, sessions, time, tokenize,
+    admission, endpoints, error_chain, flow, health, identity, keys, kv, latency, multimodal,
+    pipeline, replica, request, scheduler, sessions, time, tokenize,
 };
 
 pub mod admin;
@@ -21,6 +21,7 @@ pub mod endpoint_picker_config;
 pub mod extproc;
 pub mod image_fetch;
 pub mod kvevents;
+pub mod latency_metrics;
 pub mod malloc;
 pub mod multimodal_metrics;
 pub mod replica_sync;
