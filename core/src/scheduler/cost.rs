@@ -16,10 +16,10 @@ use super::candidates::Side;
 use super::terms::predicted::{self, LatencyAsk};
 use super::terms::{Candidate, CostTerms, RequestCost};
 use super::PickRequest;
-use crate::kv::hash::PromptBlocks;
-use crate::latency::{Features, Prediction};
 use super::{Scheduler, Target, MAX_TERMS};
 use crate::endpoints::{EndpointState, WorkerKey};
+use crate::kv::hash::PromptBlocks;
+use crate::latency::{Features, Prediction};
 
 /// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
 /// The defaults (1, 0.1, 0.25, 1) come from replaying the public synthetic

@@ -5,12 +5,12 @@ use std::sync::Arc;
 
 use super::filters::{body::PrefillNeedsBody, ejected::Ejected, subset::Subset, Filter};
 use super::pickers::{max_score::MaxScore, Choice, Picker};
+use super::terms::predicted::Predicted;
 use super::terms::Scorer;
 use super::terms::{
     failures::FailedResponses, kv_usage::KvUsage, load::ActiveLoad, lora::LoraAffinity,
     prefix::PrefixCache, queue::Queue,
 };
-use super::terms::predicted::Predicted;
 use super::Weights;
 use crate::latency::Learner;
 

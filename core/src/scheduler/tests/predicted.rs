@@ -56,7 +56,10 @@ fn a_cold_pool_prior_leaves_the_pick_to_the_heuristic_and_counts_it() {
     assert!((got_terms.total() - want_terms.total()).abs() < 1e-9);
     assert!((got_terms.get("predicted") - want_terms.total()).abs() < 1e-9);
     assert_eq!(learner(&s).fallbacks(), 1);
-    assert!(got.latency_features.is_none(), "not streamed: nothing to learn");
+    assert!(
+        got.latency_features.is_none(),
+        "not streamed: nothing to learn"
+    );
 }
 
 #[test]
@@ -99,10 +102,16 @@ fn slo_pool(s: &Scheduler) -> (crate::endpoints::EndpointTable, Instant) {
     l.restore_prior(&fitted([0.05, 0.1, 0.0, 0.0, 0.0], [0.01, 0.0, 0.0, 0.0]))
         .unwrap();
     let (fast, slow) = (snap.endpoints[0].key(0), snap.endpoints[1].key(0));
-    l.restore(fast, &fitted([0.05, 0.05, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]))
-        .unwrap();
-    l.restore(slow, &fitted([0.1, 0.2, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]))
-        .unwrap();
+    l.restore(
+        fast,
+        &fitted([0.05, 0.05, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]),
+    )
+    .unwrap();
+    l.restore(
+        slow,
+        &fitted([0.1, 0.2, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]),
+    )
+    .unwrap();
     scrape(&snap.endpoints[0], 0.0, 4.0, 0.2, now);
     scrape(&snap.endpoints[1], 0.0, 0.0, 0.0, now);
     (table, now)
@@ -119,7 +128,10 @@ fn a_ttft_objective_places_the_request_on_a_worker_predicted_to_meet_it() {
     let ttft = |e: &Explanation, i: usize| e.candidates[i].prediction.unwrap().ttft;
     assert!((ttft(&plain, 0) - 0.1).abs() < 1e-6);
     assert!((ttft(&plain, 1) - 0.3).abs() < 1e-6);
-    assert!(plain.candidates[1].chosen, "without an objective the idle worker costs less");
+    assert!(
+        plain.candidates[1].chosen,
+        "without an objective the idle worker costs less"
+    );
     let with_slo = PickRequest {
         slo: Slo {
             ttft: Some(0.2),
