@@ -7,6 +7,7 @@
 //! - [`request`]: one pass over an inference body (model, prompt, `nvext`, images).
 //! - [`endpoints`]: the live table of workers and their load.
 //! - [`kv`]: prefix block hashing and the prefix index.
+//! - [`kvevents`]: the engines' KV-event formats, one decoder each.
 //! - [`sessions`]: sticky session bindings.
 //! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
 //! - [`scheduler`]: candidates, costs and the pick.
@@ -25,6 +26,7 @@ pub mod health;
 pub mod identity;
 pub mod keys;
 pub mod kv;
+pub mod kvevents;
 pub mod multimodal;
 pub mod pipeline;
 pub mod replica;

@@ -29,8 +29,8 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
 
+use crate::admission::metrics::AdmissionMetrics;
 use crate::admission::{Gate, Ticket};
-use crate::admission_metrics::AdmissionMetrics;
 use crate::endpoints::EndpointTable;
 use crate::scheduler::Scheduler;
 use crate::telemetry::Metrics;

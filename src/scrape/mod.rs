@@ -651,8 +651,8 @@ mod tests {
     use crate::endpoints::Endpoint;
     use tokio::net::TcpListener;
 
-    const VLLM: &str = include_str!("../tests/fixtures/vllm_metrics.txt");
-    const SGLANG: &str = include_str!("../tests/fixtures/sglang_metrics.txt");
+    const VLLM: &str = include_str!("../../tests/fixtures/vllm_metrics.txt");
+    const SGLANG: &str = include_str!("../../tests/fixtures/sglang_metrics.txt");
 
     #[test]
     fn names_with_colons_are_normalised_for_the_parser() {
@@ -921,7 +921,7 @@ mod tests {
 mod measure {
     use super::*;
 
-    const VLLM: &str = include_str!("../tests/fixtures/vllm_metrics.txt");
+    const VLLM: &str = include_str!("../../tests/fixtures/vllm_metrics.txt");
 
     /// CPU time this thread has used, from `/proc/thread-self/schedstat`.
     fn thread_cpu() -> Duration {
