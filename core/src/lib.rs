@@ -11,6 +11,7 @@
 //! - [`sessions`]: sticky session bindings.
 //! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
 //! - [`scheduler`]: candidates, costs and the pick.
+//! - [`scrape`]: the workers' `/metrics` pages read into load and adapters.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
@@ -32,6 +33,7 @@ pub mod pipeline;
 pub mod replica;
 pub mod request;
 pub mod scheduler;
+pub mod scrape;
 pub mod sessions;
 pub mod time;
 pub mod tokenize;
