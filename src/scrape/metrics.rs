@@ -8,8 +8,8 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::MetricType;
 
-use super::{ScrapeErrors, ScrapeFailure};
 use crate::telemetry::Metrics;
+use kvpick_core::scrape::{ScrapeErrors, ScrapeFailure};
 
 /// Renders [`ScrapeErrors`]: kvpick's counter by reason, and llm-d's
 /// data-layer poll/extract counters (a failed fetch is a poll error; a page kvpick cannot

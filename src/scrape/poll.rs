@@ -1,6 +1,6 @@
 //! Polls every endpoint's Prometheus `/metrics` and stores its load in the
 //! [`EndpointTable`] ([`EndpointState::set_scraped`]), parsed by the core
-//! ([`super::parse_load`], [`super::parse_lora`]).
+//! ([`parse_load`], [`parse_lora`]).
 //!
 //! Each tick (default 50 ms) starts a scrape for every endpoint that has none in
 //! flight, up to a concurrency bound; each scrape has its own timeout, so a slow or
@@ -20,9 +20,11 @@ use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
-use super::{parse_load, parse_lora, ScrapeError, ScrapeErrors, DEFAULT_LORA_INFO_METRIC};
 use crate::endpoints::{EndpointState, EndpointTable, LoraInfo, ScrapedLoad};
 use crate::error_chain::ErrorChain;
+use kvpick_core::scrape::{
+    parse_load, parse_lora, ScrapeError, ScrapeErrors, DEFAULT_LORA_INFO_METRIC,
+};
 
 /// Largest metrics page read, in bytes.
 const MAX_PAGE_BYTES: usize = 8 << 20;
@@ -204,7 +206,7 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>, errors: Arc<Sc
 mod tests {
     use super::*;
     use crate::endpoints::{Endpoint, Engine};
-    use crate::scrape::ScrapeFailure;
+    use kvpick_core::scrape::ScrapeFailure;
     use tokio::net::TcpListener;
 
     const VLLM: &str = include_str!("../../tests/fixtures/vllm_metrics.txt");
@@ -382,7 +384,7 @@ mod tests {
 mod measure {
     use super::*;
     use crate::endpoints::Engine;
-    use crate::scrape::normalise_line;
+    use kvpick_core::scrape::normalise_line;
 
     const VLLM: &str = include_str!("../../tests/fixtures/vllm_metrics.txt");
 

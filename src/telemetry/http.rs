@@ -7,7 +7,7 @@ use axum::routing::get;
 use axum::Router;
 use tokio::net::TcpListener;
 
-use super::Metrics;
+use super::registry::Metrics;
 use crate::endpoints::EndpointTable;
 
 /// Content type of the OpenMetrics text exposition.

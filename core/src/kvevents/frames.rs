@@ -2,7 +2,7 @@
 //! ZMQ multipart `(topic, seq, payload)`, `seq` an 8-byte big-endian counter per
 //! publisher.
 
-use super::DecodeError;
+use super::event::DecodeError;
 
 /// A topic of the form `kv@<pod>@<model>`; other topics (vLLM's default is empty)
 /// give `None`.

@@ -19,7 +19,7 @@
 
 use rmpv::Value;
 
-use super::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent, StorageTier};
+use super::event::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent, StorageTier};
 use crate::multimodal::identity::{parse_extra_key, ExtraKeyHash};
 
 /// An engine's reading of a `medium` field (absent: `None`).

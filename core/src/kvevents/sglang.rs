@@ -3,7 +3,8 @@
 //! With HiCache, `medium` names the tier: absent or `GPU` for device memory,
 //! `CPU_TIER1` / `CPU_TIER2` (any `CPU…` name) for the host-memory tier.
 
-use super::{msgpack, DecodeError, EventBatch, EventDecoder, StorageTier};
+use super::event::{DecodeError, EventBatch, EventDecoder, StorageTier};
+use super::msgpack;
 
 /// The SGLang decoder.
 #[derive(Debug, Clone, Copy, Default)]

@@ -4,7 +4,7 @@
 //! reader of a TensorRT-LLM event stream goes here, with [`EventDecoder::publishes`]
 //! turned true.
 
-use super::{DecodeError, EventBatch, EventDecoder};
+use super::event::{DecodeError, EventBatch, EventDecoder};
 
 /// The TensorRT-LLM decoder.
 #[derive(Debug, Clone, Copy, Default)]

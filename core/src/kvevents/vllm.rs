@@ -2,7 +2,8 @@
 //! `BlockStored.medium` naming the tier: absent or `GPU` for GPU memory, `CPU`
 //! for the CPU offloading connector's host copies, `DISK` for disk.
 
-use super::{msgpack, DecodeError, EventBatch, EventDecoder, StorageTier};
+use super::event::{DecodeError, EventBatch, EventDecoder, StorageTier};
+use super::msgpack;
 
 /// The vLLM decoder.
 #[derive(Debug, Clone, Copy, Default)]
