@@ -16,8 +16,8 @@
 //! wiring of everything together).
 
 pub use kvpick_core::{
-    endpoints, error_chain, health, identity, keys, kv, pipeline, replica, request, sessions, time,
-    tokenize,
+    endpoints, error_chain, flow, health, identity, keys, kv, pipeline, replica, request, sessions,
+    time, tokenize,
 };
 
 pub mod admission;
