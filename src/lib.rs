@@ -9,15 +9,14 @@
 //! [`telemetry`] and [`tracing_export`] (OpenTelemetry traces), [`admin`] and [`server`], which wires them together.
 
 pub use kvpick_core::{
-    admission, endpoints, error_chain, health, identity, keys, kv, multimodal, pipeline, replica,
-    request, scheduler, sessions, time, tokenize,
+    admission, endpoint_picker_config, endpoints, error_chain, health, identity, keys, kv,
+    multimodal, pipeline, replica, request, scheduler, sessions, time, tokenize,
 };
 
 pub mod admin;
 pub mod admission_metrics;
 pub mod config;
 pub mod discovery;
-pub mod endpoint_picker_config;
 pub mod extproc;
 pub mod image_fetch;
 pub mod kvevents;

@@ -9,7 +9,8 @@
 //! - [`kv`]: prefix block hashing and the prefix index.
 //! - [`sessions`]: sticky session bindings.
 //! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
-//! - [`scheduler`]: candidates, costs and the pick.
+//! - [`scheduler`]: candidates, costs and the pick; [`endpoint_picker_config`]:
+//!   the llm-d Router's `EndpointPickerConfig`, built into its plugin list.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
@@ -17,6 +18,7 @@
 //! - [`health`], [`identity`], [`keys`], [`time`], [`error_chain`]: small shared pieces.
 
 pub mod admission;
+pub mod endpoint_picker_config;
 pub mod endpoints;
 pub mod error_chain;
 #[cfg(any(test, feature = "fixtures"))]

@@ -50,8 +50,8 @@ use std::time::{Duration, Instant};
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
 use kvpick::kvevents::KvEventSink;
 use kvpick::scheduler::{
-    Decision, PickRequest, Scheduler, SchedulerConfig, Weights, DEFAULT_PROVISIONAL_TTL,
-    PENDING_PREFILL_WEIGHT,
+    Decision, PickRequest, Plugins, Scheduler, SchedulerConfig, TermWeights,
+    DEFAULT_PROVISIONAL_TTL, PENDING_PREFILL_WEIGHT,
 };
 use serde::Serialize;
 
@@ -128,7 +128,7 @@ pub struct ReplayConfig {
     /// Seed of the policies' tie-breaking generators.
     pub seed: u64,
     /// Cost weights of the kvpick policies.
-    pub kvpick_weights: Weights,
+    pub kvpick_weights: TermWeights,
     /// kvpick's provisional TTL (precise mode).
     pub provisional_ttl: Duration,
     /// kvpick's weight of a pending prefill block.
@@ -145,7 +145,7 @@ impl Default for ReplayConfig {
             speed: 1.0,
             kv_event_delay: Duration::from_millis(50),
             seed: 1,
-            kvpick_weights: Weights::default(),
+            kvpick_weights: TermWeights::default(),
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             pending_prefill_weight: PENDING_PREFILL_WEIGHT,
         }
@@ -246,18 +246,23 @@ impl ReplayArgs {
         }
     }
 
-    /// kvpick's cost weights of these flags.
-    pub fn weights(&self) -> Weights {
-        match self.kvpick_weights {
-            Some([prefill, decode, queue, kv_usage]) => Weights {
-                prefill,
-                decode,
-                queue,
-                kv_usage,
-                ..Weights::default()
-            },
-            None => Weights::default(),
+    /// kvpick's cost weights of these flags (`--kvpick-weights` sets the
+    /// flags of the four weights it names).
+    pub fn weights(&self) -> TermWeights {
+        let mut weights = TermWeights::default();
+        if let Some(given) = self.kvpick_weights {
+            let flags = [
+                "weight-prefill",
+                "weight-decode",
+                "weight-queue",
+                "weight-kv-usage",
+            ];
+            for (flag, w) in flags.into_iter().zip(given) {
+                let known = weights.set_flag(flag, w);
+                debug_assert!(known, "{flag} is a declared weight flag");
+            }
         }
+        weights
     }
 
     /// One config per (capacity, speed), capacities outermost.
@@ -873,7 +878,7 @@ impl Kvpick {
         let base = Instant::now();
         let scheduler = Scheduler::new(SchedulerConfig {
             token_block: cfg.block_tokens,
-            weights: cfg.kvpick_weights,
+            plugins: Plugins::with_weights(&cfg.kvpick_weights, 0.0),
             tie_break_seed: Some(cfg.seed),
             provisional_ttl: cfg.provisional_ttl,
             pending_prefill_weight: cfg.pending_prefill_weight,

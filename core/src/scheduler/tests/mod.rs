@@ -4,7 +4,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::cost::{pick_index, Cand};
+use super::candidates::Cand;
+use super::cost::pick_index;
 use super::*;
 use crate::endpoints::ActiveLoad;
 use crate::endpoints::{Endpoint, EndpointTable, Role};
@@ -158,11 +159,12 @@ fn load_outweighs_overlap_when_the_holder_is_busy() {
 /// A scheduler with these decode and queue weights over two workers, and a clock.
 fn load_weighted(decode: f64, queue: f64) -> (Scheduler, EndpointTable, Instant) {
     let s = Scheduler::new(SchedulerConfig {
-        weights: Weights {
-            decode,
-            queue,
-            ..Weights::default()
-        },
+        plugins: Plugins::with_weights(
+            &TermWeights::default()
+                .with(&terms::load::TERM, decode)
+                .with(&terms::queue::TERM, queue),
+            0.0,
+        ),
         ..Default::default()
     });
     (s, both(2), Instant::now())
