@@ -9,7 +9,7 @@
 //! [`telemetry`] and [`tracing_export`] (OpenTelemetry traces), [`admin`] and [`server`], which wires them together.
 
 pub use kvpick_core::{
-    admission, endpoint_picker_config, endpoints, error_chain, health, identity, keys, kv,
+    admission, endpoint_picker_config, endpoints, error_chain, flow, health, identity, keys, kv,
     multimodal, pipeline, replica, request, scheduler, sessions, time, tokenize,
 };
 

@@ -11,10 +11,13 @@
 //! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
 //! - [`scheduler`]: candidates, costs and the pick; [`endpoint_picker_config`]:
 //!   the llm-d Router's `EndpointPickerConfig`, built into its plugin list.
+//! - [`latency`]: learned per-worker TTFT and decode-time models.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
 //!   body it is forwarded with.
+//! - [`flow`]: one request's life, from its headers to its end (admission, the
+//!   pick, the response), and the observers that follow it ([`flow::FlowObserver`]).
 //! - [`health`], [`identity`], [`keys`], [`time`], [`error_chain`]: small shared pieces.
 
 pub mod admission;
@@ -23,10 +26,12 @@ pub mod endpoints;
 pub mod error_chain;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;
+pub mod flow;
 pub mod health;
 pub mod identity;
 pub mod keys;
 pub mod kv;
+pub mod latency;
 pub mod multimodal;
 pub mod pipeline;
 pub mod replica;
