@@ -16,14 +16,13 @@
 //! wiring of everything together).
 
 pub use kvpick_core::{
-    endpoints, error_chain, flow, health, identity, keys, kv, pipeline, replica, request, sessions,
-    time, tokenize,
+    endpoint_picker_config, endpoints, error_chain, flow, health, identity, keys, kv, pipeline,
+    replica, request, sessions, time, tokenize,
 };
 
 pub mod admission;
 pub mod config;
 pub mod discovery;
-pub mod endpoint_picker_config;
 pub mod extproc;
 pub mod kvevents;
 pub mod multimodal;

@@ -37,8 +37,11 @@ async fn main() -> anyhow::Result<()> {
         for warning in &warnings {
             eprintln!("warning: {warning}");
         }
-        let w = args.scheduler(Vec::new()).weights;
-        println!("ok: cost weights {w:?}");
+        let weights = picker_config.as_ref().map(|m| &m.weights);
+        println!(
+            "ok: cost weights {}",
+            weights.unwrap_or(&args.scheduling.weights.0)
+        );
         return Ok(());
     }
     // Inside the runtime: the OTLP client runs on it.
@@ -53,7 +56,7 @@ async fn main() -> anyhow::Result<()> {
         tracing::warn!("{warning}");
     }
     if let Some(m) = &picker_config {
-        tracing::info!(scorers = ?m.mapped, weights = ?m.weights, "EndpointPickerConfig mapped");
+        tracing::info!(scorers = ?m.mapped, weights = %m.weights, "EndpointPickerConfig mapped");
     }
     kvpick::server::run(args).await?;
     // Dropping the exporter flushes the spans still queued.

@@ -10,7 +10,8 @@
 //! - [`kvevents`]: the engines' KV-event formats, one decoder each.
 //! - [`sessions`]: sticky session bindings.
 //! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
-//! - [`scheduler`]: candidates, costs and the pick.
+//! - [`scheduler`]: candidates, costs and the pick; [`endpoint_picker_config`]:
+//!   the llm-d Router's `EndpointPickerConfig`, built into its plugin list.
 //! - [`latency`]: learned per-worker TTFT and decode-time models.
 //! - [`scrape`]: the workers' `/metrics` pages read into load and adapters.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
@@ -22,6 +23,7 @@
 //! - [`health`], [`identity`], [`keys`], [`time`], [`error_chain`]: small shared pieces.
 
 pub mod admission;
+pub mod endpoint_picker_config;
 pub mod endpoints;
 pub mod error_chain;
 #[cfg(any(test, feature = "fixtures"))]

@@ -103,7 +103,7 @@ impl Collector for SchedulerMetrics {
                 MetricType::Counter,
             )?;
             let scorers = &self.scheduler.plugins().scorers;
-            for (i, scorer) in scorers.iter().take(crate::scheduler::MAX_TERMS).enumerate() {
+            for (i, scorer) in scorers.iter().enumerate() {
                 ConstCounter::new(costs.sum(i)).encode(family.encode_family(&TermLabels {
                     term: scorer.name(),
                 })?)?;

@@ -439,6 +439,7 @@ mod tests {
                     "queue",
                     "kv_usage",
                     "lora",
+                    "running",
                     "failures"
                 ]
             );

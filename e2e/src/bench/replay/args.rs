@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvpick::scheduler::{Weights, DEFAULT_PROVISIONAL_TTL, PENDING_PREFILL_WEIGHT};
+use kvpick::scheduler::{TermWeights, DEFAULT_PROVISIONAL_TTL, PENDING_PREFILL_WEIGHT};
 
 use super::policy::*;
 use crate::bench::sim::TimeModel;
@@ -103,18 +103,25 @@ impl ReplayArgs {
         }
     }
 
-    /// kvpick's cost weights of these flags.
-    pub fn weights(&self) -> Weights {
-        match self.kvpick_weights {
-            Some([prefill, decode, queue, kv_usage]) => Weights {
-                prefill,
-                decode,
-                queue,
-                kv_usage,
-                ..Weights::default()
-            },
-            None => Weights::default(),
+    /// kvpick's cost weights of these flags (`--kvpick-weights` sets the
+    /// flags of the four weights it names).
+    pub fn weights(&self) -> TermWeights {
+        let mut weights = TermWeights::default();
+        if let Some(given) = self.kvpick_weights {
+            for (flag, w) in [
+                "weight-prefill",
+                "weight-decode",
+                "weight-queue",
+                "weight-kv-usage",
+            ]
+            .into_iter()
+            .zip(given)
+            {
+                let known = weights.set_flag(flag, w);
+                debug_assert!(known, "{flag} is a declared weight flag");
+            }
         }
+        weights
     }
 
     /// One config per (capacity, speed), capacities outermost.

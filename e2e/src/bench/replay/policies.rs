@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
 use kvpick::kvevents::KvEventSink;
-use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
+use kvpick::scheduler::{Decision, PickRequest, Plugins, Scheduler, SchedulerConfig};
 
 use super::policy::*;
 use crate::bench::trace::{self, TraceRequest};
@@ -100,7 +100,7 @@ impl Kvpick {
         let base = Instant::now();
         let scheduler = Scheduler::new(SchedulerConfig {
             token_block: cfg.block_tokens,
-            weights: cfg.kvpick_weights,
+            plugins: Plugins::with_weights(&cfg.kvpick_weights, 0.0),
             tie_break_seed: Some(cfg.seed),
             provisional_ttl: cfg.provisional_ttl,
             pending_prefill_weight: cfg.pending_prefill_weight,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvpick::scheduler::{Weights, DEFAULT_PROVISIONAL_TTL, PENDING_PREFILL_WEIGHT};
+use kvpick::scheduler::{TermWeights, DEFAULT_PROVISIONAL_TTL, PENDING_PREFILL_WEIGHT};
 
 use crate::bench::sim::TimeModel;
 use crate::bench::trace::{TraceRequest, BLOCK_TOKENS};
@@ -77,7 +77,7 @@ pub struct ReplayConfig {
     /// Seed of the policies' tie-breaking generators.
     pub seed: u64,
     /// Cost weights of the kvpick policies.
-    pub kvpick_weights: Weights,
+    pub kvpick_weights: TermWeights,
     /// kvpick's provisional TTL (precise mode).
     pub provisional_ttl: Duration,
     /// kvpick's weight of a pending prefill block.
@@ -94,7 +94,7 @@ impl Default for ReplayConfig {
             speed: 1.0,
             kv_event_delay: Duration::from_millis(50),
             seed: 1,
-            kvpick_weights: Weights::default(),
+            kvpick_weights: TermWeights::default(),
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             pending_prefill_weight: PENDING_PREFILL_WEIGHT,
         }
