@@ -9,8 +9,8 @@
 //! [`telemetry`] and [`tracing_export`] (OpenTelemetry traces), [`admin`] and [`server`], which wires them together.
 
 pub use kvpick_core::{
-    admission, endpoints, error_chain, health, identity, keys, kv, multimodal, pipeline, replica,
-    request, scheduler, sessions, time, tokenize,
+    admission, endpoints, error_chain, flow, health, identity, keys, kv, multimodal, pipeline,
+    replica, request, scheduler, sessions, time, tokenize,
 };
 
 pub mod admin;

@@ -21,6 +21,7 @@ use crate::endpoints::EndpointTable;
 use crate::error_chain::ErrorChain;
 use crate::extproc::metrics::ExtProcMetrics;
 use crate::extproc::{ExtProcService, Shared};
+use crate::flow::FlowContext;
 use crate::kvevents::subscriber::{IngestThread, KvEventMetrics, KvEvents, SubscriberConfig};
 use crate::kvevents::KvEventSink;
 use crate::multimodal::MmRouting;
@@ -211,17 +212,21 @@ impl App {
 
     /// The ext_proc service over this state.
     pub fn ext_proc(&self, config: crate::extproc::ExtProcConfig) -> ExtProcService {
+        let pipeline = Pipeline::new(
+            self.scheduler.config().prompt_token_limit(),
+            self.tokenizer.clone(),
+        )
+        .counting_images(Arc::clone(&self.mm_stats));
+        let flow = FlowContext::new(
+            Arc::clone(&self.endpoints),
+            Arc::clone(&self.scheduler),
+            pipeline,
+            self.admission.clone(),
+        );
         ExtProcService::new(Shared {
-            endpoints: Arc::clone(&self.endpoints),
-            scheduler: Arc::clone(&self.scheduler),
+            flow: Arc::new(flow),
             metrics: Arc::clone(&self.metrics),
             extproc_metrics: Arc::clone(&self.extproc_metrics),
-            pipeline: Pipeline::new(
-                self.scheduler.config().prompt_token_limit(),
-                self.tokenizer.clone(),
-            )
-            .counting_images(Arc::clone(&self.mm_stats)),
-            admission: self.admission.clone(),
             admission_metrics: Some(Arc::clone(&self.admission_metrics)),
             body_budget: crate::extproc::budget::BodyBudget::new(config.body_budget_bytes),
             config,

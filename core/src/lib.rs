@@ -14,6 +14,8 @@
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
 //!   body it is forwarded with.
+//! - [`flow`]: one request's life, from its headers to its end (admission, the
+//!   pick, the response), and the observers that follow it ([`flow::FlowObserver`]).
 //! - [`health`], [`identity`], [`keys`], [`time`], [`error_chain`]: small shared pieces.
 
 pub mod admission;
@@ -21,6 +23,7 @@ pub mod endpoints;
 pub mod error_chain;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;
+pub mod flow;
 pub mod health;
 pub mod identity;
 pub mod keys;
