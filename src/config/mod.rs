@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{ArgGroup, Args as ClapArgs, Parser, Subcommand};
+use clap::{Args as ClapArgs, Parser, Subcommand};
 
 use crate::endpoint_picker_config::{EndpointPickerConfigError, Mapping};
 use crate::scheduler::SchedulerConfig;
@@ -34,7 +34,7 @@ pub mod sessions;
 pub mod telemetry;
 pub mod tls;
 
-pub use discovery::{resolve_namespace, DiscoveryFlags};
+pub use discovery::{resolve_namespace, DiscoveryFlags, DEFAULT_STANDALONE_POOL};
 pub use duration::parse_go_duration;
 pub use flow_control::FlowControlFlags;
 pub use gie::GieFlags;
@@ -53,13 +53,15 @@ pub use tls::TlsFlags;
 
 /// kvpick: a KV-cache-aware endpoint picker for the Gateway API Inference Extension.
 ///
-/// The endpoint sources (`--endpoints-file`, `--pool-name`, `--endpoint-selector`)
-/// exclude each other: passing two is an error, not a silent choice. Durations
-/// take a bare integer in the flag's unit (`-ms`, `-secs`) or a Go duration
-/// such as `250ms`, `2s`, `1m30s`.
+/// The endpoints come from one source: `--endpoints-file` (standalone), an
+/// InferencePool (`--pool-name`) or a pod selector (`--endpoint-selector`);
+/// passing two is an error, not a silent choice. With `--endpoints-file`,
+/// `--pool-name` only names the pool (default `standalone`): replicas sharing
+/// a `--replica-sync` server under one pool name route as one, wherever their
+/// endpoints files are. Durations take a bare integer in the flag's unit
+/// (`-ms`, `-secs`) or a Go duration such as `250ms`, `2s`, `1m30s`.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "kvpick", version, about)]
-#[command(group(ArgGroup::new("endpoint_source").args(["endpoints_file", "pool_name", "endpoint_selector"])))]
 pub struct Args {
     /// A subcommand instead of serving.
     #[command(subcommand)]

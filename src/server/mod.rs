@@ -538,7 +538,7 @@ pub async fn run_until(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
     let source = EndpointSource::from_args(&args)?;
-    let pool = pool_label(&args);
+    let pool = args.discovery.pool();
     let mut app = App::with_scheduler(&pool, args.scheduler(session_key(&args)?));
     let replica_sync = args
         .replica_sync
@@ -657,6 +657,7 @@ pub async fn run_until(
     ))
     .await?;
     info!(
+        %pool,
         grpc = args.server.grpc_port,
         health = args.server.grpc_health_port,
         metrics = args.telemetry.metrics_port,
@@ -770,17 +771,6 @@ impl Drop for AbortOnDrop {
     }
 }
 
-fn pool_label(args: &Args) -> String {
-    if let Some(path) = &args.discovery.endpoints_file {
-        return path.display().to_string();
-    }
-    args.discovery
-        .pool_name
-        .clone()
-        .or_else(|| args.discovery.endpoint_selector.clone())
-        .unwrap_or_default()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -822,9 +812,14 @@ mod tests {
             source(&["kvpick", "--endpoints-file", "e.yaml"]),
             Ok(EndpointSource::File(_))
         ));
+        // With a file, `--pool-name` names the pool and is no second source.
+        assert!(matches!(
+            source(&["kvpick", "--endpoints-file", "e.yaml", "--pool-name", "p"]),
+            Ok(EndpointSource::File(_))
+        ));
         // Two sources are refused, not resolved by precedence.
         for two in [
-            &["--endpoints-file", "e.yaml", "--pool-name", "p"],
+            &["--endpoints-file", "e.yaml", "--endpoint-selector", "app=x"],
             &["--pool-name", "p", "--endpoint-selector", "app=x"],
         ] {
             let argv = std::iter::once("kvpick").chain(two.iter().copied());
