@@ -18,10 +18,9 @@
 
 use std::sync::Arc;
 
-use super::{Candidate, RequestCost, Scorer};
+use super::{Candidate, RequestCost, Scorer, Side};
 use crate::latency::features::{MAX_PROMPT_TOKENS, MAX_REQUESTS};
 use crate::latency::{Features, Learner, Prediction};
-use crate::scheduler::candidates::Side;
 use crate::scheduler::Slo;
 
 /// Seconds a candidate predicted to miss a latency objective pays on top of
