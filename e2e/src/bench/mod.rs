@@ -8,6 +8,7 @@ pub mod lowreuse;
 pub mod noop;
 pub mod overhead;
 pub mod overload;
+pub mod peer_epp;
 pub mod plot;
 pub mod replay;
 pub mod replicas;
