@@ -2,6 +2,7 @@
 //! replayed trace against simulated workers, and index scale. Each subcommand
 //! returns a serialisable report that prints as a Markdown table or one JSON object.
 
+pub mod agreement;
 pub mod flood;
 pub mod instructions;
 pub mod lowreuse;

@@ -292,7 +292,8 @@ pub async fn routed_request(
     routed_request_to(ch, "/v1/chat/completions", body).await
 }
 
-async fn routed_request_to(
+/// [`routed_request`] to `path`.
+pub async fn routed_request_to(
     ch: &Channel,
     path: &str,
     body: &[u8],

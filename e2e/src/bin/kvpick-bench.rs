@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use e2e::bench::{
-    flood, instructions, lowreuse, overhead, overload, peer_epp, plot, replay, replicas, scale,
-    sync,
+    agreement, flood, instructions, lowreuse, overhead, overload, peer_epp, plot, replay, replicas,
+    scale, sync,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -161,6 +161,22 @@ enum Command {
         /// kvpick's `--kv-events-max-queued-bytes`.
         #[arg(long, default_value_t = 256 << 20)]
         max_queued_bytes: u64,
+    },
+    /// How often the replay's `llm-d` policy picks as the real peer endpoint
+    /// picker does on the same decisions (needs e2e/peers/install-gie-epp.sh).
+    Agreement {
+        /// Mock workers in the pool.
+        #[arg(long, default_value_t = 8)]
+        workers: usize,
+        /// Requests sent.
+        #[arg(long, default_value_t = 2_000)]
+        requests: usize,
+        /// Prefix groups the requests share.
+        #[arg(long, default_value_t = 12)]
+        groups: usize,
+        /// Seed of the prompts and of the re-implementation's tie-break.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     /// One server of an overhead cell, in its own process: prints its port, serves
     /// until stdin closes.
@@ -410,6 +426,28 @@ fn main() -> anyhow::Result<()> {
                 max_queued_bytes,
             };
             let report = tokio::runtime::Runtime::new()?.block_on(flood::run(&cfg))?;
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
+        Command::Agreement {
+            workers,
+            requests,
+            groups,
+            seed,
+        } => {
+            let Some(exe) = peer_epp::installed() else {
+                anyhow::bail!(
+                    "{} is not installed: run e2e/peers/install-gie-epp.sh (or set {})",
+                    peer_epp::PINNED,
+                    peer_epp::BIN_ENV
+                );
+            };
+            let cfg = agreement::AgreementConfig {
+                workers,
+                requests,
+                groups,
+                seed,
+            };
+            let report = tokio::runtime::Runtime::new()?.block_on(agreement::run(&exe, &cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
         Command::OverheadServer {
