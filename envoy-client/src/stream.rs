@@ -32,7 +32,7 @@ pub struct Answers {
 /// ext_proc server sends only after the body: Envoy sends the body meanwhile).
 enum Incoming {
     Waiting(JoinHandle<Result<tonic::Response<Streaming<ProcessingResponse>>, tonic::Status>>),
-    Open(Streaming<ProcessingResponse>),
+    Open(Box<Streaming<ProcessingResponse>>),
 }
 
 impl Drop for Answers {
@@ -48,7 +48,7 @@ impl Answers {
     async fn next(&mut self) -> Option<Result<ProcessingResponse, tonic::Status>> {
         if let Incoming::Waiting(call) = &mut self.incoming {
             match call.await {
-                Ok(Ok(response)) => self.incoming = Incoming::Open(response.into_inner()),
+                Ok(Ok(response)) => self.incoming = Incoming::Open(Box::new(response.into_inner())),
                 Ok(Err(status)) => return Some(Err(status)),
                 Err(_) => return None,
             }

@@ -1235,10 +1235,63 @@ mod tests {
         assert_eq!(
             ServerKind::Kvpick {
                 endpoints: 8,
-                tracing: Tracing::All
+                tracing: Tracing::All,
+                workers_port: None,
             }
             .args(),
             ["--endpoints", "8", "--tracing", "all"]
+        );
+    }
+
+    #[test]
+    fn a_kvpick_over_mock_workers_names_their_port_and_the_peer_gets_its_table() {
+        let kind = ServerKind::Kvpick {
+            endpoints: 100,
+            tracing: Tracing::Off,
+            workers_port: Some(18_000),
+        };
+        assert_eq!(
+            kind.args(),
+            ["--endpoints", "100", "--workers-port", "18000"]
+        );
+        let fig = |cpu: f64| ServerFigures {
+            p50_us: 10.0,
+            p99_us: 20.0,
+            rps: 1000.0,
+            peak_rss_mib: 30.0,
+            cpu_us_per_request: cpu,
+        };
+        let run = |peer: Option<ServerFigures>| OverheadRun {
+            body_bytes: 4096,
+            endpoints: 100,
+            tracing: Tracing::Off,
+            spans_exported: 0,
+            kvpick: fig(100.0),
+            noop: fig(80.0),
+            p99_ratio: 1.0,
+            throughput_ratio: 1.0,
+            cpu_ratio: 1.25,
+            peer_cpu_ratio: peer.map(|p| p.cpu_us_per_request / 100.0),
+            idle: peer.map(|_| IdleCpu {
+                kvpick_percent: 12.5,
+                peer_percent: 40.0,
+            }),
+            peer,
+        };
+        let without = OverheadReport {
+            runs: vec![run(None)],
+        };
+        assert!(!without.markdown().contains("peer EPP"));
+        let with = OverheadReport {
+            runs: vec![run(None), run(Some(fig(900.0)))],
+        };
+        let md = with.markdown();
+        assert!(md.contains(super::super::peer_epp::PINNED), "{md}");
+        assert!(
+            md.contains(
+                "| 4096 | 100 | 100 | 900 | 80 | 9.0 | 10 | 10 | 20 | 20 | 30 | 30 | 12.5 | 40.0 |"
+            ),
+            "{md}"
         );
     }
 
