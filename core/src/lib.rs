@@ -7,13 +7,18 @@
 //! - [`request`]: one pass over an inference body (model, prompt, `nvext`, images).
 //! - [`endpoints`]: the live table of workers and their load.
 //! - [`kv`]: prefix block hashing and the prefix index.
+//! - [`kvevents`]: the engines' KV-event formats, one decoder each.
 //! - [`sessions`]: sticky session bindings.
 //! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
 //! - [`scheduler`]: candidates, costs and the pick.
+//! - [`latency`]: learned per-worker TTFT and decode-time models.
+//! - [`scrape`]: the workers' `/metrics` pages read into load and adapters.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
 //!   body it is forwarded with.
+//! - [`flow`]: one request's life, from its headers to its end (admission, the
+//!   pick, the response), and the observers that follow it ([`flow::FlowObserver`]).
 //! - [`health`], [`identity`], [`keys`], [`time`], [`error_chain`]: small shared pieces.
 
 pub mod admission;
@@ -21,15 +26,19 @@ pub mod endpoints;
 pub mod error_chain;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;
+pub mod flow;
 pub mod health;
 pub mod identity;
 pub mod keys;
 pub mod kv;
+pub mod kvevents;
+pub mod latency;
 pub mod multimodal;
 pub mod pipeline;
 pub mod replica;
 pub mod request;
 pub mod scheduler;
+pub mod scrape;
 pub mod sessions;
 pub mod time;
 pub mod tokenize;

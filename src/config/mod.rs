@@ -612,7 +612,7 @@ mod tests {
             .image_fetch
             .config()
             .unwrap();
-        assert_eq!(policy, crate::image_fetch::FetchPolicy::default());
+        assert_eq!(policy, crate::multimodal::fetch::FetchPolicy::default());
         assert_eq!(limits, crate::multimodal::remote::FetchLimits::default());
         let (policy, limits) = Args::try_parse_from([
             "kvpick",

@@ -79,6 +79,11 @@ impl Reservation {
         ok
     }
 
+    /// The budget it holds against.
+    pub fn budget(&self) -> &BodyBudget {
+        &self.budget
+    }
+
     /// Bytes held.
     pub fn held(&self) -> usize {
         self.held

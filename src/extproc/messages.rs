@@ -76,6 +76,13 @@ pub fn set_header(key: &str, value: impl Into<Vec<u8>>) -> HeaderValueOption {
     }
 }
 
+/// Overwrite-or-add options for `(name, value)` pairs.
+pub fn set_headers<K: AsRef<str>, V: Into<Vec<u8>>>(
+    pairs: impl IntoIterator<Item = (K, V)>,
+) -> impl Iterator<Item = HeaderValueOption> {
+    pairs.into_iter().map(|(k, v)| set_header(k.as_ref(), v))
+}
+
 /// The `envoy.lb` dynamic metadata naming the destination.
 pub fn destination_metadata(address: &str) -> Struct {
     let inner = Struct {
@@ -285,6 +292,25 @@ impl Iterator for Echo {
     }
 }
 
+/// The headers answer carrying a decision: its header `mutation`, and the
+/// `envoy.lb` metadata naming `destination` (its endpoints, comma-separated).
+pub fn routed_headers(mutation: HeaderMutation, destination: &str) -> ProcessingResponse {
+    let metadata = Some(destination_metadata(destination));
+    request_headers(common(Some(mutation), true), metadata)
+}
+
+/// [`routed_headers`] on the body answer (buffered modes), replacing the body
+/// with `replacement` when there is one.
+pub fn routed_body(
+    mutation: HeaderMutation,
+    destination: &str,
+    replacement: Option<Vec<u8>>,
+) -> ProcessingResponse {
+    let mut common = common(Some(mutation), true);
+    common.body_mutation = replacement.map(replace_body);
+    body(common, Some(destination_metadata(destination)), false)
+}
+
 /// Answer to trailers (request or response path), passing them through.
 pub fn trailers(response_path: bool) -> ProcessingResponse {
     let t = TrailersResponse::default();
@@ -317,6 +343,14 @@ pub fn immediate_error(status: u16, kind: &str, message: &str) -> ProcessingResp
             ..Default::default()
         })),
         ..Default::default()
+    }
+}
+
+/// Adds header `key: value` to an immediate reply (nothing on other answers).
+pub fn add_immediate_header(answer: &mut ProcessingResponse, key: &str, value: &str) {
+    if let Some(Response::ImmediateResponse(ir)) = &mut answer.response {
+        let headers = ir.headers.get_or_insert_with(Default::default);
+        headers.set_headers.push(set_header(key, value));
     }
 }
 

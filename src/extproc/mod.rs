@@ -5,10 +5,12 @@
 //! INTERNAL status and never touches others. The answers go from the work to the
 //! response stream through an [`Outbox`] that wakes nobody: both run in one task.
 
+pub mod body;
 pub mod budget;
 pub mod conformance;
 pub mod messages;
 pub mod metrics;
+pub mod mode;
 pub mod stream;
 
 use std::collections::VecDeque;
@@ -29,10 +31,9 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
 
-use crate::admission::{Gate, Ticket};
-use crate::admission_metrics::AdmissionMetrics;
-use crate::endpoints::EndpointTable;
-use crate::scheduler::Scheduler;
+use crate::admission::metrics::AdmissionMetrics;
+use crate::admission::Ticket;
+use crate::flow::FlowContext;
 use crate::telemetry::Metrics;
 use metrics::ExtProcMetrics;
 use stream::StreamState;
@@ -73,20 +74,15 @@ impl Default for ExtProcConfig {
 
 /// What every stream shares.
 pub struct Shared {
-    /// The live endpoint set.
-    pub endpoints: Arc<EndpointTable>,
-    /// The routing core.
-    pub scheduler: Arc<Scheduler>,
+    /// What every request's flow shares: the endpoint set, the scheduler, the
+    /// pipeline, admission, and the flows' observers.
+    pub flow: Arc<FlowContext>,
     /// Prometheus metrics.
     pub metrics: Arc<Metrics>,
     /// The ext_proc server's own metrics.
     pub extproc_metrics: Arc<metrics::ExtProcMetrics>,
     /// Handler settings.
     pub config: ExtProcConfig,
-    /// Parses, identifies images and tokenizes bodies; edits the forwarded one.
-    pub pipeline: crate::pipeline::Pipeline,
-    /// Admission and flow control.
-    pub admission: Gate,
     /// Objective metrics the stream records (request errors and durations).
     pub admission_metrics: Option<Arc<AdmissionMetrics>>,
     /// The process-wide buffered-body budget.

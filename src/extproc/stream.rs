@@ -4,55 +4,34 @@
 //! request headers, request body (full-duplex streamed, buffered/streamed, or none),
 //! trailers, and the response path. [`StreamState::handle`] is synchronous and
 //! returns the messages to send back, so the protocol can be tested without a server.
+//!
+//! It translates: Envoy's messages become the events of the request's
+//! [`RequestFlow`] (which admits, picks, follows the response and finishes), and
+//! the flow's [`Step`]s become Envoy's answers. What stays here is the
+//! protocol: body modes, buffering and its budget, deadlines, the answers'
+//! shapes, metrics and the request's trace span.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request, HeaderMutation, HttpBody, HttpHeaders, ProcessingRequest,
     ProcessingResponse,
 };
 use tracing::{debug, info, warn};
 
-use super::budget::Reservation;
+use super::body::{Overflow, RequestBuffer};
 use super::conformance;
 use super::messages::{self, find_header, set_header, EnvoyHeaders};
+use super::mode::BodyMode;
 use super::Shared;
-use crate::admission::{Permit, Rejection, RequestClass, Ticket, Verdict, DROPPED_REASON_HEADER};
-use crate::endpoints::{InFlightGuard, Snapshot};
-use crate::pipeline::{self, Prepared, RequestHead, TokenizeJob, Tokenized};
-use crate::request::usage::ResponseTail;
-use crate::scheduler::{Decision, PickError, PickRequest};
+use crate::admission::{Permit, Rejection, Ticket, DROPPED_REASON_HEADER};
+use crate::flow::{Refusal, RequestFlow, Routing, Step};
+use crate::pipeline::{RequestHead, TokenizeJob, Tokenized};
+use crate::scheduler::PickError;
 use crate::telemetry::RequestResult;
 use crate::tracing_export::RequestSpan;
-
-/// How Envoy sends the request body on this stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyMode {
-    /// Not announced and not yet inferred.
-    Unknown,
-    /// FULL_DUPLEX_STREAMED: chunks arrive without waiting; kvpick answers the
-    /// headers after the last chunk and streams the body back.
-    FullDuplex,
-    /// BUFFERED, BUFFERED_PARTIAL or STREAMED: Envoy waits for the headers answer,
-    /// then sends the body, one answer per body message.
-    Buffered,
-    /// NONE: the body is never sent to kvpick.
-    None,
-}
-
-impl BodyMode {
-    fn from_config(mode: i32) -> BodyMode {
-        match BodySendMode::try_from(mode) {
-            Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
-            Ok(BodySendMode::None) => BodyMode::None,
-            Ok(_) => BodyMode::Buffered,
-            Err(_) => BodyMode::Unknown,
-        }
-    }
-}
 
 /// Where the stream stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,76 +53,34 @@ pub struct StreamState {
     response_mode: BodyMode,
     phase: Phase,
     headers_answered: bool,
-    /// What the request headers said (empty until they arrive).
-    head: RequestHead,
-    subset: Option<Vec<String>>,
-    body: Vec<u8>,
-    /// The buffered body's share of the process-wide budget.
-    reservation: Reservation,
-    /// When the request headers arrived: the body deadline and the request's
-    /// duration count from here.
-    headers_at: Option<Instant>,
-    routed: Option<Routed>,
-    response_status: Option<u16>,
-    /// Response headers arrived (only the first count).
-    response_seen: bool,
-    /// A complete body waiting for its tokens.
-    tokenizing: Option<Box<RequestBody>>,
-    /// A body waiting in a flow-control queue.
-    admitting: Option<Box<Admitting>>,
-    /// The request's admission class, once its body is parsed.
-    class: Option<RequestClass>,
+    /// The request itself: admission, the pick, the response, the end.
+    flow: RequestFlow,
+    /// The request body until it is complete.
+    body: RequestBuffer,
+    /// The complete body ended the request stream (no trailers follow).
+    body_ended_stream: bool,
     /// The routed body being streamed back (full duplex).
     echo: Option<messages::Echo>,
-    /// The response body's length and tail (for the engine's token usage).
-    response_tail: ResponseTail,
     /// With the conformance hooks: the served endpoint the gateway reported.
     served: Option<String>,
     /// The request's OpenTelemetry span; `None` when tracing is off.
     trace: Option<Box<RequestSpan>>,
 }
 
-/// A request held by flow control: routed once its ticket is answered.
-struct Admitting {
-    body: RequestBody,
-    ticket: Option<Ticket>,
-}
-
-/// A complete request body on its way to a decision.
-struct RequestBody {
-    prepared: Prepared,
-    /// The body ended the request stream (no trailers follow).
-    end_of_stream: bool,
-}
-
-struct Routed {
-    decision: Decision,
-    _in_flight: InFlightGuard,
-}
-
 impl StreamState {
     /// A fresh stream.
     pub fn new(shared: Arc<Shared>) -> Self {
-        let reservation = shared.body_budget.reservation();
+        let body = RequestBuffer::new(&shared.body_budget, shared.config.max_body_bytes);
         StreamState {
+            flow: RequestFlow::new(Arc::clone(&shared.flow)),
             shared,
             request_mode: BodyMode::Unknown,
             response_mode: BodyMode::Unknown,
             phase: Phase::Start,
             headers_answered: false,
-            head: RequestHead::default(),
-            subset: None,
-            body: Vec::new(),
-            reservation,
-            headers_at: None,
-            routed: None,
-            response_status: None,
-            response_seen: false,
-            tokenizing: None,
-            admitting: None,
-            class: None,
+            body,
+            body_ended_stream: false,
             echo: None,
-            response_tail: ResponseTail::default(),
             served: None,
             trace: None,
         }
@@ -153,58 +90,56 @@ impl StreamState {
     /// [`StreamState::admitted`] once it resolves. Dropping the ticket instead
     /// (the stream went away) takes the request out of its queue.
     pub fn take_ticket(&mut self) -> Option<Ticket> {
-        self.admitting.as_mut()?.ticket.take()
+        self.flow.take_ticket()
     }
 
     /// Routes the queued body once flow control lets it go, or answers 429.
     pub fn admitted(&mut self, verdict: Result<Permit, Rejection>) -> Vec<ProcessingResponse> {
-        let Some(admitting) = self.admitting.take() else {
-            return Vec::new();
-        };
         if let Some(t) = &mut self.trace {
             t.admitted();
         }
-        match verdict {
-            Ok(permit) => {
-                let snapshot = self.shared.endpoints.snapshot();
-                let out = self.route(Some(admitting.body), &snapshot);
-                drop(permit);
-                out
-            }
-            Err(why) => vec![self.shed(why)],
-        }
+        let step = self.flow.admitted(verdict, Instant::now());
+        step.map_or_else(Vec::new, |step| self.answer(step))
     }
 
-    /// Passes a prepared body through admission, then routes it (or holds it, or sheds it).
-    fn admit(&mut self, body: RequestBody) -> Vec<ProcessingResponse> {
-        let class = self
-            .shared
-            .admission
-            .classify(body.prepared.signals(&self.head));
-        let bytes = body.prepared.body_len();
-        if let (Some(m), true) = (&self.shared.admission_metrics, bytes > 0) {
-            m.request_size(&class, bytes);
-        }
-        self.class = Some(class.clone());
-        let snapshot = self.shared.endpoints.snapshot();
-        match self.shared.admission.admit(class, &snapshot) {
-            Verdict::Go(permit) => {
-                let out = self.route(Some(body), &snapshot);
-                drop(permit);
-                out
-            }
-            Verdict::Wait(ticket) => {
-                debug!("pool saturated: request queued by flow control");
+    /// The tokenization a complete body is waiting for, if any; answer with
+    /// [`StreamState::tokenized`].
+    pub fn take_tokenize_job(&mut self) -> Option<TokenizeJob> {
+        self.flow.take_tokenize_job()
+    }
+
+    /// Admits and routes the body that was waiting for its tokens.
+    pub fn tokenized(&mut self, tokenized: Tokenized) -> Vec<ProcessingResponse> {
+        let step = self.flow.tokenized(tokenized, Instant::now());
+        step.map_or_else(Vec::new, |step| self.answer(step))
+    }
+
+    /// The answers to what the flow did with the request.
+    fn answer(&mut self, step: Step) -> Vec<ProcessingResponse> {
+        match step {
+            Step::Tokenizing => Vec::new(),
+            Step::Queued => {
                 if let Some(t) = &mut self.trace {
                     t.queued();
                 }
-                self.admitting = Some(Box::new(Admitting {
-                    body,
-                    ticket: Some(ticket),
-                }));
                 Vec::new()
             }
-            Verdict::Reject(why) => vec![self.shed(why)],
+            Step::Routed(routing) => self.forward(routing),
+            Step::Refused(Refusal::BadRequest(e)) => {
+                self.shared.metrics.record_result(RequestResult::BadRequest);
+                vec![self.reject(400, "invalid_request_error", &e.to_string())]
+            }
+            Step::Refused(Refusal::NoEndpoint(e)) => {
+                let result = match e {
+                    PickError::SubsetEmpty => RequestResult::SubsetEmpty,
+                    _ => RequestResult::NoEndpoint,
+                };
+                self.shared.metrics.record_result(result);
+                self.record_error("ServiceUnavailable");
+                warn!(error = %e, "no endpoint");
+                vec![self.reject(503, "service_unavailable", &e.to_string())]
+            }
+            Step::Refused(Refusal::Shed(why)) => vec![self.shed(why)],
         }
     }
 
@@ -217,35 +152,14 @@ impl StreamState {
         }
         let message = format!("{why} ({})", why.reason());
         let mut out = self.reject(429, "rate_limit_exceeded", &message);
-        if let Some(envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response::ImmediateResponse(ir)) = &mut out.response {
-            ir.headers
-                .get_or_insert_with(Default::default)
-                .set_headers
-                .push(set_header(DROPPED_REASON_HEADER, why.reason()));
-        }
+        messages::add_immediate_header(&mut out, DROPPED_REASON_HEADER, why.reason());
         out
     }
 
     fn record_error(&self, code: &'static str) {
-        if let (Some(class), Some(m)) = (&self.class, &self.shared.admission_metrics) {
+        if let (Some(class), Some(m)) = (self.flow.class(), &self.shared.admission_metrics) {
             m.error(class, code);
         }
-    }
-
-    /// The tokenization a complete body is waiting for, if any; answer with
-    /// [`StreamState::tokenized`].
-    pub fn take_tokenize_job(&mut self) -> Option<TokenizeJob> {
-        self.tokenizing.as_mut()?.prepared.take_tokenize_job()
-    }
-
-    /// Admits and routes the body that was waiting for its tokens
-    /// ([`Prepared::tokenized`]).
-    pub fn tokenized(&mut self, tokenized: Tokenized) -> Vec<ProcessingResponse> {
-        let Some(mut waiting) = self.tokenizing.take() else {
-            return Vec::new();
-        };
-        waiting.prepared.tokenized(tokenized);
-        self.admit(*waiting)
     }
 
     /// When the request body must be complete, while it is still arriving.
@@ -253,7 +167,7 @@ impl StreamState {
         if self.phase != Phase::RequestBody {
             return None;
         }
-        Some(self.headers_at? + self.shared.config.body_deadline)
+        Some(self.flow.started_at()? + self.shared.config.body_deadline)
     }
 
     /// The body did not complete by [`StreamState::body_deadline`]: 408.
@@ -294,7 +208,8 @@ impl StreamState {
         }
         debug!("no body after headers: inferring BUFFERED request body mode");
         self.request_mode = BodyMode::Buffered;
-        let out = self.route_without_body();
+        let step = self.flow.route_on_headers(Instant::now());
+        let out = self.answer(step);
         if !self.is_done() {
             self.phase = Phase::RequestBody;
         }
@@ -335,8 +250,10 @@ impl StreamState {
             self.request_mode = BodyMode::from_config(pc.request_body_mode);
             self.response_mode = BodyMode::from_config(pc.response_body_mode);
         }
-        if self.subset.is_none() {
-            self.subset = messages::subset_hint(msg.metadata_context.as_ref());
+        if self.flow.subset().is_none() {
+            if let Some(hint) = messages::subset_hint(msg.metadata_context.as_ref()) {
+                self.flow.set_subset(hint);
+            }
         }
         if matches!(msg.request, Some(Request::ResponseHeaders(_))) {
             self.follow_served(msg.metadata_context.as_ref());
@@ -379,24 +296,29 @@ impl StreamState {
             &cfg.session_token_header,
         );
         if cfg.conformance_test_hooks {
-            let snapshot = self.shared.endpoints.snapshot();
+            let snapshot = self.shared.flow.endpoints.snapshot();
             if let Some(sel) = find_header(h.headers.as_ref(), conformance::SELECTION_HEADER)
                 .and_then(|v| conformance::selected(&v, &snapshot))
             {
-                self.subset = Some(conformance::within(sel, self.subset.as_deref()));
+                let within = conformance::within(sel, self.flow.subset());
+                self.flow.set_subset(within);
             }
         }
-        self.headers_at = Some(Instant::now());
         if !head.spoofed.is_empty() {
             info!(headers = ?head.spoofed, "client sent routing headers; removing them");
             self.shared.extproc_metrics.spoofed_headers.inc();
         }
         debug!(path = %head.path, request_id = ?head.request_id, "request headers");
         self.trace = RequestSpan::start(h.headers.as_ref(), &head.path);
-        self.head = head;
+        if self.trace.is_some() {
+            self.flow.record_terms();
+        }
+        let now = Instant::now();
+        self.flow.request_headers(head, now);
         if h.end_of_stream || self.request_mode == BodyMode::None {
             // Header-only request (GET /v1/models) or a body Envoy will never send.
-            return self.route_without_body();
+            let step = self.flow.route_on_headers(now);
+            return self.answer(step);
         }
         self.phase = Phase::RequestBody;
         if self.request_mode == BodyMode::Buffered {
@@ -411,38 +333,17 @@ impl StreamState {
             debug!(phase = ?self.phase, "request body outside the body phase; passing through");
             return self.pass_request_body(b);
         }
-        if self.request_mode == BodyMode::Unknown {
-            self.request_mode = if self.headers_answered {
-                BodyMode::Buffered
-            } else {
-                BodyMode::FullDuplex
-            };
+        self.request_mode = self.request_mode.on_request_body(self.headers_answered);
+        if let Err(overflow) = self.body.push(&b.body, self.flow.head().content_length) {
+            let msg = overflow.to_string();
+            return vec![match overflow {
+                Overflow::TooLarge { .. } => self.reject(413, "invalid_request_error", &msg),
+                Overflow::OverBudget { .. } => {
+                    self.shared.extproc_metrics.body_budget_rejections.inc();
+                    self.reject(429, "rate_limit_exceeded", &msg)
+                }
+            }];
         }
-        if self.body.len() + b.body.len() > self.shared.config.max_body_bytes {
-            let msg = format!(
-                "request body exceeds the {} byte limit",
-                self.shared.config.max_body_bytes
-            );
-            return vec![self.reject(413, "invalid_request_error", &msg)];
-        }
-        if !self.reservation.grow(b.body.len()) {
-            let budget = &self.shared.body_budget;
-            let msg = format!(
-                "kvpick is buffering {} of its {} byte request-body budget; this body does not fit, retry later",
-                budget.used(),
-                budget.limit()
-            );
-            self.shared.extproc_metrics.body_budget_rejections.inc();
-            return vec![self.reject(429, "rate_limit_exceeded", &msg)];
-        }
-        if self.body.is_empty() {
-            // One allocation of the announced size instead of doubling growth.
-            let announced = self.head.content_length;
-            if let Some(n) = announced.filter(|n| *n <= self.shared.config.max_body_bytes) {
-                self.body.reserve_exact(n);
-            }
-        }
-        self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
             return match self.request_mode {
                 // Streamed mode expects one answer per chunk; pass it on unchanged.
@@ -472,148 +373,60 @@ impl StreamState {
     }
 
     fn finish_request_body(&mut self, end_of_stream: bool) -> Vec<ProcessingResponse> {
-        let body = std::mem::take(&mut self.body);
-        let prepared = match self.shared.pipeline.prepare(body, &self.head) {
-            Ok(p) => p,
-            Err(e) => {
-                self.shared.metrics.record_result(RequestResult::BadRequest);
-                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
-            }
-        };
-        let body = RequestBody {
-            prepared,
-            end_of_stream,
-        };
-        if body.prepared.waits_for_tokens() {
-            self.tokenizing = Some(Box::new(body));
-            return Vec::new();
-        }
-        self.admit(body)
+        self.body_ended_stream = end_of_stream;
+        let body = self.body.take();
+        let step = self.flow.request_body(body, Instant::now());
+        self.answer(step)
     }
 
-    /// Routes a request that has no body on its headers alone, in the current
-    /// endpoint set.
-    fn route_without_body(&mut self) -> Vec<ProcessingResponse> {
-        let snapshot = self.shared.endpoints.snapshot();
-        self.route(None, &snapshot)
-    }
-
-    /// Picks the target of the request (with its complete `body`, or on its
-    /// headers alone) in `snapshot` and answers with the decision.
-    fn route(&mut self, body: Option<RequestBody>, snapshot: &Snapshot) -> Vec<ProcessingResponse> {
+    /// Answers with the flow's decision: the routing headers and the
+    /// destination, on the body answer (buffered), on the headers answer before
+    /// the body streamed back (full duplex), or on the headers answer alone.
+    fn forward(&mut self, routing: Routing) -> Vec<ProcessingResponse> {
         // The body leaves the stream's buffer with this answer.
-        self.reservation.release();
-        let started = Instant::now();
-        let req = PickRequest {
-            body: body.as_ref().map(|b| &b.prepared.request),
-            subset: self.subset.as_deref(),
-            session_id: self.head.session_id.as_deref(),
-            session_token: self.head.session_token.as_deref(),
-        };
-        let picked = match &self.trace {
-            None => self.shared.scheduler.pick(&req, snapshot),
-            Some(t) => self
-                .shared
-                .scheduler
-                .pick_with_terms(&req, snapshot)
-                .map(|(d, terms)| {
-                    t.routed(&d, &terms);
-                    d
-                }),
-        };
-        let decision = match picked {
-            Ok(d) => d,
-            Err(e) => {
-                let result = match e {
-                    PickError::SubsetEmpty => RequestResult::SubsetEmpty,
-                    _ => RequestResult::NoEndpoint,
-                };
-                self.shared.metrics.record_result(result);
-                self.record_error("ServiceUnavailable");
-                warn!(error = %e, "no endpoint");
-                return vec![self.reject(503, "service_unavailable", &e.to_string())];
-            }
-        };
-        // A body that follows a decision made on its headers alone (see
-        // `body_wait_expired`) replaces that decision; the request counts once.
-        let rerouted = self
-            .routed
-            .take()
-            .map(|r| self.shared.scheduler.cancel(&r.decision));
-        if rerouted.is_none() {
-            self.shared.metrics.record_decision(started.elapsed());
+        self.body.release();
+        if !routing.replaced {
+            // A body replacing a decision made on its headers counts once.
+            self.shared.metrics.record_decision(routing.decided_in);
             self.shared.metrics.record_result(RequestResult::Routed);
         }
-        debug!(
-            endpoint = %decision.decode.endpoint().address,
-            worker = decision.decode.endpoint().instance_id,
-            dp_rank = decision.decode.rank,
-            prefill = ?decision.prefill.as_ref().map(|p| p.endpoint().instance_id),
-            "routed"
-        );
-        let end_of_stream = body.as_ref().is_some_and(|b| b.end_of_stream);
-        let outcome = match pipeline::outcome(&decision, &self.head, body.map(|b| b.prepared)) {
-            Ok(outcome) => outcome,
-            Err(e) => {
-                self.shared.metrics.record_result(RequestResult::BadRequest);
-                return vec![self.reject(400, "invalid_request_error", &e.to_string())];
-            }
-        };
-        let mut mutation = HeaderMutation {
-            set_headers: outcome
-                .set_headers
-                .into_iter()
-                .map(|(name, value)| set_header(name, value))
-                .collect(),
-            remove_headers: outcome.remove_headers,
-        };
+        if let (Some(t), Some(terms), Some(d)) = (&self.trace, &routing.terms, self.flow.decision())
+        {
+            t.routed(d, terms);
+        }
+        let outcome = routing.outcome;
+        let mut set_headers: Vec<_> = messages::set_headers(outcome.set_headers).collect();
         if let Some(t) = &self.trace {
             // The worker's spans continue this request's trace from kvpick's span.
-            let context = t.forward_headers().into_iter();
-            mutation
-                .set_headers
-                .extend(context.map(|(name, value)| set_header(name, value)));
+            set_headers.extend(messages::set_headers(t.forward_headers()));
         }
-        let metadata = Some(messages::destination_metadata(&outcome.destination));
-        let guard = decision.begin();
-        self.routed = Some(Routed {
-            decision,
-            _in_flight: guard,
-        });
+        let mutation = HeaderMutation {
+            set_headers,
+            remove_headers: outcome.remove_headers,
+        };
+        let destination = &outcome.destination;
         self.phase = Phase::Routed;
-        match outcome.body {
+        let answer = match outcome.body {
+            // Buffered: the decision rides on the body answer.
             Some(body) if self.headers_answered => {
-                // Buffered: the decision rides on the body answer.
-                let mut common = messages::common(Some(mutation), true);
-                if body.changed {
-                    common.body_mutation = Some(messages::replace_body(body.bytes));
-                }
-                vec![messages::body(common, metadata, false)]
+                messages::routed_body(mutation, destination, body.changed.then_some(body.bytes))
             }
+            // Full duplex: headers answer first, then the body streamed back.
             Some(body) => {
-                // Full duplex: headers answer first, then the body streamed back.
-                self.headers_answered = true;
-                self.echo = Some(messages::Echo::new(body.bytes, end_of_stream));
-                vec![messages::request_headers(
-                    messages::common(Some(mutation), true),
-                    metadata,
-                )]
+                self.echo = Some(messages::Echo::new(body.bytes, self.body_ended_stream));
+                messages::routed_headers(mutation, destination)
             }
-            None => {
-                // Header-only: the decision rides on the headers answer.
-                self.headers_answered = true;
-                vec![messages::request_headers(
-                    messages::common(Some(mutation), true),
-                    metadata,
-                )]
-            }
-        }
+            // Header-only: the decision rides on the headers answer.
+            None => messages::routed_headers(mutation, destination),
+        };
+        self.headers_answered = true;
+        vec![answer]
     }
 
     /// Answers held request headers with CONTINUE, removing spoofed routing headers.
     fn continue_headers(&mut self) -> ProcessingResponse {
         self.headers_answered = true;
-        let remove = self.head.spoofed.clone();
+        let remove = self.flow.head().spoofed.clone();
         let mutation = (!remove.is_empty()).then(|| HeaderMutation {
             remove_headers: remove,
             ..Default::default()
@@ -629,34 +442,18 @@ impl StreamState {
         }
     }
 
-    /// The first response of a request routed with fallbacks: when the
-    /// gateway reports (`envoy.lb` metadata) it served the request from a
-    /// fallback, the booking and the in-flight count move there, so load,
-    /// health and the session follow where the request runs.
+    /// The first response of a request routed with fallbacks: the gateway
+    /// reports (`envoy.lb` metadata) which endpoint served it, and the flow
+    /// follows it there.
     fn follow_served(&mut self, metadata: Option<&Metadata>) {
-        if self.phase != Phase::Routed || self.response_seen {
+        if self.phase != Phase::Routed || !self.flow.follows_served() {
             return;
         }
-        let Some(r) = self
-            .routed
-            .as_mut()
-            .filter(|r| !r.decision.fallbacks.is_empty())
-        else {
-            return;
-        };
-        let Some(served) = messages::served_endpoint(metadata)
+        if let Some(served) = messages::served_endpoint(metadata)
             .ok()
             .and_then(|s| s.trim().parse().ok())
-        else {
-            return;
-        };
-        if self
-            .shared
-            .scheduler
-            .serve_on_fallback(&mut r.decision, served)
         {
-            // The primary's guard drops as the served rank's begins.
-            r._in_flight = r.decision.begin();
+            self.flow.served_by(served, Instant::now());
         }
     }
 
@@ -664,42 +461,31 @@ impl StreamState {
         // Only the first response headers of a request this stream routed and
         // sent on count (for health and sessions): a caller repeating them, or
         // sending them before its request went out, changes nothing.
-        if self.phase != Phase::Routed || self.response_seen {
+        let status = find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
+        let body_follows = self.response_mode != BodyMode::None;
+        let start = match self.phase {
+            Phase::Routed => self
+                .flow
+                .response_headers(status, body_follows, Instant::now()),
+            _ => None,
+        };
+        let Some(start) = start else {
             debug!(phase = ?self.phase, "response headers that do not count");
             if h.end_of_stream {
                 self.finish();
             }
             return vec![messages::response_headers(self.with_served(None))];
+        };
+        if start.ejected {
+            self.shared.extproc_metrics.endpoint_ejections.inc();
         }
-        self.response_seen = true;
-        self.response_status =
-            find_header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok());
-        if let (Some(status), Some(r)) = (self.response_status, &self.routed) {
-            self.record_health(&r.decision, status);
-        }
-        if let (Some(status), Some(t)) = (self.response_status, &self.trace) {
+        if let (Some(status), Some(t)) = (status, &self.trace) {
             t.response(status);
         }
-        // Only a successful response carries scheduler headers (a session token
-        // must not pin a session to a worker that failed its turn).
-        let ok = self
-            .response_status
-            .is_some_and(|s| (200..300).contains(&s));
-        let mutation = self
-            .routed
-            .as_ref()
-            .filter(|_| ok)
-            .and_then(|r| self.shared.scheduler.response_headers(&r.decision))
-            .map(|headers| HeaderMutation {
-                set_headers: headers
-                    .into_iter()
-                    .map(|(k, v)| set_header(&k, v))
-                    .collect(),
-                ..Default::default()
-            });
-        if self.response_mode == BodyMode::None {
-            self.prefill_done();
-        }
+        let mutation = start.headers.map(|headers| HeaderMutation {
+            set_headers: messages::set_headers(headers).collect(),
+            ..Default::default()
+        });
         if h.end_of_stream {
             self.finish();
         }
@@ -718,24 +504,16 @@ impl StreamState {
     }
 
     fn on_response_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {
-        if self.response_mode == BodyMode::Unknown {
-            // GIE configures both directions alike; follow the request side.
-            self.response_mode = match self.request_mode {
-                BodyMode::FullDuplex => BodyMode::FullDuplex,
-                _ => BodyMode::Buffered,
-            };
-        }
-        self.prefill_done();
+        self.response_mode = self.response_mode.on_response_body(self.request_mode);
+        let seen: &[u8] = match self.response_mode {
+            BodyMode::None => &[],
+            _ => &b.body,
+        };
+        self.flow.response_chunk(seen, Instant::now());
         let out = match self.response_mode {
-            BodyMode::FullDuplex => {
-                self.response_tail.push(&b.body);
-                messages::streamed_body(&b.body, b.end_of_stream, true)
-            }
+            BodyMode::FullDuplex => messages::streamed_body(&b.body, b.end_of_stream, true),
             BodyMode::None => Vec::new(),
-            _ => {
-                self.response_tail.push(&b.body);
-                vec![messages::body(messages::common(None, false), None, true)]
-            }
+            _ => vec![messages::body(messages::common(None, false), None, true)],
         };
         if b.end_of_stream {
             self.finish();
@@ -743,47 +521,12 @@ impl StreamState {
         out
     }
 
-    /// The routed request's prefill is over, so the scheduler stops counting
-    /// its uncached blocks on its worker. Signalled at the first response body
-    /// chunk (a streamed response's first token comes after the prefill); when
-    /// Envoy sends no response body (mode NONE), at the response headers. In
-    /// BUFFERED mode the first chunk is the whole body: late, never early
-    /// (response headers of a streamed response can precede the first token).
-    /// The scheduler releases once however often this is called.
-    fn prefill_done(&self) {
-        if let Some(r) = &self.routed {
-            self.shared.scheduler.prefill_done(&r.decision);
-        }
-    }
-
-    /// Passive health: the pod's (or Envoy's local) answer to a routed request.
-    fn record_health(&self, decision: &Decision, status: u16) {
-        if self
-            .shared
-            .scheduler
-            .record_response(decision, status, Instant::now())
-        {
-            self.shared.extproc_metrics.endpoint_ejections.inc();
-            warn!(
-                endpoint = %decision.decode.endpoint().address,
-                status,
-                failures = decision.decode.state.health().failures(),
-                "endpoint ejected after failing responses"
-            );
-        }
-    }
-
-    /// The request has finished (response complete): release in-flight and tell the
-    /// scheduler how it went.
+    /// The request has finished (response complete): the flow settles it, and
+    /// its objective metrics record how it went.
     fn finish(&mut self) {
-        if let Some(r) = self.routed.take() {
-            self.shared
-                .scheduler
-                .finish(&r.decision, self.response_status);
-            if let (Some(class), Some(m)) = (&self.class, &self.shared.admission_metrics) {
-                let tail = &self.response_tail;
-                let took = self.headers_at.map_or(Duration::ZERO, |at| at.elapsed());
-                m.finished(class, took, tail.total(), tail.usage());
+        if let Some(done) = self.flow.finish(Instant::now()) {
+            if let (Some(class), Some(m)) = (self.flow.class(), &self.shared.admission_metrics) {
+                m.finished(class, done.took, done.tail.total(), done.tail.usage());
             }
         }
         self.phase = Phase::Done;
@@ -794,18 +537,8 @@ impl StreamState {
             t.rejected(status, message);
         }
         self.phase = Phase::Done;
-        self.body = Vec::new();
-        self.reservation.release();
+        self.body.release();
         messages::immediate_error(status, kind, message)
-    }
-}
-
-impl Drop for StreamState {
-    fn drop(&mut self) {
-        // The stream ended early (client gone, Envoy reset): the request is over.
-        if let Some(r) = self.routed.take() {
-            self.shared.scheduler.finish(&r.decision, None);
-        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Socket-free tests of the stream state machine.
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 
 use std::collections::HashSet;
@@ -113,7 +114,7 @@ fn headers_answered_after_the_body_wait_carry_a_destination() {
     assert_eq!(out.len(), 1);
     assert!(matches!(out[0].response, Some(Response::RequestBody(_))));
     let routed = destination(&out[0]).expect("body answer without a destination");
-    let d = &s.routed.as_ref().unwrap().decision;
+    let d = s.flow.decision().unwrap();
     assert_eq!(booked(&app), d.load_blocks + d.decode_blocks);
     assert!(d.prompt_blocks > 0, "routed on the body, not the headers");
     assert!([early.as_str(), routed.as_str()]
@@ -277,7 +278,7 @@ fn repeated_or_early_response_headers_change_nothing() {
     s.handle(post_headers());
     let out = s.handle(body_chunk(br#"{"model":"m","prompt":"hi"}"#, true));
     let to = destination(&out[0]).unwrap();
-    let ep = Arc::clone(&s.routed.as_ref().unwrap().decision.decode.state);
+    let ep = Arc::clone(&s.flow.decision().unwrap().decode.state);
     // One real failure, then forged repeats of it on the same stream: enough to
     // eject the worker (3 failures) if each counted.
     let not_last = |status: &str| {
@@ -357,7 +358,7 @@ fn the_first_response_body_chunk_ends_the_prefill_once() {
         s
     };
     let (mut first, second) = (route("a"), route("b"));
-    let decision = |s: &StreamState| s.routed.as_ref().unwrap().decision.clone();
+    let decision = |s: &StreamState| s.flow.decision().unwrap().clone();
     let (d1, d2) = (decision(&first), decision(&second));
     let load = || d1.decode.state.active_load(d1.decode.rank);
     assert!(d1.uncached_blocks >= 10 && d2.uncached_blocks >= 10);
@@ -399,7 +400,7 @@ fn overlap_of(service: &crate::extproc::ExtProcService, tenant: Option<&str>, bo
     });
     let out = s.handle(body_chunk(body.as_bytes(), true));
     assert!(destination(&out[0]).is_some(), "not routed: {out:?}");
-    let overlap = s.routed.as_ref().unwrap().decision.overlap_blocks;
+    let overlap = s.flow.decision().unwrap().overlap_blocks;
     s.handle(response_headers("200"));
     overlap
 }
@@ -625,4 +626,101 @@ fn a_request_served_by_a_fallback_moves_its_booking_there() {
         assert_eq!(load(served), (0, 0));
         assert_eq!(load(other), (0, 0));
     }
+}
+
+/// Counts what a flow observer is told.
+#[derive(Default)]
+struct Counted(parking_lot::Mutex<Vec<&'static str>>);
+
+impl crate::flow::FlowObserver for Counted {
+    fn routed(&self, _: crate::flow::FlowId, _: &crate::scheduler::Decision, _: Instant) {
+        self.0.lock().push("routed");
+    }
+
+    fn first_chunk(
+        &self,
+        _: crate::flow::FlowId,
+        _: &crate::scheduler::Decision,
+        _: Instant,
+        _: usize,
+    ) {
+        self.0.lock().push("first");
+    }
+
+    fn chunk(&self, _: crate::flow::FlowId, _: &crate::scheduler::Decision, _: Instant, _: usize) {
+        self.0.lock().push("chunk");
+    }
+
+    fn ended(
+        &self,
+        _: crate::flow::FlowId,
+        _: &crate::scheduler::Decision,
+        _: Instant,
+        end: crate::flow::FlowEnd,
+    ) {
+        self.0.lock().push(match end {
+            crate::flow::FlowEnd::Finished { .. } => "finished",
+            crate::flow::FlowEnd::Cancelled => "cancelled",
+        });
+    }
+}
+
+#[test]
+fn the_observers_in_shared_see_each_stream_end_once() {
+    let app = app();
+    let service = app.ext_proc(ExtProcConfig::default());
+    let counted = Arc::new(Counted::default());
+    let base = &service.shared;
+    let flow = crate::flow::FlowContext::new(
+        Arc::clone(&app.endpoints),
+        Arc::clone(&app.scheduler),
+        base.flow.pipeline.clone(),
+        base.flow.admission.clone(),
+    )
+    .observed_by(Arc::clone(&counted) as _);
+    let shared = Arc::new(crate::extproc::Shared {
+        flow: Arc::new(flow),
+        metrics: Arc::clone(&base.metrics),
+        extproc_metrics: Arc::clone(&base.extproc_metrics),
+        config: base.config.clone(),
+        admission_metrics: None,
+        body_budget: base.body_budget.clone(),
+    });
+    let routed = || {
+        let mut s = StreamState::new(Arc::clone(&shared));
+        s.handle(post_headers());
+        s.handle(body_chunk(br#"{"model":"m","prompt":"hi"}"#, true));
+        let mut headers = response_headers("200");
+        if let Some(Request::ResponseHeaders(h)) = headers.request.as_mut() {
+            h.end_of_stream = false;
+        }
+        s.handle(headers);
+        s.handle(response_chunk(b"data: 1\n\n", false));
+        s
+    };
+    // The body's end of stream, then trailers: the request ends once.
+    let mut s = routed();
+    s.handle(response_chunk(b"data: [DONE]\n\n", true));
+    s.handle(ProcessingRequest {
+        request: Some(Request::ResponseTrailers(Default::default())),
+        ..Default::default()
+    });
+    drop(s);
+    // A stream gone mid-response: cancelled, and nothing stays in flight.
+    drop(routed());
+    assert_eq!(
+        *counted.0.lock(),
+        [
+            "routed",
+            "first",
+            "chunk",
+            "finished",
+            "routed",
+            "first",
+            "cancelled"
+        ]
+    );
+    let snapshot = app.endpoints.snapshot();
+    assert!(snapshot.endpoints.iter().all(|e| e.in_flight(0) == 0));
+    assert_eq!(booked(&app), 0);
 }

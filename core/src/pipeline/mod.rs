@@ -6,8 +6,8 @@
 //! 2. [`Pipeline::prepare`] takes the complete body: parses it, identifies its
 //!    images and, with an in-process tokenizer, leaves the [`TokenizeJob`] it
 //!    waits for ([`Prepared`]).
-//! 3. The caller admits it ([`Prepared::signals`]) and picks its target (the
-//!    scheduler), holding the request meanwhile as its protocol requires.
+//! 3. The request's flow ([`crate::flow`]) admits it ([`Prepared::signals`])
+//!    and picks its target (the scheduler), while its protocol holds the request.
 //! 4. [`outcome`] turns the decision into the headers to set and remove and the
 //!    body to forward, edited once.
 //!

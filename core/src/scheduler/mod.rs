@@ -1,9 +1,9 @@
 //! The routing decision: candidates → filters → scores → pick.
 //!
-//! Pure core: no gRPC, Kubernetes or network types. The ext_proc glue hands in a
-//! parsed request and an endpoint [`Snapshot`]; this module returns a [`Decision`]
-//! naming the decode (destination) worker rank and, in disaggregated pools, the
-//! prefill worker rank.
+//! Pure core: no gRPC, Kubernetes or network types. A request's flow
+//! ([`crate::flow`]) hands in a parsed request and an endpoint [`Snapshot`];
+//! this module returns a [`Decision`] naming the decode (destination) worker
+//! rank and, in disaggregated pools, the prefill worker rank.
 //!
 //! Stages of one pick (each timed in [`SchedulerStats`]):
 //! 1. session: a live binding (or a valid signed token) pins the request to its
@@ -441,7 +441,7 @@ impl Scheduler {
 
     /// [`Scheduler::cancel`] at a given instant; a decision whose response
     /// never began starts its guesses' wait for events now.
-    fn cancel_at(&self, decision: &Decision, now: Instant) {
+    pub fn cancel_at(&self, decision: &Decision, now: Instant) {
         let pending = decision.prefilled.mark();
         if pending {
             self.await_confirmation(decision, now);

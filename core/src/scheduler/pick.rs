@@ -43,14 +43,15 @@ impl Scheduler {
 
     /// [`Scheduler::pick`], also returning the chosen decode rank's cost term
     /// by term as scored before its booking (what a trace of the request
-    /// shows). The plain pick never computes them.
+    /// shows), at a given instant. The plain pick never computes them.
     pub fn pick_with_terms(
         &self,
         req: &PickRequest<'_>,
         snapshot: &Snapshot,
+        now: Instant,
     ) -> Result<(Decision, CostTerms), PickError> {
         let mut traced = RouteWithTerms::default();
-        let decision = self.run(req, snapshot, Instant::now(), &mut traced)?;
+        let decision = self.run(req, snapshot, now, &mut traced)?;
         Ok((decision, traced.terms))
     }
 

@@ -15,8 +15,8 @@
 //! other work on the machine that comes and goes during a cell falls on both.
 //!
 //! kvpick's child runs what `kvpick` runs in production: the allocator pin of
-//! `main` ([`kvpick::malloc::pin_mmap_threshold`]) and, in a tracing cell,
-//! kvpick's OTLP exporter ([`kvpick::tracing_export`]) sending to a real
+//! `main` ([`kvpick::server::malloc::pin_mmap_threshold`]) and, in a tracing cell,
+//! kvpick's OTLP exporter ([`kvpick::telemetry::tracing_export`]) sending to a real
 //! OTLP/gRPC receiver in the driving process ([`crate::otlp`]). The no-op child
 //! does neither: it stands for the proxy without kvpick.
 
@@ -33,7 +33,7 @@ use envoy_client::{BodyMode, EnvoyStream, Phase, ResponseOutcome};
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
-use kvpick::tracing_export::{Exporter, TraceSettings};
+use kvpick::telemetry::tracing_export::{Exporter, TraceSettings};
 use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::TcpListener;
@@ -346,7 +346,7 @@ pub enum Tracing {
     /// No exporter (kvpick's default).
     Off,
     /// `--tracing` with its default sampling (parent-based, one root trace in
-    /// [`kvpick::tracing_export::DEFAULT_RATIO`]).
+    /// [`kvpick::telemetry::tracing_export::DEFAULT_RATIO`]).
     On,
     /// `--tracing` with `OTEL_TRACES_SAMPLER_ARG=1`: every request exported.
     All,

@@ -460,7 +460,7 @@ fn main() -> anyhow::Result<()> {
                 true => overhead::ServerKind::Noop,
                 false => {
                     // As `kvpick`'s `main` does, before any allocation of note.
-                    kvpick::malloc::pin_mmap_threshold();
+                    kvpick::server::malloc::pin_mmap_threshold();
                     overhead::ServerKind::Kvpick {
                         endpoints,
                         tracing,

@@ -1,5 +1,13 @@
 //! Wiring: builds the shared state from [`Args`] and runs the listeners
-//! (ext_proc, health, metrics) and discovery until one of them fails.
+//! (ext_proc, health, metrics, admin) and discovery until one of them fails.
+//!
+//! Beside it, what only the server uses: TLS for the ext_proc port ([`tls`]),
+//! the admin gRPC service ([`admin`]) and the allocator setting `main` pins
+//! first ([`malloc`]).
+
+pub mod admin;
+pub mod malloc;
+pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,23 +21,25 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 use tracing::{info, warn};
 
+use crate::admission::metrics::AdmissionMetrics;
 use crate::admission::{AdmissionConfig, Gate, Objectives};
-use crate::admission_metrics::AdmissionMetrics;
 use crate::config::Args;
 use crate::discovery;
 use crate::endpoints::EndpointTable;
 use crate::error_chain::ErrorChain;
 use crate::extproc::metrics::ExtProcMetrics;
 use crate::extproc::{ExtProcService, Shared};
-use crate::kvevents::subscriber::{IngestThread, KvEventMetrics, KvEvents, SubscriberConfig};
+use crate::flow::FlowContext;
+use crate::kvevents::metrics::KvEventMetrics;
+use crate::kvevents::subscriber::{IngestThread, KvEvents, SubscriberConfig};
 use crate::kvevents::KvEventSink;
 use crate::multimodal::MmRouting;
 use crate::pipeline::Pipeline;
 use crate::replica_sync::ReplicaSync;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::telemetry::{self, Metrics};
-use crate::tls::ServerTls;
 use crate::tokenize::{TokenizeError, Tokenizer, TokenizerPool};
+use tls::ServerTls;
 
 /// Why kvpick stopped.
 #[derive(Debug, thiserror::Error)]
@@ -44,7 +54,7 @@ pub enum ServeError {
     },
     /// TLS set-up failed.
     #[error(transparent)]
-    Tls(#[from] crate::tls::TlsError),
+    Tls(#[from] tls::TlsError),
     /// The gRPC server failed.
     #[error("gRPC server failed")]
     Grpc(#[from] tonic::transport::Error),
@@ -82,7 +92,7 @@ pub enum ServeError {
     Tokenizer(#[from] TokenizeError),
     /// The remote image fetcher could not be set up.
     #[error("cannot set up image fetching")]
-    ImageFetch(#[from] crate::image_fetch::ImageFetchSetupError),
+    ImageFetch(#[from] crate::multimodal::fetch::ImageFetchSetupError),
     /// `--inference-objectives` is malformed.
     #[error(transparent)]
     Objectives(#[from] crate::admission::priority::ObjectiveSpecError),
@@ -130,7 +140,7 @@ impl App {
     pub fn with_scheduler(pool: &str, scheduler: SchedulerConfig) -> Self {
         let scheduler = Arc::new(Scheduler::new(scheduler));
         let metrics = Arc::new(Metrics::new(pool));
-        crate::scheduler_metrics::SchedulerMetrics::register(&metrics, Arc::clone(&scheduler));
+        crate::scheduler::metrics::SchedulerMetrics::register(&metrics, Arc::clone(&scheduler));
         let extproc_metrics = ExtProcMetrics::register(&metrics);
         let admission_metrics = AdmissionMetrics::register(&metrics, pool);
         let off = AdmissionConfig {
@@ -211,17 +221,21 @@ impl App {
 
     /// The ext_proc service over this state.
     pub fn ext_proc(&self, config: crate::extproc::ExtProcConfig) -> ExtProcService {
+        let pipeline = Pipeline::new(
+            self.scheduler.config().prompt_token_limit(),
+            self.tokenizer.clone(),
+        )
+        .counting_images(Arc::clone(&self.mm_stats));
+        let flow = FlowContext::new(
+            Arc::clone(&self.endpoints),
+            Arc::clone(&self.scheduler),
+            pipeline,
+            self.admission.clone(),
+        );
         ExtProcService::new(Shared {
-            endpoints: Arc::clone(&self.endpoints),
-            scheduler: Arc::clone(&self.scheduler),
+            flow: Arc::new(flow),
             metrics: Arc::clone(&self.metrics),
             extproc_metrics: Arc::clone(&self.extproc_metrics),
-            pipeline: Pipeline::new(
-                self.scheduler.config().prompt_token_limit(),
-                self.tokenizer.clone(),
-            )
-            .counting_images(Arc::clone(&self.mm_stats)),
-            admission: self.admission.clone(),
             admission_metrics: Some(Arc::clone(&self.admission_metrics)),
             body_budget: crate::extproc::budget::BodyBudget::new(config.body_budget_bytes),
             config,
@@ -326,7 +340,7 @@ pub async fn shutdown_signal() {
 /// without one).
 pub async fn serve_admin(
     listener: Option<TcpListener>,
-    admin: crate::admin::Admin,
+    admin: admin::Admin,
 ) -> Result<(), ServeError> {
     match listener {
         Some(l) => Ok(Server::builder()
@@ -467,9 +481,9 @@ fn remote_images(
         ?limits,
         "fetching remote images to identify them by content"
     );
-    let fetcher = crate::image_fetch::HttpImageFetcher::new(
+    let fetcher = crate::multimodal::fetch::HttpImageFetcher::new(
         policy,
-        crate::image_fetch::HttpImageFetcher::system_roots(),
+        crate::multimodal::fetch::HttpImageFetcher::system_roots(),
     )?;
     Ok(Some(Arc::new(
         crate::multimodal::remote::RemoteImages::new(Arc::new(fetcher), limits),
@@ -543,7 +557,7 @@ pub async fn run_until(
         let exact = tokenizer.has_vision();
         let mut pool = TokenizerPool::new(tokenizer, args.multimodal.tokenizer_threads);
         if let Some(remote) = remote_images(&args, exact)? {
-            crate::multimodal_metrics::ImageFetchMetrics::register(
+            crate::multimodal::metrics::ImageFetchMetrics::register(
                 &app.metrics,
                 Arc::clone(remote.stats()),
             );
@@ -553,7 +567,7 @@ pub async fn run_until(
     } else {
         remote_images(&args, false)?;
     }
-    crate::multimodal_metrics::MultimodalMetrics::register(
+    crate::multimodal::metrics::MultimodalMetrics::register(
         &app.metrics,
         Arc::clone(&app.mm_stats),
         mm_routing(&args),
@@ -609,7 +623,7 @@ pub async fn run_until(
         Arc::clone(&app.endpoints),
         Arc::clone(&app.scrape_errors),
     );
-    let tls = crate::tls::ext_proc(
+    let tls = tls::ext_proc(
         args.tls.secure_serving,
         args.tls.cert_path.as_deref(),
         args.tls.client_ca_path.as_deref(),
@@ -622,7 +636,7 @@ pub async fn run_until(
         }
     });
     if let Some(tls) = &tls {
-        crate::tls::TlsMetrics::register(&app.metrics, tls.stats());
+        tls::TlsMetrics::register(&app.metrics, tls.stats());
         if args.tls.enable_cert_reload && !tls.reloads() {
             warn!("--enable-cert-reload with neither --cert-path nor --client-ca-path: a self-signed certificate is never reloaded");
         }
@@ -659,7 +673,7 @@ pub async fn run_until(
             Some(bind(addr).await?)
         }
     };
-    let admin_service = crate::admin::Admin::new(
+    let admin_service = admin::Admin::new(
         Arc::clone(&app.scheduler),
         Arc::clone(&app.endpoints),
         app.tokenizer.clone(),

@@ -318,6 +318,7 @@ impl AdmissionMetrics {
 }
 
 impl AdmissionObserver for AdmissionMetrics {
+    /// Counts the request, and records its body's size when it has one.
     fn classified(&self, class: &RequestClass) {
         self.requests
             .get_or_create(&ObjectiveLabels {
@@ -327,6 +328,9 @@ impl AdmissionObserver for AdmissionMetrics {
                 priority: class.priority,
             })
             .inc();
+        if class.bytes > 0 {
+            self.request_size(class, class.bytes);
+        }
     }
 
     fn left(&self, class: &RequestClass, outcome: Outcome, waited: Duration) {

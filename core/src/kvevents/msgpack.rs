@@ -1,7 +1,6 @@
-//! Decoding vLLM / SGLang KV-event messages: bytes in, events out. Pure: no I/O.
+//! The KV-event payload vLLM and SGLang share: a msgpack-encoded event batch.
+//! Pure: bytes in, events out.
 //!
-//! A message is a ZMQ multipart `(topic, seq, payload)`: `seq` is an 8-byte
-//! big-endian counter per publisher, `payload` is a msgpack-encoded event batch.
 //! msgspec encodes the batch and its events either as arrays (`array_like=True`,
 //! older vLLM and SGLang) or as maps (newer vLLM); both are accepted:
 //!
@@ -15,133 +14,19 @@
 //! integers (signed or unsigned 64-bit) or byte strings, of which the last 8 bytes
 //! are read big-endian. vLLM's `extra_keys` are read for their multimodal
 //! hashes ([`BlockStored::block_mm_hashes`]) and the first block's cache salt
-//! ([`BlockStored::cache_salt`]).
+//! ([`BlockStored::cache_salt`]). The engines name storage tiers their own way:
+//! each decoder passes its reading of the `medium` field ([`TierNames`]).
 
 use rmpv::Value;
 
+use super::event::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent, StorageTier};
 use crate::multimodal::identity::{parse_extra_key, ExtraKeyHash};
 
-/// Why a message could not be decoded.
-#[derive(Debug, thiserror::Error)]
-pub enum DecodeError {
-    /// The multipart message does not have the (topic, seq, payload) frames.
-    #[error("expected 3 frames (topic, seq, payload), got {0}")]
-    Frames(usize),
-    /// The sequence frame is not 8 bytes.
-    #[error("sequence frame must be 8 bytes, got {0}")]
-    SeqLength(usize),
-    /// The payload is not valid msgpack.
-    #[error("payload is not msgpack")]
-    Msgpack(#[source] rmpv::decode::Error),
-    /// The payload is msgpack but not an event batch.
-    #[error("malformed event batch: {0}")]
-    Batch(&'static str),
-    /// An event of a known type lacks a field or has one of the wrong type.
-    #[error("malformed {event} event: field `{field}`")]
-    Event {
-        /// Event type.
-        event: &'static str,
-        /// Offending field.
-        field: &'static str,
-    },
-}
+/// An engine's reading of a `medium` field (absent: `None`).
+pub type TierNames = fn(Option<&str>) -> StorageTier;
 
-/// One KV-cache event.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KvEvent {
-    /// Blocks were filled and are now cached.
-    BlockStored(BlockStored),
-    /// Blocks were evicted.
-    BlockRemoved(BlockRemoved),
-    /// The whole cache was reset.
-    AllBlocksCleared,
-    /// An event type this decoder does not know (its tag), ignored by ingest.
-    Unknown(String),
-}
-
-/// `BlockStored`: full blocks whose KV is now in the cache.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct BlockStored {
-    /// Engine hashes of the stored blocks, in chain order.
-    pub block_hashes: Vec<u64>,
-    /// Engine hash of the block before the first one; `None` at the start of a prompt.
-    pub parent_block_hash: Option<u64>,
-    /// Token ids of all stored blocks, concatenated.
-    pub token_ids: Vec<u32>,
-    /// Tokens per block.
-    pub block_size: usize,
-    /// LoRA adapter id (deprecated by vLLM in favour of `lora_name`).
-    pub lora_id: Option<i64>,
-    /// Storage tier (`"GPU"`, `"CPU"`, …); `None` means GPU.
-    pub medium: Option<String>,
-    /// LoRA adapter name.
-    pub lora_name: Option<String>,
-    /// KV-cache group of hybrid models; `None` for single-group models.
-    pub group_idx: Option<i64>,
-    /// Multimodal hashes per block, from vLLM's `extra_keys` (64-character hex
-    /// strings; LoRA names, cache salts and prompt-embedding keys are left out).
-    /// Empty when no block has one; otherwise one entry per block, in order.
-    pub block_mm_hashes: Vec<Vec<ExtraKeyHash>>,
-    /// The request's `cache_salt`, from the first block's `extra_keys`: vLLM
-    /// adds it there (after the LoRA name and mm hashes) when the block starts
-    /// the prompt. Only meaningful without a parent.
-    pub cache_salt: Option<String>,
-}
-
-/// `BlockRemoved`: blocks evicted from the cache.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct BlockRemoved {
-    /// Engine hashes of the removed blocks.
-    pub block_hashes: Vec<u64>,
-    /// Storage tier; `None` means GPU.
-    pub medium: Option<String>,
-    /// KV-cache group of hybrid models.
-    pub group_idx: Option<i64>,
-}
-
-/// A decoded event batch.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EventBatch {
-    /// Publisher timestamp (seconds since the Unix epoch).
-    pub ts: f64,
-    /// The events, in order.
-    pub events: Vec<KvEvent>,
-    /// Data-parallel rank that published the batch, when given.
-    pub dp_rank: Option<u32>,
-}
-
-/// A topic of the form `kv@<pod>@<model>`; other topics (vLLM's default is empty)
-/// give `None`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Topic {
-    /// The pod (or worker) name.
-    pub pod: String,
-    /// The model name.
-    pub model: String,
-}
-
-/// Parses a `kv@<pod>@<model>` topic; the model may itself contain `@`.
-pub fn parse_topic(topic: &[u8]) -> Option<Topic> {
-    let s = std::str::from_utf8(topic).ok()?;
-    let rest = s.strip_prefix("kv@")?;
-    let (pod, model) = rest.split_once('@')?;
-    Some(Topic {
-        pod: pod.to_string(),
-        model: model.to_string(),
-    })
-}
-
-/// Reads the 8-byte big-endian sequence frame. vLLM's replay end marker (-1) reads
-/// as `u64::MAX`.
-pub fn decode_seq(frame: &[u8]) -> Result<u64, DecodeError> {
-    let b: [u8; 8] = frame
-        .try_into()
-        .map_err(|_| DecodeError::SeqLength(frame.len()))?;
-    Ok(u64::from_be_bytes(b))
-}
-
-/// Decodes a msgpack event-batch payload.
-pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+/// Decodes a msgpack event-batch payload, reading `medium` fields with `tiers`.
+pub fn decode_batch(payload: &[u8], tiers: TierNames) -> Result<EventBatch, DecodeError> {
     let mut rd = payload;
     let value = rmpv::decode::read_value(&mut rd).map_err(DecodeError::Msgpack)?;
     let (ts, events, rank) = match &value {
@@ -158,7 +43,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
         .and_then(Value::as_array)
         .ok_or(DecodeError::Batch("events"))?
         .iter()
-        .map(decode_event)
+        .map(|e| decode_event(e, tiers))
         .collect::<Result<Vec<_>, _>>()?;
     let dp_rank = match rank {
         None | Some(Value::Nil) => None,
@@ -198,7 +83,7 @@ impl<'a> Fields<'a> {
     }
 }
 
-fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
+fn decode_event(value: &Value, tiers: TierNames) -> Result<KvEvent, DecodeError> {
     let (tag, fields) = match value {
         Value::Array(items) => (
             items.first().and_then(Value::as_str),
@@ -212,8 +97,8 @@ fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
     };
     let tag = tag.ok_or(DecodeError::Batch("event without a type tag"))?;
     match tag {
-        "BlockStored" => decode_stored(&fields).map(KvEvent::BlockStored),
-        "BlockRemoved" => decode_removed(&fields).map(KvEvent::BlockRemoved),
+        "BlockStored" => decode_stored(&fields, tiers).map(KvEvent::BlockStored),
+        "BlockRemoved" => decode_removed(&fields, tiers).map(KvEvent::BlockRemoved),
         "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
         other => Ok(KvEvent::Unknown(other.to_string())),
     }
@@ -222,7 +107,7 @@ fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
 const STORED: &str = "BlockStored";
 const REMOVED: &str = "BlockRemoved";
 
-fn decode_stored(f: &Fields<'_>) -> Result<BlockStored, DecodeError> {
+fn decode_stored(f: &Fields<'_>, tiers: TierNames) -> Result<BlockStored, DecodeError> {
     let err = |field| DecodeError::Event {
         event: STORED,
         field,
@@ -254,7 +139,7 @@ fn decode_stored(f: &Fields<'_>) -> Result<BlockStored, DecodeError> {
         token_ids,
         block_size,
         lora_id,
-        medium: opt_str(f.get(5, "medium")),
+        tier: tiers(f.get(5, "medium").and_then(Value::as_str)),
         cache_salt: extra_keys_salt(extra_keys, lora_name.as_deref(), lora_id.is_some()),
         lora_name,
         block_mm_hashes: extra_keys_mm_hashes(extra_keys),
@@ -316,14 +201,14 @@ fn extra_keys_mm_hashes(v: Option<&Value>) -> Vec<Vec<ExtraKeyHash>> {
     }
 }
 
-fn decode_removed(f: &Fields<'_>) -> Result<BlockRemoved, DecodeError> {
+fn decode_removed(f: &Fields<'_>, tiers: TierNames) -> Result<BlockRemoved, DecodeError> {
     let block_hashes = hash_list(f.get(0, "block_hashes")).ok_or(DecodeError::Event {
         event: REMOVED,
         field: "block_hashes",
     })?;
     Ok(BlockRemoved {
         block_hashes,
-        medium: opt_str(f.get(1, "medium")),
+        tier: tiers(f.get(1, "medium").and_then(Value::as_str)),
         group_idx: opt_int(f.get(2, "group_idx")),
     })
 }
@@ -395,23 +280,7 @@ mod tests {
     }
 
     #[test]
-    fn topic_forms() {
-        assert_eq!(
-            parse_topic(b"kv@pod-1@org/model@v2"),
-            Some(Topic {
-                pod: "pod-1".into(),
-                model: "org/model@v2".into()
-            })
-        );
-        assert_eq!(parse_topic(b""), None);
-        assert_eq!(parse_topic(b"other"), None);
-    }
-
-    #[test]
-    fn seq_and_hash_forms() {
-        assert_eq!(decode_seq(&7u64.to_be_bytes()).unwrap(), 7);
-        assert_eq!(decode_seq(&(-1i64).to_be_bytes()).unwrap(), u64::MAX);
-        assert!(matches!(decode_seq(b"abc"), Err(DecodeError::SeqLength(3))));
+    fn hash_forms() {
         assert_eq!(block_hash(&Value::from(-2i64)), Some(u64::MAX - 1));
         let mut sha = vec![0xAAu8; 24];
         sha.extend_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
@@ -423,13 +292,13 @@ mod tests {
     #[test]
     fn garbage_is_an_error_not_a_panic() {
         assert!(matches!(
-            decode_batch(b"\x92\x01"),
+            decode_batch(b"\x92\x01", |_| StorageTier::Gpu),
             Err(DecodeError::Msgpack(_))
         ));
         let mut buf = Vec::new();
         rmpv::encode::write_value(&mut buf, &Value::from(3)).unwrap();
         assert!(matches!(
-            decode_batch(&buf),
+            decode_batch(&buf, |_| StorageTier::Gpu),
             Err(DecodeError::Batch("not an array or map"))
         ));
     }

@@ -323,7 +323,7 @@ mod tests {
 
     /// `(field number, wire type)` of each field of `message` in the `.proto`.
     fn proto_fields(message: &str) -> Vec<(u64, u64)> {
-        let proto = include_str!("../proto/kvpick/admin/v1/admin.proto");
+        let proto = include_str!("../../proto/kvpick/admin/v1/admin.proto");
         let body = proto
             .split(&format!("message {message} {{"))
             .nth(1)
