@@ -338,6 +338,17 @@ impl RoutingPolicy for LlmD {
     }
 
     fn route(&mut self, _: usize, request: &TraceRequest, workers: &[WorkerView], _: u64) -> usize {
+        let ties = self.best(request, workers);
+        let pod = ties[self.rng.below(ties.len() as u64) as usize];
+        self.place(pod, request);
+        pod
+    }
+}
+
+impl LlmD {
+    /// The workers with the highest total score for `request` (the picker
+    /// chooses among them at random).
+    pub fn best(&self, request: &TraceRequest, workers: &[WorkerView]) -> Vec<usize> {
         let blocks = self.blocks(request);
         let mut matched = vec![0usize; workers.len()];
         for b in blocks {
@@ -367,9 +378,12 @@ impl RoutingPolicy for LlmD {
             })
             .collect();
         let best = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let ties: Vec<usize> = (0..scores.len()).filter(|&i| scores[i] == best).collect();
-        let pod = ties[self.rng.below(ties.len() as u64) as usize];
+        (0..scores.len()).filter(|&i| scores[i] == best).collect()
+    }
+
+    /// Records that `request` went to `pod` (the producer's `PreRequest`).
+    pub fn place(&mut self, pod: usize, request: &TraceRequest) {
+        let blocks = self.blocks(request);
         self.add(pod, blocks);
-        pod
     }
 }
