@@ -29,6 +29,7 @@
 //! and its size added to their active load until [`Scheduler::finish`] (the
 //! part left to prefill until [`Scheduler::prefill_done`]).
 
+mod agreement;
 mod candidates;
 mod cost;
 mod decision;
@@ -48,6 +49,7 @@ pub mod terms;
 #[cfg(test)]
 mod tests;
 
+pub use agreement::{AGREEMENT_BLOCKS, AGREEMENT_MARGIN};
 pub use candidates::Side;
 pub use cost::{PendingWait, Weights, PENDING_PREFILL_WEIGHT};
 pub use decision::{Decision, PickError, PickRequest, Target};
@@ -61,7 +63,7 @@ pub use terms::CostTerms;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -220,6 +222,8 @@ pub struct Scheduler {
     tie_breaks: AtomicU64,
     /// Where decisions' effects go for peer replicas (unset: a single replica).
     replica: OnceLock<Arc<dyn ReplicaSink>>,
+    /// Whether routing state is shared with peers right now (see `agreement.rs`).
+    shared_state: AtomicBool,
     /// Endpoints a decision names (the picker's, else the config's; at least 1).
     max_endpoints: usize,
 }
@@ -258,6 +262,7 @@ impl Scheduler {
                 .max(1),
             plugins,
             replica: OnceLock::new(),
+            shared_state: AtomicBool::new(true),
             config,
         }
     }
