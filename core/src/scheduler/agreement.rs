@@ -47,10 +47,12 @@ pub const AGREEMENT_BLOCKS: usize = 4;
 
 /// How far above the least cost, as a fraction of the request's size in
 /// blocks, a candidate still counts as near-best. At the default weights a
-/// fresh worker's load reaches it with about ten more prefills of the same
-/// size pending than the least loaded one's (0.05 a block, `docs/scheduling.md`),
-/// or two more of them queued (0.25 a block).
-pub const AGREEMENT_MARGIN: f64 = 0.5;
+/// fresh worker's load reaches it with about fifteen more prefills of the
+/// same size pending than the least loaded one's (0.05 a block,
+/// `docs/scheduling.md`), three more of them queued (0.25 a block), or a KV
+/// cache three quarters fuller. A known holder of more than this share of the
+/// prompt wins outright.
+pub const AGREEMENT_MARGIN: f64 = 0.75;
 
 impl Scheduler {
     /// Whether routing state is shared with peer replicas right now. The
