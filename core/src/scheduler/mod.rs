@@ -14,8 +14,9 @@
 //! 3. lookup: the prefix index says which workers hold how many leading blocks;
 //! 4. score: a cost per candidate, the sum of the cost terms ([`terms`]; see
 //!    [`Weights`] and `docs/scheduling.md`), then the picker's choice
-//!    ([`pickers`]): argmin with a random tie-break, or softmax sampling with a
-//!    temperature. The argmin reads the prompt's holders first and skips every
+//!    ([`pickers`]): argmin with a random tie-break (while no state is shared
+//!    with peer replicas, the near-best candidate all replicas agree on, see
+//!    `agreement.rs`), or softmax sampling with a temperature. The argmin reads the prompt's holders first and skips every
 //!    candidate whose least possible cost (the sum of the terms' lower bounds)
 //!    is no lower than the best found (see `pick.rs`), so in a large pool it
 //!    seldom reads every endpoint.
