@@ -14,11 +14,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvpick::endpoints::WorkerKey;
+use kvpick::endpoints::{Engine, WorkerKey};
 use kvpick::kv::hash::{model_seed, token_block_hashes};
 use kvpick::kv::index::{IndexConfig, PrefixIndex};
-use kvpick::kvevents::decode::decode_batch;
-use kvpick::kvevents::subscriber::{KvEventMetrics, KvEvents, SubscriberConfig, Target};
+use kvpick::kvevents::metrics::KvEventMetrics;
+use kvpick::kvevents::subscriber::{KvEvents, SubscriberConfig, Target};
+use kvpick::kvevents::vllm::Vllm;
+use kvpick::kvevents::EventDecoder;
 use kvpick::kvevents::{Ingest, KvEventSink};
 use kvpick::telemetry::Metrics;
 use rmpv::Value;
@@ -142,7 +144,7 @@ fn ingest(c: &mut Criterion) {
     g.bench_function("decode", |b| {
         b.iter(|| {
             for (_, p) in &batches {
-                std::hint::black_box(decode_batch(p).unwrap());
+                std::hint::black_box(Vllm.decode(p).unwrap());
             }
         })
     });
@@ -152,7 +154,7 @@ fn ingest(c: &mut Criterion) {
             |mut ing| {
                 let now = Instant::now();
                 for (w, p) in &batches {
-                    let batch = decode_batch(p).unwrap();
+                    let batch = Vllm.decode(p).unwrap();
                     ing.apply(*w, None, &batch, now);
                 }
                 ing
@@ -193,6 +195,7 @@ fn staleness(c: &mut Criterion) {
         );
         let sub = events.subscribe(Target {
             worker,
+            engine: Engine::Vllm,
             host: "127.0.0.1".parse().unwrap(),
             port,
             replay_port: None,

@@ -2,31 +2,35 @@
 //! Inference Extension.
 //!
 //! The routing core lives in the `kvpick-core` crate and is re-exported here under
-//! its module names ([`request`], [`endpoints`], [`kv`], [`sessions`], [`scheduler`],
-//! [`admission`], ...). This crate is the glue: [`extproc`] (Envoy's protocol),
-//! [`discovery`] (Kubernetes or a file), [`kvevents`] and [`scrape`] (the workers),
-//! [`replica_sync`] (routing state shared between replicas through Redis),
-//! [`telemetry`] and [`tracing_export`] (OpenTelemetry traces), [`admin`] and [`server`], which wires them together.
+//! its module names ([`request`], [`endpoints`], [`kv`], [`sessions`], ...). Where
+//! this crate adds glue to a core module, a folder of the same name re-exports the
+//! core module and holds the glue beside it: [`admission`], [`scheduler`] and
+//! [`multimodal`] (their Prometheus metrics; the image fetcher), [`kvevents`]
+//! (ZMQ subscribers feeding the core's decoders) and [`scrape`] (polling the
+//! workers' `/metrics`, parsed by the core).
+//!
+//! The rest is protocol glue: [`extproc`] (Envoy's protocol), [`discovery`]
+//! (Kubernetes or a file), [`replica_sync`] (routing state shared between replicas
+//! through Redis), [`telemetry`] (registry, metrics and health endpoints, logs,
+//! traces), [`config`] (flags) and [`server`] (TLS, the admin service, and the
+//! wiring of everything together).
 
 pub use kvpick_core::{
-    admission, endpoints, error_chain, flow, health, identity, keys, kv, multimodal, pipeline,
-    replica, request, scheduler, sessions, time, tokenize,
+    endpoint_picker_config, endpoints, error_chain, flow, health, identity, keys, kv, pipeline,
+    replica, request, sessions, time, tokenize,
 };
 
-pub mod admin;
-pub mod admission_metrics;
+pub mod admission;
 pub mod config;
 pub mod discovery;
-pub mod endpoint_picker_config;
 pub mod extproc;
-pub mod image_fetch;
 pub mod kvevents;
-pub mod malloc;
-pub mod multimodal_metrics;
+pub mod multimodal;
 pub mod replica_sync;
-pub mod scheduler_metrics;
+pub mod scheduler;
 pub mod scrape;
 pub mod server;
 pub mod telemetry;
-pub mod tls;
-pub mod tracing_export;
+
+/// OpenTelemetry traces, under the path the ext_proc stream imports.
+pub use telemetry::tracing_export;

@@ -3,7 +3,7 @@ use kvpick::config::{Args, Command};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    kvpick::malloc::pin_mmap_threshold();
+    kvpick::server::malloc::pin_mmap_threshold();
     let mut args = Args::parse();
     if let Some(Command::Crd) = args.command {
         print!("{}", kvpick::discovery::pool::CRD_YAML);
@@ -17,16 +17,16 @@ async fn main() -> anyhow::Result<()> {
         } else {
             std::fs::read(&e.file)?
         };
-        let request = kvpick::admin::ExplainRequest {
+        let request = kvpick::server::admin::ExplainRequest {
             body,
             path: e.path.clone(),
             session_id: e.session_id.clone().unwrap_or_default(),
             subset: Vec::new(),
         };
-        let answer = kvpick::admin::call_explain(e.admin.clone(), request).await?;
+        let answer = kvpick::server::admin::call_explain(e.admin.clone(), request).await?;
         println!(
             "{}",
-            serde_json::to_string_pretty(&kvpick::admin::to_json(&answer))?
+            serde_json::to_string_pretty(&kvpick::server::admin::to_json(&answer))?
         );
         return Ok(());
     }
@@ -37,13 +37,16 @@ async fn main() -> anyhow::Result<()> {
         for warning in &warnings {
             eprintln!("warning: {warning}");
         }
-        let w = args.scheduler(Vec::new()).weights;
-        println!("ok: cost weights {w:?}");
+        let weights = picker_config.as_ref().map(|m| &m.weights);
+        println!(
+            "ok: cost weights {}",
+            weights.unwrap_or(&args.scheduling.weights.0)
+        );
         return Ok(());
     }
     // Inside the runtime: the OTLP client runs on it.
-    let traces = kvpick::tracing_export::TraceSettings::from_env(args.gie.tracing)?
-        .map(|s| kvpick::tracing_export::Exporter::start(&s))
+    let traces = kvpick::telemetry::tracing_export::TraceSettings::from_env(args.gie.tracing)?
+        .map(|s| kvpick::telemetry::tracing_export::Exporter::start(&s))
         .transpose()?;
     kvpick::telemetry::init_logging(args.log_format(), args.log_level(), traces.as_ref());
     if traces.is_some() {
@@ -53,7 +56,7 @@ async fn main() -> anyhow::Result<()> {
         tracing::warn!("{warning}");
     }
     if let Some(m) = &picker_config {
-        tracing::info!(scorers = ?m.mapped, weights = ?m.weights, "EndpointPickerConfig mapped");
+        tracing::info!(scorers = ?m.mapped, weights = %m.weights, "EndpointPickerConfig mapped");
     }
     kvpick::server::run(args).await?;
     // Dropping the exporter flushes the spans still queued.

@@ -490,7 +490,7 @@ async fn five_hundred_concurrent_streams() {
 async fn tls_is_served_with_a_self_signed_certificate() {
     let app = App::new("tls");
     app.endpoints.replace(pool(1));
-    let (tls, cert_pem) = kvpick::tls::self_signed(&["localhost"]).unwrap();
+    let (tls, cert_pem) = kvpick::server::tls::self_signed(&["localhost"]).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(serve_ext_proc(
@@ -519,13 +519,15 @@ async fn tls_is_served_with_a_self_signed_certificate() {
         .connect()
         .await;
     if let Ok(plain) = plain {
-        let opened = EnvoyStream::open(
+        // The stream opens without waiting; the call's failure is its first answer.
+        let mut opened = EnvoyStream::open(
             &plain,
             RequestHeaders::get("/v1/models").build(),
             ANSWER_TIMEOUT,
         )
-        .await;
-        assert!(matches!(opened, Err(ClientError::Status(_))));
+        .await
+        .unwrap();
+        assert!(matches!(opened.recv().await, Err(ClientError::Status(_))));
     }
 }
 

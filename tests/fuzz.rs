@@ -25,8 +25,9 @@ use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{EndpointTable, Engine, WorkerKey};
 use kvpick::kv::index::{IndexConfig, PrefixIndex};
-use kvpick::kvevents::decode::{decode_batch, decode_seq, parse_topic};
+use kvpick::kvevents::vllm::Vllm;
 use kvpick::kvevents::Ingest;
+use kvpick::kvevents::{decode_seq, parse_topic, EventDecoder};
 use kvpick::request::{self, ApiKind, NvExtEdit};
 use kvpick::scheduler::Scheduler;
 use rand::rngs::StdRng;
@@ -108,7 +109,7 @@ fn run_body(input: &[u8]) -> String {
 fn run_kvevents(input: &[u8]) -> String {
     let _ = decode_seq(input);
     let _ = parse_topic(input);
-    let batch = decode_batch(input);
+    let batch = Vllm.decode(input);
     if let Ok(b) = &batch {
         let index = Arc::new(PrefixIndex::new(IndexConfig::default()));
         let mut ingest = Ingest::new(Arc::clone(&index), "m");

@@ -6,11 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvpick::endpoints::WorkerKey;
-use kvpick::kvevents::decode::{decode_batch, BlockRemoved, BlockStored, KvEvent};
-use kvpick::kvevents::subscriber::{
-    IngestThread, KvEventMetrics, KvEvents, SubscriberConfig, Target,
-};
+use kvpick::endpoints::{Engine, WorkerKey};
+use kvpick::kvevents::metrics::KvEventMetrics;
+use kvpick::kvevents::sglang::Sglang;
+use kvpick::kvevents::subscriber::{IngestThread, KvEvents, SubscriberConfig, Target};
+use kvpick::kvevents::vllm::Vllm;
+use kvpick::kvevents::{BlockRemoved, BlockStored, EventDecoder, KvEvent, StorageTier};
 use kvpick::kvevents::{Ingest, KvEventSink};
 use kvpick::request::{
     parse_with, ApiKind, InferenceRequest, ParseOptions, Segment, TemplateInput,
@@ -231,7 +232,7 @@ fn decodes_array_like_batches_with_int_hashes_and_no_dp_rank() {
         ],
         None,
     );
-    let b = decode_batch(&payload).unwrap();
+    let b = Vllm.decode(&payload).unwrap();
     assert_eq!(b.ts, 1_700_000_000.5);
     assert_eq!(b.dp_rank, None);
     assert_eq!(
@@ -243,7 +244,7 @@ fn decodes_array_like_batches_with_int_hashes_and_no_dp_rank() {
                 token_ids: vec![1, 2, 3, 4, 5, 6, 7, 8],
                 block_size: BS,
                 lora_id: None,
-                medium: Some("GPU".into()),
+                tier: StorageTier::Gpu,
                 lora_name: None,
                 group_idx: Some(0),
                 block_mm_hashes: Vec::new(),
@@ -251,7 +252,7 @@ fn decodes_array_like_batches_with_int_hashes_and_no_dp_rank() {
             }),
             KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![11],
-                medium: Some("GPU".into()),
+                tier: StorageTier::Gpu,
                 group_idx: None,
             }),
             KvEvent::AllBlocksCleared,
@@ -273,7 +274,7 @@ fn decodes_tagged_maps_with_bytes_hashes_and_nil_dp_rank() {
         ],
         Value::Nil,
     );
-    let b = decode_batch(&payload).unwrap();
+    let b = Vllm.decode(&payload).unwrap();
     assert_eq!(b.dp_rank, None);
     let KvEvent::BlockStored(st) = &b.events[0] else {
         panic!("expected BlockStored, got {:?}", b.events[0])
@@ -281,13 +282,13 @@ fn decodes_tagged_maps_with_bytes_hashes_and_nil_dp_rank() {
     assert_eq!(st.block_hashes, vec![0xABCD, 0xBEEF]);
     assert_eq!(st.parent_block_hash, Some(7));
     assert_eq!(st.token_ids, vec![9, 9, 9, 9, 8, 8, 8, 8]);
-    assert_eq!(st.medium.as_deref(), Some("GPU"));
+    assert_eq!(st.tier, StorageTier::Gpu);
     let KvEvent::BlockRemoved(rm) = &b.events[1] else {
         panic!("expected BlockRemoved")
     };
     assert_eq!(
-        (rm.block_hashes.as_slice(), rm.medium.as_deref()),
-        (&[0xABCD][..], None)
+        (rm.block_hashes.as_slice(), &rm.tier),
+        (&[0xABCD][..], &StorageTier::Gpu)
     );
     assert_eq!(b.events[2], KvEvent::AllBlocksCleared);
 }
@@ -310,7 +311,7 @@ fn dp_rank_present_unknown_events_and_trailing_fields() {
         ],
         Some(Value::from(3)),
     );
-    let b = decode_batch(&payload).unwrap();
+    let b = Vllm.decode(&payload).unwrap();
     assert_eq!(b.dp_rank, Some(3));
     assert_eq!(b.events[0], KvEvent::Unknown("SomethingNew".into()));
     let KvEvent::BlockStored(st) = &b.events[1] else {
@@ -334,16 +335,16 @@ fn dp_rank_present_unknown_events_and_trailing_fields() {
         ],
         None,
     );
-    let b = decode_batch(&sglang).unwrap();
+    let b = Sglang.decode(&sglang).unwrap();
     let KvEvent::BlockStored(st) = &b.events[0] else {
         panic!("expected BlockStored")
     };
-    assert_eq!((st.block_hashes.len(), st.medium.as_deref()), (2, None));
+    assert_eq!((st.block_hashes.len(), &st.tier), (2, &StorageTier::Gpu));
     assert_eq!(
         b.events[1],
         KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: vec![8],
-            medium: None,
+            tier: StorageTier::Gpu,
             group_idx: None
         })
     );
@@ -352,10 +353,10 @@ fn dp_rank_present_unknown_events_and_trailing_fields() {
     if let Value::Map(m) = &mut extra {
         m.push((s("new_field"), s("x")));
     }
-    assert_eq!(decode_batch(&encode(extra)).unwrap().dp_rank, Some(1));
+    assert_eq!(Vllm.decode(&encode(extra)).unwrap().dp_rank, Some(1));
     // A known event missing a required field is an error, not a panic.
     let bad = batch_array(vec![Value::Array(vec![s("BlockStored"), ints(&[1])])], None);
-    assert!(decode_batch(&bad).is_err());
+    assert!(Vllm.decode(&bad).is_err());
 }
 
 // ---------------------------------------------------------------------------
@@ -370,24 +371,26 @@ fn ingest_chains_blocks_across_events_like_the_request_side() {
     let request = chain(seed_of(MODEL, None), None, &prompt, BS);
 
     // First two blocks, then the next two chained to the engine hash of block 2.
-    let first = decode_batch(&batch_array(
-        vec![stored_array(ints(&[901, 902]), Value::Nil, &prompt[..8])],
-        None,
-    ))
-    .unwrap();
+    let first = Vllm
+        .decode(&batch_array(
+            vec![stored_array(ints(&[901, 902]), Value::Nil, &prompt[..8])],
+            None,
+        ))
+        .unwrap();
     let stats = ingest.apply(worker, None, &first, Instant::now());
     assert_eq!(stats.stored_blocks, 2);
     assert_eq!(sink.depth(worker, &request), 2);
 
-    let second = decode_batch(&batch_map(
-        vec![stored_map(
-            ints(&[903, 904]),
-            Value::from(902),
-            &prompt[8..],
-        )],
-        Value::from(0),
-    ))
-    .unwrap();
+    let second = Vllm
+        .decode(&batch_map(
+            vec![stored_map(
+                ints(&[903, 904]),
+                Value::from(902),
+                &prompt[8..],
+            )],
+            Value::from(0),
+        ))
+        .unwrap();
     ingest.apply(worker, None, &second, Instant::now());
     assert_eq!(sink.depth(worker, &request), 4);
     // Another worker holds nothing; another model's seed matches nothing.
@@ -396,17 +399,20 @@ fn ingest_chains_blocks_across_events_like_the_request_side() {
     assert_eq!(sink.depth(worker, &other_model), 0);
 
     // Evicting block 3 cuts the prefix at 2.
-    let rm = decode_batch(&batch_array(vec![removed_array(ints(&[903]))], None)).unwrap();
+    let rm = Vllm
+        .decode(&batch_array(vec![removed_array(ints(&[903]))], None))
+        .unwrap();
     let stats = ingest.apply(worker, None, &rm, Instant::now());
     assert_eq!(stats.removed_blocks, 1);
     assert_eq!(sink.depth(worker, &request), 2);
 
     // A block whose parent is unknown cannot be keyed: skipped and counted.
-    let orphan = decode_batch(&batch_array(
-        vec![stored_array(ints(&[999]), Value::from(12345), &prompt[..4])],
-        None,
-    ))
-    .unwrap();
+    let orphan = Vllm
+        .decode(&batch_array(
+            vec![stored_array(ints(&[999]), Value::from(12345), &prompt[..4])],
+            None,
+        ))
+        .unwrap();
     let stats = ingest.apply(worker, None, &orphan, Instant::now());
     assert_eq!((stats.orphan_blocks, stats.stored_blocks), (1, 0));
 
@@ -415,7 +421,7 @@ fn ingest_chains_blocks_across_events_like_the_request_side() {
     if let Value::Array(f) = &mut cpu {
         f[6] = s("CPU");
     }
-    let cpu = decode_batch(&batch_array(vec![cpu], None)).unwrap();
+    let cpu = Vllm.decode(&batch_array(vec![cpu], None)).unwrap();
     assert_eq!(
         ingest
             .apply(worker, None, &cpu, Instant::now())
@@ -430,11 +436,12 @@ fn ingest_chains_blocks_across_events_like_the_request_side() {
     assert_eq!(sink.depth(w(3, 0), &topic_model), 2);
 
     // AllBlocksCleared empties the worker.
-    let clear = decode_batch(&batch_array(
-        vec![Value::Array(vec![s("AllBlocksCleared")])],
-        None,
-    ))
-    .unwrap();
+    let clear = Vllm
+        .decode(&batch_array(
+            vec![Value::Array(vec![s("AllBlocksCleared")])],
+            None,
+        ))
+        .unwrap();
     assert_eq!(ingest.apply(worker, None, &clear, Instant::now()).clears, 1);
     assert_eq!(sink.depth(worker, &request), 0);
     assert!(!sink.0.lock().blocks.contains_key(&worker));
@@ -453,7 +460,7 @@ fn lora_blocks_are_seeded_by_adapter() {
             }
         }
     }
-    let b = decode_batch(&batch_map(vec![ev], Value::Nil)).unwrap();
+    let b = Vllm.decode(&batch_map(vec![ev], Value::Nil)).unwrap();
     ingest.apply(w(1, 0), None, &b, Instant::now());
     let base = chain(seed_of(MODEL, None), None, &prompt, BS);
     let lora = chain(seed_of("sql-adapter", None), None, &prompt, BS);
@@ -533,6 +540,7 @@ async fn prime(
 fn loopback(worker: WorkerKey, port: u16, replay_port: Option<u16>) -> Target {
     Target {
         worker,
+        engine: Engine::Vllm,
         host: "127.0.0.1".parse().unwrap(),
         port,
         replay_port,
@@ -560,6 +568,88 @@ async fn the_ingest_thread_ends_once_every_sender_is_gone() {
         .expect("the ingest thread ended");
     // The forget was applied before the thread ended.
     assert!(!sink.precise(worker));
+}
+
+/// Each stream's batches are read by its engine's decoder, chosen on the
+/// ingest thread from the engine its queued batches carry: the same bytes reach
+/// the index from a vLLM and an SGLang stream, and are refused from a stream
+/// marked TensorRT-LLM (whose decoder reads none), which resets that worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_stream_is_decoded_by_its_engines_decoder() {
+    let sink = Arc::new(MemorySink::default());
+    let (events, _ingest) = start(&sink, None);
+    let a: Vec<u32> = (0..8).collect();
+    let ha = chain(seed_of(MODEL, None), None, &a, BS);
+    let batch = batch_array(vec![stored_array(ints(&[1, 2]), Value::Nil, &a)], None);
+    let mut subs = Vec::new();
+    for (worker, engine) in [(w(1, 0), Engine::Vllm), (w(2, 0), Engine::Sglang)] {
+        let (mut socket, port) = publisher().await;
+        subs.push(events.subscribe(Target {
+            engine,
+            ..loopback(worker, port, None)
+        }));
+        prime(&mut socket, &sink, worker, &batch, &ha).await;
+    }
+
+    let trt = w(3, 0);
+    let (mut socket, port) = publisher().await;
+    let _trt = events.subscribe(Target {
+        engine: Engine::Trtllm,
+        ..loopback(trt, port, None)
+    });
+    eventually("a live stream", || sink.precise(trt)).await;
+    let clears = sink.clears(trt);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    // In sequence, so that only a refusal resets the worker.
+    for seq in 0.. {
+        if sink.clears(trt) != clears {
+            break;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for a refusal");
+        socket.send(frames("", seq, batch.clone())).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    events.flush().await;
+    assert_eq!(sink.depth(trt, &ha), 0);
+    assert!(
+        sink.precise(trt),
+        "a refused batch resets, the stream stays"
+    );
+}
+
+/// The streams followed are every rank of every endpoint whose engine
+/// publishes KV events, each marked with its engine.
+#[test]
+fn targets_are_the_ranks_of_engines_that_publish() {
+    use kvpick::endpoints::{Endpoint, EndpointTable};
+    let sink = Arc::new(MemorySink::default());
+    let (events, _ingest) = start(&sink, None);
+    let endpoint = |addr: &str, engine, dp_size| Endpoint {
+        engine,
+        dp_size,
+        ..Endpoint::new(addr.parse().unwrap())
+    };
+    let table = EndpointTable::new();
+    table.replace(vec![
+        endpoint("10.0.0.1:8000", Engine::Vllm, 2),
+        endpoint("10.0.0.2:8000", Engine::Sglang, 1),
+        endpoint("10.0.0.3:8000", Engine::Trtllm, 1),
+    ]);
+    let mut got: Vec<(String, u16, Engine)> = events
+        .targets(&table)
+        .into_iter()
+        .map(|t| (t.host.to_string(), t.port, t.engine))
+        .collect();
+    got.sort_by_key(|(h, p, _)| (h.clone(), *p));
+    let port = SubscriberConfig::default().port;
+    assert_eq!(
+        got,
+        vec![
+            ("10.0.0.1".to_string(), port, Engine::Vllm),
+            ("10.0.0.1".to_string(), port + 1, Engine::Vllm),
+            ("10.0.0.2".to_string(), port, Engine::Sglang),
+        ]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -934,11 +1024,12 @@ mod routing {
                 _ if !chained => Value::Nil,
                 _ => sha_like((e - 1) * 100 + 10),
             };
-            let batch = decode_batch(&batch_map(
-                vec![stored_map(Value::Array(hashes), parent, &tokens)],
-                Value::from(0),
-            ))
-            .unwrap();
+            let batch = Vllm
+                .decode(&batch_map(
+                    vec![stored_map(Value::Array(hashes), parent, &tokens)],
+                    Value::from(0),
+                ))
+                .unwrap();
             orphans += ingest
                 .apply(w(2, 0), None, &batch, Instant::now())
                 .orphan_blocks;
@@ -973,22 +1064,24 @@ mod routing {
         assert_eq!(orphans, 190);
         // Evictions make room, and a chain from a kept block continues again.
         let evicted: Vec<Value> = (1..=10).map(sha_like).collect();
-        let removed = decode_batch(&batch_map(
-            vec![removed_map(Value::Array(evicted))],
-            Value::from(0),
-        ))
-        .unwrap();
+        let removed = Vllm
+            .decode(&batch_map(
+                vec![removed_map(Value::Array(evicted))],
+                Value::from(0),
+            ))
+            .unwrap();
         ingest.apply(b, None, &removed, now);
         let tokens: Vec<u32> = (0..BS as u32).map(|t| 900_000 + t).collect();
-        let more = decode_batch(&batch_map(
-            vec![stored_map(
-                Value::Array(vec![sha_like(7_777)]),
-                sha_like(910),
-                &tokens,
-            )],
-            Value::from(0),
-        ))
-        .unwrap();
+        let more = Vllm
+            .decode(&batch_map(
+                vec![stored_map(
+                    Value::Array(vec![sha_like(7_777)]),
+                    sha_like(910),
+                    &tokens,
+                )],
+                Value::from(0),
+            ))
+            .unwrap();
         assert_eq!(ingest.apply(b, None, &more, now).stored_blocks, 1);
         assert_eq!(index.precise_len(b), 91);
     }
@@ -1001,22 +1094,24 @@ mod routing {
         let prompt: Vec<u32> = (1..=12).collect();
         let hashes = token_block_hashes(model_seed(MODEL, None), None, &prompt, BS);
         let now = Instant::now();
-        let stored = decode_batch(&batch_map(
-            vec![stored_map(
-                Value::Array(vec![sha_like(1), sha_like(2), sha_like(3)]),
-                Value::Nil,
-                &prompt,
-            )],
-            Value::from(1),
-        ))
-        .unwrap();
+        let stored = Vllm
+            .decode(&batch_map(
+                vec![stored_map(
+                    Value::Array(vec![sha_like(1), sha_like(2), sha_like(3)]),
+                    Value::Nil,
+                    &prompt,
+                )],
+                Value::from(1),
+            ))
+            .unwrap();
         ingest.apply(b, None, &stored, now);
         assert_eq!(index.lookup(&hashes, &[a, b], now), vec![0, 3]);
-        let removed = decode_batch(&batch_map(
-            vec![removed_map(Value::Array(vec![sha_like(2)]))],
-            Value::from(1),
-        ))
-        .unwrap();
+        let removed = Vllm
+            .decode(&batch_map(
+                vec![removed_map(Value::Array(vec![sha_like(2)]))],
+                Value::from(1),
+            ))
+            .unwrap();
         ingest.apply(b, None, &removed, now);
         assert_eq!(index.lookup(&hashes, &[a, b], now), vec![0, 1]);
     }
@@ -1162,15 +1257,16 @@ mod routing {
             let engine = (0..full / BS)
                 .map(|i| sha_like(n as u64 * 1000 + i as u64 + 1))
                 .collect();
-            let stored = decode_batch(&batch_map(
-                vec![stored_map(
-                    Value::Array(engine),
-                    Value::Nil,
-                    &tokens[..full],
-                )],
-                Value::from(0),
-            ))
-            .unwrap();
+            let stored = Vllm
+                .decode(&batch_map(
+                    vec![stored_map(
+                        Value::Array(engine),
+                        Value::Nil,
+                        &tokens[..full],
+                    )],
+                    Value::from(0),
+                ))
+                .unwrap();
             ingest.apply(key_b, None, &stored, Instant::now());
 
             let mut raw = body.clone();
@@ -1513,7 +1609,9 @@ mod routing {
             sha_like(2),
             &prompt[8..],
         );
-        let batch = decode_batch(&batch_map(vec![first, rest], Value::from(0))).unwrap();
+        let batch = Vllm
+            .decode(&batch_map(vec![first, rest], Value::from(0)))
+            .unwrap();
         let KvEvent::BlockStored(e) = &batch.events[0] else {
             panic!("not a BlockStored");
         };
@@ -1616,6 +1714,7 @@ async fn oversized_frames_and_garbage_drop_their_publisher_while_a_good_one_keep
     .map(|(worker, port)| {
         events.subscribe(Target {
             worker,
+            engine: Engine::Vllm,
             host: localhost,
             port,
             replay_port: None,

@@ -17,8 +17,8 @@ use envoy_client::message::RequestHeaders;
 use envoy_client::EnvoyStream;
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
+use kvpick::server::tls::{ReloadStats, ServerTls};
 use kvpick::server::{serve_ext_proc, App};
-use kvpick::tls::{ReloadStats, ServerTls};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose,
@@ -100,7 +100,7 @@ async fn serve_with(
     configure: impl FnOnce(ServerTls) -> ServerTls,
 ) -> (u16, Arc<ReloadStats>) {
     let ca = mtls.then(|| dir.join("ca.crt"));
-    let tls = kvpick::tls::ext_proc(true, Some(dir), ca.as_deref())
+    let tls = kvpick::server::tls::ext_proc(true, Some(dir), ca.as_deref())
         .unwrap()
         .unwrap();
     let stats = tls.stats();
@@ -230,10 +230,13 @@ async fn only_clients_with_a_certificate_from_the_client_ca_are_served() {
 #[test]
 fn a_client_ca_without_tls_is_a_start_up_error() {
     assert!(matches!(
-        kvpick::tls::ext_proc(false, None, Some(Path::new("ca.crt"))),
-        Err(kvpick::tls::TlsError::ClientCaWithoutTls)
+        kvpick::server::tls::ext_proc(false, None, Some(Path::new("ca.crt"))),
+        Err(kvpick::server::tls::TlsError::ClientCaWithoutTls)
     ));
-    assert!(matches!(kvpick::tls::ext_proc(false, None, None), Ok(None)));
+    assert!(matches!(
+        kvpick::server::tls::ext_proc(false, None, None),
+        Ok(None)
+    ));
 }
 
 #[tokio::test]

@@ -11,9 +11,10 @@ use std::time::Instant;
 
 use base64::Engine as _;
 use kvpick::endpoints::{Endpoint, EndpointTable, WorkerKey};
-use kvpick::image_fetch::{FetchPolicy, HttpImageFetcher};
-use kvpick::kvevents::decode::decode_batch;
+use kvpick::kvevents::vllm::Vllm;
+use kvpick::kvevents::EventDecoder;
 use kvpick::kvevents::Ingest;
+use kvpick::multimodal::fetch::{FetchPolicy, HttpImageFetcher};
 use kvpick::multimodal::hints;
 use kvpick::multimodal::identity::{
     identify, is_pad_value, pad_value, url_identity, vllm_mm_uuid, IdentitySource,
@@ -222,7 +223,7 @@ impl Pool {
 
     fn publish(&mut self, worker: WorkerKey, payload: &[u8]) -> kvpick::kvevents::ApplyStats {
         self.ingest.set_live(worker, true);
-        let batch = decode_batch(payload).unwrap();
+        let batch = Vllm.decode(payload).unwrap();
         self.ingest.apply(worker, None, &batch, Instant::now())
     }
 

@@ -7,9 +7,13 @@
 //! - [`request`]: one pass over an inference body (model, prompt, `nvext`, images).
 //! - [`endpoints`]: the live table of workers and their load.
 //! - [`kv`]: prefix block hashing and the prefix index.
+//! - [`kvevents`]: the engines' KV-event formats, one decoder each.
 //! - [`sessions`]: sticky session bindings.
 //! - [`replica`]: routing-state deltas shared between replicas ([`replica::ReplicaSink`]).
-//! - [`scheduler`]: candidates, costs and the pick.
+//! - [`scheduler`]: candidates, costs and the pick; [`endpoint_picker_config`]:
+//!   the llm-d Router's `EndpointPickerConfig`, built into its plugin list.
+//! - [`latency`]: learned per-worker TTFT and decode-time models.
+//! - [`scrape`]: the workers' `/metrics` pages read into load and adapters.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
@@ -19,6 +23,7 @@
 //! - [`health`], [`identity`], [`keys`], [`time`], [`error_chain`]: small shared pieces.
 
 pub mod admission;
+pub mod endpoint_picker_config;
 pub mod endpoints;
 pub mod error_chain;
 #[cfg(any(test, feature = "fixtures"))]
@@ -28,11 +33,14 @@ pub mod health;
 pub mod identity;
 pub mod keys;
 pub mod kv;
+pub mod kvevents;
+pub mod latency;
 pub mod multimodal;
 pub mod pipeline;
 pub mod replica;
 pub mod request;
 pub mod scheduler;
+pub mod scrape;
 pub mod sessions;
 pub mod time;
 pub mod tokenize;

@@ -77,7 +77,7 @@ def main():
 
 
 def placement(rows):
-    """The pools at arrival against the pick (columns of the eleventh session on)."""
+    """The pools at arrival against the pick (dumps with `best_arrival_hit_blocks`)."""
     if not rows or "best_arrival_hit_blocks" not in rows[0]:
         return
     best = [int(r["best_arrival_hit_blocks"]) for r in rows]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Seed means of `kvpick-anchors replay` matrices, and issue 17's landing rule.
+"""Seed means of `kvpick-anchors replay` matrices, and a landing rule for a candidate.
 
 usage: replay_seed_means.py BASE_DIR CAND_DIR [SEEDS]
   BASE_DIR, CAND_DIR: one directory per binary holding sS/matrix.md (S = seed),
@@ -7,8 +7,8 @@ usage: replay_seed_means.py BASE_DIR CAND_DIR [SEEDS]
   SEEDS: a range, default 1-8.
 Prints, per kvpick mode, the seed means (hit / TTFT p99 ms (ratio to BASE) /
 spread) of both binaries and the peers, every point where CAND breaks the
-landing rule (BENCHMARKS.md §2, eleventh session: p99 above 1.02 × BASE's, hit
-more than 0.3 points below BASE's), and both binaries' criterion counts on the
+landing rule (p99 above 1.02 × BASE's, hit more than 0.3 points below
+BASE's), and both binaries' criterion counts on the
 means (hit above both peers; TTFT p50 and p99 at or below round robin's and
 both peers'), which the candidate must raise.
 """

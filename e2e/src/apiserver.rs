@@ -5,11 +5,16 @@
 //! Supported: namespaced and cluster-wide list; `resourceVersion` on every object
 //! and list; `?watch=true&resourceVersion=N` streaming JSON-lines watch events
 //! (`ADDED`, `MODIFIED`, `DELETED`); `allowWatchBookmarks=true` → periodic
-//! `BOOKMARK` events; an `ERROR` event with a 410 `Expired` status for a
+//! `BOOKMARK` events; streaming lists (`sendInitialEvents=true`, as client-go's
+//! informers send by default): the current state as `ADDED` events, then a
+//! `BOOKMARK` annotated `k8s.io/initial-events-end`, then the changes; an `ERROR` event with a 410 `Expired` status for a
 //! resourceVersion older than the retained history (as the real API server does);
 //! `timeoutSeconds`; `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`,
 //! `k notin (a,b)`, comma = and) and `fieldSelector` (`path=v`, `path!=v` over
-//! dotted JSON paths such as `metadata.name` or `status.phase`). Not supported:
+//! dotted JSON paths such as `metadata.name` or `status.phase`); legacy
+//! (unaggregated) discovery of those two resources (`/api`, `/apis`, `/api/v1`,
+//! `/apis/inference.networking.k8s.io/v1`), which client-go's REST mapper
+//! reads before it lists. Not supported:
 //! create/update/patch over HTTP, paging (`limit` is ignored and no `continue` is
 //! returned), protobuf, authentication.
 
@@ -324,6 +329,10 @@ impl ApiServer {
         let state = Arc::new(ApiState::new(bookmark_every));
         let pools = "/apis/inference.networking.k8s.io/v1";
         let router = Router::new()
+            .route("/api", get(|| async { Json(discovery::core_versions()) }))
+            .route("/apis", get(|| async { Json(discovery::groups()) }))
+            .route("/api/v1", get(|| async { Json(discovery::core_v1()) }))
+            .route(pools, get(|| async { Json(discovery::pools_v1()) }))
             .route("/api/v1/pods", get(list_all_pods))
             .route("/api/v1/namespaces/{ns}/pods", get(list_pods))
             .route(&format!("{pools}/inferencepools"), get(list_all_pools))
@@ -359,6 +368,45 @@ impl ApiServer {
     }
 }
 
+/// Legacy discovery documents of the served resources.
+mod discovery {
+    use serde_json::{json, Value};
+
+    const POOL_GROUP: &str = "inference.networking.k8s.io";
+
+    fn resource(name: &str, kind: &str) -> Value {
+        json!({"name": name, "singularName": "", "namespaced": true, "kind": kind,
+               "verbs": ["get", "list", "watch"]})
+    }
+
+    /// `/api`: the core group's versions.
+    pub fn core_versions() -> Value {
+        json!({"kind": "APIVersions", "versions": ["v1"],
+               "serverAddressByClientCIDRs": []})
+    }
+
+    /// `/apis`: the named groups.
+    pub fn groups() -> Value {
+        let v1 = json!({"groupVersion": format!("{POOL_GROUP}/v1"), "version": "v1"});
+        json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+            {"name": POOL_GROUP, "versions": [v1.clone()], "preferredVersion": v1},
+        ]})
+    }
+
+    /// `/api/v1`: Pods.
+    pub fn core_v1() -> Value {
+        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "v1",
+               "resources": [resource("pods", "Pod")]})
+    }
+
+    /// `/apis/inference.networking.k8s.io/v1`: InferencePools.
+    pub fn pools_v1() -> Value {
+        json!({"kind": "APIResourceList", "apiVersion": "v1",
+               "groupVersion": format!("{POOL_GROUP}/v1"),
+               "resources": [resource("inferencepools", "InferencePool")]})
+    }
+}
+
 /// List and watch query parameters.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -375,6 +423,8 @@ struct ListQuery {
     field_selector: Option<String>,
     #[serde(default)]
     timeout_seconds: Option<u64>,
+    #[serde(default)]
+    send_initial_events: Option<bool>,
 }
 
 type ApiResult = Response;
@@ -610,17 +660,25 @@ fn watch(state: Arc<ApiState>, filter: Filter, since: Option<u64>, q: &ListQuery
     let (mut changes, backlog, expired) = {
         let s = state.store.lock();
         let changes = state.changes.subscribe();
+        let initial = || {
+            s.objects
+                .iter()
+                .filter(|((k, _, _), o)| *k == filter.kind && filter.matches(o))
+                .map(|(_, o)| json!({"type": "ADDED", "object": o}))
+                .collect::<Vec<Value>>()
+        };
         match since {
-            // No version or "0": start with the current state as ADDED events.
-            None | Some(0) => {
-                let backlog: Vec<Value> = s
-                    .objects
-                    .iter()
-                    .filter(|((k, _, _), o)| *k == filter.kind && filter.matches(o))
-                    .map(|(_, o)| json!({"type": "ADDED", "object": o}))
-                    .collect();
+            // A streaming list: the state now, then the end-of-list bookmark.
+            _ if q.send_initial_events == Some(true) => {
+                let mut backlog = initial();
+                backlog.push(json!({"type": "BOOKMARK", "object": {
+                    "kind": filter.kind.name(), "apiVersion": filter.kind.api_version(),
+                    "metadata": {"resourceVersion": s.rv.to_string(),
+                                 "annotations": {"k8s.io/initial-events-end": "true"}}}}));
                 (changes, backlog, false)
             }
+            // No version or "0": start with the current state as ADDED events.
+            None | Some(0) => (changes, initial(), false),
             Some(rv) if rv < s.oldest => (changes, Vec::new(), true),
             Some(rv) => {
                 let backlog = s

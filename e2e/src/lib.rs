@@ -14,6 +14,7 @@ pub mod otlp;
 pub mod replicas;
 pub mod report;
 pub mod serve;
+pub mod served;
 pub mod stack;
 pub mod tokenizer;
 pub mod workload;

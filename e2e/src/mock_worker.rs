@@ -9,8 +9,16 @@
 //! worker (a peer set with [`WorkerHandle::set_prefill_peers`]), then decodes.
 //! The prefill worker records the body fields in `/debug/seen`.
 //!
+//! Timing: a request waits for one of `max_running` slots, then its first
+//! token comes after `ttft` plus `prefill_per_token` per uncached prompt token,
+//! and each later token after `itl`; `speed` divides all three (a pool mixing
+//! two GPU generations runs workers at different speeds). `/metrics` serves
+//! the resulting queue, TTFT and inter-token times as vLLM's histograms.
+//!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 //! `GET /health`, `GET /metrics`, `GET /debug/seen`.
+
+mod latency;
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
@@ -77,6 +85,9 @@ pub struct WorkerConfig {
     pub prefill_per_token: Duration,
     /// Time between output tokens.
     pub itl: Duration,
+    /// Rate multiplier of every simulated time above: 2.0 runs twice as fast,
+    /// 0.5 half as fast. Finite, in `[0.001, 1000]`.
+    pub speed: f64,
     /// Output tokens when the request names no `max_tokens`.
     pub default_max_tokens: usize,
     /// Requests running at once; more wait (`vllm:num_requests_waiting`).
@@ -103,6 +114,7 @@ impl Default for WorkerConfig {
             ttft: Duration::from_millis(5),
             prefill_per_token: Duration::from_micros(10),
             itl: Duration::from_millis(1),
+            speed: 1.0,
             default_max_tokens: 16,
             max_running: 64,
             kv_events_port: None,
@@ -236,6 +248,8 @@ struct Inner {
     sessions: HashMap<String, Session>,
     seen: Vec<SeenRequest>,
     counters: Counters,
+    /// Latency histograms per rank (vLLM's engine label).
+    latency: Vec<latency::EngineLatency>,
 }
 
 struct Worker {
@@ -272,11 +286,17 @@ pub enum WorkerError {
     /// The KV-event publisher could not start.
     #[error(transparent)]
     Events(#[from] crate::kv_events::PublishError),
+    /// `speed` is not a finite multiplier in `[0.001, 1000]`.
+    #[error("speed {0} is not in [0.001, 1000]")]
+    Speed(f64),
 }
 
 impl WorkerHandle {
     /// Starts a worker on `addr` (port 0 for any free port).
     pub async fn start(addr: SocketAddr, config: WorkerConfig) -> Result<Self, WorkerError> {
+        if !(0.001..=1000.0).contains(&config.speed) {
+            return Err(WorkerError::Speed(config.speed));
+        }
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|e| WorkerError::Bind(addr, e))?;
@@ -307,6 +327,7 @@ impl WorkerHandle {
                 sessions: HashMap::new(),
                 seen: Vec::new(),
                 counters: Counters::default(),
+                latency: (0..ranks).map(|_| latency::EngineLatency::new()).collect(),
             }),
             slots: Arc::new(Semaphore::new(config.max_running.max(1))),
             waiting: AtomicU64::new(0),
@@ -441,7 +462,7 @@ async fn debug_seen(State(w): State<Arc<Worker>>) -> Json<Seen> {
 }
 
 async fn metrics(State(w): State<Arc<Worker>>) -> Response {
-    let (usage, hits, queries) = {
+    let (usage, hits, queries, histograms) = {
         let inner = w.inner.lock();
         let used: usize = inner.caches.iter().map(KvCache::used).sum();
         let total: usize = inner.caches.iter().map(KvCache::capacity).sum();
@@ -449,6 +470,7 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
             used as f64 / total.max(1) as f64,
             inner.counters.prefix_cache_hits,
             inner.counters.prefix_cache_queries,
+            latency::render(&w.config.model, &inner.latency),
         )
     };
     let m = &w.config.model;
@@ -476,7 +498,7 @@ async fn metrics(State(w): State<Arc<Worker>>) -> Response {
         bs = w.config.block_size,
         nb = w.config.num_blocks,
     );
-    let mut text = text;
+    let mut text = text + &histograms;
     if let Some((max_lora, resident)) = w.lora.lock().clone() {
         // vLLM keeps every label combination it set, each valued with the
         // time it was last set: an older idle series stays on the page.
@@ -644,6 +666,18 @@ impl Worker {
             counters,
             requests: inner.seen.clone(),
             sessions,
+        }
+    }
+
+    /// `d` at this worker's speed.
+    fn scaled(&self, d: Duration) -> Duration {
+        Duration::try_from_secs_f64(d.as_secs_f64() / self.config.speed).unwrap_or(Duration::MAX)
+    }
+
+    /// Records into rank `rank`'s latency histograms.
+    fn engine_latency(&self, rank: u32, f: impl FnOnce(&mut latency::EngineLatency)) {
+        if let Some(l) = self.inner.lock().latency.get_mut(rank as usize) {
+            f(l);
         }
     }
 
@@ -1009,6 +1043,7 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
             return reject.into_response();
         }
     };
+    let arrived = Instant::now();
     w.waiting.fetch_add(1, Ordering::Relaxed);
     let permit = match Arc::clone(&w.slots).acquire_owned().await.ok() {
         Some(p) => p,
@@ -1024,6 +1059,7 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
     };
     w.waiting.fetch_sub(1, Ordering::Relaxed);
     w.running.fetch_add(1, Ordering::Relaxed);
+    w.engine_latency(rank, |l| l.queued(arrived.elapsed()));
     let finish = Finish {
         worker: Arc::clone(&w),
         close_session: (prompt.session_action.as_deref() == Some("close"))
@@ -1039,7 +1075,8 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
     seen.queried_tokens = queried;
     w.record(seen);
     let uncached = queried.saturating_sub(hit) as u32;
-    let prefill = w.config.ttft + w.config.prefill_per_token * uncached;
+    let prefill = w.scaled(w.config.ttft + w.config.prefill_per_token * uncached);
+    let itl = w.scaled(w.config.itl);
     let words = reply_words(&prompt.tokens, prompt.max_tokens);
     let output: Vec<u32> = match &w.config.vision {
         Some(v) => v.encode(&words.join(" ")),
@@ -1058,7 +1095,15 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
     });
     let model = w.config.model.clone();
     if !prompt.stream {
-        tokio::time::sleep(prefill + w.config.itl * words.len() as u32).await;
+        tokio::time::sleep(prefill).await;
+        w.engine_latency(rank, |l| l.first_token(arrived.elapsed()));
+        let mut last = Instant::now();
+        for _ in 1..words.len() {
+            tokio::time::sleep(itl).await;
+            let now = Instant::now();
+            w.engine_latency(rank, |l| l.inter_token(now - last));
+            last = now;
+        }
         w.store_output(rank, &prompt, &output);
         drop(finish);
         let text = words.join(" ");
@@ -1078,14 +1123,20 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
         return Json(body).into_response();
     }
     let (tx, rx) = mpsc::channel::<Bytes>(8);
-    let itl = w.config.itl;
     tokio::spawn(async move {
         let finish = finish;
+        let w = Arc::clone(&finish.worker);
         tokio::time::sleep(prefill).await;
         let last = words.len().saturating_sub(1);
+        let mut emitted = Instant::now();
         for (i, word) in words.iter().enumerate() {
             if i > 0 {
                 tokio::time::sleep(itl).await;
+                let now = Instant::now();
+                w.engine_latency(rank, |l| l.inter_token(now - emitted));
+                emitted = now;
+            } else {
+                w.engine_latency(rank, |l| l.first_token(arrived.elapsed()));
             }
             let piece = if i == 0 {
                 word.to_string()

@@ -1,20 +1,23 @@
 //! Several kvpick replicas of one pool against a real `redis-server`: the
 //! server process (killed and restarted on the same port at will), the
 //! workers, one gateway per replica (as Envoy spreads ext_proc streams over
-//! EPP pods, a client picks the replica by picking the gateway).
+//! EPP pods, a client picks the replica by picking the gateway). Replicas run
+//! in-process on kvpick's library parts ([`Replicas::start`]) or from
+//! command-line flags as the binary runs them ([`Replicas::start_served`]).
 //!
 //! `redis-server` comes from the machine (Debian's `redis-server` package).
 //! [`RedisServer::start`] returns `None` when it is absent, unless
 //! `KVPICK_REQUIRE_SYNC_SERVER=1` (CI sets it), which makes that a failure.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::gateway::{GatewayConfig, GatewayHandle};
 use crate::mock_worker::{WorkerConfig, WorkerHandle};
+use crate::served::{ServedError, ServedKvpick};
 use crate::stack::{write_endpoints, Kvpick, StackError};
 
 /// A `redis-server` child process on a loopback port.
@@ -59,6 +62,15 @@ impl RedisServer {
     /// `redis://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Whether the server holds `key` (asked with `redis-cli`).
+    pub fn has_key(&self, key: &str) -> bool {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "EXISTS", key])
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim() == "1"
     }
 
     /// The server process's id while it runs.
@@ -108,6 +120,23 @@ impl Drop for RedisServer {
     }
 }
 
+/// Why [`Replicas::start_served`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServedStartError {
+    /// A worker, a gateway or a file.
+    #[error(transparent)]
+    Stack(#[from] StackError),
+    /// A replica.
+    #[error(transparent)]
+    Served(#[from] ServedError),
+}
+
+impl From<std::io::Error> for ServedStartError {
+    fn from(e: std::io::Error) -> Self {
+        ServedStartError::Stack(e.into())
+    }
+}
+
 static NEXT_DIR: AtomicU64 = AtomicU64::new(0);
 
 /// Workers, and kvpick replicas each behind its own gateway.
@@ -116,8 +145,10 @@ pub struct Replicas {
     pub endpoints_file: PathBuf,
     /// The workers.
     pub workers: Vec<WorkerHandle>,
-    /// The replicas.
+    /// The replicas started in-process from library parts.
     pub kvpicks: Vec<Kvpick>,
+    /// The replicas started from command-line flags.
+    pub served: Vec<ServedKvpick>,
     /// One gateway per replica.
     pub gateways: Vec<GatewayHandle>,
     dir: PathBuf,
@@ -173,6 +204,65 @@ impl Replicas {
             endpoints_file,
             workers: ws,
             kvpicks,
+            served: Vec::new(),
+            gateways,
+            dir,
+        })
+    }
+
+    /// Starts `workers` workers and `replicas` kvpick replicas from flags,
+    /// each with an endpoints file of its own (same contents, a different
+    /// path, as on two hosts): replica `i` runs with `flags(i, its file)`
+    /// (which should include `--secure-serving=false`) and is waited for
+    /// until Ready.
+    pub async fn start_served(
+        workers: usize,
+        worker: WorkerConfig,
+        replicas: usize,
+        flags: impl Fn(usize, &Path) -> Vec<String>,
+    ) -> Result<Replicas, ServedStartError> {
+        let dir = std::env::temp_dir().join(format!(
+            "kvpick-served-{}-{}",
+            std::process::id(),
+            NEXT_DIR.fetch_add(1, Ordering::Relaxed)
+        ));
+        let local: SocketAddr = ([127, 0, 0, 1], 0).into();
+        let mut ws = Vec::with_capacity(workers);
+        for _ in 0..workers {
+            ws.push(
+                WorkerHandle::start(local, worker.clone())
+                    .await
+                    .map_err(StackError::from)?,
+            );
+        }
+        let listed: Vec<_> = ws.iter().map(|w| (w.addr(), w.instance_id())).collect();
+        let mut served = Vec::with_capacity(replicas);
+        let mut gateways = Vec::with_capacity(replicas);
+        for i in 0..replicas {
+            let file = dir.join(format!("host-{i}")).join("endpoints.yaml");
+            std::fs::create_dir_all(file.parent().expect("a parent"))?;
+            write_endpoints(&file, &listed)?;
+            let mut k = ServedKvpick::start(&flags(i, &file))?;
+            k.wait_ready(Duration::from_secs(20)).await?;
+            gateways.push(
+                GatewayHandle::start(
+                    local,
+                    GatewayConfig {
+                        ext_proc: format!("http://{}", k.grpc()),
+                        message_timeout: Duration::from_secs(2),
+                        ..GatewayConfig::default()
+                    },
+                )
+                .await
+                .map_err(StackError::from)?,
+            );
+            served.push(k);
+        }
+        Ok(Replicas {
+            endpoints_file: dir.join("host-0").join("endpoints.yaml"),
+            workers: ws,
+            kvpicks: Vec::new(),
+            served,
             gateways,
             dir,
         })

@@ -31,7 +31,7 @@ pub enum StackError {
     Gateway(#[from] crate::gateway::GatewayError),
     /// The self-signed certificate could not be made.
     #[error(transparent)]
-    Tls(#[from] kvpick::tls::TlsError),
+    Tls(#[from] kvpick::server::tls::TlsError),
     /// The precise-mode tokenizer could not be loaded.
     #[error(transparent)]
     Tokenizer(#[from] kvpick::tokenize::TokenizeError),
@@ -132,7 +132,7 @@ pub async fn start_workers_on_one_port(
 /// with fresh state.
 pub struct Kvpick {
     addr: SocketAddr,
-    tls: Option<kvpick::tls::ServerTls>,
+    tls: Option<kvpick::server::tls::ServerTls>,
     precise: Option<Precise>,
     endpoints_file: PathBuf,
     poll: Duration,
@@ -173,7 +173,7 @@ impl Kvpick {
         addr: SocketAddr,
         endpoints_file: PathBuf,
         poll: Duration,
-        tls: Option<kvpick::tls::ServerTls>,
+        tls: Option<kvpick::server::tls::ServerTls>,
     ) -> Result<Kvpick, StackError> {
         Self::start_with(addr, endpoints_file, poll, tls, None, Tuning::default()).await
     }
@@ -183,7 +183,7 @@ impl Kvpick {
         addr: SocketAddr,
         endpoints_file: PathBuf,
         poll: Duration,
-        tls: Option<kvpick::tls::ServerTls>,
+        tls: Option<kvpick::server::tls::ServerTls>,
         precise: Option<Precise>,
         tuning: Tuning,
     ) -> Result<Kvpick, StackError> {
@@ -537,7 +537,7 @@ impl Stack {
         }
         let (tls, ca) = match opts.tls {
             true => {
-                let (tls, pem) = kvpick::tls::self_signed(&["localhost"])?;
+                let (tls, pem) = kvpick::server::tls::self_signed(&["localhost"])?;
                 (Some(tls), Some(pem))
             }
             false => (None, None),

@@ -244,3 +244,66 @@ async fn a_seeded_pool_lists_one_ready_pod_per_worker_on_distinct_loopback_ips()
         assert_eq!(health.status, 200);
     }
 }
+
+#[tokio::test]
+async fn a_streaming_list_sends_the_state_then_the_initial_events_end_bookmark() {
+    let server = ApiServer::start(([127, 0, 0, 1], 0).into(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let st = server.state();
+    for (name, ip) in [("w0", "10.0.0.1"), ("w1", "10.0.0.2")] {
+        st.apply(Kind::Pod, worker_pod(name, ip, true)).unwrap();
+    }
+    let client = client_for(&server).await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    // kube-rs's streaming list (`sendInitialEvents=true`), as client-go's informers list.
+    let mut events = watcher::watcher(pods, watcher::Config::default().streaming_lists()).boxed();
+    let mut initial = Vec::new();
+    loop {
+        match next(&mut events).await {
+            Event::Init => {}
+            Event::InitApply(p) => initial.push(p.metadata.name.unwrap()),
+            Event::InitDone => break,
+            other => panic!("expected the initial list, got {other:?}"),
+        }
+    }
+    initial.sort();
+    assert_eq!(initial, ["w0", "w1"]);
+    st.apply(Kind::Pod, worker_pod("w2", "10.0.0.3", true))
+        .unwrap();
+    assert!(
+        matches!(next(&mut events).await, Event::Apply(p) if p.metadata.name.as_deref() == Some("w2"))
+    );
+}
+
+#[tokio::test]
+async fn discovery_finds_pods_and_inference_pools() {
+    let server = ApiServer::start(([127, 0, 0, 1], 0).into(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let client = client_for(&server).await;
+    let discovery = kube::Discovery::new(client).run().await.unwrap();
+    let kinds: Vec<(String, String, bool)> = discovery
+        .groups()
+        .flat_map(|g| g.recommended_resources())
+        .map(|(r, caps)| {
+            (
+                r.api_version.clone(),
+                r.kind.clone(),
+                caps.scope == kube::discovery::Scope::Namespaced,
+            )
+        })
+        .collect();
+    assert!(
+        kinds.contains(&("v1".into(), "Pod".into(), true)),
+        "{kinds:?}"
+    );
+    assert!(
+        kinds.contains(&(
+            "inference.networking.k8s.io/v1".into(),
+            "InferencePool".into(),
+            true
+        )),
+        "{kinds:?}"
+    );
+}

@@ -345,3 +345,172 @@ async fn each_dp_rank_has_its_own_cache() {
     assert_eq!(send("1").await, 64);
     assert_eq!(w.seen().requests[2].dp_rank.as_deref(), Some("1"));
 }
+
+/// One engine's series of histogram `name`: the `le` labels with their
+/// cumulative counts, then `_count` and `_sum`.
+struct Series {
+    buckets: Vec<(String, f64)>,
+    count: f64,
+    sum: f64,
+}
+
+fn series(metrics: &str, name: &str, engine: u32) -> Series {
+    let value = |l: &str| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap();
+    let engine = format!("engine=\"{engine}\"");
+    let mut s = Series {
+        buckets: Vec::new(),
+        count: f64::NAN,
+        sum: f64::NAN,
+    };
+    for l in metrics.lines().filter(|l| l.contains(&engine)) {
+        if let Some(rest) = l.strip_prefix(&format!("{name}_bucket{{")) {
+            let le = rest
+                .split("le=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
+            s.buckets.push((le.to_string(), value(l)));
+        } else if l.starts_with(&format!("{name}_count{{")) {
+            s.count = value(l);
+        } else if l.starts_with(&format!("{name}_sum{{")) {
+            s.sum = value(l);
+        }
+    }
+    s
+}
+
+fn streamed(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": "mock-model", "max_tokens": max_tokens, "stream": true,
+           "messages": [{"role": "user", "content": prompt}]})
+}
+
+#[tokio::test]
+async fn serves_vllm_latency_histograms_from_its_simulated_timing() {
+    let (_w, c) = worker(WorkerConfig {
+        ttft: Duration::from_millis(30),
+        prefill_per_token: Duration::ZERO,
+        itl: Duration::from_millis(5),
+        max_running: 1,
+        ..WorkerConfig::default()
+    })
+    .await;
+    // Two at once on one slot: the second waits for the first.
+    let (first, second) = (streamed("first", 4), streamed("second", 4));
+    let (a, b) = tokio::join!(
+        c.post_json("/v1/chat/completions", &first, &[]),
+        c.post_json("/v1/chat/completions", &second, &[]),
+    );
+    assert_eq!(
+        (a.unwrap().status.as_u16(), b.unwrap().status.as_u16()),
+        (200, 200)
+    );
+    let metrics = c.get("/metrics").await.unwrap().text();
+    // vLLM's bucket boundaries, in its exposition format.
+    let les = |s: &Series| s.buckets.iter().map(|b| b.0.clone()).collect::<Vec<_>>();
+    let bounds = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let ttft = series(&metrics, "vllm:time_to_first_token_seconds", 0);
+    assert_eq!(
+        les(&ttft),
+        bounds(&[
+            "0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75",
+            "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0", "2560.0",
+            "+Inf"
+        ])
+    );
+    let itl = series(&metrics, "vllm:inter_token_latency_seconds", 0);
+    assert_eq!(
+        les(&itl),
+        bounds(&[
+            "0.01", "0.025", "0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.4", "0.5", "0.75",
+            "1.0", "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "+Inf"
+        ])
+    );
+    let queue = series(&metrics, "vllm:request_queue_time_seconds", 0);
+    assert_eq!(
+        les(&queue),
+        bounds(&[
+            "0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0",
+            "40.0", "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf"
+        ])
+    );
+    for (name, kind) in [
+        ("vllm:time_to_first_token_seconds", "histogram"),
+        ("vllm:inter_token_latency_seconds", "histogram"),
+        ("vllm:request_queue_time_seconds", "histogram"),
+    ] {
+        assert!(metrics.contains(&format!("# TYPE {name} {kind}\n")));
+    }
+    assert!(metrics.contains(
+        "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.001\",model_name=\"mock-model\"} 0.0\n"
+    ));
+    for s in [&ttft, &itl, &queue] {
+        assert!(s.buckets.windows(2).all(|w| w[0].1 <= w[1].1), "cumulative");
+        assert_eq!(s.buckets.last().unwrap().1, s.count, "+Inf is the count");
+    }
+    // Two requests: two queue times (one waited a whole first request), two
+    // first tokens (the second after the first's 30 ms + 3 × 5 ms), 3 gaps each.
+    assert_eq!((queue.count, ttft.count, itl.count), (2.0, 2.0, 6.0));
+    assert!(queue.sum >= 0.045, "queue sum {}", queue.sum);
+    assert!(ttft.sum >= 0.030 + 0.075, "ttft sum {}", ttft.sum);
+    assert!(itl.sum >= 6.0 * 0.005, "itl sum {}", itl.sum);
+    assert_eq!(ttft.buckets[1].1, 0.0, "no TTFT under 5 ms");
+}
+
+#[tokio::test]
+async fn runs_at_a_configured_speed() {
+    let config = |speed| WorkerConfig {
+        ttft: Duration::from_millis(40),
+        prefill_per_token: Duration::from_micros(100),
+        itl: Duration::from_millis(8),
+        speed,
+        ..WorkerConfig::default()
+    };
+    let (_slow, slow) = worker(config(1.0)).await;
+    let (_fast, fast) = worker(config(4.0)).await;
+    let prompt = "word ".repeat(200);
+    for c in [&slow, &fast] {
+        for i in 0..3 {
+            let r = c
+                .post_json(
+                    "/v1/chat/completions",
+                    &streamed(&format!("{i} {prompt}"), 6),
+                    &[],
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200);
+        }
+    }
+    let mean = |c: &Client, name: &'static str| {
+        let c = c.clone();
+        async move {
+            let s = series(&c.get("/metrics").await.unwrap().text(), name, 0);
+            s.sum / s.count
+        }
+    };
+    let ttft = "vllm:time_to_first_token_seconds";
+    let itl = "vllm:inter_token_latency_seconds";
+    let (slow_ttft, fast_ttft) = (mean(&slow, ttft).await, mean(&fast, ttft).await);
+    let (slow_itl, fast_itl) = (mean(&slow, itl).await, mean(&fast, itl).await);
+    // At speed 1: 40 ms + 100 µs per uncached token (> 200); at speed 4, a quarter.
+    assert!(slow_ttft >= 0.060, "slow TTFT {slow_ttft}");
+    assert!(fast_ttft >= 0.015, "fast TTFT {fast_ttft}");
+    assert!(
+        slow_ttft > 2.5 * fast_ttft,
+        "TTFT {slow_ttft} at speed 1 vs {fast_ttft} at speed 4"
+    );
+    assert!(slow_itl >= 0.008 && fast_itl >= 0.002);
+    assert!(
+        slow_itl > 2.0 * fast_itl,
+        "ITL {slow_itl} at speed 1 vs {fast_itl} at speed 4"
+    );
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let r = WorkerHandle::start(([127, 0, 0, 1], 0).into(), config(bad)).await;
+        assert!(
+            matches!(r, Err(e2e::mock_worker::WorkerError::Speed(_))),
+            "speed {bad} accepted"
+        );
+    }
+}

@@ -4,11 +4,14 @@
 //! server killed mid-run fails no request and the replicas converge once it is
 //! back; a restarted replica loads the shared state before it is Ready; with
 //! the server killed, three alternating replicas still keep a conversation on
-//! its worker without unbalancing the workers.
+//! its worker without unbalancing the workers; standalone replicas started
+//! from their flags with the endpoints file at different paths find each
+//! other by pool name, given or the default.
 //!
 //! Skipped (with a message) when `redis-server` is not installed, unless
 //! `KVPICK_REQUIRE_SYNC_SERVER=1` (CI), which makes that a failure.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use e2e::client::Client;
@@ -343,4 +346,91 @@ async fn with_the_sync_server_killed_alternating_replicas_still_agree_and_stay_b
         most as f64 <= 1.5 * least as f64,
         "unbalanced: requests per worker {shares:?}"
     );
+}
+
+/// Same-worker rate of follow-ups with one in-process replica.
+async fn one_replica_rate() -> f64 {
+    let one = Replicas::start(WORKERS, worker(), 1, None).await.unwrap();
+    assert_eq!(
+        converse(&one, &mut conversations(0), 0..TURNS, |_, _| 0).await,
+        0
+    );
+    same_worker_rate(&one, 0)
+}
+
+/// Two replicas started from flags, synced through `redis`, each reading the
+/// endpoints from a file at its own path, with `--pool-name pool` when given:
+/// conversations alternate between them. Returns the same-worker rate of
+/// follow-ups and each replica's metrics page.
+async fn alternate_standalone(redis: &RedisServer, pool: Option<&str>) -> (f64, Vec<String>) {
+    let url = redis.url();
+    let flags = |_: usize, file: &Path| {
+        let mut f = vec![
+            "--secure-serving=false".to_string(),
+            "--kv-events=false".to_string(),
+            format!("--endpoints-file={}", file.display()),
+            format!("--replica-sync={url}"),
+        ];
+        f.extend(pool.map(|p| format!("--pool-name={p}")));
+        f
+    };
+    let two = Replicas::start_served(WORKERS, worker(), 2, flags)
+        .await
+        .unwrap();
+    let alternate = |c: usize, t: usize| (c + t) % 2;
+    assert_eq!(
+        converse(&two, &mut conversations(0), 0..TURNS, alternate).await,
+        0
+    );
+    let mut pages = Vec::new();
+    for k in &two.served {
+        let page = Client::new(k.metrics()).get("/metrics").await.unwrap();
+        pages.push(page.text());
+    }
+    (same_worker_rate(&two, 0), pages)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn standalone_replicas_with_different_file_paths_and_one_pool_name_route_as_one() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let baseline = one_replica_rate().await;
+    let (rate, pages) = alternate_standalone(&redis, Some("chat")).await;
+    eprintln!("same-worker rate of follow-ups: one replica {baseline:.2}, two standalone replicas named `chat` alternating {rate:.2}");
+    assert!(
+        rate >= 0.95 * baseline,
+        "replicas named alike {rate:.2} < 0.95 x one replica {baseline:.2}"
+    );
+    // The name labels the pool's metrics and keys the sync stream.
+    for page in &pages {
+        assert!(
+            page.contains(r#"inference_pool_ready_pods{name="chat"} 4"#),
+            "{page}"
+        );
+    }
+    assert!(redis.has_key("kvpick:chat:sync"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn standalone_replicas_with_different_file_paths_and_no_pool_name_share_the_default_pool() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let baseline = one_replica_rate().await;
+    let (rate, pages) = alternate_standalone(&redis, None).await;
+    eprintln!("same-worker rate of follow-ups: one replica {baseline:.2}, two unnamed standalone replicas alternating {rate:.2}");
+    assert!(
+        rate >= 0.95 * baseline,
+        "unnamed standalone replicas {rate:.2} < 0.95 x one replica {baseline:.2}"
+    );
+    for page in &pages {
+        assert!(
+            page.contains(&format!(
+                r#"inference_pool_ready_pods{{name="{}"}} 4"#,
+                kvpick::config::DEFAULT_STANDALONE_POOL
+            )),
+            "{page}"
+        );
+    }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use e2e::otlp::OtlpReceiver;
 use e2e::stack::{Stack, StackOptions};
-use kvpick::tracing_export::{Exporter, TraceSettings};
+use kvpick::telemetry::tracing_export::{Exporter, TraceSettings};
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::Span;

@@ -7,6 +7,7 @@ use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -22,15 +23,47 @@ const QUEUE: usize = 64;
 /// The processor's side of a stream: its answers, each awaited at most
 /// Envoy's `message_timeout`.
 pub struct Answers {
-    rx: Streaming<ProcessingResponse>,
+    incoming: Incoming,
     timeout: Duration,
 }
 
+/// The answer stream, or the call still waiting for the processor's response
+/// headers (a gRPC server may hold them back until its first answer, which an
+/// ext_proc server sends only after the body: Envoy sends the body meanwhile).
+enum Incoming {
+    Waiting(JoinHandle<Result<tonic::Response<Streaming<ProcessingResponse>>, tonic::Status>>),
+    Open(Box<Streaming<ProcessingResponse>>),
+}
+
+impl Drop for Answers {
+    fn drop(&mut self) {
+        if let Incoming::Waiting(call) = &self.incoming {
+            call.abort();
+        }
+    }
+}
+
 impl Answers {
+    /// The next message of the stream, once the call has its response headers.
+    async fn next(&mut self) -> Option<Result<ProcessingResponse, tonic::Status>> {
+        if let Incoming::Waiting(call) = &mut self.incoming {
+            match call.await {
+                Ok(Ok(response)) => self.incoming = Incoming::Open(Box::new(response.into_inner())),
+                Ok(Err(status)) => return Some(Err(status)),
+                Err(_) => return None,
+            }
+        }
+        match &mut self.incoming {
+            Incoming::Open(rx) => rx.next().await,
+            Incoming::Waiting(_) => None,
+        }
+    }
+
     /// The next message.
     pub async fn recv(&mut self) -> Result<ProcessingResponse, ClientError> {
-        match tokio::time::timeout(self.timeout, self.rx.next()).await {
-            Err(_) => Err(ClientError::Timeout(self.timeout)),
+        let timeout = self.timeout;
+        match tokio::time::timeout(timeout, self.next()).await {
+            Err(_) => Err(ClientError::Timeout(timeout)),
             Ok(None) => Err(ClientError::Closed),
             Ok(Some(Err(status))) => Err(status.into()),
             Ok(Some(Ok(msg))) => Ok(msg),
@@ -47,7 +80,7 @@ impl Answers {
 
     /// Nothing arrives within `wait`.
     pub async fn silent_for(&mut self, wait: Duration) -> bool {
-        tokio::time::timeout(wait, self.rx.next()).await.is_err()
+        tokio::time::timeout(wait, self.next()).await.is_err()
     }
 
     /// The next answer, for `phase` or immediate.
@@ -141,6 +174,8 @@ impl DerefMut for EnvoyStream {
 impl EnvoyStream {
     /// Opens a stream on `ch` whose first message is `headers` (see
     /// [`crate::message::RequestHeaders`]); answers are awaited at most `timeout`.
+    /// As Envoy, it does not wait for the processor's response headers before
+    /// sending more: the call runs on its own task until they come.
     pub async fn open(
         ch: &Channel,
         headers: ProcessingRequest,
@@ -149,14 +184,13 @@ impl EnvoyStream {
         let (tx, rx) = mpsc::channel(QUEUE);
         tx.send(headers).await.map_err(|_| ClientError::Closed)?;
         let mut client = ExternalProcessorClient::new(ch.clone());
-        let call = client.process(ReceiverStream::new(rx));
-        let rx = tokio::time::timeout(timeout, call)
-            .await
-            .map_err(|_| ClientError::Timeout(timeout))??
-            .into_inner();
+        let call = tokio::spawn(async move { client.process(ReceiverStream::new(rx)).await });
         Ok(EnvoyStream {
             tx: Some(tx),
-            answers: Answers { rx, timeout },
+            answers: Answers {
+                incoming: Incoming::Waiting(call),
+                timeout,
+            },
         })
     }
 

@@ -1,15 +1,25 @@
-//! Where the endpoints come from: a file, an InferencePool, or a pod selector.
+//! Where the endpoints come from: a file, an InferencePool, or a pod selector;
+//! and the pool's name, which keys its replicas' shared state, labels its
+//! metrics and appears in its logs.
 
 use std::path::PathBuf;
+
+/// The pool's name in standalone mode when `--pool-name` is not given: the
+/// same on every replica, however its endpoints file's path is spelled.
+pub const DEFAULT_STANDALONE_POOL: &str = "standalone";
 
 /// Where the endpoints come from: a file, an InferencePool, or a pod selector.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DiscoveryFlags {
     /// Standalone mode: a YAML file of endpoints, reloaded when it changes.
+    /// The pool is named by `--pool-name`, not by the file's path.
     #[arg(long, env = "KVPICK_ENDPOINTS_FILE")]
     pub endpoints_file: Option<PathBuf>,
 
-    /// Name of the InferencePool to serve (Kubernetes mode).
+    /// Name of the InferencePool to serve (Kubernetes mode). With
+    /// `--endpoints-file`, the pool's name only (default `standalone`):
+    /// replicas on one `--replica-sync` server with the same name share their
+    /// routing state. It also labels the pool's metrics.
     #[arg(long, env = "KVPICK_POOL_NAME")]
     pub pool_name: Option<String>,
 
@@ -28,7 +38,7 @@ pub struct DiscoveryFlags {
     pub pool_group: String,
 
     /// Without an InferencePool: select pods by `key=value[,key=value...]`.
-    #[arg(long, env = "KVPICK_ENDPOINT_SELECTOR")]
+    #[arg(long, env = "KVPICK_ENDPOINT_SELECTOR", conflicts_with_all = ["endpoints_file", "pool_name"])]
     pub endpoint_selector: Option<String>,
 
     /// With `--endpoint-selector`: the pods' serving ports, `port[,port...]`.
@@ -41,6 +51,26 @@ pub struct DiscoveryFlags {
 }
 
 impl DiscoveryFlags {
+    /// The pool's name: `--pool-name` when given (trimmed, not empty); else in
+    /// standalone mode [`DEFAULT_STANDALONE_POOL`], with a selector the
+    /// selector as given.
+    pub fn pool(&self) -> String {
+        let given = |s: &Option<String>| {
+            s.as_deref()
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+        };
+        given(&self.pool_name)
+            .or_else(|| {
+                self.endpoints_file
+                    .as_ref()
+                    .map(|_| DEFAULT_STANDALONE_POOL.to_string())
+            })
+            .or_else(|| given(&self.endpoint_selector))
+            .unwrap_or_default()
+    }
+
     /// The namespace to watch (see [`resolve_namespace`]).
     pub fn namespace(&self) -> String {
         let env = std::env::var("NAMESPACE").ok();
@@ -62,6 +92,34 @@ pub fn resolve_namespace(flag: Option<&str>, env_namespace: Option<&str>) -> Str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    fn pool(argv: &[&str]) -> String {
+        let args = crate::config::Args::try_parse_from(
+            std::iter::once("kvpick").chain(argv.iter().copied()),
+        );
+        args.unwrap().discovery.pool()
+    }
+
+    #[test]
+    fn the_pool_is_named_by_the_flag_never_by_the_files_path() {
+        for path in ["e.yaml", "./e.yaml", "/etc/kvpick/e.yaml"] {
+            assert_eq!(pool(&["--endpoints-file", path]), DEFAULT_STANDALONE_POOL);
+            assert_eq!(
+                pool(&["--endpoints-file", path, "--pool-name", " chat "]),
+                "chat"
+            );
+        }
+        assert_eq!(
+            pool(&["--endpoints-file", "e.yaml", "--pool-name", ""]),
+            DEFAULT_STANDALONE_POOL
+        );
+        assert_eq!(
+            pool(&["--pool-name", "llama", "--pool-namespace", "team"]),
+            "llama"
+        );
+        assert_eq!(pool(&["--endpoint-selector", "app=x"]), "app=x");
+    }
 
     #[test]
     fn namespace_resolution_follows_gie() {

@@ -5,7 +5,7 @@ use std::time::Duration;
 use clap::ArgAction;
 
 use super::duration;
-use crate::image_fetch::FetchPolicy;
+use crate::multimodal::fetch::FetchPolicy;
 use crate::multimodal::remote::FetchLimits;
 
 /// Fetching remote images to identify them by content.

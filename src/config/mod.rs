@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{ArgGroup, Args as ClapArgs, Parser, Subcommand};
+use clap::{Args as ClapArgs, Parser, Subcommand};
 
 use crate::endpoint_picker_config::{EndpointPickerConfigError, Mapping};
 use crate::scheduler::SchedulerConfig;
@@ -34,7 +34,7 @@ pub mod sessions;
 pub mod telemetry;
 pub mod tls;
 
-pub use discovery::{resolve_namespace, DiscoveryFlags};
+pub use discovery::{resolve_namespace, DiscoveryFlags, DEFAULT_STANDALONE_POOL};
 pub use duration::parse_go_duration;
 pub use flow_control::FlowControlFlags;
 pub use gie::GieFlags;
@@ -53,13 +53,15 @@ pub use tls::TlsFlags;
 
 /// kvpick: a KV-cache-aware endpoint picker for the Gateway API Inference Extension.
 ///
-/// The endpoint sources (`--endpoints-file`, `--pool-name`, `--endpoint-selector`)
-/// exclude each other: passing two is an error, not a silent choice. Durations
-/// take a bare integer in the flag's unit (`-ms`, `-secs`) or a Go duration
-/// such as `250ms`, `2s`, `1m30s`.
+/// The endpoints come from one source: `--endpoints-file` (standalone), an
+/// InferencePool (`--pool-name`) or a pod selector (`--endpoint-selector`);
+/// passing two is an error, not a silent choice. With `--endpoints-file`,
+/// `--pool-name` only names the pool (default `standalone`): replicas sharing
+/// a `--replica-sync` server under one pool name route as one, wherever their
+/// endpoints files are. Durations take a bare integer in the flag's unit
+/// (`-ms`, `-secs`) or a Go duration such as `250ms`, `2s`, `1m30s`.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "kvpick", version, about)]
-#[command(group(ArgGroup::new("endpoint_source").args(["endpoints_file", "pool_name", "endpoint_selector"])))]
 pub struct Args {
     /// A subcommand instead of serving.
     #[command(subcommand)]
@@ -149,10 +151,8 @@ impl Args {
             byte_block: s.prefix_byte_block.max(1),
             token_block: s.prefix_token_block.max(1),
             max_prefix_blocks: s.max_prefix_blocks(),
-            weights: s.weights(),
             pending_prefill_weight: crate::scheduler::PENDING_PREFILL_WEIGHT,
-            temperature: s.temperature.max(0.0),
-            plugins: s.plugins.clone(),
+            plugins: s.plugins(),
             tie_break_seed: None,
             scrape_max_age: self.scrape_staleness(),
             index: s.index(),
@@ -175,9 +175,9 @@ impl Args {
         }
     }
 
-    /// Reads `--config-file` / `--config-text`, sets the cost weights from its
-    /// scorers and the scheduler's plugin list from its main profile (see
-    /// [`crate::endpoint_picker_config`]); `None` without one.
+    /// Reads `--config-file` / `--config-text` and sets the scheduler's plugin
+    /// list from its main profile, the weight flags scaled by its scorers'
+    /// weights (see [`crate::endpoint_picker_config`]); `None` without one.
     pub fn apply_endpoint_picker_config(
         &mut self,
     ) -> Result<Option<Mapping>, EndpointPickerConfigError> {
@@ -194,9 +194,8 @@ impl Args {
         };
         let s = &mut self.scheduling;
         let mapping =
-            crate::endpoint_picker_config::map(&text, s.weights(), s.temperature.max(0.0))?;
-        s.plugins = mapping.plugins.clone();
-        s.set_weights(mapping.weights);
+            crate::endpoint_picker_config::map(&text, &s.weights.0, s.temperature.max(0.0))?;
+        s.plugins = Some(mapping.plugins.clone());
         Ok(Some(mapping))
     }
 
@@ -259,6 +258,8 @@ impl Args {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::terms::{kv_usage, load, prefix, queue};
+    use crate::scheduler::{Plugins, TermWeights};
 
     #[test]
     fn gie_defaults_and_secure_serving_forms() {
@@ -324,7 +325,7 @@ mod tests {
         let c = a.scheduler(Vec::new());
         let d = SchedulerConfig::default();
         assert_eq!((c.byte_block, c.token_block), (d.byte_block, d.token_block));
-        assert_eq!(c.weights, d.weights);
+        assert_eq!(format!("{:?}", c.plugins), format!("{:?}", d.plugins));
         assert_eq!(c.index.ttl, d.index.ttl);
         assert_eq!(c.index.default_capacity, d.index.default_capacity);
         assert_eq!((c.max_prefix_blocks, d.max_prefix_blocks), (8192, 8192));
@@ -340,8 +341,8 @@ mod tests {
         .unwrap();
         let c = a.scheduler(Vec::new());
         assert_eq!(c.index.ttl, None);
-        assert_eq!(c.weights.decode, 0.5);
-        assert_eq!(c.temperature, 0.2);
+        let want = Plugins::with_weights(&TermWeights::default().with(&load::TERM, 0.5), 0.2);
+        assert_eq!(format!("{:?}", c.plugins), format!("{want:?}"));
         assert_eq!((c.max_endpoints, d.max_endpoints), (3, 1));
         assert!(Args::try_parse_from(["kvpick", "--max-endpoints=0"]).is_err());
     }
@@ -438,10 +439,15 @@ mod tests {
         .unwrap();
         let mapping = a.apply_endpoint_picker_config().unwrap().unwrap();
         assert_eq!(mapping.mapped.len(), 3, "{mapping:?}");
-        let w = a.scheduler(Vec::new()).weights;
-        assert_eq!((w.prefill, w.decode), (1.0, 0.0));
+        let w = |t| mapping.weights.get(t).weight;
+        assert_eq!((w(&prefix::TERM), w(&load::TERM)), (1.0, 0.0));
         // The flag weights scaled by the scorers' ratios (queue flag default 0.25).
-        assert!((w.queue - 0.25 * 2.0 / 3.0).abs() < 1e-9 && (w.kv_usage - 2.0 / 3.0).abs() < 1e-9);
+        assert!(
+            (w(&queue::TERM) - 0.25 * 2.0 / 3.0).abs() < 1e-9
+                && (w(&kv_usage::TERM) - 2.0 / 3.0).abs() < 1e-9
+        );
+        let scheduled = a.scheduler(Vec::new()).plugins;
+        assert_eq!(format!("{scheduled:?}"), format!("{:?}", mapping.plugins));
         assert_eq!(a.log_format(), LogFormat::Json);
         // Standalone mode (router.inferencePool.create=false).
         let a = Args::try_parse_from([
@@ -612,7 +618,7 @@ mod tests {
             .image_fetch
             .config()
             .unwrap();
-        assert_eq!(policy, crate::image_fetch::FetchPolicy::default());
+        assert_eq!(policy, crate::multimodal::fetch::FetchPolicy::default());
         assert_eq!(limits, crate::multimodal::remote::FetchLimits::default());
         let (policy, limits) = Args::try_parse_from([
             "kvpick",

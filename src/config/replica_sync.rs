@@ -11,7 +11,9 @@ use crate::replica_sync::SyncConfig;
 pub struct ReplicaSyncFlags {
     /// Share routing state with the pool's other kvpick replicas through this
     /// Redis/Valkey server (`redis://[:password@]host[:port][/db]`; see
-    /// docs/replicas.md). Unset: a single replica, nothing shared.
+    /// docs/replicas.md): replicas on one server with the same pool name
+    /// (`--pool-name`; `standalone` with `--endpoints-file` and no name) are
+    /// one pool. Unset: a single replica, nothing shared.
     #[arg(long, env = "KVPICK_REPLICA_SYNC")]
     pub replica_sync: Option<String>,
 

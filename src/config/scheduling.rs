@@ -1,10 +1,18 @@
 //! The scheduler: prefix index, cost weights, booked load.
+//!
+//! The cost terms' weight flags are not listed here: each term declares its
+//! own ([`crate::scheduler::plugin::Knob`]) and [`WeightFlags`] makes a flag
+//! of every declaration in the registry, in its order (the terms' weights,
+//! then their prefill-side weights).
 
 use std::time::Duration;
 
+use clap::{Arg, ArgMatches, Command, FromArgMatches};
+
 use super::duration;
 use crate::kv::index::IndexConfig;
-use crate::scheduler::Weights;
+use crate::scheduler::plugin::{Knob, Weight};
+use crate::scheduler::{registry, Plugins, TermWeights};
 
 /// The scheduler: prefix index, cost weights, booked load.
 #[derive(Debug, Clone, clap::Args)]
@@ -82,27 +90,9 @@ pub struct SchedulingFlags {
     #[arg(long, env = "KVPICK_PREFIX_PRECISE_SLACK", default_value_t = 1.5)]
     pub prefix_precise_slack: f64,
 
-    /// Cost weight per prompt block the candidate must still prefill.
-    #[arg(long, env = "KVPICK_WEIGHT_PREFILL", default_value_t = 1.0)]
-    pub weight_prefill: f64,
-
-    /// Cost weight per block of active load on the candidate (counted while it
-    /// is saturated, or has no fresh scrape).
-    #[arg(long, env = "KVPICK_WEIGHT_DECODE", default_value_t = 0.1)]
-    pub weight_decode: f64,
-
-    /// Cost weight per block of scraped queued work (queued requests at their
-    /// uncached size).
-    #[arg(long, env = "KVPICK_WEIGHT_QUEUE", default_value_t = 0.25)]
-    pub weight_queue: f64,
-
-    /// Cost weight of scraped KV-cache usage (0..1, counted at the request's size).
-    #[arg(long, env = "KVPICK_WEIGHT_KV_USAGE", default_value_t = 1.0)]
-    pub weight_kv_usage: f64,
-
-    /// Prefill weight when picking the prefill worker of a disaggregated pool.
-    #[arg(long, env = "KVPICK_WEIGHT_PREFILL_OVERLAP", default_value_t = 2.0)]
-    pub weight_prefill_overlap: f64,
+    /// The cost terms' `--weight-*` flags, one per weight a term declares.
+    #[command(flatten)]
+    pub weights: WeightFlags,
 
     /// 0 picks the cheapest candidate; above 0, softmax sampling over costs scaled
     /// to [0, 1] with this temperature.
@@ -119,28 +109,17 @@ pub struct SchedulingFlags {
 
     /// The scheduler's plugin list an `EndpointPickerConfig` built (not a flag).
     #[arg(skip)]
-    pub plugins: Option<crate::scheduler::Plugins>,
+    pub plugins: Option<Plugins>,
 }
 
 impl SchedulingFlags {
-    /// The cost weights the `--weight-*` flags set.
-    pub fn weights(&self) -> Weights {
-        Weights {
-            prefill: self.weight_prefill,
-            decode: self.weight_decode,
-            queue: self.weight_queue,
-            kv_usage: self.weight_kv_usage,
-            prefill_overlap: self.weight_prefill_overlap,
+    /// The plugin list to schedule with: the `EndpointPickerConfig`'s, else
+    /// every term at its flag weight and the default picker at `--temperature`.
+    pub fn plugins(&self) -> Plugins {
+        match &self.plugins {
+            Some(p) => p.clone(),
+            None => Plugins::with_weights(&self.weights.0, self.temperature.max(0.0)),
         }
-    }
-
-    /// Sets the `--weight-*` values (from an `EndpointPickerConfig`).
-    pub fn set_weights(&mut self, w: Weights) {
-        self.weight_prefill = w.prefill;
-        self.weight_decode = w.decode;
-        self.weight_queue = w.queue;
-        self.weight_kv_usage = w.kv_usage;
-        self.weight_prefill_overlap = w.prefill_overlap;
     }
 
     /// Longest prefix matched, in blocks (`usize::MAX`: the whole prompt).
@@ -161,5 +140,57 @@ impl SchedulingFlags {
             // kvpick's block hashes and the engines' are chained.
             chained: true,
         }
+    }
+}
+
+/// The weight flags of every declared cost term, read into [`TermWeights`].
+#[derive(Debug, Clone, Default)]
+pub struct WeightFlags(pub TermWeights);
+
+/// Every weight flag the registry's terms declare: their weights, then their
+/// prefill-side weights.
+fn knobs() -> impl Iterator<Item = Knob> {
+    let weights = registry::terms().filter_map(|t| match t.weight {
+        Weight::Flag(k) => Some(k),
+        Weight::Fixed(_) => None,
+    });
+    weights.chain(registry::terms().filter_map(|t| t.prefill_weight))
+}
+
+/// The flag of `knob`, as `#[arg(long, env, default_value_t)]` would make it.
+fn flag(knob: Knob) -> Arg {
+    Arg::new(knob.flag)
+        .long(knob.flag)
+        .env(knob.env)
+        .value_name(knob.flag.to_ascii_uppercase().replace('-', "_"))
+        .value_parser(clap::value_parser!(f64))
+        .default_value(knob.default.to_string())
+        .help(knob.help)
+}
+
+impl FromArgMatches for WeightFlags {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let mut flags = WeightFlags::default();
+        flags.update_from_arg_matches(matches)?;
+        Ok(flags)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        for k in knobs() {
+            if let Some(v) = matches.get_one::<f64>(k.flag) {
+                self.0.set_flag(k.flag, *v);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl clap::Args for WeightFlags {
+    fn augment_args(cmd: Command) -> Command {
+        knobs().fold(cmd, |cmd, k| cmd.arg(flag(k)))
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
     }
 }

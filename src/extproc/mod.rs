@@ -31,8 +31,8 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{error, Instrument};
 
+use crate::admission::metrics::AdmissionMetrics;
 use crate::admission::Ticket;
-use crate::admission_metrics::AdmissionMetrics;
 use crate::flow::FlowContext;
 use crate::telemetry::Metrics;
 use metrics::ExtProcMetrics;

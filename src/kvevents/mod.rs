@@ -1,9 +1,14 @@
 //! Precise mode: what each worker's KV cache holds, from the engines' own KV events.
 //!
 //! vLLM and SGLang publish `BlockStored` / `BlockRemoved` / `AllBlocksCleared`
-//! events over ZMQ PUB ([`decode`] reads them). kvpick keeps one subscriber per
-//! ready (worker, dp rank) ([`subscriber`]) and applies the events to the prefix
-//! index through [`KvEventSink`].
+//! events over ZMQ PUB. Each engine's format has its decoder in the core
+//! ([`kvpick_core::kvevents`], re-exported here: [`decoder`] picks it), which
+//! gives the same normalised events for every engine. kvpick keeps one
+//! subscriber per ready (worker, dp rank) of an engine that publishes
+//! ([`subscriber`]), queues each message with its engine ([`queue`]), and the
+//! ingest thread decodes it with that engine's decoder and applies the events
+//! to the prefix index through [`KvEventSink`] ([`Ingest`]); [`metrics`] counts
+//! what happened.
 //!
 //! Keys: kvpick hashes each stored block itself, from the event's `token_ids`, with
 //! the same chained function the request side uses, so a request's token blocks
@@ -16,7 +21,9 @@
 //! is skipped (counted as orphan blocks); the engine re-stores the chain on the
 //! next prompt that reaches it.
 
-pub mod decode;
+pub use kvpick_core::kvevents::*;
+
+pub mod metrics;
 pub mod queue;
 pub mod subscriber;
 pub mod zmtp;
@@ -29,8 +36,6 @@ use crate::kv::hash::{mm_block_hash, model_seed, salted_seed, token_block_hashes
 use crate::kv::index::PrefixIndex;
 use crate::multimodal::routing::normalize_vllm_block;
 use crate::scheduler::Scheduler;
-
-use decode::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 
 /// Where ingested events go: the prefix index plus the block hash function it uses.
 /// Implemented for the scheduler core's `PrefixIndex` and for the `Scheduler` (which
@@ -264,7 +269,7 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
         e: &BlockStored,
         now: Instant,
     ) -> ApplyStats {
-        if !counts_for_routing(e.medium.as_deref(), e.group_idx) {
+        if !counts_for_routing(&e.tier, e.group_idx) {
             return ApplyStats {
                 ignored_events: 1,
                 ..Default::default()
@@ -318,7 +323,7 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
     }
 
     fn removed(&mut self, worker: WorkerKey, e: &BlockRemoved) -> ApplyStats {
-        if !counts_for_routing(e.medium.as_deref(), e.group_idx) {
+        if !counts_for_routing(&e.tier, e.group_idx) {
             return ApplyStats {
                 ignored_events: 1,
                 ..Default::default()
@@ -377,11 +382,11 @@ fn mm_stored_hashes<S: KvEventSink + ?Sized>(
     out
 }
 
-/// Only GPU-resident blocks (medium absent or `GPU`) of the first KV-cache group
-/// (group absent or 0) decide routing: CPU/disk tiers have their own removal
-/// streams, and hybrid models repeat every block once per group.
-fn counts_for_routing(medium: Option<&str>, group: Option<i64>) -> bool {
-    medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu")) && group.is_none_or(|g| g == 0)
+/// Only GPU-resident blocks of the first KV-cache group (group absent or 0)
+/// decide routing: other tiers have their own removal streams, and hybrid
+/// models repeat every block once per group.
+fn counts_for_routing(tier: &StorageTier, group: Option<i64>) -> bool {
+    *tier == StorageTier::Gpu && group.is_none_or(|g| g == 0)
 }
 
 /// How a sequence number relates to the previous one on the same stream.
@@ -501,9 +506,11 @@ mod tests {
 
     #[test]
     fn routing_tiers() {
-        assert!(counts_for_routing(None, None));
-        assert!(counts_for_routing(Some("GPU"), Some(0)));
-        assert!(!counts_for_routing(Some("CPU"), None));
-        assert!(!counts_for_routing(None, Some(1)));
+        assert!(counts_for_routing(&StorageTier::Gpu, None));
+        assert!(counts_for_routing(&StorageTier::Gpu, Some(0)));
+        assert!(!counts_for_routing(&StorageTier::Cpu, None));
+        assert!(!counts_for_routing(&StorageTier::Disk, None));
+        assert!(!counts_for_routing(&StorageTier::Other("x".into()), None));
+        assert!(!counts_for_routing(&StorageTier::Gpu, Some(1)));
     }
 }

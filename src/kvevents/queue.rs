@@ -23,20 +23,51 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use parking_lot::{Condvar, Mutex};
+use prometheus_client::encoding::EncodeLabelValue;
 use prometheus_client::metrics::gauge::Gauge;
 
-use super::subscriber::ResetReason;
-use crate::endpoints::WorkerKey;
+use crate::endpoints::{Engine, WorkerKey};
 
 /// Bytes a queued batch costs beyond its payload and topic: the item itself
 /// and its place in the queue, so a flood of empty messages is bounded too.
 pub const BATCH_OVERHEAD: usize = 128;
+
+/// Why a worker's part of the index was reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+pub enum ResetReason {
+    /// A new connection: events before it are unknown.
+    Connect,
+    /// The connection was lost.
+    Disconnect,
+    /// Sequence numbers were skipped and could not be replayed.
+    Gap,
+    /// The sequence went backwards: the engine restarted.
+    Restart,
+    /// The ingest queue was full and batches were dropped.
+    Overflow,
+    /// The engine sent `AllBlocksCleared`.
+    Cleared,
+}
+
+impl ResetReason {
+    /// Every reason, for removing a worker rank's series.
+    pub const ALL: [ResetReason; 6] = [
+        ResetReason::Connect,
+        ResetReason::Disconnect,
+        ResetReason::Gap,
+        ResetReason::Restart,
+        ResetReason::Overflow,
+        ResetReason::Cleared,
+    ];
+}
 
 /// One thing for the ingest thread to do for a worker rank.
 #[derive(Debug)]
 pub enum Item {
     /// A KV-event message's topic and payload, as received at `received`.
     Batch {
+        /// The engine that published it: its decoder reads the payload.
+        engine: Engine,
         /// The topic frame.
         topic: Bytes,
         /// The msgpack payload.
@@ -305,6 +336,7 @@ mod tests {
 
     fn batch(len: usize) -> Item {
         Item::Batch {
+            engine: Engine::Vllm,
             topic: Bytes::new(),
             payload: Bytes::from(vec![0u8; len]),
             received: Instant::now(),

@@ -32,21 +32,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
-use super::decode::{decode_batch, decode_seq, parse_topic};
-use super::queue::{self, IngestQueue, Item, Receiver, BATCH_OVERHEAD};
+use super::metrics::KvEventMetrics;
+use super::queue::{self, IngestQueue, Item, Receiver, ResetReason, BATCH_OVERHEAD};
 use super::zmtp::{Connection, Limits, ZmtpError};
-use super::{ApplyStats, Ingest, KvEventSink, SeqCheck, SeqTracker};
+use super::{decode_seq, decoder, parse_topic, Ingest, KvEventSink, SeqCheck, SeqTracker};
 use crate::endpoints::{EndpointTable, Engine, WorkerKey};
 use crate::error_chain::ErrorChain;
-use crate::telemetry::Metrics;
 
 /// Subscriber settings.
 #[derive(Debug, Clone)]
@@ -110,199 +104,19 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 8 << 20;
 /// thousands of ordinary batches (a few KiB each) waiting for one ingest pass.
 pub const DEFAULT_MAX_QUEUED_BYTES: usize = 256 << 20;
 
-/// Why a worker's part of the index was reset.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
-pub enum ResetReason {
-    /// A new connection: events before it are unknown.
-    Connect,
-    /// The connection was lost.
-    Disconnect,
-    /// Sequence numbers were skipped and could not be replayed.
-    Gap,
-    /// The sequence went backwards: the engine restarted.
-    Restart,
-    /// The ingest queue was full and batches were dropped.
-    Overflow,
-    /// The engine sent `AllBlocksCleared`.
-    Cleared,
-}
-
-impl ResetReason {
-    const ALL: [ResetReason; 6] = [
-        ResetReason::Connect,
-        ResetReason::Disconnect,
-        ResetReason::Gap,
-        ResetReason::Restart,
-        ResetReason::Overflow,
-        ResetReason::Cleared,
-    ];
-}
-
-/// `identity` values of `kvpick_kv_events_mm_blocks`.
-const MM_IDENTITIES: [&str; 3] = ["issued", "native", "unmapped"];
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct WorkerLabels {
-    instance_id: u64,
-    dp_rank: u32,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct MmBlockLabels {
-    instance_id: u64,
-    dp_rank: u32,
-    identity: &'static str,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct ResetLabels {
-    instance_id: u64,
-    dp_rank: u32,
-    reason: ResetReason,
-}
-
-fn labels(w: WorkerKey) -> WorkerLabels {
-    WorkerLabels {
-        instance_id: w.instance_id,
-        dp_rank: w.dp_rank,
-    }
-}
-
-/// KV-event metrics, per worker rank.
-#[derive(Debug, Clone)]
-pub struct KvEventMetrics {
-    precise: Family<WorkerLabels, Gauge>,
-    events: Family<WorkerLabels, Counter>,
-    resets: Family<ResetLabels, Counter>,
-    dropped: Family<WorkerLabels, Counter>,
-    orphans: Family<WorkerLabels, Counter>,
-    replayed: Family<WorkerLabels, Counter>,
-    mm_blocks: Family<MmBlockLabels, Counter>,
-    decode_errors: Counter,
-    ingest_lag: Histogram,
-    queued_bytes: Gauge,
-}
-
-impl KvEventMetrics {
-    /// Creates the metrics and registers them with `metrics`.
-    pub fn register(metrics: &Metrics) -> Arc<Self> {
-        let m = KvEventMetrics {
-            precise: Family::default(),
-            events: Family::default(),
-            resets: Family::default(),
-            dropped: Family::default(),
-            orphans: Family::default(),
-            replayed: Family::default(),
-            mm_blocks: Family::default(),
-            decode_errors: Counter::default(),
-            queued_bytes: Gauge::default(),
-            ingest_lag: Histogram::new([
-                0.000_01, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0,
-            ]),
-        };
-        metrics.register(|r| {
-            r.register(
-                "kvpick_kv_events_precise",
-                "1 while the worker rank has a live KV event stream (precise mode), 0 in approximate mode",
-                m.precise.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_ingested",
-                "KV events applied to the prefix index",
-                m.events.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_resets",
-                "Times a worker rank's part of the prefix index was reset, by reason",
-                m.resets.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_dropped_batches",
-                "Event batches dropped because the ingest queue was full (the rank holding the most bytes loses its queued batches and is reset)",
-                m.dropped.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_orphan_blocks",
-                "Stored blocks skipped because their parent block is unknown",
-                m.orphans.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_replayed_batches",
-                "Event batches recovered from the engine's replay socket",
-                m.replayed.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_mm_blocks",
-                "Stored vLLM blocks with image hashes in extra_keys: identity=issued (hashes kvpick gave the engine, matchable), native (vLLM's own hashes, never matchable: the engine ignored kvpick's UUIDs), unmapped (image tokens not pairable with the hashes)",
-                m.mm_blocks.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_decode_errors",
-                "KV event messages that could not be decoded",
-                m.decode_errors.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_queued_bytes",
-                "Bytes of KV event batches waiting for the ingest thread, all worker ranks together (at most --kv-events-max-queued-bytes)",
-                m.queued_bytes.clone(),
-            );
-            r.register(
-                "kvpick_kv_events_ingest_lag_seconds",
-                "Time from a batch's arrival to its events being visible to lookups",
-                m.ingest_lag.clone(),
-            );
-        });
-        Arc::new(m)
-    }
-
-    /// Drops every series of a worker rank that left the endpoint set, so the
-    /// families do not grow with each pod that ever existed.
-    fn forget(&self, w: WorkerKey) {
-        let l = labels(w);
-        for family in [&self.events, &self.dropped, &self.orphans, &self.replayed] {
-            family.remove(&l);
-        }
-        self.precise.remove(&l);
-        for reason in ResetReason::ALL {
-            self.resets.remove(&ResetLabels {
-                instance_id: w.instance_id,
-                dp_rank: w.dp_rank,
-                reason,
-            });
-        }
-        for identity in MM_IDENTITIES {
-            self.mm_blocks.remove(&MmBlockLabels {
-                instance_id: w.instance_id,
-                dp_rank: w.dp_rank,
-                identity,
-            });
-        }
-    }
-
-    /// Counts a reset of `w`'s precise entries.
-    pub(crate) fn reset(&self, w: WorkerKey, reason: ResetReason) {
-        self.resets
-            .get_or_create(&ResetLabels {
-                instance_id: w.instance_id,
-                dp_rank: w.dp_rank,
-                reason,
-            })
-            .inc();
-    }
-}
-
 fn ingest_loop(rx: Receiver, mut ingest: Ingest<dyn KvEventSink>, metrics: Arc<KvEventMetrics>) {
     while let Some((worker, item)) = rx.next() {
         match item {
             Item::Batch {
+                engine,
                 topic,
                 payload,
                 received,
             } => {
-                let batch = match decode_batch(&payload) {
+                let batch = match decoder(engine).decode(&payload) {
                     Ok(b) => b,
                     Err(e) => {
-                        metrics.decode_errors.inc();
+                        metrics.decode_error();
                         debug!(%worker, error = %ErrorChain(&e), "undecodable KV event batch");
                         // The batch's effect is unknown: start over for this worker.
                         ingest.reset(worker);
@@ -311,54 +125,17 @@ fn ingest_loop(rx: Receiver, mut ingest: Ingest<dyn KvEventSink>, metrics: Arc<K
                     }
                 };
                 let topic = parse_topic(&topic);
-                let stats: ApplyStats = ingest.apply(
+                let stats = ingest.apply(
                     worker,
                     topic.as_ref().map(|t| t.model.as_str()),
                     &batch,
                     Instant::now(),
                 );
-                let l = labels(worker);
-                metrics.events.get_or_create(&l).inc_by(stats.events);
-                if stats.orphan_blocks > 0 {
-                    metrics
-                        .orphans
-                        .get_or_create(&l)
-                        .inc_by(stats.orphan_blocks);
-                }
-                let mm = [
-                    stats.mm_blocks,
-                    stats.mm_native_blocks,
-                    stats.mm_unmapped_blocks,
-                ];
-                for (identity, n) in MM_IDENTITIES.into_iter().zip(mm) {
-                    if n > 0 {
-                        metrics
-                            .mm_blocks
-                            .get_or_create(&MmBlockLabels {
-                                instance_id: worker.instance_id,
-                                dp_rank: worker.dp_rank,
-                                identity,
-                            })
-                            .inc_by(n);
-                    }
-                }
-                for _ in 0..stats.clears {
-                    metrics.reset(worker, ResetReason::Cleared);
-                }
-                metrics.ingest_lag.observe(received.elapsed().as_secs_f64());
+                metrics.applied(worker, &stats, received);
             }
             Item::Live(live) => {
                 ingest.set_live(worker, live);
-                metrics
-                    .precise
-                    .get_or_create(&labels(worker))
-                    .set(live as i64);
-                let reason = if live {
-                    ResetReason::Connect
-                } else {
-                    ResetReason::Disconnect
-                };
-                metrics.reset(worker, reason);
+                metrics.live(worker, live);
             }
             Item::Forget => {
                 ingest.set_live(worker, false);
@@ -379,6 +156,8 @@ fn ingest_loop(rx: Receiver, mut ingest: Ingest<dyn KvEventSink>, metrics: Arc<K
 pub struct Target {
     /// The worker rank the events describe.
     pub worker: WorkerKey,
+    /// The engine publishing them (which decoder reads them).
+    pub engine: Engine,
     /// The engine's IP address.
     pub host: IpAddr,
     /// PUB port.
@@ -409,7 +188,7 @@ impl KvEvents {
         let budget = config
             .max_queued_bytes
             .max(config.max_message_bytes + BATCH_OVERHEAD);
-        let (tx, rx) = queue::queue(budget, metrics.queued_bytes.clone());
+        let (tx, rx) = queue::queue(budget, metrics.queued_bytes());
         let ingest = Ingest::new(sink, config.model.clone()).with_image_token(config.image_token);
         let m = Arc::clone(&metrics);
         let thread = std::thread::Builder::new()
@@ -451,12 +230,12 @@ impl KvEvents {
     }
 
     /// The streams to follow for the endpoints in `table` now: every rank of every
-    /// vLLM or SGLang endpoint.
+    /// endpoint whose engine publishes KV events ([`super::EventDecoder::publishes`]).
     pub fn targets(&self, table: &EndpointTable) -> Vec<Target> {
         let snapshot = table.snapshot();
         let mut out = Vec::new();
         for e in &snapshot.endpoints {
-            if e.endpoint.engine == Engine::Trtllm {
+            if !decoder(e.endpoint.engine).publishes() {
                 continue;
             }
             let port = e.endpoint.kv_events_port.unwrap_or(self.config.port);
@@ -465,6 +244,7 @@ impl KvEvents {
                 let Some(port) = offset(port) else { continue };
                 out.push(Target {
                     worker: e.key(rank),
+                    engine: e.endpoint.engine,
                     host: e.endpoint.address.ip(),
                     port,
                     replay_port: self.config.replay_port.and_then(offset),
@@ -593,7 +373,7 @@ async fn follow_stream(
             Ok(m) => m,
             Err(e) => {
                 if !matches!(e, ZmtpError::Io(_)) {
-                    metrics.decode_errors.inc();
+                    metrics.decode_error();
                     warn!(%worker, error = %ErrorChain(&e), "KV event stream dropped");
                 } else {
                     debug!(%worker, error = %ErrorChain(&e), "KV event stream ended");
@@ -603,12 +383,12 @@ async fn follow_stream(
         };
         let received = Instant::now();
         if frames.len() != 3 {
-            metrics.decode_errors.inc();
+            metrics.decode_error();
             continue;
         }
         let payload = frames.pop().unwrap_or_default();
         let Ok(s) = decode_seq(&frames[1]) else {
-            metrics.decode_errors.inc();
+            metrics.decode_error();
             continue;
         };
         let topic = frames.swap_remove(0);
@@ -626,12 +406,9 @@ async fn follow_stream(
                     None => Vec::new(),
                 };
                 if replayed.len() as u64 == to - from {
-                    metrics
-                        .replayed
-                        .get_or_create(&labels(worker))
-                        .inc_by(replayed.len() as u64);
+                    metrics.replayed(worker, replayed.len() as u64);
                     for p in replayed {
-                        forward(tx, metrics, worker, topic.clone(), p, received);
+                        forward(tx, metrics, target, topic.clone(), p, received);
                     }
                 } else {
                     warn!(%worker, missed = to - from, "KV event gap: resetting worker");
@@ -639,7 +416,7 @@ async fn follow_stream(
                 }
             }
         }
-        forward(tx, metrics, worker, topic, payload, received);
+        forward(tx, metrics, target, topic, payload, received);
         if tx.is_closed() {
             return Ok(());
         }
@@ -652,21 +429,19 @@ async fn follow_stream(
 fn forward(
     tx: &IngestQueue,
     metrics: &KvEventMetrics,
-    worker: WorkerKey,
+    target: &Target,
     topic: Bytes,
     payload: Bytes,
     received: Instant,
 ) {
     let batch = Item::Batch {
+        engine: target.engine,
         topic,
         payload,
         received,
     };
-    for d in tx.push_batch(worker, batch) {
-        metrics
-            .dropped
-            .get_or_create(&labels(d.worker))
-            .inc_by(d.batches);
+    for d in tx.push_batch(target.worker, batch) {
+        metrics.dropped(d.worker, d.batches);
     }
 }
 

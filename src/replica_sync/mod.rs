@@ -25,14 +25,14 @@
 //!   (`docs/replicas.md`, "Without the server").
 
 pub mod codec;
+pub mod metrics;
 pub mod resp;
+
+pub use metrics::SyncMetrics;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -40,7 +40,6 @@ use crate::endpoints::EndpointTable;
 use crate::error_chain::ErrorChain;
 use crate::replica::{Delta, PeerLoads, ReplicaId, ReplicaSink};
 use crate::scheduler::Scheduler;
-use crate::telemetry::Metrics;
 use resp::{Conn, RespError, Target, Value};
 
 /// Replica sync settings.
@@ -83,164 +82,6 @@ impl SyncConfig {
             command_timeout: Duration::from_secs(1),
             max_backoff: Duration::from_secs(1),
         })
-    }
-}
-
-/// Replica-sync metrics.
-#[derive(Debug, Default)]
-pub struct SyncMetrics {
-    published: Counter,
-    dropped: Counter,
-    errors: Counter,
-    reconnects: Counter,
-    applied: Counter,
-    decode_errors: Counter,
-    connected: Gauge,
-    peers: Gauge,
-    warm_start_timeouts: Counter,
-    warm_start_entries: Counter,
-    published_bytes: Counter,
-    propagation: Option<Histogram>,
-    /// Exact propagation samples in seconds, at most `samples_cap`: kept only
-    /// when made by [`SyncMetrics::recording`] (benchmarks read percentiles
-    /// the histogram's buckets cannot give).
-    samples: std::sync::Mutex<Vec<f64>>,
-    samples_cap: usize,
-}
-
-impl SyncMetrics {
-    /// Creates the metrics and registers them with `metrics`.
-    pub fn register(metrics: &Metrics) -> Arc<SyncMetrics> {
-        let m = Arc::new(SyncMetrics {
-            propagation: Some(Histogram::new(
-                prometheus_client::metrics::histogram::exponential_buckets(0.000_1, 2.0, 16),
-            )),
-            ..Default::default()
-        });
-        metrics.register(|r| {
-            let r = r.sub_registry_with_prefix("kvpick_replica_sync");
-            r.register(
-                "published_deltas",
-                "Deltas this replica published",
-                m.published.clone(),
-            );
-            r.register(
-                "published_bytes",
-                "Bytes of batches this replica published",
-                m.published_bytes.clone(),
-            );
-            r.register(
-                "dropped_deltas",
-                "Deltas dropped: the queue was full or the server unreachable",
-                m.dropped.clone(),
-            );
-            r.register(
-                "errors",
-                "Failed commands (server down, slow or refusing)",
-                m.errors.clone(),
-            );
-            r.register(
-                "reconnects",
-                "Connections opened after a failure",
-                m.reconnects.clone(),
-            );
-            r.register(
-                "applied_deltas",
-                "Peers' deltas applied here",
-                m.applied.clone(),
-            );
-            r.register(
-                "decode_errors",
-                "Stream entries that could not be decoded",
-                m.decode_errors.clone(),
-            );
-            r.register(
-                "connected",
-                "1 while the subscriber is connected",
-                m.connected.clone(),
-            );
-            r.register("peers", "Peers holding a booking lease", m.peers.clone());
-            r.register(
-                "warm_start_timeouts",
-                "Warm starts that reached their bound before loading the state",
-                m.warm_start_timeouts.clone(),
-            );
-            r.register(
-                "warm_start_entries",
-                "Stream entries replayed at warm start",
-                m.warm_start_entries.clone(),
-            );
-            if let Some(h) = &m.propagation {
-                r.register(
-                    "propagation_seconds",
-                    "From a peer's publish to applying its batch here (wall clocks)",
-                    h.clone(),
-                );
-            }
-        });
-        m
-    }
-}
-
-impl SyncMetrics {
-    /// Like [`SyncMetrics::register`], and keeps the first `cap` propagation
-    /// samples exactly (one per peer batch applied live).
-    pub fn recording(metrics: &Metrics, cap: usize) -> Arc<SyncMetrics> {
-        let mut m = SyncMetrics::register(metrics);
-        Arc::get_mut(&mut m).expect("not shared yet").samples_cap = cap;
-        m
-    }
-
-    /// Takes the recorded propagation samples (seconds), in arrival order.
-    pub fn take_propagation_samples(&self) -> Vec<f64> {
-        std::mem::take(&mut *self.samples.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-
-    /// Deltas this replica published.
-    pub fn published_deltas(&self) -> u64 {
-        self.published.get()
-    }
-
-    /// Bytes of the batches this replica published.
-    pub fn published_bytes(&self) -> u64 {
-        self.published_bytes.get()
-    }
-
-    /// Peers' deltas applied here.
-    pub fn applied_deltas(&self) -> u64 {
-        self.applied.get()
-    }
-
-    /// Deltas dropped (queue full or server unreachable).
-    pub fn dropped_deltas(&self) -> u64 {
-        self.dropped.get()
-    }
-
-    /// Failed commands.
-    pub fn errors(&self) -> u64 {
-        self.errors.get()
-    }
-
-    fn observe_propagation(&self, seconds: f64) {
-        if let Some(h) = &self.propagation {
-            h.observe(seconds);
-        }
-        if self.samples_cap > 0 {
-            let mut s = self.samples.lock().unwrap_or_else(|e| e.into_inner());
-            if s.len() < self.samples_cap {
-                s.push(seconds);
-            }
-        }
-    }
-
-    /// Stream entries replayed at warm start so far.
-    pub fn warm_start_entries(&self) -> u64 {
-        self.warm_start_entries.get()
-    }
-
-    /// Warm starts that reached their bound before loading the state.
-    pub fn warm_start_timeouts(&self) -> u64 {
-        self.warm_start_timeouts.get()
     }
 }
 

@@ -34,7 +34,7 @@ use anyhow::{anyhow, Context};
 use clap::Parser;
 use e2e::bench::completion_of_tokens;
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
-use kvpick::kvevents::decode::{self, BlockRemoved, BlockStored, EventBatch};
+use kvpick::kvevents::{self, BlockRemoved, BlockStored, EventBatch, StorageTier};
 use kvpick::kvevents::Ingest;
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use uuid::Uuid;
@@ -427,11 +427,11 @@ fn scheduler_config(settings: &KvpickSettings) -> anyhow::Result<SchedulerConfig
 }
 
 /// One engine event as vLLM publishes it; host-tier events are not on the GPU
-/// and are published with their medium, which kvpick's ingest skips.
-fn vllm_event(event: KvEvent, block_size: usize) -> decode::KvEvent {
-    let medium = match event.tier {
-        KvEventTier::Device => None,
-        KvEventTier::HostPinned => Some("CPU".to_string()),
+/// and are published with their tier, which kvpick's ingest skips.
+fn vllm_event(event: KvEvent, block_size: usize) -> kvevents::KvEvent {
+    let tier = match event.tier {
+        KvEventTier::Device => StorageTier::Gpu,
+        KvEventTier::HostPinned => StorageTier::Cpu,
     };
     match event.data {
         KvEventData::Stored(stored) => {
@@ -439,22 +439,22 @@ fn vllm_event(event: KvEvent, block_size: usize) -> decode::KvEvent {
             for b in &stored.blocks {
                 token_ids.extend(b.token_ids.iter().flatten());
             }
-            decode::KvEvent::BlockStored(BlockStored {
+            kvevents::KvEvent::BlockStored(BlockStored {
                 block_hashes: stored.blocks.iter().map(|b| b.block_hash).collect(),
                 parent_block_hash: stored.parent_hash,
                 token_ids,
                 block_size,
                 lora_id: None,
-                medium,
+                tier,
                 lora_name: None,
                 group_idx: None,
                 block_mm_hashes: Vec::new(),
                 cache_salt: None,
             })
         }
-        KvEventData::Removed { block_hashes } => decode::KvEvent::BlockRemoved(BlockRemoved {
+        KvEventData::Removed { block_hashes } => kvevents::KvEvent::BlockRemoved(BlockRemoved {
             block_hashes,
-            medium,
+            tier,
             ..BlockRemoved::default()
         }),
     }

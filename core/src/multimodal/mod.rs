@@ -8,7 +8,7 @@
 //! - [`tokens`]: how many prompt tokens an image becomes, per model family;
 //! - [`hints`]: writing the hashes into the request for the engine;
 //! - [`remote`]: the optional bounded fetch-and-hash of remote image URLs
-//!   (the fetcher is glue: `crate::image_fetch`);
+//!   (the fetcher is glue: `kvpick::multimodal::fetch`);
 //! - [`routing`]: expanding a prompt's image placeholders into pad values, and
 //!   normalizing vLLM event blocks into the same form.
 //!

@@ -4,7 +4,7 @@
 //! the blocks after it can equal the engine's).
 //!
 //! The core owns the policy and the bookkeeping; the bytes come from an
-//! [`ImageFetcher`] the glue implements (kvpick's is `crate::image_fetch`, with
+//! [`ImageFetcher`] the glue implements (kvpick's is `kvpick::multimodal::fetch`, with
 //! its address and scheme rules). Every fetch is bounded:
 //! - time: the whole fetch, waiting for a permit included, within
 //!   [`FetchLimits::timeout`];

@@ -31,7 +31,8 @@
 
 use std::sync::atomic::Ordering;
 
-use super::cost::{Best, Cand, TermCosts};
+use super::candidates::Cand;
+use super::cost::{Best, TermCosts};
 use super::Scheduler;
 use crate::keys::WorkerKey;
 use crate::kv::hash::PromptBlocks;

@@ -13,18 +13,27 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use super::cost::Cand;
 use super::filters::{Filter, FilterContext};
-use super::{PickError, PickRequest};
+use super::terms::Side;
+use super::{PickError, PickRequest, Target};
 use crate::endpoints::{EndpointState, Snapshot, WorkerKey};
 
-/// Which list of candidates: decode (destination) or prefill workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    /// Workers that serve decode (the destination).
-    Decode,
-    /// Prefill-only workers of a disaggregated pool.
-    Prefill,
+/// One candidate (worker, rank).
+#[derive(Clone, Copy)]
+pub(super) struct Cand<'a> {
+    pub(super) ep: &'a Arc<EndpointState>,
+    pub(super) rank: u32,
+    pub(super) key: WorkerKey,
+}
+
+impl Cand<'_> {
+    /// The decision's target for this candidate.
+    pub(super) fn target(&self) -> Target {
+        Target {
+            state: Arc::clone(self.ep),
+            rank: self.rank,
+        }
+    }
 }
 
 /// Most filters one scheduler runs (one bit each in a pick's masks).

@@ -7,120 +7,13 @@
 //! pruned argmin's floor is the sum of the terms' lower bounds.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use rand::Rng;
 use smallvec::SmallVec;
 
-use super::candidates::Side;
-use super::terms::{Candidate, CostTerms, RequestCost};
-use super::{Scheduler, Target, MAX_TERMS};
-use crate::endpoints::{EndpointState, WorkerKey};
-
-/// Weights of the cost terms (all in KV blocks of work; see `docs/scheduling.md`).
-/// The defaults (1, 0.1, 0.25, 1) come from replaying the public synthetic
-/// Mooncake trace (BENCHMARKS.md §2): a full active load or queue at weight 1
-/// outweighs any prefix saving once workers queue, and routing collapses at 2×
-/// load.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Weights {
-    /// Per block the candidate must still prefill: the prompt's after its
-    /// overlap, plus [`PENDING_PREFILL_WEIGHT`] per block of the requests routed
-    /// there whose prefill is not done.
-    pub prefill: f64,
-    /// Per block of active load on a candidate without a fresh scrape (prompts
-    /// of unfinished requests kvpick routed there, plus a suspect worker's last
-    /// scraped running requests kvpick does not know).
-    pub decode: f64,
-    /// Per block of work queued ahead (each scraped queued request at the
-    /// blocks it has left to prefill) and per block of this prompt's prefill
-    /// for each request it delays there ([`super::terms::queue`]).
-    pub queue: f64,
-    /// Per unit of scraped KV-cache usage (0..1), counted at this request's size.
-    pub kv_usage: f64,
-    /// The prefill weight used when picking a prefill worker (disaggregated pools).
-    pub prefill_overlap: f64,
-}
-
-impl Default for Weights {
-    fn default() -> Self {
-        Weights {
-            prefill: 1.0,
-            decode: 0.1,
-            queue: 0.25,
-            kv_usage: 1.0,
-            prefill_overlap: 2.0,
-        }
-    }
-}
-
-/// One candidate (worker, rank).
-#[derive(Clone, Copy)]
-pub(super) struct Cand<'a> {
-    pub(super) ep: &'a Arc<EndpointState>,
-    pub(super) rank: u32,
-    pub(super) key: WorkerKey,
-}
-
-impl Cand<'_> {
-    pub(super) fn target(&self) -> Target {
-        Target {
-            state: Arc::clone(self.ep),
-            rank: self.rank,
-        }
-    }
-}
-
-/// Weight, within the prefill term, of a block still pending on the candidate
-/// (routed there, prefill not done) beyond this prompt's overlap. Dynamo counts
-/// such blocks at 1 (`prefill_load_scale`); on the tuning trace (BENCHMARKS.md
-/// §2) 1 scatters bursts that share a prefix while their first prefill runs,
-/// and 0.05 keeps the hit rate while the TTFT tail drops. Two waits count in
-/// full instead ([`LONG_PROMPT_TOKENS`], [`MAX_WAIT_BESIDE_IDLE_TOKENS`]).
-pub const PENDING_PREFILL_WEIGHT: f64 = 0.05;
-
-/// A prompt with at least this many tokens still to prefill on a candidate
-/// counts the pending prefills there in full: its own prefill is long, so the
-/// hits it could gain by queueing are few beside the wait (on the tuning
-/// trace, the longest prompts make the light-load TTFT tail).
-pub const LONG_PROMPT_TOKENS: usize = 24_576;
-
-/// Pending prefill beyond this many tokens on a candidate counts in full while
-/// some other rank has none pending ([`Snapshot::idle_ranks`]): no prefix hit
-/// is worth waiting behind that much work when a worker could start at once.
-///
-/// [`Snapshot::idle_ranks`]: crate::endpoints::Snapshot::idle_ranks
-pub const MAX_WAIT_BESIDE_IDLE_TOKENS: usize = 131_072;
-
-/// How one pick counts a candidate's wait behind pending prefills, read once
-/// per pick and side: the thresholds in blocks, and whether some rank has
-/// nothing pending.
-#[derive(Debug, Clone, Copy)]
-pub struct PendingWait {
-    /// [`LONG_PROMPT_TOKENS`] in blocks.
-    long_prompt_blocks: usize,
-    /// [`MAX_WAIT_BESIDE_IDLE_TOKENS`] in blocks, while a rank of the side has
-    /// nothing pending; `None` otherwise.
-    beside_idle_blocks: Option<f64>,
-    /// Weight of a pending block otherwise ([`PENDING_PREFILL_WEIGHT`] by default).
-    weight: f64,
-}
-
-impl PendingWait {
-    /// The pending blocks a prompt with `new_blocks` left to prefill counts,
-    /// for `pending` blocks it would wait behind: [`PENDING_PREFILL_WEIGHT`]
-    /// each, all of them for a long prompt, and those beyond the wait allowed
-    /// beside an idle rank in full. Never below zero, never above `pending`.
-    pub fn weigh(&self, pending: f64, new_blocks: usize) -> f64 {
-        if new_blocks >= self.long_prompt_blocks {
-            return pending;
-        }
-        match self.beside_idle_blocks {
-            Some(max) if pending > max => self.weight * max + (pending - max),
-            _ => self.weight * pending,
-        }
-    }
-}
+use super::candidates::Cand;
+use super::terms::{Candidate, CostTerms, PendingWait, RequestCost, Side};
+use super::Scheduler;
 
 impl Scheduler {
     /// How this pick counts waits behind pending prefills, with `idle_ranks`
@@ -130,13 +23,11 @@ impl Scheduler {
     ///
     /// [`Snapshot::idle_ranks`]: crate::endpoints::Snapshot::idle_ranks
     pub(super) fn pending_wait(&self, idle_ranks: u64) -> PendingWait {
-        let block = self.config.token_block.max(1);
-        PendingWait {
-            long_prompt_blocks: LONG_PROMPT_TOKENS.div_ceil(block),
-            beside_idle_blocks: (idle_ranks > 0)
-                .then_some(MAX_WAIT_BESIDE_IDLE_TOKENS.div_ceil(block) as f64),
-            weight: self.config.pending_prefill_weight.clamp(0.0, 1.0),
-        }
+        PendingWait::new(
+            self.config.token_block,
+            idle_ranks,
+            self.config.pending_prefill_weight,
+        )
     }
 
     /// What the terms read about a request of `size` blocks for `adapter` on
@@ -245,8 +136,9 @@ impl Scheduler {
 }
 
 /// One candidate's cost term by term, in the scorers' summing order (the
-/// scorers' names stay with the scheduler).
-pub(super) type TermCosts = SmallVec<[f64; MAX_TERMS]>;
+/// scorers' names stay with the scheduler); inline up to eight terms, on the
+/// heap beyond.
+pub(super) type TermCosts = SmallVec<[f64; 8]>;
 
 /// Argmin of `costs` with a uniform random tie-break; with `temperature > 0`,
 /// samples index i with probability ∝ exp(−c′ᵢ / temperature), where c′ are the

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::cost::Cand;
+use super::candidates::Cand;
 use super::pick::{Observer, Scoring};
 use super::terms::{CostTerms, LoadSource};
 use super::{PickError, PickRequest, Scheduler};

@@ -13,18 +13,21 @@
 //! 2. hash: the prompt becomes chained prefix block hashes ([`crate::kv::hash`]);
 //! 3. lookup: the prefix index says which workers hold how many leading blocks;
 //! 4. score: a cost per candidate, the sum of the cost terms ([`terms`]; see
-//!    [`Weights`] and `docs/scheduling.md`), then the picker's choice
+//!    [`TermWeights`] and `docs/scheduling.md`), then the picker's choice
 //!    ([`pickers`]): argmin with a random tie-break (while no state is shared
 //!    with peer replicas, the near-best candidate all replicas agree on, see
-//!    `agreement.rs`), or softmax sampling with a temperature. The argmin reads the prompt's holders first and skips every
+//!    `agreement.rs`), or softmax sampling with a temperature. The argmin
+//!    reads the prompt's holders first and skips every
 //!    candidate whose least possible cost (the sum of the terms' lower bounds)
 //!    is no lower than the best found (see `pick.rs`), so in a large pool it
 //!    seldom reads every endpoint.
 //!
 //! Candidates are the endpoints every [`filters`] filter admits. Filters, terms
-//! and picker are plugins ([`Plugins`]), registered under the llm-d Router's
-//! plugin type names ([`registry`]) so an `EndpointPickerConfig` builds the
-//! list; `explain` is the same pick with a recording observer.
+//! and picker are plugins ([`Plugins`]): each file declares its plugin (name,
+//! llm-d Router plugin types, weight flag; [`plugin`]) and the [`registry`]
+//! lists the declarations, so the flags, an `EndpointPickerConfig` and the
+//! default list all build the list from them; `explain` is the same pick with
+//! a recording observer.
 //!
 //! The chosen ranks then get the request's blocks in the index (approximate mode)
 //! and its size added to their active load until [`Scheduler::finish`] (the
@@ -39,6 +42,7 @@ pub mod filters;
 mod overlap;
 mod pick;
 pub mod pickers;
+pub mod plugin;
 mod plugins;
 mod provisional;
 pub mod registry;
@@ -49,18 +53,18 @@ mod stats;
 pub mod terms;
 #[cfg(test)]
 mod tests;
+mod weights;
 
 pub use agreement::{AGREEMENT_BLOCKS, AGREEMENT_MARGIN};
-pub use candidates::Side;
-pub use cost::{PendingWait, Weights, PENDING_PREFILL_WEIGHT};
 pub use decision::{Decision, PickError, PickRequest, Target};
 pub use explain::{CandidateScore, Explanation};
-pub use plugins::Plugins;
+pub use plugins::{default_picker, Plugins};
 pub use stats::{
     CostSums, HistogramSnapshot, LatencyHistogram, SchedulerStats, Stage, StageTimer,
-    LATENCY_BUCKETS, MAX_TERMS,
+    LATENCY_BUCKETS,
 };
-pub use terms::CostTerms;
+pub use terms::{CostTerms, PendingWait, Side, PENDING_PREFILL_WEIGHT};
+pub use weights::{TermWeight, TermWeights};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -91,17 +95,12 @@ pub struct SchedulerConfig {
     /// worth its cost, and an approximate index would evict the prompt's own
     /// prefix to keep it.
     pub max_prefix_blocks: usize,
-    /// Cost weights of the default plugin list.
-    pub weights: Weights,
     /// Weight of a block pending on a candidate beyond a prompt's overlap
     /// ([`PENDING_PREFILL_WEIGHT`] by default).
     pub pending_prefill_weight: f64,
-    /// 0 picks the cheapest candidate; above 0, softmax sampling over
-    /// normalised costs (the default plugin list's picker).
-    pub temperature: f64,
-    /// The filters, terms and picker to run (`None`: the built-in terms at
-    /// `weights`, the max-score picker at `temperature`).
-    pub plugins: Option<Plugins>,
+    /// The filters, terms and picker to run (by default every declared term
+    /// at its default weight, the max-score picker at temperature 0).
+    pub plugins: Plugins,
     /// Seeds the tie-break among equally cheap candidates, so a replay repeats
     /// itself (`None`: the thread's random generator).
     pub tie_break_seed: Option<u64>,
@@ -159,10 +158,8 @@ impl Default for SchedulerConfig {
             byte_block: DEFAULT_BYTE_BLOCK,
             token_block: DEFAULT_TOKEN_BLOCK,
             max_prefix_blocks: DEFAULT_MAX_PREFIX_TOKENS / DEFAULT_TOKEN_BLOCK,
-            weights: Weights::default(),
-            pending_prefill_weight: cost::PENDING_PREFILL_WEIGHT,
-            temperature: 0.0,
-            plugins: None,
+            pending_prefill_weight: PENDING_PREFILL_WEIGHT,
+            plugins: Plugins::default(),
             tie_break_seed: None,
             scrape_max_age: Duration::from_secs(5),
             index: IndexConfig::default(),
@@ -238,10 +235,7 @@ impl Default for Scheduler {
 impl Scheduler {
     /// A scheduler with `config`.
     pub fn new(config: SchedulerConfig) -> Self {
-        let plugins = config
-            .plugins
-            .clone()
-            .unwrap_or_else(|| Plugins::from_weights(config.weights, config.temperature));
+        let plugins = config.plugins.clone();
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
             provisional: provisional::Guesses::new(
@@ -254,7 +248,7 @@ impl Scheduler {
                 max_entries: config.session_max_entries,
                 token_max_lifetime: config.session_token_max_lifetime,
             }),
-            stats: SchedulerStats::default(),
+            stats: SchedulerStats::new(plugins.scorers.len()),
             tie_breaks: AtomicU64::new(0),
             max_endpoints: plugins
                 .picker

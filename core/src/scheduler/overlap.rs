@@ -17,7 +17,7 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::cost::Cand;
+use super::candidates::Cand;
 use super::{Decision, Scheduler};
 use crate::endpoints::WorkerKey;
 use crate::kv::index::Overlaps;

@@ -13,11 +13,11 @@ use std::time::Instant;
 
 use rand::Rng;
 
-use super::candidates::{Pool, Side};
-use super::cost::{pick_index, Best, Cand, Least, Ranked, TermCosts};
+use super::candidates::{Cand, Pool};
+use super::cost::{pick_index, Best, Least, Ranked, TermCosts};
 use super::overlap::PromptOverlaps;
 use super::pickers::Choice;
-use super::terms::{CostTerms, RequestCost};
+use super::terms::{CostTerms, RequestCost, Side};
 use super::{Decision, PickError, PickRequest, Scheduler, Stage, StageTimer};
 use crate::endpoints::{adapter_id, ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;

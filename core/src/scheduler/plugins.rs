@@ -1,16 +1,16 @@
 //! The plugin list one scheduler runs: its filters (the built-in ones, then
-//! configured ones), its cost terms in summing order, and its picker.
+//! configured ones), its cost terms in summing order, and its picker. Every
+//! plugin is built from its declaration ([`super::registry`]), with the
+//! weights of [`TermWeights`] or those an `EndpointPickerConfig` maps.
 
 use std::sync::Arc;
 
-use super::filters::{body::PrefillNeedsBody, ejected::Ejected, subset::Subset, Filter};
-use super::pickers::{max_score::MaxScore, Choice, Picker};
-use super::terms::Scorer;
-use super::terms::{
-    failures::FailedResponses, kv_usage::KvUsage, load::ActiveLoad, lora::LoraAffinity,
-    prefix::PrefixCache, queue::Queue,
-};
-use super::Weights;
+use super::filters::Filter;
+use super::pickers::{Choice, Picker, PickerDecl};
+use super::plugin::{PluginArgs, PluginError};
+use super::registry;
+use super::terms::{Scorer, TermDecl};
+use super::weights::{TermWeight, TermWeights};
 
 /// Filters, terms and picker of a scheduler.
 #[derive(Debug, Clone)]
@@ -23,53 +23,38 @@ pub struct Plugins {
     pub picker: Arc<dyn Picker>,
 }
 
+/// The default list at the declared default weights.
+impl Default for Plugins {
+    fn default() -> Self {
+        Self::with_weights(&TermWeights::default(), 0.0)
+    }
+}
+
 impl Plugins {
     /// The filters every scheduler runs (the Inference Extension's contract).
     pub fn builtin_filters() -> Vec<Arc<dyn Filter>> {
-        vec![
-            Arc::new(Subset),
-            Arc::new(PrefillNeedsBody),
-            Arc::new(Ejected),
-        ]
+        registry::filters()
+            .filter(|f| f.builtin())
+            .map(|f| unconfigured((f.build)(&mut Unconfigured::default().args())))
+            .collect()
     }
 
-    /// The terms every scheduler sums after its own: failed responses (passive
-    /// health's cost, whatever the load weights).
-    pub fn builtin_scorers() -> Vec<Arc<dyn Scorer>> {
-        vec![Arc::new(FailedResponses::default())]
+    /// The terms every scheduler sums after its own (failed responses:
+    /// passive health's cost, whatever the load weights), at `weights`.
+    pub fn builtin_scorers(weights: &TermWeights) -> Vec<Arc<dyn Scorer>> {
+        registry::terms()
+            .filter(|t| t.builtin())
+            .map(|t| build_term(t, weights.get(t)))
+            .collect()
     }
 
-    /// The default list: every weighted term at `weights` (in the order
-    /// prefill, active load, queue, KV usage), LoRA affinity at its default
-    /// weight (it costs nothing until workers export adapter state), the
-    /// built-in terms, the max-score picker at `temperature`.
-    pub fn from_weights(weights: Weights, temperature: f64) -> Self {
-        let mut scorers: Vec<Arc<dyn Scorer>> = vec![
-            Arc::new(PrefixCache {
-                weight: weights.prefill,
-                prefill_weight: weights.prefill_overlap,
-            }),
-            Arc::new(ActiveLoad {
-                weight: weights.decode,
-            }),
-            Arc::new(Queue {
-                weight: weights.queue,
-            }),
-            Arc::new(KvUsage {
-                weight: weights.kv_usage,
-            }),
-            Arc::new(LoraAffinity {
-                weight: super::terms::lora::DEFAULT_WEIGHT,
-            }),
-        ];
-        scorers.extend(Self::builtin_scorers());
+    /// The default list: every term at `weights`, in summing order, the
+    /// built-in filters, the default picker at `temperature`.
+    pub fn with_weights(weights: &TermWeights, temperature: f64) -> Self {
         Plugins {
             filters: Self::builtin_filters(),
-            scorers,
-            picker: Arc::new(MaxScore {
-                temperature,
-                max_endpoints: None,
-            }),
+            scorers: weights.iter().map(|(t, w)| build_term(t, w)).collect(),
+            picker: default_picker(temperature),
         }
     }
 
@@ -77,4 +62,56 @@ impl Plugins {
     pub fn choice(&self) -> Choice {
         self.picker.choice()
     }
+}
+
+/// The default picker ([`registry::DEFAULT_PICKER`]) at `temperature`.
+pub fn default_picker(temperature: f64) -> Arc<dyn Picker> {
+    build_picker(registry::DEFAULT_PICKER, temperature)
+}
+
+/// `picker` without parameters, at `temperature`.
+fn build_picker(picker: &PickerDecl, temperature: f64) -> Arc<dyn Picker> {
+    let mut u = Unconfigured {
+        temperature,
+        ..Unconfigured::default()
+    };
+    unconfigured((picker.build)(&mut u.args()))
+}
+
+/// `term` without parameters, at `weights`.
+fn build_term(term: &TermDecl, weights: TermWeight) -> Arc<dyn Scorer> {
+    let mut u = Unconfigured {
+        weight: weights.weight,
+        prefill_weight: weights.prefill_side(),
+        ..Unconfigured::default()
+    };
+    unconfigured((term.build)(&mut u.args()))
+}
+
+/// What a plugin the default list holds is built from: no parameters.
+#[derive(Default)]
+struct Unconfigured {
+    weight: f64,
+    prefill_weight: f64,
+    temperature: f64,
+    warnings: Vec<String>,
+}
+
+impl Unconfigured {
+    fn args(&mut self) -> PluginArgs<'_> {
+        PluginArgs {
+            reference: "",
+            weight: self.weight,
+            prefill_weight: self.prefill_weight,
+            temperature: self.temperature,
+            params: None,
+            warnings: &mut self.warnings,
+        }
+    }
+}
+
+/// A plugin built without parameters: only parameters are ever refused (the
+/// registry's tests build every declaration so).
+fn unconfigured<T: ?Sized>(built: Result<Arc<T>, PluginError>) -> Arc<T> {
+    built.expect("a plugin without parameters builds")
 }

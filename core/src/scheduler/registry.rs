@@ -1,239 +1,179 @@
-//! The plugin types kvpick knows, keyed by the llm-d Router's type names where
-//! kvpick has an equivalent, and how each is built from its parameters.
+//! Every plugin kvpick knows: a list of the declarations the plugin files
+//! make ([`TermDecl`], [`FilterDecl`], [`PickerDecl`]), and the llm-d Router
+//! plugin types (v0.10.0's names, `cmd/epp/runner/runner.go` registrations)
+//! kvpick does its own way.
 //!
-//! Parameters are decoded strictly: a parameter of the wrong type or value is
-//! refused with an error naming the plugin; one the plugin does not read is
-//! named in a warning. A type listed as [`Kind::Builtin`] is something kvpick
-//! always does its own way (request parsing, metrics, prefix state, role
-//! filters, profile handlers): accepted, its parameters not read.
+//! The list's order is the terms' summing order, the built-in filters'
+//! asking order and the order of the weight flags. A type listed as
+//! [`Plugin::Builtin`] is something kvpick always does its own way (request
+//! parsing, metrics, prefix state, role filters, profile handlers): accepted,
+//! its parameters not read.
 
-use std::sync::Arc;
+use super::filters::{body, ejected, subset, FilterDecl};
+use super::pickers::{max_score, random, PickerDecl};
+use super::terms::{failures, kv_usage, load, lora, prefix, queue, running, TermDecl};
 
-use serde::de::DeserializeOwned;
-use serde::Serialize;
-
-use super::filters::Filter;
-use super::pickers::{self, max_score::MaxScore, Picker};
-use super::terms::Scorer;
-use super::terms::{
-    kv_usage::KvUsage, load::ActiveLoad, lora::LoraAffinity, prefix::PrefixCache, queue::Queue,
-};
-use super::Weights;
-
-/// What a plugin type is to kvpick.
-#[derive(Clone, Copy)]
-pub enum Kind {
-    /// A cost term; `term` names it (several llm-d scorers may stand for one term).
-    Scorer {
-        /// The term's name ([`Scorer::name`]).
-        term: &'static str,
-        /// Builds it.
-        build: fn(&mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError>,
-    },
-    /// A filter, run after the built-in ones.
-    Filter(fn(&mut PluginArgs<'_>) -> Result<Arc<dyn Filter>, PluginError>),
-    /// The picker.
-    Picker(fn(&mut PluginArgs<'_>) -> Result<Arc<dyn Picker>, PluginError>),
-    /// Something kvpick always does its own way; accepted without a warning.
-    Builtin,
+/// One entry of the registry.
+#[derive(Debug, Clone, Copy)]
+pub enum Plugin {
+    /// A cost term.
+    Term(&'static TermDecl),
+    /// A filter.
+    Filter(&'static FilterDecl),
+    /// A picker.
+    Picker(&'static PickerDecl),
+    /// An llm-d plugin type kvpick always does its own way; accepted without
+    /// a warning.
+    Builtin(&'static str),
 }
 
-/// One registered plugin type.
-#[derive(Clone, Copy)]
-pub struct Entry {
-    /// The type name (`type:` in an `EndpointPickerConfig`).
-    pub type_name: &'static str,
-    /// What it is.
-    pub kind: Kind,
-}
-
-const fn scorer(
-    type_name: &'static str,
-    term: &'static str,
-    build: fn(&mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError>,
-) -> Entry {
-    Entry {
-        type_name,
-        kind: Kind::Scorer { term, build },
-    }
-}
-
-const fn picker(
-    type_name: &'static str,
-    build: fn(&mut PluginArgs<'_>) -> Result<Arc<dyn Picker>, PluginError>,
-) -> Entry {
-    Entry {
-        type_name,
-        kind: Kind::Picker(build),
-    }
-}
-
-const fn builtin(type_name: &'static str) -> Entry {
-    Entry {
-        type_name,
-        kind: Kind::Builtin,
-    }
-}
-
-fn prefix(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError> {
-    Ok(Arc::new(PrefixCache::from_config(a)?))
-}
-fn load(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError> {
-    Ok(Arc::new(ActiveLoad::from_config(a)?))
-}
-fn queue(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError> {
-    Ok(Arc::new(Queue::from_config(a)?))
-}
-fn kv_usage(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError> {
-    Ok(Arc::new(KvUsage::from_config(a)?))
-}
-fn lora(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError> {
-    Ok(Arc::new(LoraAffinity::from_config(a)?))
-}
-fn max_score(a: &mut PluginArgs<'_>) -> Result<Arc<dyn Picker>, PluginError> {
-    Ok(Arc::new(MaxScore::from_config(a)?))
-}
-
-/// Every plugin type kvpick reads (llm-d Router v0.10.0's names,
-/// `cmd/epp/runner/runner.go` registrations, where kvpick has an equivalent).
-pub static REGISTRY: &[Entry] = &[
-    scorer("prefix-cache-scorer", "prefill", prefix),
-    scorer("precise-prefix-cache-scorer", "prefill", prefix),
-    scorer("active-request-scorer", "decode_load", load),
-    scorer("load-aware-scorer", "decode_load", load),
-    scorer("running-requests-size-scorer", "decode_load", load),
-    scorer("token-load-scorer", "decode_load", load),
-    scorer("queue-scorer", "queue", queue),
-    scorer("kv-cache-utilization-scorer", "kv_usage", kv_usage),
-    scorer("lora-affinity-scorer", "lora", lora),
-    picker("max-score-picker", max_score),
-    picker("random-picker", |a| {
-        Ok(Arc::new(pickers::random::Random::from_config(a)?))
-    }),
+/// Every plugin kvpick knows.
+pub static REGISTRY: &[Plugin] = &[
+    Plugin::Term(&prefix::TERM),
+    Plugin::Term(&load::TERM),
+    Plugin::Term(&queue::TERM),
+    Plugin::Term(&kv_usage::TERM),
+    Plugin::Term(&lora::TERM),
+    Plugin::Term(&running::TERM),
+    Plugin::Term(&failures::TERM),
+    Plugin::Filter(&subset::FILTER),
+    Plugin::Filter(&body::FILTER),
+    Plugin::Filter(&ejected::FILTER),
+    Plugin::Picker(&max_score::PICKER),
+    Plugin::Picker(&random::PICKER),
     // kvpick keeps sessions on their worker through signed session tokens.
-    builtin("session-affinity-scorer"),
-    builtin("session-affinity-filter"),
-    builtin("session-id-producer"),
-    builtin("single-profile-handler"),
+    Plugin::Builtin("session-affinity-scorer"),
+    Plugin::Builtin("session-affinity-filter"),
+    Plugin::Builtin("session-id-producer"),
+    Plugin::Builtin("single-profile-handler"),
     // Prefix state: kvpick's own index, fed by KV events where engines publish them.
-    builtin("approx-prefix-cache-producer"),
-    builtin("precise-prefix-cache-producer"),
-    builtin("inflight-load-producer"),
-    builtin("token-producer"),
-    builtin("tokenizer"),
+    Plugin::Builtin("approx-prefix-cache-producer"),
+    Plugin::Builtin("precise-prefix-cache-producer"),
+    Plugin::Builtin("inflight-load-producer"),
+    Plugin::Builtin("token-producer"),
+    Plugin::Builtin("tokenizer"),
     // Request parsing and worker metrics: kvpick's parser and scraper.
-    builtin("openai-parser"),
-    builtin("vllmhttp-parser"),
-    builtin("passthrough-parser"),
-    builtin("metrics-data-source"),
-    builtin("core-metrics-extractor"),
-    builtin("endpoint-notification-source"),
+    Plugin::Builtin("openai-parser"),
+    Plugin::Builtin("vllmhttp-parser"),
+    Plugin::Builtin("passthrough-parser"),
+    Plugin::Builtin("metrics-data-source"),
+    Plugin::Builtin("core-metrics-extractor"),
+    Plugin::Builtin("endpoint-notification-source"),
     // Disaggregated prefill/decode: kvpick's kvpick.io/role labels.
-    builtin("decode-filter"),
-    builtin("prefill-filter"),
-    builtin("disagg-profile-handler"),
-    builtin("pd-profile-handler"),
-    builtin("prefix-based-pd-decider"),
-    builtin("always-disagg-pd-decider"),
+    Plugin::Builtin("decode-filter"),
+    Plugin::Builtin("prefill-filter"),
+    Plugin::Builtin("disagg-profile-handler"),
+    Plugin::Builtin("pd-profile-handler"),
+    Plugin::Builtin("prefix-based-pd-decider"),
+    Plugin::Builtin("always-disagg-pd-decider"),
 ];
 
-/// The registered plugin type `type_name`.
-pub fn lookup(type_name: &str) -> Option<&'static Entry> {
-    REGISTRY.iter().find(|e| e.type_name == type_name)
+/// The picker of the default plugin list and of a profile that names none.
+pub static DEFAULT_PICKER: &PickerDecl = &max_score::PICKER;
+
+/// The cost terms, in summing order.
+pub fn terms() -> impl Iterator<Item = &'static TermDecl> {
+    REGISTRY.iter().filter_map(|p| match p {
+        Plugin::Term(t) => Some(*t),
+        _ => None,
+    })
 }
 
-/// What a plugin is built from.
-#[derive(Debug)]
-pub struct PluginArgs<'a> {
-    /// The name the config refers to it by (for messages).
-    pub reference: &'a str,
-    /// Its term's weight (scorers): the flag weight scaled by the profile.
-    pub weight: f64,
-    /// Every term's weight, as mapped (a term may read another's, as the
-    /// prefix term reads `prefill_overlap`).
-    pub weights: Weights,
-    /// `--temperature` (pickers).
-    pub temperature: f64,
-    /// Its `parameters`, if any.
-    pub params: Option<&'a serde_json::Value>,
-    /// Where to say what has no effect.
-    pub warnings: &'a mut Vec<String>,
+/// The filters, in asking order.
+pub fn filters() -> impl Iterator<Item = &'static FilterDecl> {
+    REGISTRY.iter().filter_map(|p| match p {
+        Plugin::Filter(f) => Some(*f),
+        _ => None,
+    })
 }
 
-impl PluginArgs<'_> {
-    /// Records a warning about this plugin.
-    pub fn warn(&mut self, what: impl std::fmt::Display) {
-        self.warnings.push(format!(
-            "EndpointPickerConfig plugin {:?}: {what}",
-            self.reference
-        ));
+/// The place of `term` in the summing order ([`terms`]).
+pub fn term_index(term: &TermDecl) -> Option<usize> {
+    terms().position(|t| std::ptr::eq(t, term))
+}
+
+/// The plugin an `EndpointPickerConfig` means by `type_name`.
+pub fn lookup(type_name: &str) -> Option<Plugin> {
+    REGISTRY.iter().copied().find(|p| match p {
+        Plugin::Term(t) => t.types.contains(&type_name),
+        Plugin::Filter(f) => f.types.contains(&type_name),
+        Plugin::Picker(p) => p.name == type_name,
+        Plugin::Builtin(name) => *name == type_name,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+    use crate::scheduler::plugin::{Knob, PluginArgs, Weight};
+
+    /// Every flag a declaration carries.
+    fn knobs() -> Vec<Knob> {
+        let mut knobs = Vec::new();
+        for t in terms() {
+            if let Weight::Flag(k) = t.weight {
+                knobs.push(k);
+            }
+            knobs.extend(t.prefill_weight);
+        }
+        knobs
     }
 
-    /// A refused parameter value.
-    pub fn invalid(&self, message: impl Into<String>) -> PluginError {
-        PluginError::Invalid {
-            plugin: self.reference.to_string(),
-            message: message.into(),
+    #[test]
+    fn names_types_and_flags_are_unique() {
+        let mut names = HashSet::new();
+        for t in terms() {
+            assert!(names.insert(t.name), "term {}", t.name);
+        }
+        let mut types = HashSet::new();
+        for p in REGISTRY {
+            let declared: Vec<&str> = match p {
+                Plugin::Term(t) => t.types.to_vec(),
+                Plugin::Filter(f) => f.types.to_vec(),
+                Plugin::Picker(p) => vec![p.name],
+                Plugin::Builtin(name) => vec![*name],
+            };
+            for ty in declared {
+                assert!(types.insert(ty), "type {ty}");
+                assert!(lookup(ty).is_some(), "{ty}");
+            }
+        }
+        let mut flags = HashSet::new();
+        for k in knobs() {
+            assert!(flags.insert(k.flag) && flags.insert(k.env), "{}", k.flag);
         }
     }
-}
 
-/// Why a plugin could not be built.
-#[derive(Debug, thiserror::Error)]
-pub enum PluginError {
-    /// `parameters` is not a map.
-    #[error("plugin {plugin:?}: parameters must be a map")]
-    NotAMap {
-        /// The plugin's reference.
-        plugin: String,
-    },
-    /// A parameter has the wrong type.
-    #[error("plugin {plugin:?}: parameters do not decode")]
-    Params {
-        /// The plugin's reference.
-        plugin: String,
-        /// What serde found.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// A parameter has a value the plugin refuses.
-    #[error("plugin {plugin:?}: {message}")]
-    Invalid {
-        /// The plugin's reference.
-        plugin: String,
-        /// What is wrong.
-        message: String,
-    },
-}
-
-/// Decodes a plugin's parameters into `P` strictly: wrong types are an error,
-/// parameters `P` does not have are warned about (a field of `P` is one its
-/// serialization names). No parameters: `P::default()`.
-pub fn decode_params<P>(args: &mut PluginArgs<'_>) -> Result<P, PluginError>
-where
-    P: Serialize + DeserializeOwned + Default,
-{
-    let Some(value) = args.params.filter(|v| !v.is_null()) else {
-        return Ok(P::default());
-    };
-    let Some(given) = value.as_object() else {
-        return Err(PluginError::NotAMap {
-            plugin: args.reference.to_string(),
-        });
-    };
-    let params: P =
-        serde_json::from_value(value.clone()).map_err(|source| PluginError::Params {
-            plugin: args.reference.to_string(),
-            source,
-        })?;
-    let read = serde_json::to_value(&params).unwrap_or_default();
-    let read = read.as_object();
-    for key in given.keys() {
-        if !read.is_some_and(|r| r.contains_key(key)) {
-            args.warn(format_args!(
-                "parameter {key:?} is not read by kvpick; ignored"
-            ));
+    #[test]
+    fn every_declaration_builds_without_parameters() {
+        let mut warnings = Vec::new();
+        let mut args = PluginArgs {
+            reference: "test",
+            weight: 1.0,
+            prefill_weight: 1.0,
+            temperature: 0.0,
+            params: None,
+            warnings: &mut warnings,
+        };
+        for p in REGISTRY {
+            match p {
+                Plugin::Term(t) => assert_eq!((t.build)(&mut args).unwrap().name(), t.name),
+                Plugin::Filter(f) => assert_eq!((f.build)(&mut args).unwrap().name(), f.name),
+                Plugin::Picker(p) => assert_eq!((p.build)(&mut args).unwrap().name(), p.name),
+                Plugin::Builtin(_) => {}
+            }
         }
+        assert!(warnings.is_empty(), "{warnings:?}");
     }
-    Ok(params)
+
+    #[test]
+    fn the_running_requests_scorer_is_its_own_term_weighted_0_by_default() {
+        let Some(Plugin::Term(t)) = lookup("running-requests-size-scorer") else {
+            panic!("running-requests-size-scorer is a term");
+        };
+        assert_eq!(t.name, running::TERM.name);
+        assert_eq!(t.weight.default_value(), 0.0);
+    }
 }

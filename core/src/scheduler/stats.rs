@@ -90,7 +90,7 @@ impl LatencyHistogram {
 }
 
 /// Plain counters the scheduler keeps; telemetry renders them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SchedulerStats {
     /// Prompt prefix blocks looked up.
     pub blocks_queried: AtomicU64,
@@ -105,20 +105,35 @@ pub struct SchedulerStats {
     stages: [LatencyHistogram; 4],
 }
 
-/// Cost terms a scheduler sums at most (the built-ins are four).
-pub const MAX_TERMS: usize = 8;
-
 /// The routing decisions' chosen decode cost, summed per term (in the scorers'
-/// summing order; terms past [`MAX_TERMS`] are not kept), and how many
-/// decisions were summed: the average cost of a decision, term by term.
-#[derive(Debug, Default)]
+/// summing order, one sum per term), and how many decisions were summed: the
+/// average cost of a decision, term by term.
+#[derive(Debug)]
 pub struct CostSums {
-    /// `f64` sums, stored as bits.
-    sums: [AtomicU64; MAX_TERMS],
+    /// `f64` sums, stored as bits; one per term.
+    sums: Box<[AtomicU64]>,
     decisions: AtomicU64,
 }
 
 impl CostSums {
+    /// Sums of `terms` terms, all zero.
+    pub fn new(terms: usize) -> Self {
+        CostSums {
+            sums: (0..terms).map(|_| AtomicU64::new(0)).collect(),
+            decisions: AtomicU64::new(0),
+        }
+    }
+
+    /// How many terms are summed.
+    pub fn len(&self) -> usize {
+        self.sums.len()
+    }
+
+    /// Whether no term is summed.
+    pub fn is_empty(&self) -> bool {
+        self.sums.is_empty()
+    }
+
     /// Adds one decision's term costs (in the scorers' summing order).
     pub fn add(&self, terms: &[f64]) {
         for (sum, cost) in self.sums.iter().zip(terms) {
@@ -143,6 +158,18 @@ impl CostSums {
 }
 
 impl SchedulerStats {
+    /// Zeroed counters of a scheduler summing `terms` cost terms.
+    pub fn new(terms: usize) -> Self {
+        SchedulerStats {
+            blocks_queried: AtomicU64::new(0),
+            blocks_matched: AtomicU64::new(0),
+            session_repicks: AtomicU64::new(0),
+            session_rehomes: AtomicU64::new(0),
+            decision_cost: CostSums::new(terms),
+            stages: Default::default(),
+        }
+    }
+
     /// The latency histogram of one stage.
     pub fn stage(&self, stage: Stage) -> &LatencyHistogram {
         &self.stages[stage as usize]

@@ -2,12 +2,14 @@
 //! replayed trace against simulated workers, and index scale. Each subcommand
 //! returns a serialisable report that prints as a Markdown table or one JSON object.
 
+pub mod agreement;
 pub mod flood;
 pub mod instructions;
 pub mod lowreuse;
 pub mod noop;
 pub mod overhead;
 pub mod overload;
+pub mod peer_epp;
 pub mod plot;
 pub mod replay;
 pub mod replicas;

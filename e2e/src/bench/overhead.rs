@@ -15,8 +15,8 @@
 //! other work on the machine that comes and goes during a cell falls on both.
 //!
 //! kvpick's child runs what `kvpick` runs in production: the allocator pin of
-//! `main` ([`kvpick::malloc::pin_mmap_threshold`]) and, in a tracing cell,
-//! kvpick's OTLP exporter ([`kvpick::tracing_export`]) sending to a real
+//! `main` ([`kvpick::server::malloc::pin_mmap_threshold`]) and, in a tracing cell,
+//! kvpick's OTLP exporter ([`kvpick::telemetry::tracing_export`]) sending to a real
 //! OTLP/gRPC receiver in the driving process ([`crate::otlp`]). The no-op child
 //! does neither: it stands for the proxy without kvpick.
 
@@ -33,7 +33,7 @@ use envoy_client::{BodyMode, EnvoyStream, Phase, ResponseOutcome};
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
-use kvpick::tracing_export::{Exporter, TraceSettings};
+use kvpick::telemetry::tracing_export::{Exporter, TraceSettings};
 use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::TcpListener;
@@ -70,6 +70,10 @@ pub struct OverheadConfig {
     /// The `kvpick-bench` executable that serves each (cell, server) in a child
     /// process (`overhead-server`), so peak RSS is per cell.
     pub server_exe: PathBuf,
+    /// The peer endpoint picker ([`super::peer_epp`]) run as a third server:
+    /// then every cell starts one mock vLLM worker per endpoint, kvpick and the
+    /// peer both scrape them, and each one's idle CPU is measured first.
+    pub peer: Option<PathBuf>,
 }
 
 /// Latency and throughput of one server in one cell.
@@ -87,6 +91,16 @@ pub struct ServerFigures {
     /// over the whole drive (warm-up included): what the server spends, apart
     /// from the client sharing the machine.
     pub cpu_us_per_request: f64,
+}
+
+/// Idle cost of a picker over mock workers: CPU while no request comes (its
+/// metrics scraping and housekeeping), in percent of one core.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct IdleCpu {
+    /// kvpick's idle CPU, % of a core.
+    pub kvpick_percent: f64,
+    /// The peer's idle CPU, % of a core.
+    pub peer_percent: f64,
 }
 
 /// One (body size, endpoint count, tracing) cell.
@@ -110,6 +124,12 @@ pub struct OverheadRun {
     pub throughput_ratio: f64,
     /// kvpick CPU per request / no-op CPU per request.
     pub cpu_ratio: f64,
+    /// The peer's figures, in cells run with the peer.
+    pub peer: Option<ServerFigures>,
+    /// Peer CPU per request / kvpick CPU per request.
+    pub peer_cpu_ratio: Option<f64>,
+    /// Idle CPU of kvpick and the peer over the cell's workers.
+    pub idle: Option<IdleCpu>,
 }
 
 /// The whole overhead report.
@@ -120,8 +140,21 @@ pub struct OverheadReport {
 }
 
 impl OverheadReport {
-    /// The report as a Markdown table.
+    /// The report as a Markdown table, and the peer's table when cells ran it.
     pub fn markdown(&self) -> String {
+        let peer_runs: Vec<&OverheadRun> = self.runs.iter().filter(|r| r.peer.is_some()).collect();
+        let mut md = self.own_markdown();
+        if !peer_runs.is_empty() {
+            md.push_str(&format!(
+                "\n\nkvpick beside the peer EPP ({}), both scraping the same mock vLLM workers\n\n",
+                super::peer_epp::PINNED
+            ));
+            md.push_str(&peer_markdown(&peer_runs));
+        }
+        md
+    }
+
+    fn own_markdown(&self) -> String {
         table_of(
             &[
                 "body bytes",
@@ -168,6 +201,51 @@ impl OverheadReport {
     }
 }
 
+/// The kvpick / peer / no-op table of the cells that ran the peer.
+fn peer_markdown(runs: &[&OverheadRun]) -> String {
+    table_of(
+        &[
+            "body bytes",
+            "endpoints",
+            "kvpick CPU µs/req",
+            "peer CPU µs/req",
+            "noop CPU µs/req",
+            "peer/kvpick CPU",
+            "kvpick p50 µs",
+            "peer p50 µs",
+            "kvpick p99 µs",
+            "peer p99 µs",
+            "kvpick peak RSS MiB",
+            "peer peak RSS MiB",
+            "kvpick idle CPU %",
+            "peer idle CPU %",
+        ],
+        runs,
+        |r| {
+            let peer = r.peer.expect("filtered on the peer");
+            let idle = r
+                .idle
+                .map_or((0.0, 0.0), |i| (i.kvpick_percent, i.peer_percent));
+            vec![
+                r.body_bytes.to_string(),
+                r.endpoints.to_string(),
+                format!("{:.0}", r.kvpick.cpu_us_per_request),
+                format!("{:.0}", peer.cpu_us_per_request),
+                format!("{:.0}", r.noop.cpu_us_per_request),
+                format!("{:.1}", r.peer_cpu_ratio.unwrap_or(0.0)),
+                format!("{:.0}", r.kvpick.p50_us),
+                format!("{:.0}", peer.p50_us),
+                format!("{:.0}", r.kvpick.p99_us),
+                format!("{:.0}", peer.p99_us),
+                format!("{:.0}", r.kvpick.peak_rss_mib),
+                format!("{:.0}", peer.peak_rss_mib),
+                format!("{:.1}", idle.0),
+                format!("{:.1}", idle.1),
+            ]
+        },
+    )
+}
+
 /// An OpenAI chat body of about `bytes` bytes. Bodies with different `variant`
 /// share their first half (a common system prompt) and differ after it.
 pub fn chat_body(bytes: usize, variant: u64) -> Vec<u8> {
@@ -202,6 +280,24 @@ pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> 
 
 /// [`one_request`] to `path`.
 pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Result<Duration> {
+    Ok(routed_request_to(ch, path, body).await?.0)
+}
+
+/// [`one_request`], also returning the destination the server chose (its
+/// `x-gateway-destination-endpoint`, header or dynamic metadata).
+pub async fn routed_request(
+    ch: &Channel,
+    body: &[u8],
+) -> anyhow::Result<(Duration, Option<String>)> {
+    routed_request_to(ch, "/v1/chat/completions", body).await
+}
+
+/// [`routed_request`] to `path`.
+pub async fn routed_request_to(
+    ch: &Channel,
+    path: &str,
+    body: &[u8],
+) -> anyhow::Result<(Duration, Option<String>)> {
     // Request headers as Envoy forwards them (with the client's `content-length`).
     let headers = RequestHeaders::post(path)
         .content_length(body.len())
@@ -215,6 +311,7 @@ pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Re
         Err(i) => bail!("expected the headers answer first, got {i:?}"),
     };
     let latency = sent.elapsed();
+    let destination = changes.destination().map(str::to_string);
     if let Err(i) = s
         .streamed_body(Phase::RequestBody, &mut changes, &mut Vec::new())
         .await?
@@ -230,7 +327,7 @@ pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Re
         ResponseOutcome::Immediate(i) => bail!("the response path ended with {i:?}"),
     }
     s.finish().await?;
-    Ok(latency)
+    Ok((latency, destination))
 }
 
 fn endpoints(n: usize) -> Vec<Endpoint> {
@@ -249,7 +346,7 @@ pub enum Tracing {
     /// No exporter (kvpick's default).
     Off,
     /// `--tracing` with its default sampling (parent-based, one root trace in
-    /// [`kvpick::tracing_export::DEFAULT_RATIO`]).
+    /// [`kvpick::telemetry::tracing_export::DEFAULT_RATIO`]).
     On,
     /// `--tracing` with `OTEL_TRACES_SAMPLER_ARG=1`: every request exported.
     All,
@@ -293,6 +390,10 @@ pub enum ServerKind {
         endpoints: usize,
         /// Its tracing.
         tracing: Tracing,
+        /// `Some(port)`: the endpoints are mock workers listening on `port` at
+        /// [`super::peer_epp::loopback_worker`] addresses, and kvpick scrapes
+        /// their metrics as `kvpick` does; `None`: unreachable addresses, no scraping.
+        workers_port: Option<u16>,
     },
     /// The no-op baseline.
     Noop,
@@ -304,14 +405,22 @@ impl ServerKind {
         ServerKind::Kvpick {
             endpoints,
             tracing: Tracing::Off,
+            workers_port: None,
         }
     }
 
     /// The arguments of `kvpick-bench overhead-server` that serve this kind.
     pub fn args(self) -> Vec<String> {
         match self {
-            ServerKind::Kvpick { endpoints, tracing } => {
+            ServerKind::Kvpick {
+                endpoints,
+                tracing,
+                workers_port,
+            } => {
                 let mut args = vec!["--endpoints".into(), endpoints.to_string()];
+                if let Some(port) = workers_port {
+                    args.extend(["--workers-port".into(), port.to_string()]);
+                }
                 // Off is the default, so a build older than the flag serves it too
                 // (`kvpick-bench instructions --against`).
                 if tracing != Tracing::Off {
@@ -332,7 +441,11 @@ pub const TIE_BREAK_SEED_ENV: &str = "KVPICK_BENCH_TIE_BREAK_SEED";
 /// is the process's: see [`serve_until_stdin_closes`]).
 pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()> {
     match kind {
-        ServerKind::Kvpick { endpoints: n, .. } => {
+        ServerKind::Kvpick {
+            endpoints: n,
+            workers_port,
+            ..
+        } => {
             // `instructions` seeds the tie-break so every run routes (and
             // grows the prefix index) alike.
             let config = kvpick::scheduler::SchedulerConfig {
@@ -342,9 +455,33 @@ pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()
                 ..Default::default()
             };
             let app = App::with_scheduler("bench", config);
-            app.endpoints.replace(endpoints(n));
             let service = app.ext_proc(ExtProcConfig::default());
-            serve_ext_proc(listener, service, None).await?;
+            match workers_port {
+                None => {
+                    app.endpoints.replace(endpoints(n));
+                    serve_ext_proc(listener, service, None).await?;
+                }
+                Some(port) => {
+                    let workers = (0..n)
+                        .map(|i| {
+                            Endpoint::new(SocketAddr::new(
+                                super::peer_epp::loopback_worker(i),
+                                port,
+                            ))
+                        })
+                        .collect();
+                    app.endpoints.replace(workers);
+                    let scrape = kvpick::scrape::run(
+                        kvpick::scrape::ScrapeConfig::default(),
+                        Arc::clone(&app.endpoints),
+                        Arc::clone(&app.scrape_errors),
+                    );
+                    tokio::select! {
+                        served = serve_ext_proc(listener, service, None) => served?,
+                        () = scrape => {}
+                    }
+                }
+            }
         }
         ServerKind::Noop => super::noop::serve(listener).await?,
     }
@@ -393,6 +530,9 @@ pub struct ServerProcess {
     child: Child,
     /// Its ext_proc port on 127.0.0.1.
     pub port: u16,
+    /// Started by [`ServerProcess::foreign`]: stopped with SIGTERM, whatever
+    /// its exit status then.
+    foreign: bool,
 }
 
 impl ServerProcess {
@@ -430,7 +570,26 @@ impl ServerProcess {
             .trim()
             .parse()
             .with_context(|| format!("server printed {line:?}, not a port"))?;
-        Ok(ServerProcess { child, port })
+        Ok(ServerProcess {
+            child,
+            port,
+            foreign: false,
+        })
+    }
+
+    /// Starts another program's ext_proc server, `command`, that serves on
+    /// 127.0.0.1:`port` (the caller waits until it is ready).
+    pub fn foreign(mut command: Command, port: u16) -> anyhow::Result<Self> {
+        let child = command
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {:?}", command.as_std().get_program()))?;
+        Ok(ServerProcess {
+            child,
+            port,
+            foreign: true,
+        })
     }
 
     /// The process's peak resident set (VmHWM) in bytes.
@@ -447,8 +606,17 @@ impl ServerProcess {
         cpu_seconds(&stat).context("no utime/stime in /proc/<pid>/stat")
     }
 
-    /// Closes its stdin (it then exits) and waits for it.
+    /// Closes its stdin (it then exits) and waits for it; a foreign server
+    /// gets SIGTERM instead.
     pub async fn stop(mut self) -> anyhow::Result<()> {
+        if self.foreign {
+            if let Some(pid) = self.child.id() {
+                // SAFETY: kill(2) on the pid of our own child, which has not been reaped.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+            }
+            self.child.wait().await?;
+            return Ok(());
+        }
         drop(self.child.stdin.take());
         let status = self.child.wait().await?;
         if !status.success() {
@@ -637,6 +805,73 @@ async fn measure_pair(
     Ok(figures)
 }
 
+/// How long idle CPU is measured for, per server.
+const IDLE_WINDOW: Duration = Duration::from_secs(5);
+
+/// CPU of `server` over [`IDLE_WINDOW`] with no request, in % of one core.
+async fn idle_cpu_percent(server: &ServerProcess) -> anyhow::Result<f64> {
+    let before = server.cpu_seconds()?;
+    tokio::time::sleep(IDLE_WINDOW).await;
+    Ok((server.cpu_seconds()? - before) * 100.0 / IDLE_WINDOW.as_secs_f64())
+}
+
+/// The three servers' figures in a cell with the peer.
+struct Trio {
+    noop: ServerFigures,
+    kvpick: ServerFigures,
+    peer: ServerFigures,
+    idle: IdleCpu,
+}
+
+/// The no-op server, kvpick over `endpoints` mock workers (scraping them) and
+/// the peer at `peer_exe` over the same workers, in one cell: all started,
+/// each one's idle CPU measured (the two pickers at once, as both scrape the
+/// whole time), then driven in `cfg.rounds` slices, the order rotating.
+async fn measure_trio(
+    endpoints: usize,
+    peer_exe: &Path,
+    bodies: &Arc<Vec<Vec<u8>>>,
+    cfg: &OverheadConfig,
+) -> anyhow::Result<Trio> {
+    let fleet = super::peer_epp::Fleet::start(endpoints, "llama").await?;
+    let kind = ServerKind::Kvpick {
+        endpoints,
+        tracing: Tracing::Off,
+        workers_port: Some(fleet.port()),
+    };
+    let noop = ServerProcess::start(&cfg.server_exe, ServerKind::Noop, None).await?;
+    let kvpick = ServerProcess::start(&cfg.server_exe, kind, None).await?;
+    let peer = super::peer_epp::PeerEpp::start(peer_exe, &fleet.addrs(), fleet.port()).await?;
+    let (kvpick_idle, peer_idle) =
+        tokio::try_join!(idle_cpu_percent(&kvpick), idle_cpu_percent(&peer.process))?;
+    let rounds = cfg.rounds.max(1);
+    let slice = cfg.duration / rounds as u32;
+    let mut tallies = [Tally::default(), Tally::default(), Tally::default()];
+    for round in 0..rounds {
+        for k in 0..3 {
+            let which = (round + k) % 3;
+            let server = [&noop, &kvpick, &peer.process][which];
+            tallies[which]
+                .drive(server, bodies, cfg, slice, None)
+                .await?;
+        }
+    }
+    let [t_noop, t_kvpick, t_peer] = tallies;
+    let trio = Trio {
+        noop: t_noop.figures(noop.peak_rss_bytes()?),
+        kvpick: t_kvpick.figures(kvpick.peak_rss_bytes()?),
+        peer: t_peer.figures(peer.process.peak_rss_bytes()?),
+        idle: IdleCpu {
+            kvpick_percent: kvpick_idle,
+            peer_percent: peer_idle,
+        },
+    };
+    noop.stop().await?;
+    kvpick.stop().await?;
+    peer.process.stop().await?;
+    Ok(trio)
+}
+
 /// Distinct bodies per cell: 64, fewer for large bodies so the client holds at
 /// most about 256 MiB of them.
 pub fn variants(bytes: usize) -> u64 {
@@ -662,9 +897,40 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
             .iter()
             .flat_map(|n| cfg.tracing.iter().map(move |t| (n, t)))
         {
+            let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+            if let (Some(peer_exe), Tracing::Off) = (&cfg.peer, tracing) {
+                let trio = measure_trio(n, peer_exe, &bodies, cfg).await?;
+                eprintln!(
+                    "overhead: {bytes} B, {n} endpoints, with the peer: CPU µs/req kvpick {:.0}, peer {:.0}, noop {:.0}; idle CPU kvpick {:.1}%, peer {:.1}%",
+                    trio.kvpick.cpu_us_per_request,
+                    trio.peer.cpu_us_per_request,
+                    trio.noop.cpu_us_per_request,
+                    trio.idle.kvpick_percent,
+                    trio.idle.peer_percent,
+                );
+                runs.push(OverheadRun {
+                    body_bytes: bodies[0].len(),
+                    endpoints: n,
+                    tracing,
+                    spans_exported: 0,
+                    p99_ratio: ratio(trio.kvpick.p99_us, trio.noop.p99_us),
+                    throughput_ratio: ratio(trio.kvpick.rps, trio.noop.rps),
+                    cpu_ratio: ratio(trio.kvpick.cpu_us_per_request, trio.noop.cpu_us_per_request),
+                    peer_cpu_ratio: Some(ratio(
+                        trio.peer.cpu_us_per_request,
+                        trio.kvpick.cpu_us_per_request,
+                    )),
+                    peer: Some(trio.peer),
+                    idle: Some(trio.idle),
+                    kvpick: trio.kvpick,
+                    noop: trio.noop,
+                });
+                continue;
+            }
             let kind = ServerKind::Kvpick {
                 endpoints: n,
                 tracing,
+                workers_port: None,
             };
             let spans_before = receiver.received();
             let (noop, kvpick) = measure_pair(kind, otlp, &bodies, cfg).await?;
@@ -676,7 +942,6 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
                 kvpick.p99_us,
                 noop.p99_us
             );
-            let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
             runs.push(OverheadRun {
                 body_bytes: bodies[0].len(),
                 endpoints: n,
@@ -685,6 +950,9 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
                 p99_ratio: ratio(kvpick.p99_us, noop.p99_us),
                 throughput_ratio: ratio(kvpick.rps, noop.rps),
                 cpu_ratio: ratio(kvpick.cpu_us_per_request, noop.cpu_us_per_request),
+                peer: None,
+                peer_cpu_ratio: None,
+                idle: None,
                 kvpick,
                 noop,
             });
@@ -967,10 +1235,63 @@ mod tests {
         assert_eq!(
             ServerKind::Kvpick {
                 endpoints: 8,
-                tracing: Tracing::All
+                tracing: Tracing::All,
+                workers_port: None,
             }
             .args(),
             ["--endpoints", "8", "--tracing", "all"]
+        );
+    }
+
+    #[test]
+    fn a_kvpick_over_mock_workers_names_their_port_and_the_peer_gets_its_table() {
+        let kind = ServerKind::Kvpick {
+            endpoints: 100,
+            tracing: Tracing::Off,
+            workers_port: Some(18_000),
+        };
+        assert_eq!(
+            kind.args(),
+            ["--endpoints", "100", "--workers-port", "18000"]
+        );
+        let fig = |cpu: f64| ServerFigures {
+            p50_us: 10.0,
+            p99_us: 20.0,
+            rps: 1000.0,
+            peak_rss_mib: 30.0,
+            cpu_us_per_request: cpu,
+        };
+        let run = |peer: Option<ServerFigures>| OverheadRun {
+            body_bytes: 4096,
+            endpoints: 100,
+            tracing: Tracing::Off,
+            spans_exported: 0,
+            kvpick: fig(100.0),
+            noop: fig(80.0),
+            p99_ratio: 1.0,
+            throughput_ratio: 1.0,
+            cpu_ratio: 1.25,
+            peer_cpu_ratio: peer.map(|p| p.cpu_us_per_request / 100.0),
+            idle: peer.map(|_| IdleCpu {
+                kvpick_percent: 12.5,
+                peer_percent: 40.0,
+            }),
+            peer,
+        };
+        let without = OverheadReport {
+            runs: vec![run(None)],
+        };
+        assert!(!without.markdown().contains("peer EPP"));
+        let with = OverheadReport {
+            runs: vec![run(None), run(Some(fig(900.0)))],
+        };
+        let md = with.markdown();
+        assert!(md.contains(super::super::peer_epp::PINNED), "{md}");
+        assert!(
+            md.contains(
+                "| 4096 | 100 | 100 | 900 | 80 | 9.0 | 10 | 10 | 20 | 20 | 30 | 30 | 12.5 | 40.0 |"
+            ),
+            "{md}"
         );
     }
 

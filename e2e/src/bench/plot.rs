@@ -251,6 +251,9 @@ mod tests {
                 p99_ratio: 4.0 / 3.0,
                 throughput_ratio: 1.0,
                 cpu_ratio: 1.0,
+                peer: None,
+                peer_cpu_ratio: None,
+                idle: None,
             }],
         };
         let policy = |name: &str, hit_rate| PolicyFigures {

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use e2e::bench::{
-    flood, instructions, lowreuse, overhead, overload, plot, replay, replicas, scale, sync,
+    agreement, flood, instructions, lowreuse, overhead, overload, peer_epp, plot, replay, replicas,
+    scale, sync,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -77,6 +78,10 @@ enum Command {
         /// to a receiver in this process.
         #[arg(long, value_enum, value_delimiter = ',', default_value = "off")]
         tracing: Vec<overhead::Tracing>,
+        /// Leave out the peer EPP (run as a third server, over mock workers,
+        /// in tracing-off cells when it is installed).
+        #[arg(long)]
+        no_peer: bool,
     },
     /// Instructions per request of kvpick's ext_proc server and the no-op server,
     /// counted by valgrind, this binary beside older ones in one run.
@@ -157,6 +162,22 @@ enum Command {
         #[arg(long, default_value_t = 256 << 20)]
         max_queued_bytes: u64,
     },
+    /// How often the replay's `llm-d` policy picks as the real peer endpoint
+    /// picker does on the same decisions (needs e2e/peers/install-gie-epp.sh).
+    Agreement {
+        /// Mock workers in the pool.
+        #[arg(long, default_value_t = 8)]
+        workers: usize,
+        /// Requests sent.
+        #[arg(long, default_value_t = 2_000)]
+        requests: usize,
+        /// Prefix groups the requests share.
+        #[arg(long, default_value_t = 12)]
+        groups: usize,
+        /// Seed of the prompts and of the re-implementation's tie-break.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// One server of an overhead cell, in its own process: prints its port, serves
     /// until stdin closes.
     #[command(hide = true)]
@@ -164,6 +185,10 @@ enum Command {
         /// kvpick over this many endpoints.
         #[arg(long, default_value_t = 8)]
         endpoints: usize,
+        /// The endpoints are mock workers on this port at the bench's loopback
+        /// worker addresses, and kvpick scrapes their metrics.
+        #[arg(long)]
+        workers_port: Option<u16>,
         /// The no-op server instead of kvpick.
         #[arg(long)]
         noop: bool,
@@ -282,6 +307,7 @@ fn main() -> anyhow::Result<()> {
             concurrency,
             connections,
             tracing,
+            no_peer,
         } => {
             let cfg = overhead::OverheadConfig {
                 body_bytes,
@@ -293,6 +319,18 @@ fn main() -> anyhow::Result<()> {
                 concurrency,
                 connections,
                 server_exe: std::env::current_exe()?,
+                peer: match (no_peer, peer_epp::installed()) {
+                    (true, _) => None,
+                    (false, Some(exe)) => Some(exe),
+                    (false, None) => {
+                        eprintln!(
+                            "overhead: no peer EPP column: {} is not installed (e2e/peers/install-gie-epp.sh, or set {})",
+                            peer_epp::PINNED,
+                            peer_epp::BIN_ENV
+                        );
+                        None
+                    }
+                },
             };
             let report = tokio::runtime::Runtime::new()?.block_on(overhead::run(&cfg))?;
             if let Some(dir) = &cli.plots {
@@ -342,6 +380,7 @@ fn main() -> anyhow::Result<()> {
                 concurrency,
                 connections: 1,
                 server_exe: std::env::current_exe()?,
+                peer: None,
             };
             let report = tokio::runtime::Runtime::new()?.block_on(overhead::stall(
                 &cfg,
@@ -389,8 +428,31 @@ fn main() -> anyhow::Result<()> {
             let report = tokio::runtime::Runtime::new()?.block_on(flood::run(&cfg))?;
             emit(cli.format, cli.save.as_deref(), &report, report.markdown())
         }
+        Command::Agreement {
+            workers,
+            requests,
+            groups,
+            seed,
+        } => {
+            let Some(exe) = peer_epp::installed() else {
+                anyhow::bail!(
+                    "{} is not installed: run e2e/peers/install-gie-epp.sh (or set {})",
+                    peer_epp::PINNED,
+                    peer_epp::BIN_ENV
+                );
+            };
+            let cfg = agreement::AgreementConfig {
+                workers,
+                requests,
+                groups,
+                seed,
+            };
+            let report = tokio::runtime::Runtime::new()?.block_on(agreement::run(&exe, &cfg))?;
+            emit(cli.format, cli.save.as_deref(), &report, report.markdown())
+        }
         Command::OverheadServer {
             endpoints,
+            workers_port,
             noop,
             tracing,
         } => {
@@ -398,8 +460,12 @@ fn main() -> anyhow::Result<()> {
                 true => overhead::ServerKind::Noop,
                 false => {
                     // As `kvpick`'s `main` does, before any allocation of note.
-                    kvpick::malloc::pin_mmap_threshold();
-                    overhead::ServerKind::Kvpick { endpoints, tracing }
+                    kvpick::server::malloc::pin_mmap_threshold();
+                    overhead::ServerKind::Kvpick {
+                        endpoints,
+                        tracing,
+                        workers_port,
+                    }
                 }
             };
             tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))

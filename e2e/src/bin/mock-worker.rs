@@ -37,6 +37,9 @@ struct Args {
     /// Inter-token latency, ms.
     #[arg(long, env = "MOCK_WORKER_ITL_MS", default_value_t = 5)]
     itl_ms: u64,
+    /// Rate multiplier of the simulated times (2 runs twice as fast).
+    #[arg(long, env = "MOCK_WORKER_SPEED", default_value_t = 1.0)]
+    speed: f64,
     /// Requests running at once.
     #[arg(long, env = "MOCK_WORKER_MAX_RUNNING", default_value_t = 64)]
     max_running: usize,
@@ -66,6 +69,7 @@ async fn main() -> anyhow::Result<()> {
         ttft: Duration::from_millis(a.ttft_ms),
         prefill_per_token: Duration::from_micros(a.prefill_us_per_token),
         itl: Duration::from_millis(a.itl_ms),
+        speed: a.speed,
         max_running: a.max_running,
         kv_events_port: a.kv_events_port,
         kv_events_topic: a.kv_events_topic,

@@ -12,12 +12,13 @@
 //! asked once per pick, so a filter with nothing to drop for a request costs
 //! nothing per endpoint.
 //!
-//! Adding a filter: one file here with a type implementing [`Filter`] and its
+//! Adding a filter: one file here with a type implementing [`Filter`], its
 //! `from_config` (parameters decoded strictly with
-//! [`super::registry::decode_params`]), and one line in
-//! [`super::registry::REGISTRY`] under the plugin type name it answers to;
-//! configured filters run after the built-ins. The built-ins, always on (the
-//! Inference Extension's contract), in the order they are asked:
+//! [`decode_params`](super::plugin::decode_params)) and its [`FilterDecl`]
+//! naming the plugin types it answers to, and one line in
+//! [`super::registry::REGISTRY`]; configured filters run after the built-ins.
+//! The built-ins (declared with no type), always on (the Inference
+//! Extension's contract), in the order they are asked:
 //! - [`subset::Subset`]: the gateway's subset hint;
 //! - [`body::PrefillNeedsBody`]: a prefill-only worker for a request without body;
 //! - [`ejected::Ejected`]: passive health (yielding).
@@ -28,9 +29,30 @@ pub mod subset;
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
+use super::plugin::{PluginArgs, PluginError};
 use super::PickRequest;
 use crate::endpoints::EndpointState;
+
+/// A filter as its file declares it; the registry lists the declarations.
+#[derive(Debug)]
+pub struct FilterDecl {
+    /// Its name ([`Filter::name`]).
+    pub name: &'static str,
+    /// The plugin types it stands for in an `EndpointPickerConfig`; none: a
+    /// built-in filter, run by every scheduler before the configured ones.
+    pub types: &'static [&'static str],
+    /// Builds it.
+    pub build: fn(&mut PluginArgs<'_>) -> Result<Arc<dyn Filter>, PluginError>,
+}
+
+impl FilterDecl {
+    /// Whether every scheduler runs it (no plugin type configures it).
+    pub fn builtin(&self) -> bool {
+        self.types.is_empty()
+    }
+}
 
 /// One filter.
 pub trait Filter: Send + Sync + fmt::Debug {

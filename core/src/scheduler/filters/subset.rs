@@ -2,16 +2,25 @@
 //! endpoint it does not name sits out. The hint itself (an empty match is an
 //! error, a session bound outside it keeps its binding) is the pool's.
 
-use super::{Filter, FilterContext};
+use std::sync::Arc;
+
+use super::{Filter, FilterContext, FilterDecl};
 use crate::endpoints::EndpointState;
 
 /// Drops endpoints outside the subset hint.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Subset;
 
+/// The declaration: built in.
+pub static FILTER: FilterDecl = FilterDecl {
+    name: "subset-filter",
+    types: &[],
+    build: |_| Ok(Arc::new(Subset)),
+};
+
 impl Filter for Subset {
     fn name(&self) -> &'static str {
-        "subset-filter"
+        FILTER.name
     }
 
     fn reason(&self) -> &'static str {

@@ -3,8 +3,16 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Choice, Picker};
-use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+use std::sync::Arc;
+
+use super::{Choice, Picker, PickerDecl};
+use crate::scheduler::plugin::{decode_params, PluginArgs, PluginError};
+
+/// The declaration: the picker of the default plugin list.
+pub static PICKER: PickerDecl = PickerDecl {
+    name: "max-score-picker",
+    build: |a| Ok(Arc::new(MaxScore::from_config(a)?)),
+};
 
 /// Takes the least cost (or samples with a temperature).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -36,7 +44,7 @@ impl MaxScore {
 
 impl Picker for MaxScore {
     fn name(&self) -> &'static str {
-        "max-score-picker"
+        PICKER.name
     }
 
     fn choice(&self) -> Choice {

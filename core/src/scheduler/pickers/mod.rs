@@ -2,13 +2,26 @@
 //! Router's `Picker`). Every picker is a [`Choice`] the pruned argmin in
 //! `pick.rs` knows how to make, so a picker adds no work per candidate.
 //!
-//! Adding a picker: one file here with a type implementing [`Picker`] and its
-//! `from_config`, and one line in [`super::registry::REGISTRY`].
+//! Adding a picker: one file here with a type implementing [`Picker`], its
+//! `from_config` and its [`PickerDecl`], and one line in
+//! [`super::registry::REGISTRY`].
 
 pub mod max_score;
 pub mod random;
 
 use std::fmt;
+use std::sync::Arc;
+
+use super::plugin::{PluginArgs, PluginError};
+
+/// A picker as its file declares it; the registry lists the declarations.
+#[derive(Debug)]
+pub struct PickerDecl {
+    /// Its plugin type ([`Picker::name`]).
+    pub name: &'static str,
+    /// Builds it.
+    pub build: fn(&mut PluginArgs<'_>) -> Result<Arc<dyn Picker>, PluginError>,
+}
 
 /// How the candidates' costs become a choice.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,9 +64,9 @@ pub trait Picker: Send + Sync + fmt::Debug {
 
 /// `maxNumOfEndpoints`, checked: at least 1 when given.
 pub(crate) fn max_num_of_endpoints(
-    args: &crate::scheduler::registry::PluginArgs<'_>,
+    args: &PluginArgs<'_>,
     given: Option<u32>,
-) -> Result<Option<usize>, crate::scheduler::registry::PluginError> {
+) -> Result<Option<usize>, PluginError> {
     match given {
         Some(0) => Err(args.invalid("maxNumOfEndpoints must be at least 1")),
         n => Ok(n.map(|n| n as usize)),

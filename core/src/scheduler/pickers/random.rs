@@ -4,8 +4,16 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{Choice, Picker};
-use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+use std::sync::Arc;
+
+use super::{Choice, Picker, PickerDecl};
+use crate::scheduler::plugin::{decode_params, PluginArgs, PluginError};
+
+/// The declaration.
+pub static PICKER: PickerDecl = PickerDecl {
+    name: "random-picker",
+    build: |a| Ok(Arc::new(Random::from_config(a)?)),
+};
 
 /// Picks uniformly among the candidates.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -34,7 +42,7 @@ impl Random {
 
 impl Picker for Random {
     fn name(&self) -> &'static str {
-        "random-picker"
+        PICKER.name
     }
 
     fn choice(&self) -> Choice {
@@ -55,17 +63,16 @@ mod tests {
 
     use super::*;
     use crate::scheduler::tests::{both, prompt, with_body};
-    use crate::scheduler::{registry, Plugins, Scheduler, SchedulerConfig, Weights};
+    use crate::scheduler::{Plugins, Scheduler, SchedulerConfig};
 
     #[test]
-    fn it_is_registered_and_spreads_a_repeated_prompt_over_every_worker() {
-        assert!(registry::lookup("random-picker").is_some());
+    fn it_spreads_a_repeated_prompt_over_every_worker() {
         let plugins = Plugins {
             picker: Arc::new(Random::default()),
-            ..Plugins::from_weights(Weights::default(), 0.0)
+            ..Plugins::default()
         };
         let s = Scheduler::new(SchedulerConfig {
-            plugins: Some(plugins),
+            plugins,
             ..SchedulerConfig::default()
         });
         let t = both(4);

@@ -5,11 +5,24 @@
 //! term: every plugin list sums it, configured or not, whatever the load
 //! weights. The least cost is 0, so the bound is 0.
 
-use super::{bound, Candidate, RequestCost, Scorer};
+use std::sync::Arc;
+
+use super::{bound, Candidate, RequestCost, Scorer, TermDecl};
+use crate::scheduler::plugin::Weight;
 
 /// Share of the request's size one failure costs (the active-load weight that
 /// carried it before it had a term of its own).
 pub const DEFAULT_WEIGHT: f64 = 0.1;
+
+/// The declaration: built in (no llm-d type), summed by every plugin list.
+pub static TERM: TermDecl = TermDecl {
+    name: "failures",
+    types: &[],
+    weight: Weight::Fixed(DEFAULT_WEIGHT),
+    prefill_weight: None,
+    unit: false,
+    build: |a| Ok(Arc::new(FailedResponses { weight: a.weight })),
+};
 
 /// The failed-responses cost term.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,17 +31,9 @@ pub struct FailedResponses {
     pub weight: f64,
 }
 
-impl Default for FailedResponses {
-    fn default() -> Self {
-        FailedResponses {
-            weight: DEFAULT_WEIGHT,
-        }
-    }
-}
-
 impl Scorer for FailedResponses {
     fn name(&self) -> &'static str {
-        "failures"
+        TERM.name
     }
 
     #[inline]

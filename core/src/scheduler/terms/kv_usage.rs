@@ -4,8 +4,25 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{bound, Candidate, RequestCost, Scorer};
-use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+use std::sync::Arc;
+
+use super::{bound, Candidate, RequestCost, Scorer, TermDecl};
+use crate::scheduler::plugin::{decode_params, Knob, PluginArgs, PluginError, Weight};
+
+/// The declaration.
+pub static TERM: TermDecl = TermDecl {
+    name: "kv_usage",
+    types: &["kv-cache-utilization-scorer"],
+    weight: Weight::Flag(Knob {
+        flag: "weight-kv-usage",
+        env: "KVPICK_WEIGHT_KV_USAGE",
+        default: 1.0,
+        help: "Cost weight of scraped KV-cache usage (0..1, counted at the request's size)",
+    }),
+    prefill_weight: None,
+    unit: false,
+    build: |a| Ok(Arc::new(KvUsage::from_config(a)?)),
+};
 
 /// The KV-usage cost term.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,7 +47,7 @@ impl KvUsage {
 
 impl Scorer for KvUsage {
     fn name(&self) -> &'static str {
-        "kv_usage"
+        TERM.name
     }
 
     #[inline]

@@ -15,9 +15,30 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{bound, Candidate, RequestCost, Scorer};
+use std::sync::Arc;
+
+use super::{bound, Candidate, RequestCost, Scorer, TermDecl};
 use crate::endpoints::LoadView;
-use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+use crate::scheduler::plugin::{decode_params, Knob, PluginArgs, PluginError, Weight};
+
+/// The declaration.
+pub static TERM: TermDecl = TermDecl {
+    name: "decode_load",
+    types: &[
+        "active-request-scorer",
+        "load-aware-scorer",
+        "token-load-scorer",
+    ],
+    weight: Weight::Flag(Knob {
+        flag: "weight-decode",
+        env: "KVPICK_WEIGHT_DECODE",
+        default: 0.1,
+        help: "Cost weight per block of active load on the candidate (counted while it is saturated, or has no fresh scrape)",
+    }),
+    prefill_weight: None,
+    unit: false,
+    build: |a| Ok(Arc::new(ActiveLoad::from_config(a)?)),
+};
 
 /// The active-load cost term.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,7 +63,7 @@ impl ActiveLoad {
 
 impl Scorer for ActiveLoad {
     fn name(&self) -> &'static str {
-        "decode_load"
+        TERM.name
     }
 
     #[inline]

@@ -10,9 +10,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{bound, Candidate, RequestCost, Scorer};
+use std::sync::Arc;
+
+use super::{bound, Candidate, RequestCost, Scorer, TermDecl};
 use crate::endpoints::LoraFit;
-use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+use crate::scheduler::plugin::{decode_params, PluginArgs, PluginError, Weight};
 
 /// Weight of the default plugin list: GIE's default profile weighs
 /// `lora-affinity-scorer` 1 against `prefix-cache-scorer` 3, and kvpick's
@@ -22,6 +24,16 @@ pub const DEFAULT_WEIGHT: f64 = 1.0 / 3.0;
 /// Share of a full miss a worker with a free slot costs (GIE scores it 0.8
 /// against 1 for a resident adapter and 0 for a full worker).
 pub const FREE_SLOT_SHARE: f64 = 0.2;
+
+/// The declaration.
+pub static TERM: TermDecl = TermDecl {
+    name: "lora",
+    types: &["lora-affinity-scorer"],
+    weight: Weight::Fixed(DEFAULT_WEIGHT),
+    prefill_weight: None,
+    unit: false,
+    build: |a| Ok(Arc::new(LoraAffinity::from_config(a)?)),
+};
 
 /// The LoRA affinity cost term.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -46,7 +58,7 @@ impl LoraAffinity {
 
 impl Scorer for LoraAffinity {
     fn name(&self) -> &'static str {
-        "lora"
+        TERM.name
     }
 
     #[inline]

@@ -11,11 +11,13 @@
 //!   candidates once the least total found is at most the sum of the terms'
 //!   bounds for what they could hold.
 //!
-//! Adding a term: one file here with a type implementing [`Scorer`] and its
+//! Adding a term: one file here with a type implementing [`Scorer`], its
 //! `from_config` (its weight and its parameters, decoded strictly with
-//! [`super::registry::decode_params`]), and one line in
-//! [`super::registry::REGISTRY`] under the llm-d Router plugin type name it
-//! answers to. The built-ins, in the order they are summed:
+//! [`decode_params`](super::plugin::decode_params)) and its [`TermDecl`]
+//! (name, the llm-d Router plugin types it answers to, weight flag), and one
+//! line in [`super::registry::REGISTRY`]; the flag, the `EndpointPickerConfig`
+//! mapping, `explain` and the metrics follow from the declaration. The terms,
+//! in the order they are summed:
 //! - [`prefix::PrefixCache`] (`prefix-cache-scorer`): blocks left to prefill;
 //! - [`load::ActiveLoad`] (`active-request-scorer`, `load-aware-scorer`, ...):
 //!   active load;
@@ -23,6 +25,8 @@
 //! - [`kv_usage::KvUsage`] (`kv-cache-utilization-scorer`): scraped KV usage;
 //! - [`lora::LoraAffinity`] (`lora-affinity-scorer`): the request's LoRA
 //!   adapter resident, else a free adapter slot;
+//! - [`running::RunningRequests`] (`running-requests-size-scorer`): requests
+//!   running there (weight 0 by default);
 //! - [`failures::FailedResponses`] (built in, no llm-d type): responses the
 //!   candidate failed since its last success.
 
@@ -32,14 +36,117 @@ pub mod load;
 pub mod lora;
 pub mod prefix;
 pub mod queue;
+pub mod running;
 
 use std::fmt;
+use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use super::candidates::Side;
-use super::cost::PendingWait;
+use super::plugin::{Knob, PluginArgs, PluginError, Weight};
 use crate::endpoints::{ActiveLoad as BookedLoad, EndpointState, LoadFigures, LoadView};
+
+/// A cost term as its file declares it; the registry lists the declarations.
+#[derive(Debug)]
+pub struct TermDecl {
+    /// The term's name (`explain`, the `term` label of the metrics).
+    pub name: &'static str,
+    /// The llm-d Router plugin types it stands for in an
+    /// `EndpointPickerConfig`; none: a built-in term, summed by every plugin
+    /// list after the configured ones.
+    pub types: &'static [&'static str],
+    /// Its weight.
+    pub weight: Weight,
+    /// Its weight when a prefill worker of a disaggregated pool is picked, if
+    /// it has one of its own (else [`TermDecl::weight`]); a `prefill`
+    /// scheduling profile scales it.
+    pub prefill_weight: Option<Knob>,
+    /// Whether an `EndpointPickerConfig` maps the other terms' weights as
+    /// ratios to this one's (else to the largest).
+    pub unit: bool,
+    /// Builds the term.
+    pub build: fn(&mut PluginArgs<'_>) -> Result<Arc<dyn Scorer>, PluginError>,
+}
+
+impl TermDecl {
+    /// Whether every plugin list sums it (no llm-d type configures it).
+    pub fn builtin(&self) -> bool {
+        self.types.is_empty()
+    }
+}
+
+/// Which list of candidates: decode (destination) or prefill workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// Workers that serve decode (the destination).
+    Decode,
+    /// Prefill-only workers of a disaggregated pool.
+    Prefill,
+}
+
+/// Weight, within the prefill term, of a block still pending on the candidate
+/// (routed there, prefill not done) beyond this prompt's overlap. Dynamo counts
+/// such blocks at 1 (`prefill_load_scale`); on the tuning trace (BENCHMARKS.md
+/// §2) 1 scatters bursts that share a prefix while their first prefill runs,
+/// and 0.05 keeps the hit rate while the TTFT tail drops. Two waits count in
+/// full instead ([`LONG_PROMPT_TOKENS`], [`MAX_WAIT_BESIDE_IDLE_TOKENS`]).
+pub const PENDING_PREFILL_WEIGHT: f64 = 0.05;
+
+/// A prompt with at least this many tokens still to prefill on a candidate
+/// counts the pending prefills there in full: its own prefill is long, so the
+/// hits it could gain by queueing are few beside the wait (on the tuning
+/// trace, the longest prompts make the light-load TTFT tail).
+pub const LONG_PROMPT_TOKENS: usize = 24_576;
+
+/// Pending prefill beyond this many tokens on a candidate counts in full while
+/// some other rank has none pending ([`Snapshot::idle_ranks`]): no prefix hit
+/// is worth waiting behind that much work when a worker could start at once.
+///
+/// [`Snapshot::idle_ranks`]: crate::endpoints::Snapshot::idle_ranks
+pub const MAX_WAIT_BESIDE_IDLE_TOKENS: usize = 131_072;
+
+/// How one pick counts a candidate's wait behind pending prefills, read once
+/// per pick and side: the thresholds in blocks, and whether some rank has
+/// nothing pending.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingWait {
+    /// [`LONG_PROMPT_TOKENS`] in blocks.
+    long_prompt_blocks: usize,
+    /// [`MAX_WAIT_BESIDE_IDLE_TOKENS`] in blocks, while a rank of the side has
+    /// nothing pending; `None` otherwise.
+    beside_idle_blocks: Option<f64>,
+    /// Weight of a pending block otherwise ([`PENDING_PREFILL_WEIGHT`] by default).
+    weight: f64,
+}
+
+impl PendingWait {
+    /// The wait of a pick in blocks of `block_tokens` tokens, with
+    /// `idle_ranks` ranks of its side having nothing pending and a pending
+    /// block otherwise weighing `weight` (clamped to 0..1).
+    pub fn new(block_tokens: usize, idle_ranks: u64, weight: f64) -> Self {
+        let block = block_tokens.max(1);
+        PendingWait {
+            long_prompt_blocks: LONG_PROMPT_TOKENS.div_ceil(block),
+            beside_idle_blocks: (idle_ranks > 0)
+                .then_some(MAX_WAIT_BESIDE_IDLE_TOKENS.div_ceil(block) as f64),
+            weight: weight.clamp(0.0, 1.0),
+        }
+    }
+
+    /// The pending blocks a prompt with `new_blocks` left to prefill counts,
+    /// for `pending` blocks it would wait behind: [`PENDING_PREFILL_WEIGHT`]
+    /// each, all of them for a long prompt, and those beyond the wait allowed
+    /// beside an idle rank in full. Never below zero, never above `pending`.
+    pub fn weigh(&self, pending: f64, new_blocks: usize) -> f64 {
+        if new_blocks >= self.long_prompt_blocks {
+            return pending;
+        }
+        match self.beside_idle_blocks {
+            Some(max) if pending > max => self.weight * max + (pending - max),
+            _ => self.weight * pending,
+        }
+    }
+}
 
 /// One named cost term (Dynamo's `WorkerScorer` shape: a finite,
 /// lower-is-better cost from declared inputs).
@@ -149,7 +256,7 @@ pub struct RequestCost {
 
 /// A candidate's cost term by term (name, weighted cost), in summing order.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct CostTerms(pub SmallVec<[(&'static str, f64); 6]>);
+pub struct CostTerms(pub SmallVec<[(&'static str, f64); 8]>);
 
 impl CostTerms {
     /// The cost: the sum of the terms.

@@ -2,15 +2,37 @@
 //!
 //! The prompt's blocks after the leading ones the candidate holds, plus the
 //! blocks of requests routed there whose prefill is not done beyond this
-//! prompt's overlap, counted as [`PendingWait`](super::super::cost::PendingWait)
+//! prompt's overlap, counted as [`PendingWait`](super::PendingWait)
 //! weighs them. Weighted per side: decode candidates at `weight`, prefill
 //! candidates of a disaggregated pool at `prefill_weight`.
 
 use serde::{Deserialize, Serialize};
 
-use super::{bound, Candidate, RequestCost, Scorer};
-use crate::scheduler::candidates::Side;
-use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+use std::sync::Arc;
+
+use super::{bound, Candidate, RequestCost, Scorer, Side, TermDecl};
+use crate::scheduler::plugin::{decode_params, Knob, PluginArgs, PluginError, Weight};
+
+/// The declaration: the unit the `EndpointPickerConfig` mapping scales the
+/// other terms by.
+pub static TERM: TermDecl = TermDecl {
+    name: "prefill",
+    types: &["prefix-cache-scorer", "precise-prefix-cache-scorer"],
+    weight: Weight::Flag(Knob {
+        flag: "weight-prefill",
+        env: "KVPICK_WEIGHT_PREFILL",
+        default: 1.0,
+        help: "Cost weight per prompt block the candidate must still prefill",
+    }),
+    prefill_weight: Some(Knob {
+        flag: "weight-prefill-overlap",
+        env: "KVPICK_WEIGHT_PREFILL_OVERLAP",
+        default: 2.0,
+        help: "Prefill weight when picking the prefill worker of a disaggregated pool",
+    }),
+    unit: true,
+    build: |a| Ok(Arc::new(PrefixCache::from_config(a)?)),
+};
 
 /// The prefill cost term.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,7 +54,7 @@ impl PrefixCache {
         let Params {} = decode_params(args)?;
         Ok(PrefixCache {
             weight: args.weight,
-            prefill_weight: args.weights.prefill_overlap,
+            prefill_weight: args.prefill_weight,
         })
     }
 
@@ -46,7 +68,7 @@ impl PrefixCache {
 
 impl Scorer for PrefixCache {
     fn name(&self) -> &'static str {
-        "prefill"
+        TERM.name
     }
 
     #[inline]

@@ -12,8 +12,26 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{bound, Candidate, RequestCost, Scorer};
-use crate::scheduler::registry::{decode_params, PluginArgs, PluginError};
+use std::sync::Arc;
+
+use super::{bound, Candidate, RequestCost, Scorer, TermDecl};
+use crate::scheduler::plugin::{decode_params, Knob, PluginArgs, PluginError, Weight};
+
+/// The declaration.
+pub static TERM: TermDecl = TermDecl {
+    name: "queue",
+    types: &["queue-scorer"],
+    weight: Weight::Flag(Knob {
+        flag: "weight-queue",
+        env: "KVPICK_WEIGHT_QUEUE",
+        default: 0.25,
+        help:
+            "Cost weight per block of scraped queued work (queued requests at their uncached size)",
+    }),
+    prefill_weight: None,
+    unit: false,
+    build: |a| Ok(Arc::new(Queue::from_config(a)?)),
+};
 
 /// The queue cost term.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,7 +56,7 @@ impl Queue {
 
 impl Scorer for Queue {
     fn name(&self) -> &'static str {
-        "queue"
+        TERM.name
     }
 
     #[inline]

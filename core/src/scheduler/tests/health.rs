@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use crate::endpoints::{Endpoint, EndpointTable, ScrapedLoad};
 use crate::fixtures::with_body;
 use crate::scheduler::cost::pick_index;
+use crate::scheduler::terms::load;
 use crate::scheduler::*;
 
 /// A snapshot of two endpoints, 10.0.0.1:80 and 10.0.0.2:80.
@@ -87,12 +88,9 @@ fn an_endpoint_failing_responses_sits_out_a_growing_backoff() {
 fn failed_requests_do_not_make_a_worker_look_idle() {
     // The failure's cost is its own term: it holds with the active-load term
     // weighted 0 as well.
-    for decode in [Weights::default().decode, 0.0] {
+    for decode in [load::TERM.weight.default_value(), 0.0] {
         let s = Scheduler::new(SchedulerConfig {
-            weights: Weights {
-                decode,
-                ..Weights::default()
-            },
+            plugins: Plugins::with_weights(&TermWeights::default().with(&load::TERM, decode), 0.0),
             ..Default::default()
         });
         let (snap, body) = (two(), prompt());

@@ -56,7 +56,7 @@ impl Filter for Not {
 
 fn with(plugins: Plugins) -> Scheduler {
     Scheduler::new(SchedulerConfig {
-        plugins: Some(plugins),
+        plugins,
         tie_break_seed: Some(7),
         ..SchedulerConfig::default()
     })
@@ -68,7 +68,7 @@ fn prefix_only() -> Plugins {
             weight: 1.0,
             prefill_weight: 2.0,
         })],
-        ..Plugins::from_weights(Weights::default(), 0.0)
+        ..Plugins::default()
     }
 }
 
@@ -118,7 +118,7 @@ fn a_configured_filter_drops_endpoints_and_explain_gives_its_reason() {
     let t = both(3);
     let snap = t.snapshot();
     let now = Instant::now();
-    let mut plugins = Plugins::from_weights(Weights::default(), 0.0);
+    let mut plugins = Plugins::default();
     plugins.filters.push(Arc::new(Not(2)));
     let s = with(plugins);
     let p = prompt("hello");
@@ -144,15 +144,37 @@ fn the_floor_is_the_sum_of_the_terms_lower_bounds() {
     let req = s.request_cost(Side::Prefill, 10, None, 0);
     assert_eq!(s.cost_floor(7, &req), Some(14.0), "prefill_overlap 2");
     // A term without a bound (a negative weight) leaves no floor.
-    let s = with(Plugins::from_weights(
-        Weights {
-            queue: -1.0,
-            ..Weights::default()
-        },
+    let s = with(Plugins::with_weights(
+        &TermWeights::default().with(&terms::queue::TERM, -1.0),
         0.0,
     ));
     assert_eq!(
         s.cost_floor(7, &s.request_cost(Side::Decode, 10, None, 0)),
         None
     );
+}
+
+#[test]
+fn every_term_is_summed_in_the_decision_costs_however_many() {
+    let t = both(1);
+    let snap = t.snapshot();
+    let mut plugins = prefix_only();
+    // Ten penalties on the one endpoint: eleven terms in all.
+    plugins.scorers.extend((1..=10).map(|i| -> Arc<dyn Scorer> {
+        Arc::new(Penalty {
+            on: 1,
+            cost: f64::from(i),
+        })
+    }));
+    let s = with(plugins);
+    let p = prompt("hello");
+    for _ in 0..2 {
+        let d = s.pick(&with_body(&p), &snap).unwrap();
+        s.finish(&d, Some(200));
+    }
+    let costs = &s.stats().decision_cost;
+    assert_eq!((costs.len(), costs.decisions()), (11, 2));
+    for i in 1..=10 {
+        assert_eq!(costs.sum(i), 2.0 * i as f64, "term {i}");
+    }
 }

@@ -1,0 +1,234 @@
+//! Recursive least squares with exponential forgetting and non-negative
+//! coefficients: the fitter behind each latency model.
+//!
+//! The fit keeps the unconstrained least-squares estimate `theta` and predicts
+//! with its projection onto the non-negative orthant, `coef` (each coefficient
+//! is a physical cost: seconds per token, per request). Feeding the projection
+//! back into the recursion would desynchronise it from `p` and can diverge
+//! while there are fewer informative observations than terms; the estimate
+//! itself converges to the non-negative truth when the physics holds.
+//!
+//! Invariants: `theta` is finite; `coef[i] = max(theta[i], 0)`; `p` (the
+//! inverse information matrix) is finite, symmetric, and its trace never
+//! exceeds [`MAX_TRACE`], so long stretches of uninformative inputs cannot
+//! wind it up. An update costs O(D²) multiply-adds and allocates nothing.
+
+use serde::{Deserialize, Serialize};
+
+/// Largest trace of `p`: bounds how far one observation can move the fit.
+pub const MAX_TRACE: f64 = 1.0e4;
+
+/// One least-squares fit of `y ≈ theta · x` over `D` inputs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rls<const D: usize> {
+    theta: [f64; D],
+    coef: [f64; D],
+    p: [[f64; D]; D],
+}
+
+impl<const D: usize> Rls<D> {
+    /// A fit starting at `theta` (negative entries clamp to 0) with
+    /// `variance` on each coefficient: larger moves faster on the first
+    /// observations.
+    pub fn new(theta: [f64; D], variance: f64) -> Self {
+        let mut p = [[0.0; D]; D];
+        for (i, row) in p.iter_mut().enumerate() {
+            row[i] = variance;
+        }
+        let mut r = Rls {
+            theta,
+            coef: [0.0; D],
+            p,
+        };
+        r.project();
+        r.cap_trace();
+        r
+    }
+
+    /// The same coefficients with a fresh `variance` (a new worker starting
+    /// from the pool's fit).
+    pub fn restart(&self, variance: f64) -> Self {
+        Rls::new(self.coef, variance)
+    }
+
+    /// The coefficients (non-negative).
+    pub fn coefficients(&self) -> &[f64; D] {
+        &self.coef
+    }
+
+    /// `coefficients · x`.
+    pub fn predict(&self, x: &[f64; D]) -> f64 {
+        self.coef.iter().zip(x).map(|(c, x)| c * x).sum()
+    }
+
+    /// Folds in one observation `y` at inputs `x`, forgetting old ones by
+    /// `lambda` in `(0, 1]`. The caller checked that `x` and `y` are finite.
+    pub fn update(&mut self, x: &[f64; D], y: f64, lambda: f64) {
+        let mut px = [0.0; D];
+        for (i, row) in self.p.iter().enumerate() {
+            px[i] = row.iter().zip(x).map(|(p, x)| p * x).sum();
+        }
+        let denom = lambda + x.iter().zip(&px).map(|(x, px)| x * px).sum::<f64>();
+        if !(denom.is_finite() && denom > 0.0) {
+            return;
+        }
+        let err = y - self.theta.iter().zip(x).map(|(t, x)| t * x).sum::<f64>();
+        let before = *self;
+        for i in 0..D {
+            self.theta[i] += px[i] / denom * err;
+            for j in 0..D {
+                self.p[i][j] = (self.p[i][j] - px[i] * px[j] / denom) / lambda;
+            }
+        }
+        for i in 0..D {
+            for j in 0..i {
+                let m = 0.5 * (self.p[i][j] + self.p[j][i]);
+                self.p[i][j] = m;
+                self.p[j][i] = m;
+            }
+        }
+        self.project();
+        self.cap_trace();
+        if !self.is_sound() {
+            *self = before;
+        }
+    }
+
+    /// Sets `coef` to `theta` with negative entries at 0 (the projection onto
+    /// physical costs).
+    fn project(&mut self) {
+        for (c, t) in self.coef.iter_mut().zip(&self.theta) {
+            *c = t.max(0.0);
+        }
+    }
+
+    /// Scales `p` down so its trace stays within [`MAX_TRACE`].
+    fn cap_trace(&mut self) {
+        let trace: f64 = (0..D).map(|i| self.p[i][i]).sum();
+        if trace > MAX_TRACE {
+            let s = MAX_TRACE / trace;
+            for row in &mut self.p {
+                for v in row {
+                    *v *= s;
+                }
+            }
+        }
+    }
+
+    /// Finite estimate; finite, symmetric `p` with a non-negative diagonal
+    /// and a bounded trace.
+    fn is_sound(&self) -> bool {
+        let trace: f64 = (0..D).map(|i| self.p[i][i]).sum();
+        self.theta.iter().all(|t| t.is_finite())
+            && (0..D).all(|i| {
+                self.p[i][i] >= 0.0
+                    && (0..D).all(|j| self.p[i][j].is_finite() && self.p[i][j] == self.p[j][i])
+            })
+            && trace <= MAX_TRACE * (1.0 + 1e-9)
+    }
+
+    /// The fit as plain vectors, for sharing between replicas.
+    pub fn to_snapshot(&self) -> RlsSnapshot {
+        RlsSnapshot {
+            theta: self.theta.to_vec(),
+            p: self.p.iter().flat_map(|r| r.iter().copied()).collect(),
+        }
+    }
+
+    /// A fit from a snapshot, or `None` when its sizes are wrong or it breaks
+    /// an invariant (a peer's bad data never becomes the model).
+    pub fn from_snapshot(s: &RlsSnapshot) -> Option<Self> {
+        if s.theta.len() != D || s.p.len() != D * D {
+            return None;
+        }
+        let mut r = Rls {
+            theta: [0.0; D],
+            coef: [0.0; D],
+            p: [[0.0; D]; D],
+        };
+        r.theta.copy_from_slice(&s.theta);
+        for (i, row) in r.p.iter_mut().enumerate() {
+            row.copy_from_slice(&s.p[i * D..(i + 1) * D]);
+        }
+        r.project();
+        r.is_sound().then_some(r)
+    }
+}
+
+/// A serialisable [`Rls`]: coefficients and the row-major `p`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RlsSnapshot {
+    /// The unconstrained estimate.
+    pub theta: Vec<f64>,
+    /// Inverse information matrix, row-major.
+    pub p: Vec<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recovers_exact_coefficients() {
+        let mut r = Rls::<2>::new([0.0, 0.0], 100.0);
+        for i in 0..200 {
+            let x = [1.0, (i % 17) as f64];
+            r.update(&x, 0.5 + 0.25 * x[1], 1.0);
+        }
+        assert!(
+            (r.coefficients()[0] - 0.5).abs() < 1e-3,
+            "{:?}",
+            r.coefficients()
+        );
+        assert!(
+            (r.coefficients()[1] - 0.25).abs() < 1e-3,
+            "{:?}",
+            r.coefficients()
+        );
+    }
+
+    #[test]
+    fn coefficients_stay_non_negative() {
+        let mut r = Rls::<2>::new([0.1, 0.1], 100.0);
+        for i in 0..100 {
+            let x = [1.0, (i % 9) as f64];
+            r.update(&x, 5.0 - 0.5 * x[1], 1.0);
+        }
+        assert!(
+            r.coefficients().iter().all(|c| *c >= 0.0),
+            "{:?}",
+            r.coefficients()
+        );
+        assert_eq!(r.coefficients()[1], 0.0, "the negative slope projects to 0");
+        assert!(
+            r.predict(&[1.0, 0.0]) > 4.0,
+            "the intercept is still fitted"
+        );
+    }
+
+    #[test]
+    fn covariance_stays_bounded_without_excitation() {
+        let mut r = Rls::<3>::new([0.0; 3], 1.0);
+        for _ in 0..100_000 {
+            r.update(&[1.0, 0.0, 0.0], 1.0, 0.9);
+        }
+        assert!(r.is_sound());
+        let trace: f64 = (0..3).map(|i| r.p[i][i]).sum();
+        assert!(trace <= MAX_TRACE * (1.0 + 1e-9));
+    }
+
+    #[test]
+    fn snapshots_round_trip_and_bad_ones_are_refused() {
+        let mut r = Rls::<2>::new([0.2, 0.3], 10.0);
+        r.update(&[1.0, 2.0], 1.0, 0.99);
+        let s = r.to_snapshot();
+        assert_eq!(Rls::<2>::from_snapshot(&s), Some(r));
+        assert_eq!(Rls::<3>::from_snapshot(&s), None, "wrong size");
+        let mut bad = s.clone();
+        bad.theta[0] = f64::NAN;
+        assert_eq!(Rls::<2>::from_snapshot(&bad), None);
+        let mut bad = s;
+        bad.p[1] = 1.0;
+        assert_eq!(Rls::<2>::from_snapshot(&bad), None, "asymmetric");
+    }
+}

@@ -1,0 +1,357 @@
+//! The latency models against synthetic workers whose true timing is a known
+//! physical model with noise.
+
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+/// A simulated worker: the true per-unit costs, scaled by `slowness`.
+struct TrueWorker {
+    slowness: f64,
+}
+
+impl TrueWorker {
+    fn ttft(&self, f: &Features) -> f64 {
+        let k = |t: u64| t as f64 / 1024.0;
+        self.slowness
+            * (0.015
+                + 0.06 * k(f.uncached_tokens)
+                + 0.06 * k(f.pending_prefill_tokens)
+                + 0.03 * f.waiting
+                + 0.0005 * f.running.max(f.in_flight as f64))
+    }
+
+    fn tpot(&self, f: &Features) -> f64 {
+        self.slowness
+            * (0.008
+                + 0.00015 * f.running.max(f.in_flight as f64)
+                + 0.004 * f.kv_usage
+                + 0.0005 * f.prompt_tokens as f64 / 1024.0)
+    }
+
+    /// One request's features and its noisy observed times (±10%).
+    fn sample(&self, rng: &mut StdRng) -> (Features, Observed) {
+        let prompt_tokens = rng.random_range(64..8192);
+        let running = rng.random_range(0..48) as f64;
+        let f = Features {
+            prompt_tokens,
+            uncached_tokens: (prompt_tokens as f64 * rng.random_range(0.0..1.0)) as u64,
+            waiting: rng.random_range(0..6) as f64,
+            running,
+            kv_usage: rng.random_range(0.0..1.0),
+            pending_prefill_tokens: rng.random_range(0..16_384),
+            in_flight: rng.random_range(0..=running as u32),
+            max_tokens: Some(256),
+        };
+        let mut noise = || 1.0 + rng.random_range(-0.1..0.1);
+        let seen = Observed::from_secs(self.ttft(&f) * noise(), Some(self.tpot(&f) * noise()))
+            .expect("positive times");
+        (f, seen)
+    }
+}
+
+const FAST: TrueWorker = TrueWorker { slowness: 1.0 };
+const SLOW: TrueWorker = TrueWorker { slowness: 2.5 };
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Trains workers 1 (fast) and 2 (slow) on `n` requests each, interleaved.
+fn trained(n: usize, rng: &mut StdRng) -> LatencyModels<u64> {
+    let mut m = LatencyModels::new(LatencyConfig::default());
+    for _ in 0..n {
+        for (id, w) in [(1, &FAST), (2, &SLOW)] {
+            let (f, seen) = w.sample(rng);
+            m.observe(id, &f, &seen).unwrap();
+        }
+    }
+    m
+}
+
+/// Median |predicted − actual| / actual over fresh noiseless requests.
+fn median_errors(m: &LatencyModels<u64>, id: u64, w: &TrueWorker, rng: &mut StdRng) -> (f64, f64) {
+    let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
+    for _ in 0..300 {
+        let (f, _) = w.sample(rng);
+        let p = m.predict(&id, &f);
+        ttft.push((p.ttft - w.ttft(&f)).abs() / w.ttft(&f));
+        tpot.push((p.tpot - w.tpot(&f)).abs() / w.tpot(&f));
+    }
+    (median(ttft), median(tpot))
+}
+
+#[test]
+fn learns_two_workers_different_speeds() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let m = trained(300, &mut rng);
+    for (id, w) in [(1, &FAST), (2, &SLOW)] {
+        let (ttft, tpot) = median_errors(&m, id, w, &mut rng);
+        assert!(ttft <= 0.15, "worker {id}: median TTFT error {ttft:.3}");
+        assert!(tpot <= 0.15, "worker {id}: median TPOT error {tpot:.3}");
+        assert!(m.is_warm(&id));
+    }
+    // The coefficients read as the physical costs.
+    let prefill = |id| m.worker(&id).unwrap().ttft_coefficients()[1];
+    assert!(
+        (prefill(1) - 0.06).abs() < 0.015,
+        "fast prefill {}",
+        prefill(1)
+    );
+    assert!(
+        (prefill(2) - 0.15).abs() < 0.035,
+        "slow prefill {}",
+        prefill(2)
+    );
+    let (f, _) = FAST.sample(&mut rng);
+    let (a, b) = (m.predict(&1, &f), m.predict(&2, &f));
+    assert!(
+        b.ttft > 2.0 * a.ttft && b.tpot > 2.0 * a.tpot,
+        "{a:?} vs {b:?}"
+    );
+    assert!(a.recent_error < 0.15, "recent error {}", a.recent_error);
+}
+
+#[test]
+fn a_new_worker_predicts_from_the_pool_prior() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut m = trained(300, &mut rng);
+    let (f, seen) = FAST.sample(&mut rng);
+    let cold = m.predict(&3, &f);
+    assert_eq!(cold.observations, 0);
+    assert!(!m.is_warm(&3));
+    assert_eq!(cold.ttft, m.prior().predict(&f).ttft);
+    // The prior learned from both workers: between the fast and the slow one.
+    let (fast, slow) = (FAST.ttft(&f), SLOW.ttft(&f));
+    assert!(
+        cold.ttft > fast && cold.ttft < slow,
+        "prior {} not within [{fast}, {slow}]",
+        cold.ttft
+    );
+    // Its coefficients are the pool's mean costs (1.75× the fast worker's).
+    assert_eq!(m.prior().observations(), 600);
+    let waiting = m.prior().ttft_coefficients()[3];
+    assert!(
+        (waiting - 0.0525).abs() < 0.015,
+        "prior wait per request {waiting}"
+    );
+    // Its first observation starts its own model from the prior.
+    m.observe(3, &f, &seen).unwrap();
+    assert_eq!(m.observations(&3), 1);
+    let (g, _) = FAST.sample(&mut rng);
+    let own = m.predict(&3, &g).ttft;
+    let prior = m.prior().predict(&g).ttft;
+    assert!(
+        (own - prior).abs() / prior < 0.5,
+        "own {own}, prior {prior}"
+    );
+}
+
+#[test]
+fn cold_workers_are_not_warm_until_enough_observations() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut m = LatencyModels::new(LatencyConfig {
+        warm_observations: 5,
+        ..LatencyConfig::default()
+    });
+    for i in 0..5 {
+        assert!(!m.is_warm(&9), "warm after {i}");
+        let (f, seen) = FAST.sample(&mut rng);
+        m.observe(9, &f, &seen).unwrap();
+    }
+    assert!(m.is_warm(&9));
+}
+
+#[test]
+fn state_stays_bounded_under_a_flood_of_workers() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut m = LatencyModels::new(LatencyConfig {
+        max_workers: 64,
+        ..LatencyConfig::default()
+    });
+    for id in 0..20_000u64 {
+        let (f, seen) = FAST.sample(&mut rng);
+        m.observe(id, &f, &seen).unwrap();
+        assert!(m.len() <= 64);
+    }
+    assert_eq!(m.len(), 64);
+    assert!(m.worker(&19_999).is_some(), "the newest stays");
+    assert!(m.worker(&0).is_none(), "the oldest went");
+    m.retain(|id| id % 2 == 0);
+    assert_eq!(m.len(), 32);
+    assert!(m.worker(&19_999).is_none());
+}
+
+#[test]
+fn absurd_observations_are_refused_and_change_nothing() {
+    let mut rng = StdRng::seed_from_u64(13);
+    let mut m = trained(100, &mut rng);
+    let (good, seen) = FAST.sample(&mut rng);
+    let before = (m.snapshot(&1), m.prior_snapshot(), m.len());
+    let bad_features = [
+        Features {
+            prompt_tokens: 0,
+            uncached_tokens: 0,
+            ..good
+        },
+        Features {
+            uncached_tokens: good.prompt_tokens + 1,
+            ..good
+        },
+        Features {
+            kv_usage: f64::NAN,
+            ..good
+        },
+        Features {
+            kv_usage: 1.5,
+            ..good
+        },
+        Features {
+            running: -1.0,
+            ..good
+        },
+        Features {
+            waiting: f64::INFINITY,
+            ..good
+        },
+        Features {
+            prompt_tokens: u64::MAX,
+            uncached_tokens: u64::MAX,
+            ..good
+        },
+    ];
+    for f in &bad_features {
+        assert!(m.observe(1, f, &seen).is_err(), "accepted {f:?}");
+        assert!(m.observe(77, f, &seen).is_err(), "accepted {f:?}");
+    }
+    let bad_times = [
+        Observed {
+            ttft: Duration::ZERO,
+            tpot: None,
+        },
+        Observed {
+            ttft: Duration::from_secs(100_000),
+            tpot: None,
+        },
+        Observed {
+            ttft: seen.ttft,
+            tpot: Some(Duration::ZERO),
+        },
+        Observed {
+            ttft: seen.ttft,
+            tpot: Some(Duration::from_secs(3600)),
+        },
+    ];
+    for t in &bad_times {
+        assert!(m.observe(1, &good, t).is_err(), "accepted {t:?}");
+    }
+    assert_eq!(Observed::from_secs(-0.5, None), None);
+    assert_eq!(Observed::from_secs(f64::NAN, None), None);
+    assert_eq!(Observed::from_secs(0.1, Some(f64::INFINITY)), None);
+    assert_eq!((m.snapshot(&1), m.prior_snapshot(), m.len()), before);
+    // Bad figures at prediction time give finite predictions.
+    let p = m.predict(
+        &1,
+        &Features {
+            waiting: f64::NAN,
+            running: f64::NEG_INFINITY,
+            kv_usage: f64::INFINITY,
+            ..good
+        },
+    );
+    assert!(p.ttft.is_finite() && p.tpot.is_finite() && p.ttft > 0.0);
+    // The model still predicts as well as before.
+    let (ttft, _) = median_errors(&m, 1, &FAST, &mut rng);
+    assert!(ttft <= 0.15, "median TTFT error {ttft:.3}");
+}
+
+#[test]
+fn delay_added_to_queued_requests_grows_with_tokens_and_queue() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let m = trained(300, &mut rng);
+    let f = Features {
+        prompt_tokens: 4096,
+        uncached_tokens: 2048,
+        waiting: 4.0,
+        running: 8.0,
+        ..Features::default()
+    };
+    let p = m.predict(&2, &f);
+    // 2 kilotokens at the slow worker's learned wait per kilotoken, per waiting request.
+    let expected = 0.06 * 2.5 * 2.0 * 4.0;
+    assert!(
+        (p.queued_delay - expected).abs() / expected < 0.25,
+        "{} vs {expected}",
+        p.queued_delay
+    );
+    let idle = m.predict(&2, &Features { waiting: 0.0, ..f });
+    assert_eq!(idle.queued_delay, 0.0);
+    assert!(p.decode_slowdown > 0.0);
+    assert!(
+        p.e2e(&Features {
+            max_tokens: Some(100),
+            ..f
+        }) > Some(p.ttft)
+    );
+}
+
+#[test]
+fn snapshots_carry_a_model_to_another_replica() {
+    let mut rng = StdRng::seed_from_u64(19);
+    let warm = trained(200, &mut rng);
+    let mut cold = LatencyModels::<u64>::new(LatencyConfig::default());
+    let wire = serde_json::to_string(&warm.snapshot(&2).unwrap()).unwrap();
+    let snap: WorkerSnapshot = serde_json::from_str(&wire).unwrap();
+    cold.restore(2, &snap).unwrap();
+    cold.restore_prior(&warm.prior_snapshot()).unwrap();
+    let (f, _) = SLOW.sample(&mut rng);
+    // JSON carries each float to within an ulp.
+    let same = |a: Prediction, b: Prediction| {
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-12 * y.abs().max(1e-9);
+        close(a.ttft, b.ttft)
+            && close(a.tpot, b.tpot)
+            && close(a.queued_delay, b.queued_delay)
+            && close(a.decode_slowdown, b.decode_slowdown)
+            && a.observations == b.observations
+    };
+    assert!(same(cold.predict(&2, &f), warm.predict(&2, &f)));
+    assert!(cold.is_warm(&2));
+    assert!(same(cold.prior().predict(&f), warm.prior().predict(&f)));
+    // A malformed or smaller snapshot changes nothing.
+    let mut bad = snap.clone();
+    bad.ttft.p[1] = f64::NAN;
+    assert_eq!(cold.restore(2, &bad), Err(Rejected::Malformed));
+    assert_eq!(cold.restore(5, &bad), Err(Rejected::Malformed));
+    let fewer = warm.snapshot(&1).map(|s| WorkerSnapshot {
+        observations: 1,
+        ..s
+    });
+    cold.restore(2, &fewer.unwrap()).unwrap();
+    assert!(same(cold.predict(&2, &f), warm.predict(&2, &f)));
+    assert_eq!(cold.len(), 1);
+}
+
+#[test]
+fn a_timeline_yields_ttft_and_the_pace_of_later_chunks() {
+    let t0 = Instant::now();
+    let ms = |n| t0 + Duration::from_millis(n);
+    let mut t = Timeline::new(t0);
+    assert_eq!(t.finish(Ended::Status(200)), None, "no body yet");
+    t.chunk(ms(5), 0);
+    t.chunk(ms(40), 120);
+    for i in 1..=10 {
+        t.chunk(ms(40 + 10 * i), 80);
+    }
+    let seen = t.finish(Ended::Status(200)).unwrap();
+    assert_eq!(seen.ttft, Duration::from_millis(40));
+    assert_eq!(seen.tpot, Some(Duration::from_millis(10)));
+    assert_eq!(t.finish(Ended::Cancelled), Some(seen));
+    assert_eq!(t.finish(Ended::Status(503)), None);
+    let mut one = Timeline::new(t0);
+    one.chunk(ms(30), 10);
+    assert_eq!(one.finish(Ended::Status(200)).unwrap().tpot, None);
+}
