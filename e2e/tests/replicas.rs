@@ -1,4 +1,4 @@
-//! Active-active replicas against a real `redis-server` (issue #30): turns of
+//! Active-active replicas against a real `redis-server`: turns of
 //! one conversation sent to alternating replicas stay on the conversation's
 //! worker as with one replica; peers see each other's in-flight load; a sync
 //! server killed mid-run fails no request and the replicas converge once it is
