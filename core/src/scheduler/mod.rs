@@ -14,8 +14,10 @@
 //! 3. lookup: the prefix index says which workers hold how many leading blocks;
 //! 4. score: a cost per candidate, the sum of the cost terms ([`terms`]; see
 //!    [`TermWeights`] and `docs/scheduling.md`), then the picker's choice
-//!    ([`pickers`]): argmin with a random tie-break, or softmax sampling with a
-//!    temperature. The argmin reads the prompt's holders first and skips every
+//!    ([`pickers`]): argmin with a random tie-break (while no state is shared
+//!    with peer replicas, the near-best candidate all replicas agree on, see
+//!    `agreement.rs`), or softmax sampling with a temperature. The argmin
+//!    reads the prompt's holders first and skips every
 //!    candidate whose least possible cost (the sum of the terms' lower bounds)
 //!    is no lower than the best found (see `pick.rs`), so in a large pool it
 //!    seldom reads every endpoint.
@@ -31,6 +33,7 @@
 //! and its size added to their active load until [`Scheduler::finish`] (the
 //! part left to prefill until [`Scheduler::prefill_done`]).
 
+mod agreement;
 mod candidates;
 mod cost;
 mod decision;
@@ -52,6 +55,7 @@ pub mod terms;
 mod tests;
 mod weights;
 
+pub use agreement::{AGREEMENT_BLOCKS, AGREEMENT_MARGIN};
 pub use decision::{Decision, PickError, PickRequest, Slo, Target};
 pub use explain::{CandidateScore, Explanation};
 pub use plugins::{default_picker, Plugins};
@@ -64,7 +68,7 @@ pub use weights::{TermWeight, TermWeights};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -231,6 +235,8 @@ pub struct Scheduler {
     tie_breaks: AtomicU64,
     /// Where decisions' effects go for peer replicas (unset: a single replica).
     replica: OnceLock<Arc<dyn ReplicaSink>>,
+    /// Whether routing state is shared with peers right now (see `agreement.rs`).
+    shared_state: AtomicBool,
     /// Endpoints a decision names (the picker's, else the config's; at least 1).
     max_endpoints: usize,
     /// The learned latency models (`--scoring predicted` only).
@@ -277,6 +283,7 @@ impl Scheduler {
                 .max(1),
             plugins,
             replica: OnceLock::new(),
+            shared_state: AtomicBool::new(true),
             config,
         }
     }

@@ -328,6 +328,8 @@ impl Scheduler {
     /// The least costly candidate for `side`, uniform among equal costs, or
     /// sampled by cost as the picker says; `None` when there is none. An
     /// explaining pick scores every candidate and takes the first least cost.
+    /// While no state is shared with peer replicas, the argmin takes the
+    /// agreed one of the near-best instead (`agreement.rs`).
     ///
     /// Holders of the prompt first, the deepest first: a candidate's cost is at
     /// least [`Scheduler::cost_floor`] of the blocks it holds, so once the least
@@ -371,6 +373,10 @@ impl Scheduler {
             return cands.get(i).map(|c| (*c, terms[i].clone()));
         }
         let seed = self.tie_break_seed();
+        if let Some(mut agreed) = self.agreement(at.prompt, at.size) {
+            self.prune(at, side, &req, seed, &mut agreed);
+            return agreed.into_best();
+        }
         let mut least = Least::new(seed);
         self.prune(at, side, &req, seed, &mut least);
         least.best.map(|c| (c, least.terms))
@@ -386,10 +392,17 @@ impl Scheduler {
         n: usize,
     ) -> Option<(Cand<'s>, Option<TermCosts>, Vec<Cand<'s>>)> {
         let mut ranked = self.choose_ranked(at, Side::Decode, n);
-        let (d, terms) = match pinned {
-            Some(c) => (c, None),
-            None if ranked.is_empty() => return None,
-            None => {
+        // Without shared state the decode target is the agreed one
+        // (`agreement.rs`); the fallbacks stay the next best.
+        let agreed = match (pinned, self.agreement(at.prompt, at.size)) {
+            (None, Some(_)) => self.choose(at, Side::Decode, &mut Route),
+            _ => None,
+        };
+        let (d, terms) = match (pinned, agreed) {
+            (Some(c), _) => (c, None),
+            (None, Some((c, terms))) => (c, Some(terms)),
+            (None, None) if ranked.is_empty() => return None,
+            (None, None) => {
                 let (c, terms) = ranked.remove(0);
                 (c, Some(terms))
             }

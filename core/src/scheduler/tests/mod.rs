@@ -13,6 +13,7 @@ pub(super) use crate::fixtures::{
     parse as body, pool, prompt, scrape, scrape_capacity, table, with_body,
 };
 
+mod agreement;
 mod health;
 mod lora;
 mod plugins;
