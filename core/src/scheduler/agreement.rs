@@ -71,10 +71,11 @@ impl Scheduler {
     }
 
     /// The near-tie chooser of a pick of `prompt` of `size` blocks while no
-    /// state is shared; `None` when state is shared or the prompt has no
-    /// blocks to key it.
+    /// state is shared; `None` when state is shared, the prompt has no blocks
+    /// to key it, or costs are predicted seconds (`--scoring predicted`), where
+    /// a margin counted in blocks means nothing.
     pub(super) fn agreement<'a>(&self, prompt: &PromptBlocks, size: u64) -> Option<Agreed<'a>> {
-        if self.shared_state() {
+        if self.shared_state() || self.latency().is_some() {
             return None;
         }
         let key = prompt_key(&prompt.hashes)?;
