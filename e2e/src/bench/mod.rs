@@ -3,6 +3,7 @@
 //! returns a serialisable report that prints as a Markdown table or one JSON object.
 
 pub mod agreement;
+pub mod ext_proc_client;
 pub mod flood;
 pub mod instructions;
 pub mod lowreuse;
@@ -14,6 +15,7 @@ pub mod plot;
 pub mod replay;
 pub mod replicas;
 pub mod scale;
+pub mod server_process;
 pub mod sim;
 pub mod sync;
 pub mod trace;

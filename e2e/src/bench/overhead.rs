@@ -22,29 +22,25 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
-use envoy_client::message::{body_chunks, RequestHeaders};
-use envoy_client::{BodyMode, EnvoyStream, Phase, ResponseOutcome};
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
 use kvpick::server::{serve_ext_proc, App};
 use kvpick::telemetry::tracing_export::{Exporter, TraceSettings};
 use serde::Serialize;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
-use tokio::process::{Child, Command};
-use tonic::transport::Channel;
+use tokio::process::Command;
 
-use super::{micros, quantile, sorted, table_of, SplitMix64};
+pub use super::ext_proc_client::{
+    chat_body, connect, one_request, one_request_to, routed_request, routed_request_to, CHUNK,
+};
+pub use super::server_process::{cpu_seconds, vm_hwm_bytes, ServerProcess};
+use super::{micros, quantile, sorted, table_of};
 use crate::otlp::OtlpReceiver;
-
-/// Body chunk size the load generator sends (Envoy forwards reads of about this size).
-pub const CHUNK: usize = 16 * 1024;
 
 /// Settings of one overhead run.
 #[derive(Debug, Clone)]
@@ -246,90 +242,6 @@ fn peer_markdown(runs: &[&OverheadRun]) -> String {
     )
 }
 
-/// An OpenAI chat body of about `bytes` bytes. Bodies with different `variant`
-/// share their first half (a common system prompt) and differ after it.
-pub fn chat_body(bytes: usize, variant: u64) -> Vec<u8> {
-    let words = |seed: u64, n: usize| {
-        let mut g = SplitMix64::new(seed);
-        let mut s = String::with_capacity(n + 16);
-        while s.len() < n {
-            s.push_str(&format!("w{} ", g.below(50_000)));
-        }
-        s
-    };
-    let half = bytes.saturating_sub(120) / 2;
-    let body = serde_json::json!({
-        "model": "llama",
-        "messages": [
-            {"role": "system", "content": words(1, half)},
-            {"role": "user", "content": words(1_000 + variant, half)},
-        ],
-        "stream": true
-    });
-    serde_json::to_vec(&body).expect("a JSON value serialises")
-}
-
-/// How long the load generator waits for each answer (a large body under load
-/// takes seconds; this only keeps a stuck server from hanging the run).
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Runs one Envoy-style chat request to completion; returns the decision latency.
-pub async fn one_request(ch: &Channel, body: &[u8]) -> anyhow::Result<Duration> {
-    one_request_to(ch, "/v1/chat/completions", body).await
-}
-
-/// [`one_request`] to `path`.
-pub async fn one_request_to(ch: &Channel, path: &str, body: &[u8]) -> anyhow::Result<Duration> {
-    Ok(routed_request_to(ch, path, body).await?.0)
-}
-
-/// [`one_request`], also returning the destination the server chose (its
-/// `x-gateway-destination-endpoint`, header or dynamic metadata).
-pub async fn routed_request(
-    ch: &Channel,
-    body: &[u8],
-) -> anyhow::Result<(Duration, Option<String>)> {
-    routed_request_to(ch, "/v1/chat/completions", body).await
-}
-
-/// [`routed_request`] to `path`.
-pub async fn routed_request_to(
-    ch: &Channel,
-    path: &str,
-    body: &[u8],
-) -> anyhow::Result<(Duration, Option<String>)> {
-    // Request headers as Envoy forwards them (with the client's `content-length`).
-    let headers = RequestHeaders::post(path)
-        .content_length(body.len())
-        .mode(BodyMode::FullDuplex)
-        .build();
-    let mut s = EnvoyStream::open(ch, headers, ANSWER_TIMEOUT).await?;
-    s.send_all(body_chunks(body, CHUNK, false)).await?;
-    let sent = Instant::now();
-    let mut changes = match s.phase(Phase::RequestHeaders).await? {
-        Ok(c) => c,
-        Err(i) => bail!("expected the headers answer first, got {i:?}"),
-    };
-    let latency = sent.elapsed();
-    let destination = changes.destination().map(str::to_string);
-    if let Err(i) = s
-        .streamed_body(Phase::RequestBody, &mut changes, &mut Vec::new())
-        .await?
-    {
-        bail!("expected the body streamed back, got {i:?}");
-    }
-    let sse = b"data: [DONE]\n\n";
-    match s
-        .respond(BodyMode::FullDuplex, "200", &[], Some(sse), CHUNK)
-        .await?
-    {
-        ResponseOutcome::Forwarded { .. } => {}
-        ResponseOutcome::Immediate(i) => bail!("the response path ended with {i:?}"),
-    }
-    s.finish().await?;
-    Ok((latency, destination))
-}
-
 fn endpoints(n: usize) -> Vec<Endpoint> {
     (0..n)
         .map(|i| {
@@ -518,23 +430,6 @@ pub async fn serve_until_stdin_closes(kind: ServerKind) -> anyhow::Result<()> {
     served
 }
 
-/// An HTTP/2 channel to the ext_proc server on 127.0.0.1:`port`, as the load
-/// generator opens them (`TCP_NODELAY`).
-pub async fn connect(port: u16) -> anyhow::Result<Channel> {
-    let endpoint = Channel::from_shared(format!("http://127.0.0.1:{port}"))?;
-    Ok(endpoint.tcp_nodelay(true).connect().await?)
-}
-
-/// A server child process of one (cell, server) run; killed when dropped.
-pub struct ServerProcess {
-    child: Child,
-    /// Its ext_proc port on 127.0.0.1.
-    pub port: u16,
-    /// Started by [`ServerProcess::foreign`]: stopped with SIGTERM, whatever
-    /// its exit status then.
-    foreign: bool,
-}
-
 impl ServerProcess {
     /// Starts `exe overhead-server <kind args>` and reads its port; a tracing
     /// kvpick exports to the OTLP/gRPC receiver at `otlp`.
@@ -553,97 +448,6 @@ impl ServerProcess {
         command.arg("overhead-server").args(kind.args());
         Self::spawn(command).await
     }
-
-    /// Starts `command` (an `overhead-server`, possibly under a wrapper such as
-    /// valgrind) and reads its port.
-    pub async fn spawn(mut command: Command) -> anyhow::Result<Self> {
-        let mut child = command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {:?}", command.as_std().get_program()))?;
-        let stdout = child.stdout.take().context("child stdout")?;
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).await?;
-        let port = line
-            .trim()
-            .parse()
-            .with_context(|| format!("server printed {line:?}, not a port"))?;
-        Ok(ServerProcess {
-            child,
-            port,
-            foreign: false,
-        })
-    }
-
-    /// Starts another program's ext_proc server, `command`, that serves on
-    /// 127.0.0.1:`port` (the caller waits until it is ready).
-    pub fn foreign(mut command: Command, port: u16) -> anyhow::Result<Self> {
-        let child = command
-            .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {:?}", command.as_std().get_program()))?;
-        Ok(ServerProcess {
-            child,
-            port,
-            foreign: true,
-        })
-    }
-
-    /// The process's peak resident set (VmHWM) in bytes.
-    pub fn peak_rss_bytes(&self) -> anyhow::Result<u64> {
-        let pid = self.child.id().context("server already exited")?;
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-        vm_hwm_bytes(&status).context("no VmHWM line in /proc/<pid>/status")
-    }
-
-    /// The process's CPU time so far (user + system, all threads) in seconds.
-    pub fn cpu_seconds(&self) -> anyhow::Result<f64> {
-        let pid = self.child.id().context("server already exited")?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-        cpu_seconds(&stat).context("no utime/stime in /proc/<pid>/stat")
-    }
-
-    /// Closes its stdin (it then exits) and waits for it; a foreign server
-    /// gets SIGTERM instead.
-    pub async fn stop(mut self) -> anyhow::Result<()> {
-        if self.foreign {
-            if let Some(pid) = self.child.id() {
-                // SAFETY: kill(2) on the pid of our own child, which has not been reaped.
-                unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
-            }
-            self.child.wait().await?;
-            return Ok(());
-        }
-        drop(self.child.stdin.take());
-        let status = self.child.wait().await?;
-        if !status.success() {
-            bail!("server exited with {status}");
-        }
-        Ok(())
-    }
-}
-
-/// Clock ticks per second of `/proc/<pid>/stat` times (`USER_HZ`, 100 on Linux).
-const USER_HZ: f64 = 100.0;
-
-/// utime + stime of a `/proc/<pid>/stat` text, in seconds.
-pub fn cpu_seconds(stat: &str) -> Option<f64> {
-    // Fields after the command name (which may hold spaces) start at `state`.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some((utime + stime) as f64 / USER_HZ)
-}
-
-/// `VmHWM` of a `/proc/<pid>/status` text, in bytes.
-pub fn vm_hwm_bytes(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 /// Drives the server on `port` with `cfg.concurrency` streams for `cfg.warmup`
@@ -1180,6 +984,8 @@ pub async fn peak_rss(
 
 #[cfg(test)]
 mod tests {
+    use tonic::transport::Channel;
+
     use super::*;
 
     #[test]

@@ -28,7 +28,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tokio::process::Command;
 
-use super::overhead::{connect, one_request, ServerProcess};
+use super::ext_proc_client::{chat_body, connect, one_request};
+use super::server_process::ServerProcess;
 use crate::apiserver::{inference_pool, pod, write_kubeconfig, ApiServer, Kind};
 use crate::mock_worker::{WorkerConfig, WorkerHandle};
 
@@ -198,7 +199,7 @@ impl PeerEpp {
     /// Retries one small request until the peer picks (it has discovered the
     /// pods and scraped them), or fails with its log's last lines.
     async fn wait_ready(&self) -> anyhow::Result<()> {
-        let body = super::overhead::chat_body(1024, 0);
+        let body = chat_body(1024, 0);
         let started = Instant::now();
         loop {
             let picked = match connect(self.process.port).await {
