@@ -4,3 +4,4 @@
 pub use kvpick_core::scheduler::*;
 
 pub mod metrics;
+pub mod reload;

@@ -36,6 +36,7 @@ mod cost;
 mod decision;
 mod explain;
 pub mod filters;
+pub mod live;
 mod overlap;
 mod pick;
 pub mod pickers;
@@ -204,8 +205,8 @@ pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
 #[derive(Debug)]
 pub struct Scheduler {
     config: SchedulerConfig,
-    /// What the pick runs.
-    plugins: Plugins,
+    /// What the pick runs, swapped whole by [`Scheduler::set_plugins`].
+    live: live::Live,
     index: Arc<PrefixIndex>,
     /// Prompts routed to precise workers, until their events or their bounds
     /// (see `provisional.rs`).
@@ -216,8 +217,6 @@ pub struct Scheduler {
     tie_breaks: AtomicU64,
     /// Where decisions' effects go for peer replicas (unset: a single replica).
     replica: OnceLock<Arc<dyn ReplicaSink>>,
-    /// Endpoints a decision names (the picker's, else the config's; at least 1).
-    max_endpoints: usize,
 }
 
 impl Default for Scheduler {
@@ -229,7 +228,6 @@ impl Default for Scheduler {
 impl Scheduler {
     /// A scheduler with `config`.
     pub fn new(config: SchedulerConfig) -> Self {
-        let plugins = config.plugins.clone();
         Scheduler {
             index: Arc::new(PrefixIndex::new(config.index)),
             provisional: provisional::Guesses::new(
@@ -242,14 +240,9 @@ impl Scheduler {
                 max_entries: config.session_max_entries,
                 token_max_lifetime: config.session_token_max_lifetime,
             }),
-            stats: SchedulerStats::new(plugins.scorers.len()),
+            stats: SchedulerStats::default(),
             tie_breaks: AtomicU64::new(0),
-            max_endpoints: plugins
-                .picker
-                .max_endpoints()
-                .unwrap_or(config.max_endpoints)
-                .max(1),
-            plugins,
+            live: live::Live::new(config.plugins.clone()),
             replica: OnceLock::new(),
             config,
         }
@@ -275,14 +268,26 @@ impl Scheduler {
         &self.config
     }
 
-    /// The filters, terms and picker the pick runs.
-    pub fn plugins(&self) -> &Plugins {
-        &self.plugins
+    /// The filters, terms and picker picks run now, with their decision
+    /// cost sums.
+    pub fn plugins(&self) -> Arc<live::LivePlugins> {
+        self.live.load()
     }
 
-    /// Endpoints a decision names: the decode target and its fallbacks.
-    pub fn max_endpoints(&self) -> usize {
-        self.max_endpoints
+    /// Makes `plugins` what later picks run (a reloaded
+    /// `EndpointPickerConfig`); picks under way finish on the old list.
+    pub fn set_plugins(&self, plugins: Plugins) {
+        self.live.swap(plugins);
+    }
+
+    /// Endpoints a decision under `plugins` names: the decode target and its
+    /// fallbacks (the picker's count, else the config's; at least 1).
+    pub fn max_endpoints(&self, plugins: &Plugins) -> usize {
+        plugins
+            .picker
+            .max_endpoints()
+            .unwrap_or(self.config.max_endpoints)
+            .max(1)
     }
 
     /// The chained prefix block hashes of a request body (at most
