@@ -87,60 +87,130 @@ fn reloads(page: &str, result: &str) -> u64 {
         .map_or(0, |v| v.trim().parse().unwrap())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_edited_endpoint_picker_config_changes_decisions_and_an_invalid_one_does_not() {
-    let dir = std::env::temp_dir().join(format!("kvpick-config-reload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let local = ([127, 0, 0, 1], 0).into();
-    let mut workers = Vec::new();
-    for _ in 0..2 {
-        workers.push(
-            WorkerHandle::start(local, WorkerConfig::default())
-                .await
-                .unwrap(),
+/// kvpick serving two workers through the gateway under `config(10, 1)`,
+/// after a first probe made one of them the prompt's holder.
+struct Fixture {
+    dir: std::path::PathBuf,
+    workers: Vec<WorkerHandle>,
+    _kvpick: ServedKvpick,
+    gateway: GatewayHandle,
+    client: Client,
+    metrics: Client,
+    config_file: std::path::PathBuf,
+    prompt: String,
+    /// The prefix holder, without the adapter.
+    holder: usize,
+    /// The adapter holder.
+    other: usize,
+}
+
+impl Fixture {
+    async fn start(name: &str) -> Fixture {
+        let dir = std::env::temp_dir().join(format!("kvpick-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let local = ([127, 0, 0, 1], 0).into();
+        let mut workers = Vec::new();
+        for _ in 0..2 {
+            workers.push(
+                WorkerHandle::start(local, WorkerConfig::default())
+                    .await
+                    .unwrap(),
+            );
+        }
+        let endpoints = dir.join("endpoints.yaml");
+        let listed: Vec<_> = workers
+            .iter()
+            .map(|w| (w.addr(), w.instance_id()))
+            .collect();
+        write_endpoints(&endpoints, &listed).unwrap();
+        let config_file = dir.join("epp.yaml");
+        replace(&config_file, &config(10, 1));
+        let mut kvpick = ServedKvpick::start(&[
+            format!("--endpoints-file={}", endpoints.display()),
+            format!("--config-file={}", config_file.display()),
+            "--scrape-interval-ms=20".to_string(),
+        ])
+        .expect("kvpick starts");
+        kvpick.wait_ready(Duration::from_secs(20)).await.unwrap();
+        let gateway = GatewayHandle::start(
+            local,
+            GatewayConfig {
+                ext_proc: format!("https://{}", kvpick.grpc()),
+                ext_proc_insecure: true,
+                ..GatewayConfig::default()
+            },
+        )
+        .await
+        .unwrap();
+        let client = Client::new(gateway.addr());
+        let metrics = Client::new(kvpick.metrics());
+        let prompt = "Summarise the quarterly sales table by region. ".repeat(40);
+
+        // The first probe makes its worker the prefix holder; then its adapter
+        // slots fill and the other worker loads the adapter.
+        let holder = probe(&client, &workers, &prompt, "seed").await;
+        let other = 1 - holder;
+        workers[holder].set_lora(1, &["chat-lora"]);
+        workers[other].set_lora(1, &[ADAPTER]);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for i in 0..5 {
+            let id = format!("before-{i}");
+            assert_eq!(probe(&client, &workers, &prompt, &id).await, holder, "{id}");
+        }
+        Fixture {
+            dir,
+            workers,
+            _kvpick: kvpick,
+            gateway,
+            client,
+            metrics,
+            config_file,
+            prompt,
+            holder,
+            other,
+        }
+    }
+
+    /// Probes as `{tag}-{i}` for `within`, each to be served by `worker`.
+    async fn probes_stay_on(&self, worker: usize, tag: &str, within: Duration) {
+        let start = Instant::now();
+        let mut i = 0;
+        while start.elapsed() < within {
+            let id = format!("{tag}-{i}");
+            assert_eq!(
+                probe(&self.client, &self.workers, &self.prompt, &id).await,
+                worker,
+                "{id}"
+            );
+            i += 1;
+        }
+    }
+
+    /// `(applied, invalid)` reloads counted so far.
+    async fn reloads(&self) -> (u64, u64) {
+        let page = self.metrics.get("/metrics").await.unwrap().text();
+        (reloads(&page, "applied"), reloads(&page, "invalid"))
+    }
+
+    /// Makes the config file invalid: a profile names a plugin the list does
+    /// not define.
+    fn break_config(&self) {
+        replace(
+            &self.config_file,
+            &config(10, 1).replace("pluginRef: max-score-picker", "pluginRef: no-such-plugin"),
         );
     }
-    let endpoints = dir.join("endpoints.yaml");
-    let listed: Vec<_> = workers
-        .iter()
-        .map(|w| (w.addr(), w.instance_id()))
-        .collect();
-    write_endpoints(&endpoints, &listed).unwrap();
-    let config_file = dir.join("epp.yaml");
-    replace(&config_file, &config(10, 1));
-    let mut kvpick = ServedKvpick::start(&[
-        format!("--endpoints-file={}", endpoints.display()),
-        format!("--config-file={}", config_file.display()),
-        "--scrape-interval-ms=20".to_string(),
-    ])
-    .expect("kvpick starts");
-    kvpick.wait_ready(Duration::from_secs(20)).await.unwrap();
-    let gateway = GatewayHandle::start(
-        local,
-        GatewayConfig {
-            ext_proc: format!("https://{}", kvpick.grpc()),
-            ext_proc_insecure: true,
-            ..GatewayConfig::default()
-        },
-    )
-    .await
-    .unwrap();
-    let client = Client::new(gateway.addr());
-    let metrics = Client::new(kvpick.metrics());
-    let prompt = "Summarise the quarterly sales table by region. ".repeat(40);
+}
 
-    // The first probe makes its worker the prefix holder; then its adapter
-    // slots fill and the other worker loads the adapter.
-    let holder = probe(&client, &workers, &prompt, "seed").await;
-    let other = 1 - holder;
-    workers[holder].set_lora(1, &["chat-lora"]);
-    workers[other].set_lora(1, &[ADAPTER]);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    for i in 0..5 {
-        let id = format!("before-{i}");
-        assert_eq!(probe(&client, &workers, &prompt, &id).await, holder, "{id}");
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edited_weight_flips_the_decision_within_two_seconds_and_drops_nothing() {
+    let f = Fixture::start("config-reload-flip").await;
     // Background traffic of other prompts across both edits: none may fail.
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
@@ -148,7 +218,7 @@ async fn an_edited_endpoint_picker_config_changes_decisions_and_an_invalid_one_d
         let (stop, sent, client) = (
             Arc::clone(&stop),
             Arc::clone(&sent),
-            Client::new(gateway.addr()),
+            Client::new(f.gateway.addr()),
         );
         tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
@@ -164,12 +234,12 @@ async fn an_edited_endpoint_picker_config_changes_decisions_and_an_invalid_one_d
         })
     };
 
-    replace(&config_file, &config(1, 10));
+    replace(&f.config_file, &config(1, 10));
     let edited = Instant::now();
     let mut i = 0;
     loop {
         let id = format!("after-{i}");
-        if probe(&client, &workers, &prompt, &id).await == other {
+        if probe(&f.client, &f.workers, &f.prompt, &id).await == f.other {
             break;
         }
         assert!(
@@ -178,32 +248,25 @@ async fn an_edited_endpoint_picker_config_changes_decisions_and_an_invalid_one_d
         );
         i += 1;
     }
-    for i in 0..5 {
-        let id = format!("applied-{i}");
-        assert_eq!(probe(&client, &workers, &prompt, &id).await, other, "{id}");
-    }
+    f.probes_stay_on(f.other, "applied", Duration::from_millis(300))
+        .await;
 
-    // An invalid edit: a profile names a plugin the list does not define.
-    replace(
-        &config_file,
-        &config(10, 1).replace("pluginRef: max-score-picker", "pluginRef: no-such-plugin"),
-    );
-    let start = Instant::now();
-    let mut i = 0;
-    while start.elapsed() < Duration::from_millis(1_500) {
-        let id = format!("invalid-{i}");
-        assert_eq!(probe(&client, &workers, &prompt, &id).await, other, "{id}");
-        i += 1;
-    }
-    let page = metrics.get("/metrics").await.unwrap().text();
-    assert_eq!(
-        (reloads(&page, "applied"), reloads(&page, "invalid")),
-        (1, 1),
-        "{page}"
-    );
+    // An invalid edit after it keeps the edited config.
+    f.break_config();
+    f.probes_stay_on(f.other, "invalid", Duration::from_millis(1_500))
+        .await;
+    assert_eq!(f.reloads().await, (1, 1));
 
     stop.store(true, Ordering::Relaxed);
     background.await.expect("no background request failed");
     assert!(sent.load(Ordering::Relaxed) > 0);
-    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_edit_changes_no_decision_and_is_counted() {
+    let f = Fixture::start("config-reload-invalid").await;
+    f.break_config();
+    f.probes_stay_on(f.holder, "invalid", Duration::from_millis(1_500))
+        .await;
+    assert_eq!(f.reloads().await, (0, 1));
 }
