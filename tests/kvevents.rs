@@ -1432,8 +1432,8 @@ mod routing {
             .unwrap()
     }
 
-    /// The probe's sequence (issue 33): standalone kvpick with a word-level
-    /// tokenizer and three vLLM workers A, B, C publishing KV events over ZMQ,
+    /// A standalone kvpick with a word-level tokenizer and three vLLM workers
+    /// A, B, C publishing KV events over ZMQ,
     /// 16-token blocks, prompts of 320 tokens (20 blocks).
     /// 1. P goes to some worker X (a guess there), which answers but whose
     ///    engine never reports P (it dropped it); another worker Y then reports

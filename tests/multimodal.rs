@@ -234,9 +234,7 @@ impl Pool {
             .pick(
                 &PickRequest {
                     body: Some(req),
-                    subset: None,
-                    session_id: None,
-                    session_token: None,
+                    ..PickRequest::default()
                 },
                 &self.endpoints.snapshot(),
             )

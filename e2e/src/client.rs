@@ -18,6 +18,8 @@ pub struct Reply {
     pub headers: HeaderMap,
     /// The whole body.
     pub body: Bytes,
+    /// From sending the request to the first non-empty body chunk.
+    pub first_chunk: Option<std::time::Duration>,
 }
 
 impl Reply {
@@ -96,12 +98,24 @@ impl Client {
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
+        let sent = std::time::Instant::now();
         let resp = self.http.request(req.body(Full::new(body.into()))?).await?;
-        let (parts, body) = resp.into_parts();
+        let (parts, mut body) = resp.into_parts();
+        let mut bytes = Vec::new();
+        let mut first_chunk = None;
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                if !data.is_empty() && first_chunk.is_none() {
+                    first_chunk = Some(sent.elapsed());
+                }
+                bytes.extend_from_slice(&data);
+            }
+        }
         Ok(Reply {
             status: parts.status,
             headers: parts.headers,
-            body: body.collect().await?.to_bytes(),
+            body: bytes.into(),
+            first_chunk,
         })
     }
 

@@ -155,6 +155,8 @@ pub struct Tuning {
     pub max_endpoints: usize,
     /// `--conformance-test-hooks`.
     pub conformance_test_hooks: bool,
+    /// `--scoring`.
+    pub scoring: kvpick::scheduler::ScoringMode,
 }
 
 impl Default for Tuning {
@@ -162,6 +164,7 @@ impl Default for Tuning {
         Tuning {
             max_endpoints: 1,
             conformance_test_hooks: false,
+            scoring: kvpick::scheduler::ScoringMode::Heuristic,
         }
     }
 }
@@ -246,6 +249,7 @@ impl Kvpick {
             "e2e",
             kvpick::scheduler::SchedulerConfig {
                 max_endpoints: self.tuning.max_endpoints,
+                scoring: self.tuning.scoring,
                 ..Default::default()
             },
         );
@@ -414,6 +418,8 @@ pub struct StackOptions {
     pub workers: usize,
     /// Settings of every worker (instance ids are left to the bound address).
     pub worker: WorkerConfig,
+    /// Worker `i` runs at `speeds[i]` ([`WorkerConfig::speed`]) where given.
+    pub speeds: Vec<f64>,
     /// The gateway's body mode.
     pub body_mode: BodyMode,
     /// The gateway's failure mode; fail-open falls back to the workers.
@@ -459,6 +465,7 @@ impl Default for StackOptions {
                 itl: Duration::from_micros(200),
                 ..WorkerConfig::default()
             },
+            speeds: Vec::new(),
             body_mode: BodyMode::FullDuplex,
             failure_mode: FailureMode::Close,
             poll: Duration::from_millis(20),
@@ -502,8 +509,12 @@ impl Stack {
         if opts.precise.is_some() && worker_config.kv_events_port.is_none() {
             worker_config.kv_events_port = Some(0);
         }
-        for _ in 0..opts.workers {
-            workers.push(WorkerHandle::start(local, worker_config.clone()).await?);
+        for i in 0..opts.workers {
+            let config = WorkerConfig {
+                speed: opts.speeds.get(i).copied().unwrap_or(worker_config.speed),
+                ..worker_config.clone()
+            };
+            workers.push(WorkerHandle::start(local, config).await?);
         }
         // Decode workers' sidecars reach the pool's prefill workers.
         let role = |i: usize| opts.roles.get(i).map(|r| r.0);

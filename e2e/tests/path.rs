@@ -278,6 +278,7 @@ async fn a_dead_first_pick_is_served_by_its_fallback() {
         tuning: Tuning {
             max_endpoints: 2,
             conformance_test_hooks: true,
+            ..Tuning::default()
         },
         ..StackOptions::default()
     })

@@ -1,10 +1,12 @@
-//! Active-active replicas against a real `redis-server` (issue #30): turns of
+//! Active-active replicas against a real `redis-server`: turns of
 //! one conversation sent to alternating replicas stay on the conversation's
 //! worker as with one replica; peers see each other's in-flight load; a sync
 //! server killed mid-run fails no request and the replicas converge once it is
-//! back; a restarted replica loads the shared state before it is Ready;
-//! standalone replicas started from their flags with the endpoints file at
-//! different paths find each other by pool name, given or the default.
+//! back; a restarted replica loads the shared state before it is Ready; with
+//! the server killed, three alternating replicas still keep a conversation on
+//! its worker without unbalancing the workers; standalone replicas started
+//! from their flags with the endpoints file at different paths find each
+//! other by pool name, given or the default.
 //!
 //! Skipped (with a message) when `redis-server` is not installed, unless
 //! `KVPICK_REQUIRE_SYNC_SERVER=1` (CI), which makes that a failure.
@@ -78,6 +80,11 @@ fn conversations(first: usize) -> Vec<Conversation> {
         .collect()
 }
 
+/// Share of follow-up turns served by the worker of the conversation's previous turn.
+fn same_worker_rate(r: &Replicas, first: usize) -> f64 {
+    same_worker_rate_of(r, first..first + CONVERSATIONS)
+}
+
 /// Sends turns `turns` of every conversation, the conversations concurrently,
 /// turn `t` of conversation `c` through the replica `replica(c, t)`. Returns
 /// the failed requests.
@@ -99,10 +106,10 @@ async fn converse(
     failed
 }
 
-/// Share of follow-up turns served by the worker of the conversation's previous turn.
-fn same_worker_rate(r: &Replicas, first: usize) -> f64 {
+/// [`same_worker_rate`] of the conversations `ids`.
+fn same_worker_rate_of(r: &Replicas, ids: std::ops::Range<usize>) -> f64 {
     let (mut same, mut follow_ups) = (0, 0);
-    for c in first..first + CONVERSATIONS {
+    for c in ids {
         for t in 1..TURNS {
             let prev = r.served_by(&request_id(c, t - 1));
             let this = r.served_by(&request_id(c, t));
@@ -297,6 +304,47 @@ async fn a_restarted_replica_loads_the_shared_state_before_ready() {
     assert!(
         rate >= 0.95,
         "restarted replica routed without the shared state: {rate:.2}"
+    );
+}
+
+/// Conversations in the outage test: enough that the hash's spread of them
+/// over the workers is even within the bound below.
+const OUTAGE_CONVERSATIONS: usize = 160;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_the_sync_server_killed_alternating_replicas_still_agree_and_stay_balanced() {
+    let Some(mut redis) = RedisServer::start().await else {
+        return;
+    };
+    let r = Replicas::start(WORKERS, worker(), 3, Some(&redis.url()))
+        .await
+        .unwrap();
+    redis.kill();
+    // Every replica has seen its sync fail before the first turn.
+    let start = Instant::now();
+    while r
+        .kvpicks
+        .iter()
+        .any(|k| k.replica_sync().unwrap().metrics.errors() == 0)
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "no replica noticed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Consecutive turns of each conversation go to the next replica.
+    let mut convs: Vec<_> = (0..OUTAGE_CONVERSATIONS).map(Conversation::new).collect();
+    let failed = converse(&r, &mut convs, 0..TURNS, |c, t| (c + t) % 3).await;
+    assert_eq!(failed, 0, "requests failed while the sync server was down");
+    let rate = same_worker_rate_of(&r, 0..OUTAGE_CONVERSATIONS);
+    let shares: Vec<usize> = r.workers.iter().map(|w| w.seen().requests.len()).collect();
+    let (least, most) = (*shares.iter().min().unwrap(), *shares.iter().max().unwrap());
+    eprintln!("sync server down, 3 replicas alternating: same-worker rate of follow-ups {rate:.2}, requests per worker {shares:?}");
+    assert!(rate >= 0.8, "follow-ups left their worker: {rate:.2}");
+    assert!(
+        most as f64 <= 1.5 * least as f64,
+        "unbalanced: requests per worker {shares:?}"
     );
 }
 

@@ -169,6 +169,7 @@ impl Args {
             default_osl_tokens: s.default_osl_tokens,
             max_request_load_blocks: s.max_request_load_blocks.max(1),
             max_endpoints: s.max_endpoints as usize,
+            scoring: s.scoring.mode(),
             sglang_bootstrap_port: (s.sglang_bootstrap_port != 0)
                 .then_some(s.sglang_bootstrap_port),
             health: self.health.config(),

@@ -107,9 +107,35 @@ pub struct SchedulingFlags {
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_endpoints: u32,
 
+    /// What a candidate's cost is in: `heuristic` (KV blocks of work, from the
+    /// `--weight-*` terms) or `predicted` (seconds, from per-worker latency
+    /// models learned online from streamed responses; the heuristic decides
+    /// while they are cold).
+    #[arg(long, env = "KVPICK_SCORING", value_enum, default_value_t = Scoring::Heuristic)]
+    pub scoring: Scoring,
+
     /// The scheduler's plugin list an `EndpointPickerConfig` built (not a flag).
     #[arg(skip)]
     pub plugins: Option<Plugins>,
+}
+
+/// `--scoring`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scoring {
+    /// KV blocks of work, from the weighted terms.
+    Heuristic,
+    /// Predicted seconds, from latency learned online.
+    Predicted,
+}
+
+impl Scoring {
+    /// The scheduler's mode.
+    pub fn mode(self) -> crate::scheduler::ScoringMode {
+        match self {
+            Scoring::Heuristic => crate::scheduler::ScoringMode::Heuristic,
+            Scoring::Predicted => crate::scheduler::ScoringMode::Predicted,
+        }
+    }
 }
 
 impl SchedulingFlags {

@@ -18,6 +18,11 @@
 //! - A server down or slow: commands time out, the replica keeps routing on
 //!   its local state, counts the errors and reconnects with back-off; after a
 //!   reconnect the subscriber resumes after the last entry it applied.
+//! - The scheduler is told whether state is shared
+//!   ([`Scheduler::set_shared_state`]): not from the start until the
+//!   subscriber's first successful read, nor from a failed read until a read
+//!   succeeds again. Meanwhile replicas break near-ties alike
+//!   (`docs/replicas.md`, "Without the server").
 
 pub mod codec;
 pub mod metrics;
@@ -131,6 +136,8 @@ impl ReplicaSync {
             tx,
             metrics: Arc::clone(&metrics),
         });
+        // Nothing is shared until the subscriber follows the stream.
+        scheduler.set_shared_state(false);
         if !scheduler.set_replica_sink(sink.clone()) {
             tracing::warn!("replica sync: the scheduler already had a sink");
         }
@@ -383,11 +390,13 @@ async fn subscribe(
             Ok(e) => e,
             Err(e) => {
                 applier.metrics.errors.inc();
+                applier.scheduler.set_shared_state(false);
                 tracing::warn!(error = %ErrorChain(&e), "replica sync read failed; routing on local state");
                 conn = None;
                 continue;
             }
         };
+        applier.scheduler.set_shared_state(true);
         if last.is_none() && entries.is_empty() {
             // `$` stays `$` until a first entry: remember where reading began.
             last = Some(format!("{}-0", now_us() / 1_000));

@@ -90,6 +90,26 @@ pub struct Candidate {
     /// `overlap_blocks` is a guess its KV events have not confirmed.
     #[prost(bool, tag = "16")]
     pub overlap_guessed: bool,
+    /// Its predicted latency there, when latency is learned and warm.
+    #[prost(message, optional, tag = "17")]
+    pub prediction: Option<Prediction>,
+}
+
+/// `Prediction`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Prediction {
+    /// Time to first token, in seconds.
+    #[prost(double, tag = "1")]
+    pub ttft_seconds: f64,
+    /// Time per output token, in seconds.
+    #[prost(double, tag = "2")]
+    pub tpot_seconds: f64,
+    /// The worker's recent mean |error| / actual TTFT.
+    #[prost(double, tag = "3")]
+    pub recent_error: f64,
+    /// Observations behind its own model (0: the pool prior).
+    #[prost(uint64, tag = "4")]
+    pub observations: u64,
 }
 
 /// `ExplainResponse`.
@@ -161,6 +181,7 @@ impl Admin {
             subset: (!req.subset.is_empty()).then_some(req.subset.as_slice()),
             session_id: (!req.session_id.is_empty()).then_some(req.session_id.as_str()),
             session_token: None,
+            slo: Default::default(),
         };
         let explained = self
             .scheduler
@@ -199,6 +220,12 @@ fn response(e: Explanation) -> ExplainResponse {
                 chosen: c.chosen,
                 load_source: c.load_source.as_str().into(),
                 overlap_guessed: c.overlap_guessed,
+                prediction: c.prediction.map(|p| Prediction {
+                    ttft_seconds: p.ttft,
+                    tpot_seconds: p.tpot,
+                    recent_error: p.recent_error,
+                    observations: p.observations,
+                }),
             })
             .collect(),
     }
@@ -221,6 +248,10 @@ pub fn to_json(r: &ExplainResponse) -> serde_json::Value {
                 "overlap_blocks": c.overlap_blocks, "terms": terms, "cost": c.cost,
                 "session_pinned": c.session_pinned, "chosen": c.chosen,
                 "load_source": c.load_source, "overlap_guessed": c.overlap_guessed,
+                "prediction": c.prediction.as_ref().map(|p| serde_json::json!({
+                    "ttft_seconds": p.ttft_seconds, "tpot_seconds": p.tpot_seconds,
+                    "recent_error": p.recent_error, "observations": p.observations,
+                })),
             })
         })
         .collect();
@@ -558,6 +589,12 @@ mod tests {
             chosen: true,
             load_source: "unscraped".into(),
             overlap_guessed: true,
+            prediction: Some(Prediction {
+                ttft_seconds: 0.1,
+                tpot_seconds: 0.01,
+                recent_error: 0.1,
+                observations: 1,
+            }),
         };
         let request = ExplainRequest {
             body: b"{}".to_vec(),
@@ -574,6 +611,10 @@ mod tests {
         let cases = [
             ("Term", candidate.terms[0].encode_to_vec()),
             ("Candidate", candidate.encode_to_vec()),
+            (
+                "Prediction",
+                candidate.prediction.clone().unwrap().encode_to_vec(),
+            ),
             ("ExplainRequest", request.encode_to_vec()),
             ("ExplainResponse", response.encode_to_vec()),
         ];

@@ -141,6 +141,13 @@ impl App {
         let scheduler = Arc::new(Scheduler::new(scheduler));
         let metrics = Arc::new(Metrics::new(pool));
         crate::scheduler::metrics::SchedulerMetrics::register(&metrics, Arc::clone(&scheduler));
+        if let Some(learner) = scheduler.latency() {
+            crate::scheduler::latency_metrics::LatencyMetrics::register(
+                &metrics,
+                pool,
+                Arc::clone(learner),
+            );
+        }
         let extproc_metrics = ExtProcMetrics::register(&metrics);
         let admission_metrics = AdmissionMetrics::register(&metrics, pool);
         let off = AdmissionConfig {
@@ -241,12 +248,15 @@ impl App {
             self.tokenizer.clone(),
         )
         .counting_images(Arc::clone(&self.mm_stats));
-        let flow = FlowContext::new(
+        let mut flow = FlowContext::new(
             Arc::clone(&self.endpoints),
             Arc::clone(&self.scheduler),
             pipeline,
             self.admission.clone(),
         );
+        if let Some(learner) = self.scheduler.latency() {
+            flow = flow.observed_by(Arc::clone(learner) as _);
+        }
         ExtProcService::new(Shared {
             flow: Arc::new(flow),
             metrics: Arc::clone(&self.metrics),

@@ -354,6 +354,7 @@ impl RequestFlow {
             subset: self.subset.as_deref(),
             session_id: self.head.session_id.as_deref(),
             session_token: self.head.session_token.as_deref(),
+            slo: self.head.slo(),
         };
         let scheduler = &self.ctx.scheduler;
         let picked = match self.with_terms {

@@ -224,3 +224,71 @@ fn a_request_that_is_never_routed_reports_nothing_and_books_nothing() {
     drop(flow);
     assert_eq!(seen.take(), []);
 }
+
+/// Flows over a two-worker pool in predicted mode, the learner observing.
+fn learning() -> (Arc<FlowContext>, Arc<crate::latency::Learner>) {
+    let endpoints = Arc::new(EndpointTable::new());
+    endpoints.replace(vec![
+        Endpoint::new("10.0.0.1:8000".parse().unwrap()),
+        Endpoint::new("10.0.0.2:8000".parse().unwrap()),
+    ]);
+    let scheduler = Arc::new(Scheduler::new(SchedulerConfig {
+        scoring: crate::scheduler::ScoringMode::Predicted,
+        ..SchedulerConfig::default()
+    }));
+    let learner = Arc::clone(scheduler.latency().unwrap());
+    let pipeline = Pipeline::new(scheduler.config().prompt_token_limit(), None);
+    let off = AdmissionConfig {
+        enabled: false,
+        ..AdmissionConfig::default()
+    };
+    let admission = Gate::new(off, Arc::default(), Arc::new(NoObserver));
+    let ctx = FlowContext::new(endpoints, scheduler, pipeline, admission)
+        .observed_by(Arc::clone(&learner) as Arc<dyn FlowObserver>);
+    (Arc::new(ctx), learner)
+}
+
+#[test]
+fn the_learner_learns_streamed_requests_through_the_flow_and_forgets_every_ended_one() {
+    let (ctx, learner) = learning();
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    let streamed = br#"{"model":"m","stream":true,"prompt":"a prompt long enough to fill a block or two of bytes"}"#;
+    let mut flow = RequestFlow::new(Arc::clone(&ctx));
+    flow.request_headers(head(), t0);
+    assert!(matches!(
+        flow.request_body(streamed.to_vec(), t0),
+        Step::Routed(_)
+    ));
+    assert!(flow.decision().unwrap().latency_features.is_some());
+    assert_eq!(learner.following(), 1);
+    flow.response_headers(Some(200), true, ms(40));
+    flow.response_chunk(b"data: a", ms(50));
+    flow.response_chunk(b"data: b", ms(60));
+    flow.finish(ms(70));
+    assert_eq!(learner.following(), 0);
+    assert_eq!(learner.workers(), 1, "one streamed request learned");
+
+    // Not streamed: followed by nobody, learned from by nobody.
+    let mut flow = RequestFlow::new(Arc::clone(&ctx));
+    flow.request_headers(head(), t0);
+    assert!(matches!(
+        flow.request_body(BODY.to_vec(), t0),
+        Step::Routed(_)
+    ));
+    assert!(flow.decision().unwrap().latency_features.is_none());
+    assert_eq!(learner.following(), 0);
+    flow.response_chunk(b"{}", ms(50));
+    flow.finish(ms(60));
+
+    // Streamed, then cancelled before any chunk: followed until its end, no lesson.
+    let mut flow = RequestFlow::new(Arc::clone(&ctx));
+    flow.request_headers(head(), t0);
+    flow.request_body(streamed.to_vec(), t0);
+    assert_eq!(learner.following(), 1);
+    drop(flow);
+    assert_eq!(learner.following(), 0);
+    let learned: u64 = learner.errors().0.iter().map(|(_, c)| c).sum();
+    assert_eq!(learned, 0, "a cold prior predicts nothing to score");
+    assert_eq!(learner.fallbacks(), 3);
+}

@@ -7,6 +7,7 @@
 //! - [`rls`]: the fitter, recursive least squares with forgetting and
 //!   non-negative coefficients.
 //! - [`model`]: one worker's [`WorkerModel`] and its [`Prediction`].
+//! - [`learner`]: the [`Learner`] a server shares, fed by the request flow.
 //!
 //! [`LatencyModels`] keeps one model per worker plus a pool-wide prior that
 //! learns from every observation; a worker seen for the first time starts from
@@ -14,10 +15,11 @@
 //! least recently updated goes first, and [`LatencyModels::retain`] drops gone
 //! workers); an observation is checked before it touches any model, and a
 //! refused one changes nothing; an update costs O(terms²) with terms ≤ 5 and
-//! allocates only when a new worker enters. Pure: no clock, no I/O, no lock
-//! (the owner chooses how to share it).
+//! allocates only when a new worker enters. [`LatencyModels`] is pure: no
+//! clock, no I/O, no lock ([`Learner`] shares it).
 
 pub mod features;
+pub mod learner;
 pub mod model;
 pub mod rls;
 
@@ -28,6 +30,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 
 pub use features::{Ended, Features, Observed, Rejected, Timeline};
+pub use learner::Learner;
 pub use model::{Prediction, WorkerModel, WorkerSnapshot};
 
 use features::{TPOT_TERMS, TTFT_TERMS};

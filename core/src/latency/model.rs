@@ -81,6 +81,11 @@ impl WorkerModel {
         self.observations
     }
 
+    /// Recent mean |error| / actual TTFT (0 before any observation).
+    pub fn recent_error(&self) -> f64 {
+        self.recent_error
+    }
+
     /// TTFT coefficients: overhead s, s per uncached kilotoken, s per pending
     /// prefill kilotoken, s per waiting request, s per running request.
     pub fn ttft_coefficients(&self) -> &[f64; TTFT_TERMS] {

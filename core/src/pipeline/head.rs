@@ -92,6 +92,36 @@ pub struct RequestHead {
     /// `x-tenant-id`: the tenant salt, above the body's
     /// ([`crate::request::InferenceRequest::set_tenant`]).
     pub tenant: Option<String>,
+    /// `x-slo-ttft-ms`: the time-to-first-token objective, in milliseconds.
+    pub slo_ttft_ms: Option<u32>,
+    /// `x-slo-tpot-ms`: the time-per-output-token objective, in milliseconds.
+    pub slo_tpot_ms: Option<u32>,
+}
+
+/// The time-to-first-token objective header (llm-d's).
+pub const SLO_TTFT_HEADER: &str = "x-slo-ttft-ms";
+/// The time-per-output-token objective header (llm-d's).
+pub const SLO_TPOT_HEADER: &str = "x-slo-tpot-ms";
+/// Largest objective read from a header (one hour); a larger, zero or
+/// unparsable value is ignored.
+pub const MAX_SLO_MS: u32 = 3_600_000;
+
+/// An objective header's value: whole milliseconds in `1..=MAX_SLO_MS`.
+fn slo_ms(value: Option<String>) -> Option<u32> {
+    value
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .filter(|ms| (1..=MAX_SLO_MS).contains(ms))
+}
+
+impl RequestHead {
+    /// The request's latency objectives.
+    pub fn slo(&self) -> crate::scheduler::Slo {
+        let secs = |ms: Option<u32>| ms.map(|ms| f64::from(ms) / 1000.0);
+        crate::scheduler::Slo {
+            ttft: secs(self.slo_ttft_ms),
+            tpot: secs(self.slo_tpot_ms),
+        }
+    }
 }
 
 /// The tenant whose salt seeds the prompt's block hashes, above the body's
@@ -125,6 +155,8 @@ impl RequestHead {
             fairness_id: headers.get(FAIRNESS_ID_HEADER),
             content_length: headers.get("content-length").and_then(|v| v.parse().ok()),
             tenant: headers.get(TENANT_HEADER),
+            slo_ttft_ms: slo_ms(headers.get(SLO_TTFT_HEADER)),
+            slo_tpot_ms: slo_ms(headers.get(SLO_TPOT_HEADER)),
         }
     }
 }
@@ -181,5 +213,25 @@ mod tests {
         assert_eq!(head.session_token.as_deref(), Some("tok"));
         assert_eq!(head.content_length, Some(12));
         assert_eq!(head.objective.as_deref(), Some("chat"));
+    }
+
+    #[test]
+    fn objectives_are_read_in_bounds_and_anything_else_is_ignored() {
+        let read = |v: &str| {
+            let headers: &[(&str, &str)] = &[("x-slo-ttft-ms", v), ("X-SLO-TPOT-MS", v)];
+            let head = RequestHead::read(headers, "x-session-id", "x-kvpick-session");
+            (head.slo_ttft_ms, head.slo_tpot_ms)
+        };
+        assert_eq!(read("250"), (Some(250), Some(250)));
+        assert_eq!(read(" 40 "), (Some(40), Some(40)));
+        for bad in ["0", "-5", "1.5", "99999999999", "3600001", "", "fast"] {
+            assert_eq!(read(bad), (None, None), "{bad:?}");
+        }
+        let head = RequestHead {
+            slo_ttft_ms: Some(250),
+            ..RequestHead::default()
+        };
+        assert_eq!(head.slo().ttft, Some(0.25));
+        assert_eq!(head.slo().tpot, None);
     }
 }

@@ -12,8 +12,11 @@ use rand::Rng;
 use smallvec::SmallVec;
 
 use super::candidates::Cand;
+use super::terms::predicted::{self, LatencyAsk};
 use super::terms::{Candidate, CostTerms, PendingWait, RequestCost, Side};
-use super::{Plugins, Scheduler};
+use super::{PickRequest, Plugins, Scheduler};
+use crate::kv::hash::PromptBlocks;
+use crate::latency::{Features, Prediction};
 
 impl Scheduler {
     /// How this pick counts waits behind pending prefills, with `idle_ranks`
@@ -44,6 +47,7 @@ impl Scheduler {
             side,
             wait: self.pending_wait(idle_ranks),
             adapter,
+            latency: Default::default(),
         }
     }
 
@@ -97,6 +101,55 @@ impl Scheduler {
             total += *term;
         }
         total
+    }
+
+    /// What the predicted term reads about `req` (the default when latency
+    /// is not learned): the prompt of `load_blocks`, its expected output and
+    /// objectives, and whether the pool prior is warm now.
+    pub(super) fn latency_ask(
+        &self,
+        req: &PickRequest<'_>,
+        prompt: &PromptBlocks,
+        load_blocks: u64,
+    ) -> LatencyAsk {
+        let Some(l) = &self.latency else {
+            return LatencyAsk::default();
+        };
+        let per_block = prompt.tokens_per_block.max(1) as u64;
+        LatencyAsk {
+            warm: l.is_warm(),
+            prompt_tokens: load_blocks.saturating_mul(per_block),
+            tokens_per_block: per_block,
+            max_tokens: req
+                .body
+                .and_then(|b| b.nvext.agent_hints.as_ref())
+                .and_then(|h| h.osl),
+            slo: req.slo,
+        }
+    }
+
+    /// Candidate `c` left `new_blocks` to prefill as the latency model reads it.
+    pub(super) fn latency_features(
+        &self,
+        c: &Cand<'_>,
+        new_blocks: usize,
+        req: &RequestCost,
+        now: i64,
+    ) -> Features {
+        predicted::features(&self.inputs(c, new_blocks, now), req)
+    }
+
+    /// The predicted latency of `req` on `c` left `new_blocks` to prefill,
+    /// when latency is learned and the pool prior is warm.
+    pub(super) fn prediction(
+        &self,
+        c: &Cand<'_>,
+        new_blocks: usize,
+        req: &RequestCost,
+        now: i64,
+    ) -> Option<Prediction> {
+        let l = self.latency.as_ref()?;
+        l.predict(&c.key, &self.latency_features(c, new_blocks, req, now))
     }
 
     /// A buffer for [`Scheduler::cost_into`]: one slot per scorer of `plugins`.

@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::endpoints::{ActiveLoad, Endpoint, EndpointState, InFlightGuard, WorkerKey};
+use crate::latency::Features;
 use crate::request::InferenceRequest;
 use crate::sessions::SessionTurn;
 
@@ -32,6 +33,17 @@ pub struct PickRequest<'a> {
     pub session_id: Option<&'a str>,
     /// Signed session token from an earlier response.
     pub session_token: Option<&'a str>,
+    /// Latency objectives the request carries (`x-slo-ttft-ms`, `x-slo-tpot-ms`).
+    pub slo: Slo,
+}
+
+/// A request's latency objectives; they count only where latency is predicted.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Slo {
+    /// Time to first token, in seconds.
+    pub ttft: Option<f64>,
+    /// Time per output token, in seconds.
+    pub tpot: Option<f64>,
 }
 
 /// One chosen (worker, rank).
@@ -92,6 +104,9 @@ pub struct Decision {
     /// Expected output blocks (`agent_hints.osl` or the default) added to the
     /// decode rank's load on top of `load_blocks`.
     pub decode_blocks: u64,
+    /// The decode target's figures at decision time, for the latency model to
+    /// learn from: set for a streamed request picked in predicted mode.
+    pub latency_features: Option<Features>,
     /// Set once the booked uncached blocks are released (at
     /// [`Scheduler::prefill_done`](super::Scheduler::prefill_done) or at the end).
     pub(super) prefilled: Prefilled,

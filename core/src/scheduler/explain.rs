@@ -18,6 +18,7 @@ use super::pick::{Observer, Scoring};
 use super::terms::{CostTerms, LoadSource};
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
+use crate::latency::Prediction;
 
 /// One (endpoint, rank) as the pick sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,6 +41,9 @@ pub struct CandidateScore {
     pub load_source: LoadSource,
     /// The cost, term by term.
     pub terms: CostTerms,
+    /// Its predicted latency there (with the worker's recent prediction
+    /// error), when latency is learned and warm.
+    pub prediction: Option<Prediction>,
     /// The session is bound to it.
     pub session_pinned: bool,
     /// The pick would take it (one decode, at most one prefill).
@@ -65,7 +69,7 @@ struct Recorder {
     scrape_max_age: std::time::Duration,
     /// Terms of each scored (endpoint, rank), by the endpoint's address in
     /// memory and the rank.
-    scored: HashMap<(usize, u32), CostTerms>,
+    scored: HashMap<(usize, u32), (CostTerms, Option<Prediction>)>,
     /// Every (endpoint, rank) of the snapshot, decode ones first.
     candidates: Vec<CandidateScore>,
 }
@@ -73,8 +77,14 @@ struct Recorder {
 impl Observer for Recorder {
     const EXPLAINS: bool = true;
 
-    fn scored(&mut self, c: &Cand<'_>, _overlap: usize, terms: CostTerms) {
-        self.scored.insert(slot(c), terms);
+    fn scored(
+        &mut self,
+        c: &Cand<'_>,
+        _overlap: usize,
+        terms: CostTerms,
+        prediction: Option<Prediction>,
+    ) {
+        self.scored.insert(slot(c), (terms, prediction));
     }
 
     fn chosen(
@@ -100,6 +110,7 @@ impl Observer for Recorder {
                     false => (is(prefill), pinned.1 && is(prefill)),
                 };
                 let (overlap_blocks, overlap_guessed) = at.held(&c);
+                let (terms, prediction) = self.scored.remove(&slot(&c)).unwrap_or_default();
                 self.candidates.push(CandidateScore {
                     key: c.key,
                     address: address.clone(),
@@ -108,7 +119,8 @@ impl Observer for Recorder {
                     overlap_blocks,
                     overlap_guessed,
                     load_source: LoadSource::of(&ep.load_view_at(at.now(), self.scrape_max_age)),
-                    terms: self.scored.remove(&slot(&c)).unwrap_or_default(),
+                    terms,
+                    prediction,
                     session_pinned,
                     chosen,
                 });

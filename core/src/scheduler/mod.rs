@@ -14,8 +14,10 @@
 //! 3. lookup: the prefix index says which workers hold how many leading blocks;
 //! 4. score: a cost per candidate, the sum of the cost terms ([`terms`]; see
 //!    [`TermWeights`] and `docs/scheduling.md`), then the picker's choice
-//!    ([`pickers`]): argmin with a random tie-break, or softmax sampling with a
-//!    temperature. The argmin reads the prompt's holders first and skips every
+//!    ([`pickers`]): argmin with a random tie-break (while no state is shared
+//!    with peer replicas, the near-best candidate all replicas agree on, see
+//!    `agreement.rs`), or softmax sampling with a temperature. The argmin
+//!    reads the prompt's holders first and skips every
 //!    candidate whose least possible cost (the sum of the terms' lower bounds)
 //!    is no lower than the best found (see `pick.rs`), so in a large pool it
 //!    seldom reads every endpoint.
@@ -31,6 +33,7 @@
 //! and its size added to their active load until [`Scheduler::finish`] (the
 //! part left to prefill until [`Scheduler::prefill_done`]).
 
+mod agreement;
 mod candidates;
 mod cost;
 mod decision;
@@ -53,7 +56,8 @@ pub mod terms;
 mod tests;
 mod weights;
 
-pub use decision::{Decision, PickError, PickRequest, Target};
+pub use agreement::{AGREEMENT_BLOCKS, AGREEMENT_MARGIN};
+pub use decision::{Decision, PickError, PickRequest, Slo, Target};
 pub use explain::{CandidateScore, Explanation};
 pub use plugins::{default_picker, Plugins};
 pub use stats::{
@@ -65,7 +69,7 @@ pub use weights::{TermWeight, TermWeights};
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -73,6 +77,7 @@ use crate::endpoints::{ActiveLoad, Snapshot, WorkerKey};
 use crate::health::{HealthConfig, Outcome};
 use crate::kv::hash::{self, DEFAULT_BYTE_BLOCK, DEFAULT_TOKEN_BLOCK};
 use crate::kv::index::{IndexConfig, PrefixIndex};
+use crate::latency::{LatencyConfig, Learner};
 use crate::replica::ReplicaSink;
 use crate::request::InferenceRequest;
 use crate::sessions::{SessionConfig, SessionStore};
@@ -139,6 +144,19 @@ pub struct SchedulerConfig {
     /// this many less one fallbacks (distinct addresses) for the gateway's
     /// retries. A picker's `maxNumOfEndpoints` overrides it.
     pub max_endpoints: usize,
+    /// What a candidate's cost is in.
+    pub scoring: ScoringMode,
+}
+
+/// What a candidate's cost is in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ScoringMode {
+    /// KV blocks of work, from the weighted terms.
+    #[default]
+    Heuristic,
+    /// Predicted seconds, from latency models learned online
+    /// ([`terms::predicted`]); the heuristic while they are cold.
+    Predicted,
 }
 
 impl SchedulerConfig {
@@ -172,6 +190,7 @@ impl Default for SchedulerConfig {
             sglang_bootstrap_port: Some(DEFAULT_SGLANG_BOOTSTRAP_PORT),
             health: HealthConfig::default(),
             max_endpoints: 1,
+            scoring: ScoringMode::Heuristic,
         }
     }
 }
@@ -217,6 +236,10 @@ pub struct Scheduler {
     tie_breaks: AtomicU64,
     /// Where decisions' effects go for peer replicas (unset: a single replica).
     replica: OnceLock<Arc<dyn ReplicaSink>>,
+    /// Whether routing state is shared with peers right now (see `agreement.rs`).
+    shared_state: AtomicBool,
+    /// The learned latency models (`--scoring predicted` only).
+    latency: Option<Arc<Learner>>,
 }
 
 impl Default for Scheduler {
@@ -228,7 +251,17 @@ impl Default for Scheduler {
 impl Scheduler {
     /// A scheduler with `config`.
     pub fn new(config: SchedulerConfig) -> Self {
+        let mut plugins = config.plugins.clone();
+        let latency = match config.scoring {
+            ScoringMode::Heuristic => None,
+            ScoringMode::Predicted => {
+                let learner = Arc::new(Learner::new(LatencyConfig::default()));
+                plugins = plugins.predicted(Arc::clone(&learner));
+                Some(learner)
+            }
+        };
         Scheduler {
+            latency,
             index: Arc::new(PrefixIndex::new(config.index)),
             provisional: provisional::Guesses::new(
                 config.index,
@@ -242,8 +275,9 @@ impl Scheduler {
             }),
             stats: SchedulerStats::default(),
             tie_breaks: AtomicU64::new(0),
-            live: live::Live::new(config.plugins.clone()),
+            live: live::Live::new(plugins),
             replica: OnceLock::new(),
+            shared_state: AtomicBool::new(true),
             config,
         }
     }
@@ -268,6 +302,12 @@ impl Scheduler {
         &self.config
     }
 
+    /// The learned latency models, in predicted mode: the request flow
+    /// feeds them ([`crate::flow::FlowContext::observed_by`]).
+    pub fn latency(&self) -> Option<&Arc<Learner>> {
+        self.latency.as_ref()
+    }
+
     /// The filters, terms and picker picks run now, with their decision
     /// cost sums.
     pub fn plugins(&self) -> Arc<live::LivePlugins> {
@@ -276,8 +316,12 @@ impl Scheduler {
 
     /// Makes `plugins` what later picks run (a reloaded
     /// `EndpointPickerConfig`); picks under way finish on the old list.
+    /// In predicted mode the new list predicts with the same learner.
     pub fn set_plugins(&self, plugins: Plugins) {
-        self.live.swap(plugins);
+        self.live.swap(match &self.latency {
+            Some(learner) => plugins.predicted(Arc::clone(learner)),
+            None => plugins,
+        });
     }
 
     /// Endpoints a decision under `plugins` names: the decode target and its
@@ -490,6 +534,9 @@ impl Scheduler {
             if !live.contains(&w) {
                 self.provisional.clear_worker(w);
             }
+        }
+        if let Some(l) = &self.latency {
+            l.retain(|w| live.contains(w));
         }
         reaped
     }

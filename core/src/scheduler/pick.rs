@@ -17,10 +17,12 @@ use super::candidates::{Cand, Pool};
 use super::cost::{pick_index, Best, Least, Ranked, TermCosts};
 use super::overlap::PromptOverlaps;
 use super::pickers::Choice;
+use super::terms::predicted::LatencyAsk;
 use super::terms::{CostTerms, RequestCost, Side};
 use super::{Decision, PickError, PickRequest, Plugins, Scheduler, Stage, StageTimer};
 use crate::endpoints::{adapter_id, ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
+use crate::latency::Prediction;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
 use crate::time::Epoch;
@@ -109,8 +111,12 @@ impl Scheduler {
             prompt: &prompt,
             size: load_blocks,
             adapter: req.body.map(|b| adapter_id(&b.model)),
+            latency: self.latency_ask(req, &prompt, load_blocks),
             now: tick,
         };
+        if let (Some(l), false) = (&self.latency, O::EXPLAINS || scoring.latency.warm) {
+            l.count_fallback();
+        }
 
         let (d, d_terms, fallbacks, overlap, p) = {
             let _t = self.timer::<O>(Stage::Score);
@@ -174,7 +180,16 @@ impl Scheduler {
             })
         });
         let bootstrap_room = bootstrap_port.map(|_| rand::rng().random::<u64>() >> 1);
+        // What the latency model learns from, read before this request books.
+        let latency_features = match (&self.latency, req.body) {
+            (Some(_), Some(b)) if b.stream && !O::EXPLAINS => {
+                let req = scoring.request_cost(self, Side::Decode);
+                Some(self.latency_features(&d, prompt.uncached(overlap), &req, tick))
+            }
+            _ => None,
+        };
         let mut decision = Decision {
+            latency_features,
             decode: d.target(),
             fallbacks: fallbacks.iter().map(Cand::target).collect(),
             prefill: prefill_target,
@@ -324,6 +339,8 @@ impl Scheduler {
     /// The least costly candidate for `side`, uniform among equal costs, or
     /// sampled by cost as the picker says; `None` when there is none. An
     /// explaining pick scores every candidate and takes the first least cost.
+    /// While no state is shared with peer replicas, the argmin takes the
+    /// agreed one of the near-best instead (`agreement.rs`).
     ///
     /// Holders of the prompt first, the deepest first: a candidate's cost is at
     /// least [`Scheduler::cost_floor`] of the blocks it holds, so once the least
@@ -346,8 +363,9 @@ impl Scheduler {
             let mut best: Option<(Cand<'s>, f64, bool)> = None;
             for c in at.pool.iter(side) {
                 let (overlap, guessed) = at.held(&c);
-                let terms =
-                    self.cost_terms(at.plugins, &c, at.prompt.uncached(overlap), &req, at.now);
+                let uncached = at.prompt.uncached(overlap);
+                let terms = self.cost_terms(at.plugins, &c, uncached, &req, at.now);
+                let prediction = self.prediction(&c, uncached, &req, at.now);
                 let total = terms.total();
                 let better = |&(_, least, least_guessed): &(Cand<'s>, f64, bool)| {
                     total < least - 1e-9 || (total <= least + 1e-9 && least_guessed && !guessed)
@@ -355,7 +373,7 @@ impl Scheduler {
                 if best.as_ref().is_none_or(better) {
                     best = Some((c, total, guessed));
                 }
-                obs.scored(&c, overlap, terms);
+                obs.scored(&c, overlap, terms, prediction);
             }
             // An explaining pick records no terms.
             return best.map(|(c, _, _)| (c, TermCosts::new()));
@@ -366,6 +384,10 @@ impl Scheduler {
             return cands.get(i).map(|c| (*c, terms[i].clone()));
         }
         let seed = self.tie_break_seed();
+        if let Some(mut agreed) = self.agreement(at.prompt, at.size) {
+            self.prune(at, side, &req, seed, &mut agreed);
+            return agreed.into_best();
+        }
         let mut least = Least::new(seed);
         self.prune(at, side, &req, seed, &mut least);
         least.best.map(|c| (c, least.terms))
@@ -381,10 +403,17 @@ impl Scheduler {
         n: usize,
     ) -> Option<(Cand<'s>, Option<TermCosts>, Vec<Cand<'s>>)> {
         let mut ranked = self.choose_ranked(at, Side::Decode, n);
-        let (d, terms) = match pinned {
-            Some(c) => (c, None),
-            None if ranked.is_empty() => return None,
-            None => {
+        // Without shared state the decode target is the agreed one
+        // (`agreement.rs`); the fallbacks stay the next best.
+        let agreed = match (pinned, self.agreement(at.prompt, at.size)) {
+            (None, Some(_)) => self.choose(at, Side::Decode, &mut Route),
+            _ => None,
+        };
+        let (d, terms) = match (pinned, agreed) {
+            (Some(c), _) => (c, None),
+            (None, Some((c, terms))) => (c, Some(terms)),
+            (None, None) if ranked.is_empty() => return None,
+            (None, None) => {
                 let (c, terms) = ranked.remove(0);
                 (c, Some(terms))
             }
@@ -558,6 +587,8 @@ pub(super) struct Scoring<'s, 'p> {
     size: u64,
     /// The request's `model` as an adapter id.
     adapter: Option<u64>,
+    /// What the predicted term reads.
+    latency: LatencyAsk,
     now: i64,
 }
 
@@ -580,7 +611,10 @@ impl<'s> Scoring<'s, '_> {
 
     /// What the terms of `s` read about this request on `side`.
     fn request_cost(&self, s: &Scheduler, side: Side) -> RequestCost {
-        s.request_cost(side, self.size, self.adapter, self.pool.idle_ranks(side))
+        RequestCost {
+            latency: self.latency,
+            ..s.request_cost(side, self.size, self.adapter, self.pool.idle_ranks(side))
+        }
     }
 
     /// Every candidate of `side` with what `s` charges for sending `req`
@@ -621,8 +655,16 @@ pub(super) trait Observer {
     /// pinned, nothing booked, counted or timed.
     const EXPLAINS: bool;
 
-    /// An explaining pick scored `c`, holding `overlap` leading blocks.
-    fn scored(&mut self, _c: &Cand<'_>, _overlap: usize, _terms: CostTerms) {}
+    /// An explaining pick scored `c`, holding `overlap` leading blocks, with
+    /// its predicted latency when latency is learned and warm.
+    fn scored(
+        &mut self,
+        _c: &Cand<'_>,
+        _overlap: usize,
+        _terms: CostTerms,
+        _prediction: Option<Prediction>,
+    ) {
+    }
 
     /// An explaining pick chose `decode` (and `prefill`); `pinned` says which
     /// of the two the session pinned.

@@ -9,8 +9,10 @@ use super::filters::Filter;
 use super::pickers::{Choice, Picker, PickerDecl};
 use super::plugin::{PluginArgs, PluginError};
 use super::registry;
+use super::terms::predicted::Predicted;
 use super::terms::{Scorer, TermDecl};
 use super::weights::{TermWeight, TermWeights};
+use crate::latency::Learner;
 
 /// Filters, terms and picker of a scheduler.
 #[derive(Debug, Clone)]
@@ -56,6 +58,17 @@ impl Plugins {
             scorers: weights.iter().map(|(t, w)| build_term(t, w)).collect(),
             picker: default_picker(temperature),
         }
+    }
+
+    /// The list with its weighted terms wrapped in one [`Predicted`] term
+    /// reading `learner` (the built-in terms still summed after it).
+    pub fn predicted(mut self, learner: Arc<Learner>) -> Self {
+        let builtin = |name: &str| registry::terms().any(|t| t.builtin() && t.name == name);
+        let (kept, fallback) = self.scorers.into_iter().partition(|s| builtin(s.name()));
+        let mut scorers: Vec<Arc<dyn Scorer>> = vec![Arc::new(Predicted { learner, fallback })];
+        scorers.extend::<Vec<_>>(kept);
+        self.scorers = scorers;
+        self
     }
 
     /// How the picker chooses.

@@ -1,5 +1,5 @@
-//! One KV-event publisher flooding the `kvpick` binary (issue 33's first
-//! finding, as a rerunnable measurement).
+//! One KV-event publisher flooding the `kvpick` binary: the event ingest's memory
+//! bound, as a rerunnable measurement.
 //!
 //! Each run starts the binary in standalone mode over two workers whose
 //! engines publish vLLM KV events over ZMQ on loopback. One publisher sends

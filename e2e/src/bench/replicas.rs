@@ -298,7 +298,7 @@ pub struct ReplicaReport {
     pub cells: Vec<ReplicaCell>,
 }
 
-/// The targets for synced replicas: hit rate ≥ 0.98× and TTFT p50 and
+/// The targets for synced replicas: hit rate ≥ 0.98× and TTFT p50 and
 /// p99 ≤ 1.05× one replica's.
 pub fn meets_target(f: &ReplicaFigures) -> bool {
     f.hit_ratio >= 0.98 && f.p50_ratio <= 1.05 && f.p99_ratio <= 1.05

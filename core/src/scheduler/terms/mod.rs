@@ -29,11 +29,16 @@
 //!   running there (weight 0 by default);
 //! - [`failures::FailedResponses`] (built in, no llm-d type): responses the
 //!   candidate failed since its last success.
+//!
+//! With `--scoring predicted`, [`predicted::Predicted`] wraps the weighted
+//! terms: it costs in predicted seconds once the latency models are warm, and
+//! sums the wrapped terms until then.
 
 pub mod failures;
 pub mod kv_usage;
 pub mod load;
 pub mod lora;
+pub mod predicted;
 pub mod prefix;
 pub mod queue;
 pub mod running;
@@ -252,6 +257,8 @@ pub struct RequestCost {
     /// The request's `model` as an adapter id
     /// ([`adapter_id`](crate::endpoints::adapter_id)); `None` without a body.
     pub adapter: Option<u64>,
+    /// What the predicted term reads (the default outside predicted mode).
+    pub latency: predicted::LatencyAsk,
 }
 
 /// A candidate's cost term by term (name, weighted cost), in summing order.

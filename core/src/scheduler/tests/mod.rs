@@ -13,9 +13,11 @@ pub(super) use crate::fixtures::{
     parse as body, pool, prompt, scrape, scrape_capacity, table, with_body,
 };
 
+mod agreement;
 mod health;
 mod lora;
 mod plugins;
+mod predicted;
 mod prop;
 mod sessions;
 mod wait;
@@ -567,7 +569,7 @@ fn scraped_load_counts_only_while_fresh() {
         s.finish_at(&d, Some(200), now);
     }
     // Once stale, the scrape is suspect: the busy worker does not turn cheap
-    // (a hung or dead pod stops answering scrapes; issue #13).
+    // (a hung or dead pod stops answering scrapes).
     let later = now + Duration::from_secs(6);
     let picked: HashSet<_> = (0..40)
         .map(|_| {

@@ -220,7 +220,7 @@ pub struct MatrixReport {
 const PEERS: [&str; 2] = ["dynamo", "llm-d"];
 
 impl MatrixReport {
-    /// All runs in one table, then the issue's criteria for each kvpick policy.
+    /// All runs in one table, then the routing criteria for each kvpick policy.
     pub fn markdown(&self) -> String {
         let mut rows = Vec::new();
         for r in &self.runs {
@@ -320,7 +320,7 @@ impl MatrixReport {
                 ]);
             }
         }
-        out.push_str("\nCriteria of issue 17 (peers: ");
+        out.push_str("\nCriteria (peers: ");
         out.push_str(&PEERS.join(", "));
         out.push_str(", where present)\n\n");
         out.push_str(&markdown_table(

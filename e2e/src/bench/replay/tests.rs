@@ -356,7 +356,7 @@ fn low_reuse(chats: usize) -> Vec<TraceRequest> {
         .unwrap()
 }
 
-/// Short chats with little reuse (issue #31): kvpick balances the load as
+/// Short chats with little reuse: kvpick balances the load as
 /// well as fewest-in-flight, its TTFT p50 and p99 at most 1.05× that policy's
 /// at three loads on 4 and on 8 workers. Prints the figures
 /// (`cargo test -p e2e --lib low_reuse -- --nocapture`).

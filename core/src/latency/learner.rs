@@ -1,0 +1,216 @@
+//! The latency models as a running server shares them: a [`Learner`] holds one
+//! [`LatencyModels`] per pool behind a read-write lock, follows each routed
+//! request through the flow ([`FlowObserver`]) and learns from it when it ends.
+//!
+//! Only requests whose decision carries [`Features`] (streamed ones, picked in
+//! predicted mode) are followed. Invariants: at most [`MAX_FOLLOWED`] requests
+//! are followed at once (past it a new one is not learned from); a request
+//! leaves the followed set at its end, whatever the end; the models' lock is
+//! taken for reading per prediction and for writing once per learned request.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLock};
+
+use super::{
+    Ended, Features, LatencyConfig, LatencyModels, Prediction, Rejected, Timeline, WorkerSnapshot,
+};
+use crate::flow::{FlowEnd, FlowId, FlowObserver};
+use crate::keys::WorkerKey;
+use crate::scheduler::Decision;
+
+/// Most requests followed at once.
+pub const MAX_FOLLOWED: usize = 65_536;
+/// Shards of the followed set (by flow id), so chunks of different requests
+/// seldom wait on one another.
+const SHARDS: usize = 16;
+
+/// Upper bounds of the prediction error histogram buckets (|error| / actual TTFT).
+pub const ERROR_BUCKETS: [f64; 8] = [0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0];
+
+/// One followed request.
+#[derive(Debug, Clone, Copy)]
+struct Followed {
+    worker: WorkerKey,
+    features: Features,
+    timeline: Timeline,
+}
+
+/// The pool's latency models, fed by the flows it observes.
+#[derive(Debug)]
+pub struct Learner {
+    models: RwLock<LatencyModels<WorkerKey>>,
+    followed: [Mutex<HashMap<FlowId, Followed>>; SHARDS],
+    errors: [AtomicU64; ERROR_BUCKETS.len() + 1],
+    /// Sum of the recorded errors, in millionths.
+    error_sum_micros: AtomicU64,
+    /// Decisions made while the pool prior was cold (scored by the heuristic).
+    fallbacks: AtomicU64,
+}
+
+impl Learner {
+    /// No observations yet.
+    pub fn new(config: LatencyConfig) -> Self {
+        Learner {
+            models: RwLock::new(LatencyModels::new(config)),
+            followed: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+            errors: Default::default(),
+            error_sum_micros: AtomicU64::new(0),
+            fallbacks: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether the pool prior has seen enough to predict with; while it has
+    /// not, picks use the heuristic cost.
+    pub fn is_warm(&self) -> bool {
+        let m = self.models.read();
+        m.prior().observations() >= m.config().warm_observations
+    }
+
+    /// The prediction for `features` on `worker`: its own model once warm,
+    /// else the pool prior; `None` while the pool prior is cold.
+    pub fn predict(&self, worker: &WorkerKey, features: &Features) -> Option<Prediction> {
+        let m = self.models.read();
+        if m.prior().observations() < m.config().warm_observations {
+            return None;
+        }
+        Some(match m.is_warm(worker) {
+            true => m.predict(worker, features),
+            false => Prediction {
+                observations: m.observations(worker),
+                recent_error: m.worker(worker).map_or(0.0, |w| w.recent_error()),
+                ..m.prior().predict(features)
+            },
+        })
+    }
+
+    /// Learns one request on `worker` directly (a simulator, a test).
+    pub fn learn(&self, worker: WorkerKey, features: &Features, seen: &super::Observed) {
+        if let Some(err) = self.predict(&worker, features).map(|p| {
+            let actual = seen.ttft.as_secs_f64();
+            (p.ttft - actual).abs() / actual
+        }) {
+            self.record_error(err);
+        }
+        // A refused observation changes nothing; there is nothing to tell.
+        let _ = self.models.write().observe(worker, features, seen);
+    }
+
+    /// Counts a decision scored by the heuristic while the pool prior was cold.
+    pub fn count_fallback(&self) {
+        self.fallbacks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Decisions scored by the heuristic because the pool prior was cold.
+    pub fn fallbacks(&self) -> u64 {
+        self.fallbacks.load(Ordering::Relaxed)
+    }
+
+    /// The prediction error histogram: (upper bound, count in that bucket
+    /// alone) per bucket, the last bound `f64::MAX`; the sum of the errors.
+    pub fn errors(&self) -> (Vec<(f64, u64)>, f64) {
+        let buckets = ERROR_BUCKETS
+            .iter()
+            .copied()
+            .chain([f64::MAX])
+            .zip(&self.errors)
+            .map(|(b, c)| (b, c.load(Ordering::Relaxed)))
+            .collect();
+        let sum = self.error_sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        (buckets, sum)
+    }
+
+    /// Adopts a peer's model of `worker` when it rests on more observations.
+    pub fn restore(&self, worker: WorkerKey, snapshot: &WorkerSnapshot) -> Result<(), Rejected> {
+        self.models.write().restore(worker, snapshot)
+    }
+
+    /// Adopts a peer's pool prior when it rests on more observations.
+    pub fn restore_prior(&self, snapshot: &WorkerSnapshot) -> Result<(), Rejected> {
+        self.models.write().restore_prior(snapshot)
+    }
+
+    /// Keeps only the models of workers `live` accepts.
+    pub fn retain(&self, live: impl FnMut(&WorkerKey) -> bool) {
+        self.models.write().retain(live);
+    }
+
+    /// Workers with a model of their own.
+    pub fn workers(&self) -> usize {
+        self.models.read().len()
+    }
+
+    /// Requests followed now.
+    pub fn following(&self) -> usize {
+        self.followed.iter().map(|s| s.lock().len()).sum()
+    }
+
+    fn record_error(&self, err: f64) {
+        if !err.is_finite() {
+            return;
+        }
+        let i = ERROR_BUCKETS
+            .iter()
+            .position(|b| err <= *b)
+            .unwrap_or(ERROR_BUCKETS.len());
+        self.errors[i].fetch_add(1, Ordering::Relaxed);
+        self.error_sum_micros
+            .fetch_add((err.min(1e6) * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    fn shard(&self, flow: FlowId) -> &Mutex<HashMap<FlowId, Followed>> {
+        &self.followed[flow.0 as usize % SHARDS]
+    }
+}
+
+impl FlowObserver for Learner {
+    fn routed(&self, flow: FlowId, decision: &Decision, at: Instant) {
+        let mut shard = self.shard(flow).lock();
+        let Some(features) = decision.latency_features else {
+            // A replaced decision that no longer teaches stops being followed.
+            shard.remove(&flow);
+            return;
+        };
+        if shard.len() >= MAX_FOLLOWED / SHARDS && !shard.contains_key(&flow) {
+            return;
+        }
+        shard.insert(
+            flow,
+            Followed {
+                worker: decision.decode.key(),
+                features,
+                timeline: Timeline::new(at),
+            },
+        );
+    }
+
+    fn first_chunk(&self, flow: FlowId, decision: &Decision, at: Instant, bytes: usize) {
+        if let Some(f) = self.shard(flow).lock().get_mut(&flow) {
+            // The gateway may have served it from a fallback.
+            f.worker = decision.decode.key();
+            f.timeline.chunk(at, bytes);
+        }
+    }
+
+    fn chunk(&self, flow: FlowId, _decision: &Decision, at: Instant, bytes: usize) {
+        if let Some(f) = self.shard(flow).lock().get_mut(&flow) {
+            f.timeline.chunk(at, bytes);
+        }
+    }
+
+    fn ended(&self, flow: FlowId, _decision: &Decision, _at: Instant, end: FlowEnd) {
+        let Some(f) = self.shard(flow).lock().remove(&flow) else {
+            return;
+        };
+        let ended = match end {
+            // A response without a status line still showed its chunks.
+            FlowEnd::Finished { status } => Ended::Status(status.unwrap_or(200)),
+            FlowEnd::Cancelled => Ended::Cancelled,
+        };
+        if let Some(seen) = f.timeline.finish(ended) {
+            self.learn(f.worker, &f.features, &seen);
+        }
+    }
+}

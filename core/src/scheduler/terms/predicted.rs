@@ -1,0 +1,144 @@
+//! `predicted`: the cost of a candidate in seconds, from the learned latency
+//! models ([`crate::latency`]), for `--scoring predicted`.
+//!
+//! A decode candidate costs its predicted time to first token there (the
+//! prefix it holds enters as the uncached tokens it saves), plus the delay this
+//! prefill adds to the requests queued there, plus the predicted decode
+//! slowdown there times the tokens the request is expected to decode. A
+//! request with latency objectives ([`Slo`]) pays [`SLO_MISS`] plus the
+//! overshoot on a candidate predicted to miss one, so any candidate predicted
+//! to meet them wins over it. A worker with too few observations is predicted
+//! by the pool prior; while the pool prior itself is cold (and on prefill
+//! candidates, whose first token the gateway never sees) the wrapped heuristic
+//! terms decide, summed as they would be.
+//!
+//! Invariants: the cost is finite and never negative in either mode (the
+//! models' coefficients are non-negative); the lower bound is 0 whenever every
+//! wrapped term has a bound, which holds in both modes.
+
+use std::sync::Arc;
+
+use super::{Candidate, RequestCost, Scorer, Side};
+use crate::latency::features::{MAX_PROMPT_TOKENS, MAX_REQUESTS};
+use crate::latency::{Features, Learner, Prediction};
+use crate::scheduler::Slo;
+
+/// Seconds a candidate predicted to miss a latency objective pays on top of
+/// its overshoot: more than any latency the pick could save elsewhere.
+pub const SLO_MISS: f64 = 1000.0;
+
+/// Output tokens the decode slowdown counts for a request that does not say
+/// how many it expects.
+pub const DEFAULT_DECODE_TOKENS: u32 = 64;
+
+/// What the predicted term reads about the request, once per pick.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct LatencyAsk {
+    /// The pool prior was warm when the pick began: predictions decide.
+    pub warm: bool,
+    /// Prompt tokens (the booked blocks at their tokens each).
+    pub prompt_tokens: u64,
+    /// Tokens one prompt block holds.
+    pub tokens_per_block: u64,
+    /// Output tokens the request expects, when it says.
+    pub max_tokens: Option<u32>,
+    /// Its latency objectives.
+    pub slo: Slo,
+}
+
+/// The predicted-latency cost term, wrapping the heuristic terms it falls
+/// back on.
+#[derive(Debug, Clone)]
+pub struct Predicted {
+    /// The pool's latency models.
+    pub learner: Arc<Learner>,
+    /// The heuristic terms, summed while predictions are cold.
+    pub fallback: Vec<Arc<dyn Scorer>>,
+}
+
+impl Predicted {
+    /// The prediction for `c`, when predictions decide its cost.
+    pub fn predict(&self, c: &Candidate<'_>, req: &RequestCost) -> Option<Prediction> {
+        if !req.latency.warm || req.side == Side::Prefill {
+            return None;
+        }
+        self.learner
+            .predict(&c.endpoint.key(c.rank), &features(c, req))
+    }
+}
+
+impl Scorer for Predicted {
+    fn name(&self) -> &'static str {
+        "predicted"
+    }
+
+    fn cost(&self, c: &Candidate<'_>, req: &RequestCost) -> f64 {
+        match self.predict(c, req) {
+            Some(p) => seconds(&p, &req.latency),
+            None => self.fallback.iter().map(|s| s.cost(c, req)).sum(),
+        }
+    }
+
+    fn lower_bound(&self, new_blocks: usize, req: &RequestCost) -> Option<f64> {
+        // Either mode costs at least 0: the heuristic's bound (non-negative
+        // when it exists) or a prediction's non-negative seconds.
+        let mut floor = 0.0_f64;
+        for s in &self.fallback {
+            floor += s.lower_bound(new_blocks, req)?;
+        }
+        Some(floor.min(0.0))
+    }
+}
+
+/// A prediction as a cost in seconds (see the module doc).
+pub fn seconds(p: &Prediction, ask: &LatencyAsk) -> f64 {
+    let decode_tokens = f64::from(ask.max_tokens.unwrap_or(DEFAULT_DECODE_TOKENS));
+    let mut cost = p.ttft + p.queued_delay + decode_tokens * p.decode_slowdown;
+    if let Some(slo) = ask.slo.ttft {
+        if p.ttft > slo {
+            cost += SLO_MISS + (p.ttft - slo);
+        }
+    }
+    if let Some(slo) = ask.slo.tpot {
+        if p.tpot > slo {
+            cost += SLO_MISS + (p.tpot - slo) * decode_tokens;
+        }
+    }
+    if cost.is_finite() {
+        cost.max(0.0)
+    } else {
+        SLO_MISS * 2.0
+    }
+}
+
+/// The request on candidate `c` as the latency model reads it.
+pub fn features(c: &Candidate<'_>, req: &RequestCost) -> Features {
+    let ask = &req.latency;
+    let per_block = ask.tokens_per_block.max(1);
+    let prompt_tokens = ask.prompt_tokens.clamp(1, MAX_PROMPT_TOKENS);
+    let scraped = c.scraped();
+    let ranks = c.ranks().max(1.0);
+    let count = |v: f64| match v.is_finite() {
+        true => (v / ranks).clamp(0.0, MAX_REQUESTS),
+        false => 0.0,
+    };
+    Features {
+        prompt_tokens,
+        uncached_tokens: (c.new_blocks as u64)
+            .saturating_mul(per_block)
+            .min(prompt_tokens),
+        waiting: scraped.map_or(0.0, |s| count(s.queue)),
+        running: scraped.map_or(0.0, |s| count(s.running)),
+        kv_usage: scraped
+            .map(|s| s.kv_usage)
+            .filter(|u| u.is_finite())
+            .map_or(0.0, |u| u.clamp(0.0, 1.0)),
+        pending_prefill_tokens: c
+            .booked
+            .uncached
+            .saturating_mul(per_block)
+            .min(MAX_PROMPT_TOKENS * 1024),
+        in_flight: c.endpoint.in_flight(c.rank),
+        max_tokens: ask.max_tokens,
+    }
+}

@@ -1,0 +1,169 @@
+//! `--scoring predicted`: the heuristic decides while the pool prior is cold,
+//! a cold worker is predicted by the prior, and latency objectives place a
+//! request on a worker predicted to meet them.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{both, prompt, scrape, with_body};
+use crate::latency::{Features, Learner, Observed, WorkerModel};
+use crate::scheduler::*;
+
+fn predicted() -> Scheduler {
+    Scheduler::new(SchedulerConfig {
+        scoring: ScoringMode::Predicted,
+        tie_break_seed: Some(7),
+        ..Default::default()
+    })
+}
+
+/// A model with these coefficients, as if fitted on 100 observations.
+fn fitted(ttft: [f64; 5], tpot: [f64; 4]) -> crate::latency::WorkerSnapshot {
+    let mut s = WorkerModel::new(ttft, tpot, 1.0).to_snapshot();
+    s.observations = 100;
+    s
+}
+
+fn learner(s: &Scheduler) -> &Arc<Learner> {
+    s.latency().expect("predicted mode learns latency")
+}
+
+#[test]
+fn a_cold_pool_prior_leaves_the_pick_to_the_heuristic_and_counts_it() {
+    let now = Instant::now();
+    let loaded = || {
+        let table = both(3);
+        let snap = table.snapshot();
+        scrape(&snap.endpoints[0], 4.0, 8.0, 0.9, now);
+        scrape(&snap.endpoints[1], 0.0, 1.0, 0.1, now);
+        scrape(&snap.endpoints[2], 1.0, 3.0, 0.5, now);
+        table
+    };
+    let body = prompt(&"a".repeat(4096));
+    let heuristic = Scheduler::new(SchedulerConfig {
+        tie_break_seed: Some(7),
+        ..Default::default()
+    });
+    let s = predicted();
+    assert!(!learner(&s).is_warm());
+    let (want, want_terms) = heuristic
+        .pick_with_terms(&with_body(&body), &loaded().snapshot(), now)
+        .unwrap();
+    let (got, got_terms) = s
+        .pick_with_terms(&with_body(&body), &loaded().snapshot(), now)
+        .unwrap();
+    assert_eq!(got.decode.key(), want.decode.key());
+    assert!((got_terms.total() - want_terms.total()).abs() < 1e-9);
+    assert!((got_terms.get("predicted") - want_terms.total()).abs() < 1e-9);
+    assert_eq!(learner(&s).fallbacks(), 1);
+    assert!(
+        got.latency_features.is_none(),
+        "not streamed: nothing to learn"
+    );
+}
+
+#[test]
+fn a_cold_worker_is_predicted_by_the_warm_pool_prior() {
+    let s = predicted();
+    let l = learner(&s);
+    let table = both(2);
+    let snap = table.snapshot();
+    let (a, b) = (snap.endpoints[0].key(0), snap.endpoints[1].key(0));
+    let f = Features {
+        prompt_tokens: 2048,
+        uncached_tokens: 2048,
+        ..Features::default()
+    };
+    let seen = Observed::from_secs(0.4, Some(0.02)).unwrap();
+    for _ in 0..40 {
+        l.learn(a, &f, &seen);
+    }
+    assert!(l.is_warm());
+    let slow = Observed::from_secs(2.0, Some(0.1)).unwrap();
+    for _ in 0..5 {
+        l.learn(b, &f, &slow);
+    }
+    assert_eq!(l.predict(&b, &f).unwrap().observations, 5);
+    l.restore_prior(&fitted([0.9, 0.0, 0.0, 0.0, 0.0], [0.05, 0.0, 0.0, 0.0]))
+        .unwrap();
+    let from_prior = l.predict(&b, &f).unwrap();
+    assert!((from_prior.ttft - 0.9).abs() < 1e-9, "{from_prior:?}");
+    let own = l.predict(&a, &f).unwrap();
+    assert!((own.ttft - 0.4).abs() < 0.05, "{own:?}");
+}
+
+/// Worker 1 starts fast but slows the requests running there; worker 2 is
+/// slow to start and idle.
+fn slo_pool(s: &Scheduler) -> (crate::endpoints::EndpointTable, Instant) {
+    let table = both(2);
+    let snap = table.snapshot();
+    let now = Instant::now();
+    let l = learner(s);
+    l.restore_prior(&fitted([0.05, 0.1, 0.0, 0.0, 0.0], [0.01, 0.0, 0.0, 0.0]))
+        .unwrap();
+    let (fast, slow) = (snap.endpoints[0].key(0), snap.endpoints[1].key(0));
+    l.restore(
+        fast,
+        &fitted([0.05, 0.05, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]),
+    )
+    .unwrap();
+    l.restore(
+        slow,
+        &fitted([0.1, 0.2, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]),
+    )
+    .unwrap();
+    scrape(&snap.endpoints[0], 0.0, 4.0, 0.2, now);
+    scrape(&snap.endpoints[1], 0.0, 0.0, 0.0, now);
+    (table, now)
+}
+
+#[test]
+fn a_ttft_objective_places_the_request_on_a_worker_predicted_to_meet_it() {
+    let s = predicted();
+    let (table, now) = slo_pool(&s);
+    let snap = table.snapshot();
+    // 4,096 bytes: 1,024 tokens, none cached.
+    let body = prompt(&"q".repeat(4096));
+    let plain = s.explain(&with_body(&body), &snap, now).unwrap();
+    let ttft = |e: &Explanation, i: usize| e.candidates[i].prediction.unwrap().ttft;
+    assert!((ttft(&plain, 0) - 0.1).abs() < 1e-6);
+    assert!((ttft(&plain, 1) - 0.3).abs() < 1e-6);
+    assert!(
+        plain.candidates[1].chosen,
+        "without an objective the idle worker costs less"
+    );
+    let with_slo = PickRequest {
+        slo: Slo {
+            ttft: Some(0.2),
+            tpot: None,
+        },
+        ..with_body(&body)
+    };
+    let d = s.pick_at(&with_slo, &snap, now).unwrap();
+    assert_eq!(d.decode.key(), snap.endpoints[0].key(0));
+}
+
+#[test]
+fn objectives_change_nothing_without_predictions() {
+    let s = Scheduler::new(SchedulerConfig {
+        tie_break_seed: Some(7),
+        ..Default::default()
+    });
+    let table = both(2);
+    let snap = table.snapshot();
+    let now = Instant::now();
+    scrape(&snap.endpoints[0], 0.0, 4.0, 0.2, now);
+    scrape(&snap.endpoints[1], 0.0, 0.0, 0.0, now);
+    let body = prompt(&"q".repeat(4096));
+    let plain = s.explain(&with_body(&body), &snap, now).unwrap();
+    let with_slo = PickRequest {
+        slo: Slo {
+            ttft: Some(0.001),
+            tpot: Some(0.001),
+        },
+        ..with_body(&body)
+    };
+    let slo = s.explain(&with_slo, &snap, now).unwrap();
+    assert_eq!(plain, slo);
+    assert!(slo.candidates.iter().all(|c| c.prediction.is_none()));
+}
