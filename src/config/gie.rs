@@ -62,7 +62,10 @@ pub struct GieFlags {
     #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub zap_devel: Option<bool>,
     /// Honoured: an `EndpointPickerConfig` file (llm-d Router / GIE); the
-    /// scorers kvpick has an equivalent for set its cost weights.
+    /// scorers kvpick has an equivalent for set its cost weights. Watched
+    /// while serving: a valid edit applies within a second, an invalid one is
+    /// logged and ignored. Flags given on the command line keep precedence
+    /// (the file's weights scale the `--weight-*` flags).
     #[arg(long, hide = true, env = "KVPICK_CONFIG_FILE")]
     pub config_file: Option<PathBuf>,
     /// Honoured: the same as `--config-file`, inline.

@@ -200,6 +200,19 @@ impl Args {
         Ok(Some(mapping))
     }
 
+    /// The `--config-file` to watch while serving, with the flags its text is
+    /// mapped onto (`--config-text` is not watched); `None` without one.
+    pub fn endpoint_picker_config_source(&self) -> Option<crate::scheduler::reload::ConfigSource> {
+        self.gie
+            .config_file
+            .as_ref()
+            .map(|path| crate::scheduler::reload::ConfigSource {
+                path: path.clone(),
+                weights: self.scheduling.weights.0.clone(),
+                temperature: self.scheduling.temperature.max(0.0),
+            })
+    }
+
     /// The scrape interval (`--refresh-metrics-interval` wins over `--scrape-interval-ms`).
     pub fn scrape_interval(&self) -> Duration {
         self.gie

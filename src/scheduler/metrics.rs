@@ -87,7 +87,8 @@ impl Collector for SchedulerMetrics {
             let g = ConstGauge::new(v);
             g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
-        let costs = &s.decision_cost;
+        let live = self.scheduler.plugins();
+        let costs = &live.decision_cost;
         let decisions = ConstCounter::new(costs.decisions());
         decisions.encode(encoder.encode_descriptor(
             "kvpick_decisions",
@@ -102,7 +103,7 @@ impl Collector for SchedulerMetrics {
                 None,
                 MetricType::Counter,
             )?;
-            let scorers = &self.scheduler.plugins().scorers;
+            let scorers = &live.plugins.scorers;
             for (i, scorer) in scorers.iter().enumerate() {
                 ConstCounter::new(costs.sum(i)).encode(family.encode_family(&TermLabels {
                     term: scorer.name(),

@@ -208,6 +208,21 @@ impl App {
         )
     }
 
+    /// Starts polling the `EndpointPickerConfig` file `source`, swapping each
+    /// valid change into the scheduler ([`crate::scheduler::reload`]).
+    pub fn spawn_config_reload(
+        &self,
+        source: crate::scheduler::reload::ConfigSource,
+    ) -> tokio::task::JoinHandle<()> {
+        let metrics = crate::scheduler::reload::ReloadMetrics::register(&self.metrics);
+        tokio::spawn(crate::scheduler::reload::watch(
+            source,
+            Arc::clone(&self.scheduler),
+            metrics,
+            crate::scheduler::reload::RELOAD_POLL_INTERVAL,
+        ))
+    }
+
     /// Runs the scheduler's periodic upkeep (session reaping, index expiry,
     /// forgetting gone workers) every `every`, until the task is dropped.
     pub fn spawn_maintenance(&self, every: Duration) -> tokio::task::JoinHandle<()> {
@@ -589,6 +604,9 @@ pub async fn run_until(
     let _admission = AbortOnDrop(app.spawn_admission());
     log_mm_routing(&args, image_token);
     let _maintenance = AbortOnDrop(app.spawn_maintenance(MAINTENANCE_INTERVAL));
+    let _config_reload = args
+        .endpoint_picker_config_source()
+        .map(|source| AbortOnDrop(app.spawn_config_reload(source)));
     // Dropped on an early return (its ingest thread then ends on its own);
     // shut down and joined after a drain.
     let kv_events = args.kv_events.subscriber().map(|mut c| {

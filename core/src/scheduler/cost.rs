@@ -14,8 +14,7 @@ use smallvec::SmallVec;
 use super::candidates::Cand;
 use super::terms::predicted::{self, LatencyAsk};
 use super::terms::{Candidate, CostTerms, PendingWait, RequestCost, Side};
-use super::PickRequest;
-use super::Scheduler;
+use super::{PickRequest, Plugins, Scheduler};
 use crate::kv::hash::PromptBlocks;
 use crate::latency::{Features, Prediction};
 
@@ -56,9 +55,13 @@ impl Scheduler {
     /// of the terms' lower bounds. `None` when a term has none (a negative
     /// weight), so no floor holds. The pick skips candidates on this bound.
     #[inline]
-    pub(super) fn cost_floor(&self, new_blocks: usize, req: &RequestCost) -> Option<f64> {
+    pub(super) fn cost_floor(
+        plugins: &Plugins,
+        new_blocks: usize,
+        req: &RequestCost,
+    ) -> Option<f64> {
         let mut floor = 0.0;
-        for s in &self.plugins.scorers {
+        for s in &plugins.scorers {
             floor += s.lower_bound(new_blocks, req)?;
         }
         Some(floor)
@@ -78,11 +81,13 @@ impl Scheduler {
     }
 
     /// The cost of sending `req` to candidate `c`, left `new_blocks` to
-    /// prefill there: the sum of the terms, each written into `terms` (one
-    /// slot per scorer, in summing order), so the winner's need no rescoring.
+    /// prefill there: the sum of the terms of `plugins`, each written into
+    /// `terms` (one slot per scorer, in summing order), so the winner's need
+    /// no rescoring.
     #[inline(always)]
     pub(super) fn cost_into(
         &self,
+        plugins: &Plugins,
         c: &Cand<'_>,
         new_blocks: usize,
         req: &RequestCost,
@@ -91,7 +96,7 @@ impl Scheduler {
     ) -> f64 {
         let inputs = self.inputs(c, new_blocks, now);
         let mut total = 0.0;
-        for (s, term) in self.plugins.scorers.iter().zip(terms.iter_mut()) {
+        for (s, term) in plugins.scorers.iter().zip(terms.iter_mut()) {
             *term = s.cost(&inputs, req);
             total += *term;
         }
@@ -147,20 +152,22 @@ impl Scheduler {
         l.predict(&c.key, &self.latency_features(c, new_blocks, req, now))
     }
 
-    /// A buffer for [`Scheduler::cost_into`]: one slot per scorer.
-    pub(super) fn term_buffer(&self) -> TermCosts {
-        SmallVec::from_elem(0.0, self.plugins.scorers.len())
+    /// A buffer for [`Scheduler::cost_into`]: one slot per scorer of `plugins`.
+    pub(super) fn term_buffer(plugins: &Plugins) -> TermCosts {
+        SmallVec::from_elem(0.0, plugins.scorers.len())
     }
 
-    /// Names `costs` (one per scorer, in summing order) as [`CostTerms`].
-    pub(super) fn named_terms(&self, costs: &[f64]) -> CostTerms {
-        let names = self.plugins.scorers.iter().map(|s| s.name());
+    /// Names `costs` (one per scorer of `plugins`, in summing order) as
+    /// [`CostTerms`].
+    pub(super) fn named_terms(plugins: &Plugins, costs: &[f64]) -> CostTerms {
+        let names = plugins.scorers.iter().map(|s| s.name());
         CostTerms(names.zip(costs.iter().copied()).collect())
     }
 
     /// [`Scheduler::cost_into`] as named terms.
     pub(super) fn cost_terms(
         &self,
+        plugins: &Plugins,
         c: &Cand<'_>,
         new_blocks: usize,
         req: &RequestCost,
@@ -168,7 +175,7 @@ impl Scheduler {
     ) -> CostTerms {
         let inputs = self.inputs(c, new_blocks, now);
         CostTerms(
-            self.plugins
+            plugins
                 .scorers
                 .iter()
                 .map(|s| (s.name(), s.cost(&inputs, req)))

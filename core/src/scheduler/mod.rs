@@ -39,6 +39,7 @@ mod cost;
 mod decision;
 mod explain;
 pub mod filters;
+pub mod live;
 mod overlap;
 mod pick;
 pub mod pickers;
@@ -223,8 +224,8 @@ pub const DEFAULT_MAX_REQUEST_LOAD_BLOCKS: u64 = 16_384;
 #[derive(Debug)]
 pub struct Scheduler {
     config: SchedulerConfig,
-    /// What the pick runs.
-    plugins: Plugins,
+    /// What the pick runs, swapped whole by [`Scheduler::set_plugins`].
+    live: live::Live,
     index: Arc<PrefixIndex>,
     /// Prompts routed to precise workers, until their events or their bounds
     /// (see `provisional.rs`).
@@ -237,8 +238,6 @@ pub struct Scheduler {
     replica: OnceLock<Arc<dyn ReplicaSink>>,
     /// Whether routing state is shared with peers right now (see `agreement.rs`).
     shared_state: AtomicBool,
-    /// Endpoints a decision names (the picker's, else the config's; at least 1).
-    max_endpoints: usize,
     /// The learned latency models (`--scoring predicted` only).
     latency: Option<Arc<Learner>>,
 }
@@ -274,14 +273,9 @@ impl Scheduler {
                 max_entries: config.session_max_entries,
                 token_max_lifetime: config.session_token_max_lifetime,
             }),
-            stats: SchedulerStats::new(plugins.scorers.len()),
+            stats: SchedulerStats::default(),
             tie_breaks: AtomicU64::new(0),
-            max_endpoints: plugins
-                .picker
-                .max_endpoints()
-                .unwrap_or(config.max_endpoints)
-                .max(1),
-            plugins,
+            live: live::Live::new(plugins),
             replica: OnceLock::new(),
             shared_state: AtomicBool::new(true),
             config,
@@ -314,14 +308,30 @@ impl Scheduler {
         self.latency.as_ref()
     }
 
-    /// The filters, terms and picker the pick runs.
-    pub fn plugins(&self) -> &Plugins {
-        &self.plugins
+    /// The filters, terms and picker picks run now, with their decision
+    /// cost sums.
+    pub fn plugins(&self) -> Arc<live::LivePlugins> {
+        self.live.load()
     }
 
-    /// Endpoints a decision names: the decode target and its fallbacks.
-    pub fn max_endpoints(&self) -> usize {
-        self.max_endpoints
+    /// Makes `plugins` what later picks run (a reloaded
+    /// `EndpointPickerConfig`); picks under way finish on the old list.
+    /// In predicted mode the new list predicts with the same learner.
+    pub fn set_plugins(&self, plugins: Plugins) {
+        self.live.swap(match &self.latency {
+            Some(learner) => plugins.predicted(Arc::clone(learner)),
+            None => plugins,
+        });
+    }
+
+    /// Endpoints a decision under `plugins` names: the decode target and its
+    /// fallbacks (the picker's count, else the config's; at least 1).
+    pub fn max_endpoints(&self, plugins: &Plugins) -> usize {
+        plugins
+            .picker
+            .max_endpoints()
+            .unwrap_or(self.config.max_endpoints)
+            .max(1)
     }
 
     /// The chained prefix block hashes of a request body (at most

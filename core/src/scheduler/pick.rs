@@ -19,7 +19,7 @@ use super::overlap::PromptOverlaps;
 use super::pickers::Choice;
 use super::terms::predicted::LatencyAsk;
 use super::terms::{CostTerms, RequestCost, Side};
-use super::{Decision, PickError, PickRequest, Scheduler, Stage, StageTimer};
+use super::{Decision, PickError, PickRequest, Plugins, Scheduler, Stage, StageTimer};
 use crate::endpoints::{adapter_id, ActiveLoad, Engine, Snapshot, WorkerKey};
 use crate::kv::hash;
 use crate::latency::Prediction;
@@ -70,7 +70,10 @@ impl Scheduler {
         }
         // Coded once: every per-endpoint time check below compares integers.
         let tick = Epoch::process().encode(now);
-        let pool = Pool::new(req, snapshot, tick, &self.plugins.filters)?;
+        // Loaded once: the whole pick runs on one plugin list.
+        let live = self.plugins();
+        let plugins = &live.plugins;
+        let pool = Pool::new(req, snapshot, tick, &plugins.filters)?;
 
         let (session, pinned, pinned_prefill) = {
             let _t = self.timer::<O>(Stage::Session);
@@ -102,6 +105,7 @@ impl Scheduler {
             self.overlaps(hashes, now)
         };
         let scoring = Scoring {
+            plugins,
             pool: &pool,
             overlaps: overlaps.as_ref(),
             prompt: &prompt,
@@ -116,7 +120,7 @@ impl Scheduler {
 
         let (d, d_terms, fallbacks, overlap, p) = {
             let _t = self.timer::<O>(Stage::Score);
-            let (d, d_terms, fallbacks) = match self.max_endpoints {
+            let (d, d_terms, fallbacks) = match self.max_endpoints(plugins) {
                 n if n > 1 && !O::EXPLAINS => self.choose_with_fallbacks(&scoring, pinned, n),
                 _ => self
                     .choose_unless_pinned(&scoring, Side::Decode, pinned, obs)
@@ -146,12 +150,19 @@ impl Scheduler {
             // which nothing scored, is scored here once.
             let terms = d_terms.unwrap_or_else(|| {
                 let req = scoring.request_cost(self, Side::Decode);
-                let mut terms = self.term_buffer();
-                self.cost_into(&d, prompt.uncached(overlap), &req, tick, &mut terms);
+                let mut terms = Self::term_buffer(plugins);
+                self.cost_into(
+                    plugins,
+                    &d,
+                    prompt.uncached(overlap),
+                    &req,
+                    tick,
+                    &mut terms,
+                );
                 terms
             });
-            self.stats.decision_cost.add(&terms);
-            obs.decode_terms(self, &terms);
+            live.decision_cost.add(&terms);
+            obs.decode_terms(plugins, &terms);
         }
 
         let decode_blocks = req
@@ -353,7 +364,7 @@ impl Scheduler {
             for c in at.pool.iter(side) {
                 let (overlap, guessed) = at.held(&c);
                 let uncached = at.prompt.uncached(overlap);
-                let terms = self.cost_terms(&c, uncached, &req, at.now);
+                let terms = self.cost_terms(at.plugins, &c, uncached, &req, at.now);
                 let prediction = self.prediction(&c, uncached, &req, at.now);
                 let total = terms.total();
                 let better = |&(_, least, least_guessed): &(Cand<'s>, f64, bool)| {
@@ -367,7 +378,7 @@ impl Scheduler {
             // An explaining pick records no terms.
             return best.map(|(c, _, _)| (c, TermCosts::new()));
         }
-        if let Choice::Sample { temperature } = self.plugins.choice() {
+        if let Choice::Sample { temperature } = at.plugins.choice() {
             let (cands, costs, terms) = at.score_all(self, side, &req);
             let i = pick_index(&costs, temperature, &mut rand::rng());
             return cands.get(i).map(|c| (*c, terms[i].clone()));
@@ -426,7 +437,7 @@ impl Scheduler {
         n: usize,
     ) -> Vec<(Cand<'s>, TermCosts)> {
         let req = at.request_cost(self, side);
-        if let Choice::Sample { temperature } = self.plugins.choice() {
+        if let Choice::Sample { temperature } = at.plugins.choice() {
             let (cands, mut costs, terms) = at.score_all(self, side, &req);
             let mut out = Vec::with_capacity(n);
             let mut rng = rand::rng();
@@ -461,11 +472,18 @@ impl Scheduler {
         best: &mut B,
     ) {
         // Each candidate's terms land here; the best copies a winner's.
-        let mut terms = self.term_buffer();
+        let mut terms = Self::term_buffer(at.plugins);
         let cost = |c: &Cand<'_>, overlap: usize, terms: &mut [f64]| {
-            self.cost_into(c, at.prompt.uncached(overlap), req, at.now, terms)
+            self.cost_into(
+                at.plugins,
+                c,
+                at.prompt.uncached(overlap),
+                req,
+                at.now,
+                terms,
+            )
         };
-        let floor = |overlap: usize| self.cost_floor(at.prompt.uncached(overlap), req);
+        let floor = |overlap: usize| Self::cost_floor(at.plugins, at.prompt.uncached(overlap), req);
         let (Some(no_overlap), true) = (floor(0), at.pool.direct()) else {
             // No floor (a negative weight), or a holder's key may name several
             // endpoints: score every candidate.
@@ -558,9 +576,11 @@ impl Scheduler {
     }
 }
 
-/// What scoring one pick reads: its pool, the prompt's overlaps and size, the
-/// pick's instant (coded by [`Epoch::process`]).
+/// What scoring one pick reads: its plugin list, its pool, the prompt's
+/// overlaps and size, the pick's instant (coded by [`Epoch::process`]).
 pub(super) struct Scoring<'s, 'p> {
+    /// The plugin list the pick loaded.
+    pub(super) plugins: &'p Plugins,
     pub(super) pool: &'p Pool<'s, 'p>,
     overlaps: Option<&'p PromptOverlaps>,
     prompt: &'p hash::PromptBlocks,
@@ -611,8 +631,9 @@ impl<'s> Scoring<'s, '_> {
         let costs = cands
             .iter()
             .map(|c| {
-                let mut t = s.term_buffer();
+                let mut t = Scheduler::term_buffer(self.plugins);
                 let total = s.cost_into(
+                    self.plugins,
                     c,
                     self.prompt.uncached(self.overlap(c)),
                     req,
@@ -657,8 +678,8 @@ pub(super) trait Observer {
     }
 
     /// A routing pick's chosen decode rank's cost, term by term in the
-    /// scorers' summing order of `_s`, before its booking.
-    fn decode_terms(&mut self, _s: &Scheduler, _terms: &[f64]) {}
+    /// summing order of `_plugins`' scorers, before its booking.
+    fn decode_terms(&mut self, _plugins: &Plugins, _terms: &[f64]) {}
 }
 
 /// A routing pick: observes nothing.
@@ -677,7 +698,7 @@ struct RouteWithTerms {
 impl Observer for RouteWithTerms {
     const EXPLAINS: bool = false;
 
-    fn decode_terms(&mut self, s: &Scheduler, terms: &[f64]) {
-        self.terms = s.named_terms(terms);
+    fn decode_terms(&mut self, plugins: &Plugins, terms: &[f64]) {
+        self.terms = Scheduler::named_terms(plugins, terms);
     }
 }

@@ -90,7 +90,7 @@ impl LatencyHistogram {
 }
 
 /// Plain counters the scheduler keeps; telemetry renders them.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct SchedulerStats {
     /// Prompt prefix blocks looked up.
     pub blocks_queried: AtomicU64,
@@ -100,8 +100,6 @@ pub struct SchedulerStats {
     pub session_repicks: AtomicU64,
     /// Of those, turns forwarded to the new worker as an `open` (re-homed).
     pub session_rehomes: AtomicU64,
-    /// The chosen decode ranks' cost, term by term.
-    pub decision_cost: CostSums,
     stages: [LatencyHistogram; 4],
 }
 
@@ -155,21 +153,22 @@ impl CostSums {
     pub fn decisions(&self) -> u64 {
         self.decisions.load(Ordering::Relaxed)
     }
+
+    /// Sums for the terms named `to`, each starting at the sum of the term of
+    /// the same name in `from` (these sums' names), and this decision count.
+    pub fn carried_to(&self, from: &[&str], to: &[&str]) -> CostSums {
+        let sums = to.iter().map(|name| {
+            let i = from.iter().position(|n| n == name);
+            AtomicU64::new(i.map_or(0.0, |i| self.sum(i)).to_bits())
+        });
+        CostSums {
+            sums: sums.collect(),
+            decisions: AtomicU64::new(self.decisions()),
+        }
+    }
 }
 
 impl SchedulerStats {
-    /// Zeroed counters of a scheduler summing `terms` cost terms.
-    pub fn new(terms: usize) -> Self {
-        SchedulerStats {
-            blocks_queried: AtomicU64::new(0),
-            blocks_matched: AtomicU64::new(0),
-            session_repicks: AtomicU64::new(0),
-            session_rehomes: AtomicU64::new(0),
-            decision_cost: CostSums::new(terms),
-            stages: Default::default(),
-        }
-    }
-
     /// The latency histogram of one stage.
     pub fn stage(&self, stage: Stage) -> &LatencyHistogram {
         &self.stages[stage as usize]

@@ -133,7 +133,13 @@ mod tests {
     #[test]
     fn the_default_list_sums_it_at_weight_0_and_its_bound_holds() {
         let s = Scheduler::default();
-        let names: Vec<&str> = s.plugins().scorers.iter().map(|x| x.name()).collect();
+        let names: Vec<&str> = s
+            .plugins()
+            .plugins
+            .scorers
+            .iter()
+            .map(|x| x.name())
+            .collect();
         assert!(names.contains(&TERM.name), "{names:?}");
         let t = pool(1, 80);
         let snap = t.snapshot();

@@ -1126,7 +1126,13 @@ fn decision_cost_sums_are_the_chosen_ranks_terms() {
         let snap = t.snapshot();
         let t0 = Instant::now();
         let shared = "a system prompt every request shares ".repeat(40);
-        let names: Vec<&str> = s.plugins().scorers.iter().map(|x| x.name()).collect();
+        let names: Vec<&str> = s
+            .plugins()
+            .plugins
+            .scorers
+            .iter()
+            .map(|x| x.name())
+            .collect();
         let mut expected = vec![0.0; names.len()];
         let mut held = Vec::new();
         let bodies: Vec<InferenceRequest> = (0..6)
@@ -1150,7 +1156,8 @@ fn decision_cost_sums_are_the_chosen_ranks_terms() {
             }
             held.push(d);
         }
-        let costs = &s.stats().decision_cost;
+        let live = s.plugins();
+        let costs = &live.decision_cost;
         assert_eq!(costs.decisions(), bodies.len() as u64);
         assert!(expected.iter().any(|c| *c > 0.0), "{expected:?}");
         for (i, want) in expected.iter().enumerate() {

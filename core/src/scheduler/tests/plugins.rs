@@ -135,21 +135,26 @@ fn a_configured_filter_drops_endpoints_and_explain_gives_its_reason() {
     }
 }
 
+/// The pruned argmin's floor under `s`'s current plugin list.
+fn floor(s: &Scheduler, new_blocks: usize, req: &RequestCost) -> Option<f64> {
+    Scheduler::cost_floor(&s.plugins().plugins, new_blocks, req)
+}
+
 #[test]
 fn the_floor_is_the_sum_of_the_terms_lower_bounds() {
     let s = Scheduler::default();
     let req = s.request_cost(Side::Decode, 10, None, 0);
     // Default weights: prefill 1 per block to prefill, every other term ≥ 0.
-    assert_eq!(s.cost_floor(7, &req), Some(7.0));
+    assert_eq!(floor(&s, 7, &req), Some(7.0));
     let req = s.request_cost(Side::Prefill, 10, None, 0);
-    assert_eq!(s.cost_floor(7, &req), Some(14.0), "prefill_overlap 2");
+    assert_eq!(floor(&s, 7, &req), Some(14.0), "prefill_overlap 2");
     // A term without a bound (a negative weight) leaves no floor.
     let s = with(Plugins::with_weights(
         &TermWeights::default().with(&terms::queue::TERM, -1.0),
         0.0,
     ));
     assert_eq!(
-        s.cost_floor(7, &s.request_cost(Side::Decode, 10, None, 0)),
+        floor(&s, 7, &s.request_cost(Side::Decode, 10, None, 0)),
         None
     );
 }
@@ -172,9 +177,42 @@ fn every_term_is_summed_in_the_decision_costs_however_many() {
         let d = s.pick(&with_body(&p), &snap).unwrap();
         s.finish(&d, Some(200));
     }
-    let costs = &s.stats().decision_cost;
+    let live = s.plugins();
+    let costs = &live.decision_cost;
     assert_eq!((costs.len(), costs.decisions()), (11, 2));
     for i in 1..=10 {
         assert_eq!(costs.sum(i), 2.0 * i as f64, "term {i}");
+    }
+}
+
+/// A swapped-in plugin list decides the next picks, and the decision cost
+/// sums of the terms both lists have carry over (by name, not position).
+#[test]
+fn set_plugins_swaps_the_list_and_carries_each_terms_sum() {
+    let t = both(2);
+    let snap = t.snapshot();
+    let s = with(prefix_only());
+    let p = prompt(&"a prompt of a few blocks. ".repeat(12));
+    let d = s.pick(&with_body(&p), &snap).unwrap();
+    s.finish(&d, Some(200));
+    let before = s.plugins().decision_cost.sum(0);
+    assert!(before > 0.0);
+
+    // A penalty on endpoint 1, summed first, then the prefix term.
+    let mut plugins = prefix_only();
+    plugins
+        .scorers
+        .insert(0, Arc::new(Penalty { on: 1, cost: 1e6 }));
+    s.set_plugins(plugins);
+    let live = s.plugins();
+    let names: Vec<&str> = live.plugins.scorers.iter().map(|x| x.name()).collect();
+    assert_eq!(names, ["penalty", "prefill"]);
+    assert_eq!(live.decision_cost.sum(0), 0.0);
+    assert_eq!(live.decision_cost.sum(1), before);
+    assert_eq!(live.decision_cost.decisions(), 1);
+    for _ in 0..4 {
+        let d = s.pick(&with_body(&p), &snap).unwrap();
+        assert_ne!(d.decode.endpoint().address.ip().to_string(), "10.0.0.1");
+        s.finish(&d, Some(200));
     }
 }
