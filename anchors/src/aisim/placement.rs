@@ -34,8 +34,8 @@ use anyhow::{anyhow, Context};
 use clap::Parser;
 use e2e::bench::completion_of_tokens;
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
-use kvpick::kvevents::{self, BlockRemoved, BlockStored, EventBatch, StorageTier};
 use kvpick::kvevents::Ingest;
+use kvpick::kvevents::{self, BlockRemoved, BlockStored, EventBatch, StorageTier};
 use kvpick::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 use uuid::Uuid;
 
