@@ -98,6 +98,7 @@ async fn predicted_scoring_learns_the_slow_worker_and_beats_round_robin() {
     let predicted = send(move |_| gateway, 1000, 96).await;
     let after = served(&stack);
     let (fast, slow) = (after[0] - warm[0], after[1] - warm[1]);
+    eprintln!("after warm-up: fast worker {fast}, slow worker {slow}");
     assert!(
         slow * 3 < fast,
         "the slow worker still gets {slow} of {} requests",
