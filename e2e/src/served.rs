@@ -8,6 +8,7 @@
 //! to answer SERVING, as a readiness probe does. Dropping it shuts kvpick down.
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -18,6 +19,9 @@ use tokio::task::JoinHandle;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
+
+use crate::mock_worker::{WorkerConfig, WorkerHandle};
+use crate::stack::write_endpoints;
 
 /// Why a served kvpick did not start or become Ready.
 #[derive(Debug, thiserror::Error)]
@@ -141,4 +145,25 @@ impl Drop for ServedKvpick {
             let _ = stop.send(());
         }
     }
+}
+
+/// `n` mock workers at their defaults on loopback, listed in `dir/endpoints.yaml`
+/// (`dir` is created) for a standalone kvpick's `--endpoints-file`.
+pub async fn listed_workers(dir: &Path, n: usize) -> (Vec<WorkerHandle>, PathBuf) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut workers = Vec::new();
+    for _ in 0..n {
+        workers.push(
+            WorkerHandle::start(([127, 0, 0, 1], 0).into(), WorkerConfig::default())
+                .await
+                .unwrap(),
+        );
+    }
+    let endpoints = dir.join("endpoints.yaml");
+    let listed: Vec<_> = workers
+        .iter()
+        .map(|w| (w.addr(), w.instance_id()))
+        .collect();
+    write_endpoints(&endpoints, &listed).unwrap();
+    (workers, endpoints)
 }

@@ -15,9 +15,8 @@ use std::time::{Duration, Instant};
 
 use e2e::client::Client;
 use e2e::gateway::{GatewayConfig, GatewayHandle};
-use e2e::mock_worker::{WorkerConfig, WorkerHandle};
-use e2e::served::ServedKvpick;
-use e2e::stack::write_endpoints;
+use e2e::mock_worker::WorkerHandle;
+use e2e::served::{listed_workers, ServedKvpick};
 use serde_json::json;
 
 /// The adapter every probe asks for.
@@ -107,22 +106,8 @@ struct Fixture {
 impl Fixture {
     async fn start(name: &str) -> Fixture {
         let dir = std::env::temp_dir().join(format!("kvpick-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
         let local = ([127, 0, 0, 1], 0).into();
-        let mut workers = Vec::new();
-        for _ in 0..2 {
-            workers.push(
-                WorkerHandle::start(local, WorkerConfig::default())
-                    .await
-                    .unwrap(),
-            );
-        }
-        let endpoints = dir.join("endpoints.yaml");
-        let listed: Vec<_> = workers
-            .iter()
-            .map(|w| (w.addr(), w.instance_id()))
-            .collect();
-        write_endpoints(&endpoints, &listed).unwrap();
+        let (workers, endpoints) = listed_workers(&dir, 2).await;
         let config_file = dir.join("epp.yaml");
         replace(&config_file, &config(10, 1));
         let mut kvpick = ServedKvpick::start(&[

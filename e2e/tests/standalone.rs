@@ -8,30 +8,14 @@ use std::time::Duration;
 
 use e2e::client::Client;
 use e2e::gateway::{GatewayConfig, GatewayHandle};
-use e2e::mock_worker::{WorkerConfig, WorkerHandle};
-use e2e::served::ServedKvpick;
-use e2e::stack::write_endpoints;
+use e2e::served::{listed_workers, ServedKvpick};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gie_reference_epp_flags_with_an_endpoints_file_start_and_serve() {
     let dir = std::env::temp_dir().join(format!("kvpick-gie-flags-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     let local = ([127, 0, 0, 1], 0).into();
-    let mut workers = Vec::new();
-    for _ in 0..2 {
-        workers.push(
-            WorkerHandle::start(local, WorkerConfig::default())
-                .await
-                .unwrap(),
-        );
-    }
-    let endpoints = dir.join("endpoints.yaml");
-    let listed: Vec<_> = workers
-        .iter()
-        .map(|w| (w.addr(), w.instance_id()))
-        .collect();
-    write_endpoints(&endpoints, &listed).unwrap();
+    let (workers, endpoints) = listed_workers(&dir, 2).await;
     let config = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../tests/fixtures/gie-v1.5.0/chart-default-plugins.yaml"
