@@ -6,6 +6,7 @@
 
 pub mod hash;
 pub mod index;
+pub mod tier;
 mod lru;
 mod slots;
 mod table;
