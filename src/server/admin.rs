@@ -93,6 +93,15 @@ pub struct Candidate {
     /// Its predicted latency there, when latency is learned and warm.
     #[prost(message, optional, tag = "17")]
     pub prediction: Option<Prediction>,
+    /// Of `overlap_blocks`, those on the GPU.
+    #[prost(uint64, tag = "18")]
+    pub gpu_blocks: u64,
+    /// Of `overlap_blocks`, those in CPU memory and not on the GPU.
+    #[prost(uint64, tag = "19")]
+    pub cpu_blocks: u64,
+    /// Of `overlap_blocks`, those on disk only.
+    #[prost(uint64, tag = "20")]
+    pub disk_blocks: u64,
 }
 
 /// `Prediction`.
@@ -206,6 +215,9 @@ fn response(e: Explanation) -> ExplainResponse {
                 role: if c.prefill { "prefill" } else { "decode" }.into(),
                 filtered_out: c.filtered_out.unwrap_or_default().into(),
                 overlap_blocks: c.overlap_blocks as u64,
+                gpu_blocks: c.tier_blocks.gpu as u64,
+                cpu_blocks: c.tier_blocks.cpu as u64,
+                disk_blocks: c.tier_blocks.disk as u64,
                 cost: c.terms.total(),
                 terms: c
                     .terms
@@ -245,7 +257,11 @@ pub fn to_json(r: &ExplainResponse) -> serde_json::Value {
             serde_json::json!({
                 "address": c.address, "instance_id": c.instance_id, "dp_rank": c.dp_rank,
                 "role": c.role, "filtered_out": c.filtered_out,
-                "overlap_blocks": c.overlap_blocks, "terms": terms, "cost": c.cost,
+                "overlap_blocks": c.overlap_blocks,
+                "tier_blocks": {
+                    "gpu": c.gpu_blocks, "cpu": c.cpu_blocks, "disk": c.disk_blocks,
+                },
+                "terms": terms, "cost": c.cost,
                 "session_pinned": c.session_pinned, "chosen": c.chosen,
                 "load_source": c.load_source, "overlap_guessed": c.overlap_guessed,
                 "prediction": c.prediction.as_ref().map(|p| serde_json::json!({
@@ -595,6 +611,9 @@ mod tests {
                 recent_error: 0.1,
                 observations: 1,
             }),
+            gpu_blocks: 1,
+            cpu_blocks: 1,
+            disk_blocks: 1,
         };
         let request = ExplainRequest {
             body: b"{}".to_vec(),

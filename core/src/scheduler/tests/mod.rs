@@ -20,6 +20,7 @@ mod plugins;
 mod predicted;
 mod prop;
 mod sessions;
+mod tiers;
 mod wait;
 
 /// `n` endpoints at `10.0.0.{1..=n}:80`.
