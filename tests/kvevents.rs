@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvpick::endpoints::{Engine, WorkerKey};
+use kvpick::kv::index::{PrefixIndex, TierStore};
+use kvpick::kv::tier::{self, Tier};
 use kvpick::kvevents::metrics::KvEventMetrics;
 use kvpick::kvevents::sglang::Sglang;
 use kvpick::kvevents::subscriber::{IngestThread, KvEvents, SubscriberConfig, Target};
 use kvpick::kvevents::vllm::Vllm;
 use kvpick::kvevents::{BlockRemoved, BlockStored, EventDecoder, KvEvent, StorageTier};
-use kvpick::kv::index::{PrefixIndex, TierStore};
-use kvpick::kv::tier::{self, Tier};
 use kvpick::kvevents::{Ingest, KvEventSink};
 use kvpick::request::{
     parse_with, ApiKind, InferenceRequest, ParseOptions, Segment, TemplateInput,

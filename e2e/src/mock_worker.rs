@@ -876,7 +876,8 @@ impl Worker {
         let loaded = access.cpu_hit_tokens as u32;
         let uncached = access
             .queried_tokens
-            .saturating_sub(access.hit_tokens + access.cpu_hit_tokens) as u32;
+            .saturating_sub(access.hit_tokens + access.cpu_hit_tokens)
+            as u32;
         self.scaled(
             self.config.ttft
                 + self.config.prefill_per_token * uncached

@@ -629,12 +629,12 @@ async fn an_offload_tier_publishes_cpu_copies_before_the_gpu_evicts() {
             .collect()
     };
     let holds_prompt = |e: &[Value]| held.iter().all(|h| hashes(e).contains(h));
-    let copied = events.iter().position(|e| {
-        e[0] == "BlockStored" && e[6] == "CPU" && holds_prompt(e)
-    });
-    let evicted = events.iter().position(|e| {
-        e[0] == "BlockRemoved" && e[2] == "GPU" && holds_prompt(e)
-    });
+    let copied = events
+        .iter()
+        .position(|e| e[0] == "BlockStored" && e[6] == "CPU" && holds_prompt(e));
+    let evicted = events
+        .iter()
+        .position(|e| e[0] == "BlockRemoved" && e[2] == "GPU" && holds_prompt(e));
     let (Some(copied), Some(evicted)) = (copied, evicted) else {
         panic!("no CPU copy or GPU eviction of the prompt in {events:?}");
     };

@@ -152,5 +152,4 @@ async fn a_cpu_tier_holder_beats_a_cold_worker_and_loses_to_a_gpu_holder() {
     let (at, seen) = served(&s, "p2");
     assert_eq!(at, cpu, "the CPU holder beats the cold worker");
     assert_eq!((seen.hit_tokens, seen.cpu_hit_tokens), (0, 192));
-
 }

@@ -414,9 +414,7 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
                 self.sink.remove_engine_blocks(worker, &e.block_hashes);
                 e.block_hashes.len()
             }
-            Some(tier) => self
-                .sink
-                .remove_tier_copies(worker, tier, &e.block_hashes),
+            Some(tier) => self.sink.remove_tier_copies(worker, tier, &e.block_hashes),
         };
         ApplyStats {
             removed_blocks: removed as u64,

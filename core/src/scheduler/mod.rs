@@ -52,9 +52,9 @@ mod replica;
 mod replica_tests;
 mod stats;
 pub mod terms;
-pub mod tiers;
 #[cfg(test)]
 mod tests;
+pub mod tiers;
 mod weights;
 
 pub use agreement::{AGREEMENT_BLOCKS, AGREEMENT_MARGIN};

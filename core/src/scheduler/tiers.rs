@@ -130,7 +130,10 @@ mod tests {
         let p = prompt(10);
         let on = |gpu, cpu, disk| c.work(&p, TierBlocks { gpu, cpu, disk }).blocks();
         let (gpu, cpu, disk, cold) = (on(8, 0, 0), on(0, 8, 0), on(0, 0, 8), on(0, 0, 0));
-        assert!(gpu < cpu && cpu < disk && disk < cold, "{gpu} {cpu} {disk} {cold}");
+        assert!(
+            gpu < cpu && cpu < disk && disk < cold,
+            "{gpu} {cpu} {disk} {cold}"
+        );
         assert_eq!(cold, 10.0);
         assert_eq!(gpu, 2.0);
         assert!((cpu - (2.0 + 8.0 * 0.2)).abs() < 1e-9);

@@ -599,7 +599,12 @@ impl PrefixIndex {
     /// Precise mode: `worker` dropped these blocks (by engine hash) from a
     /// lower `tier`; its copies there, and on no other tier, are forgotten.
     /// Returns how many blocks it no longer holds there.
-    pub fn remove_tier_copies(&self, worker: WorkerKey, tier: Tier, engine_hashes: &[u64]) -> usize {
+    pub fn remove_tier_copies(
+        &self,
+        worker: WorkerKey,
+        tier: Tier,
+        engine_hashes: &[u64],
+    ) -> usize {
         if tier == Tier::Gpu {
             return 0;
         }

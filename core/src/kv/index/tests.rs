@@ -900,7 +900,11 @@ fn lower_tiers_hold_copies_of_blocks_the_gpu_stored() {
     let cpu = idx.store_tier_copies(w, Tier::Cpu, &[100, 101, 102, 103], 1);
     assert_eq!((cpu.stored, cpu.orphans), (4, 0));
     let disk = idx.store_tier_copies(w, Tier::Disk, &[100, 101, 999], 1);
-    assert_eq!((disk.stored, disk.orphans), (2, 1), "999 was never on the GPU");
+    assert_eq!(
+        (disk.stored, disk.orphans),
+        (2, 1),
+        "999 was never on the GPU"
+    );
     assert!(idx.overlaps(&hashes, t).tiered());
     assert_eq!(tier_depths(&idx, w, &hashes, t), [6, 4, 2]);
     // The GPU evicts the first three: the copies below stay.
@@ -933,7 +937,11 @@ fn removal_per_medium_drops_that_tiers_copy_only() {
     // A GPU removal leaves the CPU copies; the last holder's removal frees them.
     idx.remove_engine_blocks(w, &[100, 101, 102, 103]);
     assert_eq!(tier_depths(&idx, w, &hashes, t), [0, 2, 0]);
-    assert_eq!(idx.remove_tier_copies(w, Tier::Gpu, &[100]), 0, "not a lower tier");
+    assert_eq!(
+        idx.remove_tier_copies(w, Tier::Gpu, &[100]),
+        0,
+        "not a lower tier"
+    );
     idx.remove_tier_copies(w, Tier::Cpu, &[100, 101]);
     idx.remove_tier_copies(w, Tier::Disk, &[101, 102, 103]);
     assert_eq!(tier_depths(&idx, w, &hashes, t), [0, 0, 0]);

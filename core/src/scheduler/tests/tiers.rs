@@ -17,10 +17,17 @@ fn tiered_pool() -> (Scheduler, EndpointTable, InferenceRequest, [WorkerKey; 4])
 fn tiered_pool_at(
     tier_costs: TierCosts,
 ) -> (Scheduler, EndpointTable, InferenceRequest, [WorkerKey; 4]) {
-    let s = Scheduler::new(SchedulerConfig {
+    tiered_pool_with(SchedulerConfig {
         tier_costs,
         ..Default::default()
-    });
+    })
+}
+
+/// [`tiered_pool`] of a scheduler with `config`.
+fn tiered_pool_with(
+    config: SchedulerConfig,
+) -> (Scheduler, EndpointTable, InferenceRequest, [WorkerKey; 4]) {
+    let s = Scheduler::new(config);
     let t = both(16);
     let snap = t.snapshot();
     for e in &snap.endpoints {
@@ -110,7 +117,9 @@ fn the_pruned_pick_takes_the_best_tier_left() {
 fn tier_costs_are_configured() {
     for (cpu, disk) in [(1.0, 1.0), (0.0, 0.0)] {
         let (s, t, long, keys) = tiered_pool_at(TierCosts { cpu, disk });
-        let e = s.explain(&with_body(&long), &t.snapshot(), Instant::now()).unwrap();
+        let e = s
+            .explain(&with_body(&long), &t.snapshot(), Instant::now())
+            .unwrap();
         let prefill = |k: WorkerKey| {
             let c = e.candidates.iter().find(|c| c.key == k).unwrap();
             c.terms.get("prefill")
@@ -118,4 +127,46 @@ fn tier_costs_are_configured() {
         assert_eq!(prefill(keys[1]), 10.0 * cpu);
         assert_eq!(prefill(keys[2]), 10.0 * disk);
     }
+}
+
+/// With `--scoring predicted` and a warm model, a lower tier's blocks cost
+/// their fraction of the learned prefill time: the predicted TTFT beyond the
+/// fixed overhead is 0.2 of the cold one's from CPU memory, 0.5 from disk.
+#[test]
+fn predicted_mode_prices_a_load_at_the_learned_prefill_rate() {
+    let (s, t, long, keys) = tiered_pool_with(SchedulerConfig {
+        scoring: ScoringMode::Predicted,
+        ..Default::default()
+    });
+    let model = |ttft: [f64; 5]| {
+        let mut m =
+            crate::latency::WorkerModel::new(ttft, [0.01, 0.0, 0.0, 0.0], 1.0).to_snapshot();
+        m.observations = 100;
+        m
+    };
+    let l = s.latency().expect("predicted mode learns latency");
+    // 50 ms overhead, 400 ms per thousand tokens to prefill.
+    l.restore_prior(&model([0.05, 0.4, 0.0, 0.0, 0.0])).unwrap();
+    assert!(l.is_warm());
+    let e = s
+        .explain(&with_body(&long), &t.snapshot(), Instant::now())
+        .unwrap();
+    let ttft: Vec<f64> = keys
+        .iter()
+        .map(|k| {
+            let c = e.candidates.iter().find(|c| c.key == *k).unwrap();
+            c.prediction.expect("warm").ttft - 0.05
+        })
+        .collect();
+    assert!(ttft[0] < 1e-9, "a GPU hit prefills nothing: {ttft:?}");
+    assert!(ttft[3] > 0.0);
+    assert!((ttft[1] / ttft[3] - 0.2).abs() < 0.01, "{ttft:?}");
+    assert!((ttft[2] / ttft[3] - 0.5).abs() < 0.01, "{ttft:?}");
+    assert!(
+        e.candidates
+            .iter()
+            .find(|c| c.key == keys[0])
+            .unwrap()
+            .chosen
+    );
 }
