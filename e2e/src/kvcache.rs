@@ -439,7 +439,7 @@ mod tests {
 
     #[test]
     fn evicted_blocks_go_to_the_cpu_tier_and_load_back_from_it() {
-        let mut c = KvCache::with_offload(4, 4, 6);
+        let mut c = KvCache::with_offload(4, 4, 8);
         let p = toks(16, 1);
         let (_, held) = c.access(&p);
         // Another prompt takes the whole pool: p's blocks are copied to the
@@ -454,19 +454,24 @@ mod tests {
         let (b, _) = c.access(&p);
         assert_eq!((b.hit_tokens, b.cpu_hit_tokens), (0, 16));
         assert!(held.iter().all(|h| c.contains(*h) && c.offloaded(*h)));
-        // The CPU tier is bounded: the oldest copies go, each reported once.
+        // The CPU tier is bounded (8 blocks: p's and the second prompt's):
+        // a third prompt's evicted blocks drop its least recently used
+        // copies, the second prompt's, each reported once; p's, touched by
+        // its load, stay.
+        let (_, second) = c.access(&toks(16, 2));
         c.access(&toks(16, 3));
-        let (d, _) = c.access(&toks(16, 4));
-        let dropped: usize = d
+        let (d, _) = c.access(&p);
+        let dropped: Vec<u64> = d
             .events
             .iter()
-            .map(|e| match e {
-                CacheEvent::OffloadDropped(h) => h.len(),
-                _ => 0,
+            .flat_map(|e| match e {
+                CacheEvent::OffloadDropped(h) => h.clone(),
+                _ => Vec::new(),
             })
-            .sum();
-        assert!(dropped > 0, "{:?}", d.events);
-        assert!(held.iter().filter(|h| c.offloaded(**h)).count() < 4);
+            .collect();
+        assert_eq!(dropped.len(), 4, "{:?}", d.events);
+        assert!(second.iter().all(|h| !c.offloaded(*h)));
+        assert!(held.iter().all(|h| c.offloaded(*h)));
     }
 
     #[test]
