@@ -75,6 +75,9 @@ impl TierCosts {
 
     /// A candidate's work on `prompt` holding `held` of its leading blocks.
     pub fn work(&self, prompt: &PromptBlocks, held: TierBlocks) -> Work {
+        if held.cpu == 0 && held.disk == 0 {
+            return Work::cold(prompt.uncached(held.gpu));
+        }
         let gpu = held.gpu;
         let cpu = gpu + held.cpu;
         let new_blocks = prompt.uncached(held.total());
