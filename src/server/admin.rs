@@ -182,6 +182,7 @@ impl Admin {
             session_id: (!req.session_id.is_empty()).then_some(req.session_id.as_str()),
             session_token: None,
             slo: Default::default(),
+            sheddable: false,
         };
         let explained = self
             .scheduler

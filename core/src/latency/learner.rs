@@ -48,6 +48,9 @@ pub struct Learner {
     error_sum_micros: AtomicU64,
     /// Decisions made while the pool prior was cold (scored by the heuristic).
     fallbacks: AtomicU64,
+    /// Sheddable requests refused because no warm worker was predicted to
+    /// meet their TTFT objective.
+    slo_sheds: AtomicU64,
 }
 
 impl Learner {
@@ -59,6 +62,7 @@ impl Learner {
             errors: Default::default(),
             error_sum_micros: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
+            slo_sheds: AtomicU64::new(0),
         }
     }
 
@@ -86,6 +90,11 @@ impl Learner {
         })
     }
 
+    /// Whether `worker`'s own model has seen enough to be trusted.
+    pub fn is_warm_worker(&self, worker: &WorkerKey) -> bool {
+        self.models.read().is_warm(worker)
+    }
+
     /// Learns one request on `worker` directly (a simulator, a test).
     pub fn learn(&self, worker: WorkerKey, features: &Features, seen: &super::Observed) {
         if let Some(err) = self.predict(&worker, features).map(|p| {
@@ -106,6 +115,16 @@ impl Learner {
     /// Decisions scored by the heuristic because the pool prior was cold.
     pub fn fallbacks(&self) -> u64 {
         self.fallbacks.load(Ordering::Relaxed)
+    }
+
+    /// Counts a sheddable request refused for its TTFT objective.
+    pub fn count_slo_shed(&self) {
+        self.slo_sheds.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sheddable requests refused for their TTFT objective.
+    pub fn slo_sheds(&self) -> u64 {
+        self.slo_sheds.load(Ordering::Relaxed)
     }
 
     /// The prediction error histogram: (upper bound, count in that bucket
