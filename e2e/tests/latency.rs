@@ -157,8 +157,13 @@ async fn explain_shows_the_engines_recent_latency_beside_the_prediction() {
         )
         .unwrap();
     scrape.abort();
-    let engine_ttft = |i: usize| {
-        let c = &explained.candidates[i];
+    let engine_ttft = |worker: usize| {
+        let address = stack.workers[worker].addr().to_string();
+        let c = explained
+            .candidates
+            .iter()
+            .find(|c| c.address == address)
+            .expect("every worker is a candidate");
         let e = c.engine.expect("the engine's histograms were scraped");
         assert!(e.queue.is_some() && e.itl.is_some(), "{e:?}");
         assert!(c.ttft_gap().is_some(), "prediction and engine side by side");
