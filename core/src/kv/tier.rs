@@ -43,15 +43,6 @@ impl Tier {
             StorageTier::Other(_) => None,
         }
     }
-
-    /// Its name: `gpu`, `cpu` or `disk`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Gpu => "gpu",
-            Tier::Cpu => "cpu",
-            Tier::Disk => "disk",
-        }
-    }
 }
 
 /// The index holder of `worker`'s copies on `tier` (the worker itself for the GPU).
@@ -107,17 +98,6 @@ impl TierBlocks {
         self.gpu + self.cpu + self.disk
     }
 
-    /// The run cut to its first `n` blocks (best tiers first).
-    pub fn first(&self, n: usize) -> Self {
-        let gpu = self.gpu.min(n);
-        let cpu = self.cpu.min(n - gpu);
-        TierBlocks {
-            gpu,
-            cpu,
-            disk: self.disk.min(n - gpu - cpu),
-        }
-    }
-
     /// The tier whose own leading run is the whole run (the best one when
     /// several are).
     pub fn deepest(&self) -> Tier {
@@ -157,7 +137,5 @@ mod tests {
         assert_eq!((t.gpu, t.cpu, t.disk), (6, 0, 0));
         assert_eq!(t.deepest(), Tier::Gpu);
         assert_eq!(TierBlocks::of_depths(0, 5, 5).deepest(), Tier::Cpu);
-        let cut = TierBlocks::of_depths(3, 8, 10).first(4);
-        assert_eq!((cut.gpu, cut.cpu, cut.disk), (3, 1, 0));
     }
 }

@@ -108,11 +108,6 @@ impl Work {
             transfer_blocks: 0.0,
         }
     }
-
-    /// The whole work in blocks of prefill.
-    pub fn blocks(&self) -> f64 {
-        self.new_blocks as f64 + self.transfer_blocks
-    }
 }
 
 #[cfg(test)]
@@ -131,7 +126,10 @@ mod tests {
     fn a_run_costs_gpu_then_cpu_then_disk_then_cold() {
         let c = TierCosts::default();
         let p = prompt(10);
-        let on = |gpu, cpu, disk| c.work(&p, TierBlocks { gpu, cpu, disk }).blocks();
+        let on = |gpu, cpu, disk| {
+            let w = c.work(&p, TierBlocks { gpu, cpu, disk });
+            w.new_blocks as f64 + w.transfer_blocks
+        };
         let (gpu, cpu, disk, cold) = (on(8, 0, 0), on(0, 8, 0), on(0, 0, 8), on(0, 0, 0));
         assert!(
             gpu < cpu && cpu < disk && disk < cold,
