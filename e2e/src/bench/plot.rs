@@ -264,6 +264,7 @@ mod tests {
             spread_floor: 1.0,
             ttft_p50_ms: 100.0,
             ttft_p99_ms: 900.0,
+            prediction_error: None,
             ttft_ms: vec![50.0, 100.0, 900.0],
             requests: Vec::new(),
         };

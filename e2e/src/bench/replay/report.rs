@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use super::feed::PredictionError;
 use crate::bench::{markdown_table, ratio};
 
 /// One policy's figures.
@@ -24,6 +25,8 @@ pub struct PolicyFigures {
     pub ttft_p50_ms: f64,
     /// 99th percentile modeled TTFT.
     pub ttft_p99_ms: f64,
+    /// How well its latency model predicted TTFT, when it learns one.
+    pub prediction_error: Option<PredictionError>,
     /// Every request's modeled TTFT, sorted (for plots).
     #[serde(skip)]
     pub ttft_ms: Vec<f64>,
