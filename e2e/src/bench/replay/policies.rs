@@ -176,6 +176,7 @@ impl Kvpick {
     }
 
     /// Simulated worker `w`'s key in the scheduler.
+    #[cfg(test)]
     pub(in crate::bench) fn key_of(&self, w: usize) -> WorkerKey {
         self.keys[w]
     }
