@@ -214,7 +214,8 @@ impl Timeline {
 
     /// Time from the decision to the first chunk, once it came.
     pub fn ttft(&self) -> Option<Duration> {
-        self.first.map(|f| f.saturating_duration_since(self.decided))
+        self.first
+            .map(|f| f.saturating_duration_since(self.decided))
     }
 
     /// The observation, once the response `ended`: `None` for an error status

@@ -274,6 +274,7 @@ mod tests {
             workers: 2,
             capacity_blocks: 10,
             block_tokens: 512,
+            worker_speeds: Vec::new(),
             speed: 1.0,
             ceiling_hit_rate: 0.6,
             pooled_ceiling_hit_rate: 0.55,

@@ -81,13 +81,7 @@ pub struct PredictionError {
 impl<K: Copy + Eq + Hash> LatencyFeed<K> {
     /// Request `id` was routed by `decision` at `at`; `learner` is the
     /// scheduler's (none: heuristic scoring, nothing to feed).
-    pub fn routed(
-        &mut self,
-        id: K,
-        decision: &Decision,
-        learner: Option<&Learner>,
-        at: Instant,
-    ) {
+    pub fn routed(&mut self, id: K, decision: &Decision, learner: Option<&Learner>, at: Instant) {
         let (Some(learner), Some(features)) = (learner, decision.latency_features) else {
             return;
         };
@@ -136,7 +130,11 @@ impl<K: Copy + Eq + Hash> LatencyFeed<K> {
             return;
         };
         let gaps = u32::try_from(output_tokens - 1).unwrap_or(u32::MAX);
-        learner.learn_decode(f.worker, &f.features, at.saturating_duration_since(first) / gaps);
+        learner.learn_decode(
+            f.worker,
+            &f.features,
+            at.saturating_duration_since(first) / gaps,
+        );
     }
 
     /// The prediction error so far (`None` before any counted completion).

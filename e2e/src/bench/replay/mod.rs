@@ -112,6 +112,7 @@ pub fn run(
         workers: cfg.workers,
         capacity_blocks: cfg.capacity_blocks,
         block_tokens: cfg.block_tokens,
+        worker_speeds: cfg.worker_speeds.clone(),
         speed: cfg.speed,
         ceiling_hit_rate: ceiling_hit_rate(trace),
         pooled_ceiling_hit_rate: pooled,

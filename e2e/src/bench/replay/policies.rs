@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
 use kvpick::kvevents::KvEventSink;
-use kvpick::scheduler::{
-    Decision, PickRequest, Plugins, Scheduler, SchedulerConfig, ScoringMode,
-};
+use kvpick::scheduler::{Decision, PickRequest, Plugins, Scheduler, SchedulerConfig, ScoringMode};
 
 use super::feed::{LatencyFeed, PredictionError};
 use super::policy::*;

@@ -287,6 +287,7 @@ fn kv_events_arrive_after_the_delay_and_a_full_pool_holds_requests_back() {
         workers: 1,
         capacity_blocks: 4,
         block_tokens: 512,
+        worker_speeds: Vec::new(),
         speed: 1.0,
         ceiling_hit_rate: 0.0,
         pooled_ceiling_hit_rate: 0.0,
@@ -491,7 +492,10 @@ fn the_simulators_learner_learns_every_completion_and_each_workers_speed() {
     };
     let mut kvpick = Kvpick::predicted(&cfg);
     let f = simulate(&mut kvpick, &t, &cfg);
-    let learner = kvpick.scheduler().latency().expect("predicted scoring learns");
+    let learner = kvpick
+        .scheduler()
+        .latency()
+        .expect("predicted scoring learns");
     let error = f.prediction_error.expect("errors after warm-up");
     assert_eq!(error.learned, t.len() as u64, "every completion is learned");
     assert_eq!(learner.workers(), 4);
@@ -507,7 +511,10 @@ fn the_simulators_learner_learns_every_completion_and_each_workers_speed() {
         assert!(p.observations >= 32, "worker {w}: {p:?}");
         p.ttft
     };
-    let (fast, slow) = (predicted(0).max(predicted(1)), predicted(2).min(predicted(3)));
+    let (fast, slow) = (
+        predicted(0).max(predicted(1)),
+        predicted(2).min(predicted(3)),
+    );
     assert!(
         slow > 1.5 * fast && slow < 2.5 * fast,
         "idle 2,048 tokens: fast {fast:.3} s, slow {slow:.3} s"
