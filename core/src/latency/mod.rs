@@ -59,7 +59,7 @@ impl Default for LatencyConfig {
         LatencyConfig {
             max_workers: 4096,
             warm_observations: 32,
-            forget: 0.995,
+            forget: 0.98,
             prior_forget: 0.999,
             initial_variance: 10.0,
         }
