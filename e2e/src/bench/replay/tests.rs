@@ -492,7 +492,10 @@ fn the_simulators_learner_learns_every_completion_and_each_workers_speed() {
     };
     let mut kvpick = Kvpick::predicted(&cfg);
     let f = simulate(&mut kvpick, &t, &cfg);
-    let learner = kvpick.scheduler().latency().expect("predicted scoring learns");
+    let learner = kvpick
+        .scheduler()
+        .latency()
+        .expect("predicted scoring learns");
     let error = f.prediction_error.expect("errors after warm-up");
     assert_eq!(error.learned, t.len() as u64, "every completion is learned");
     assert_eq!(learner.workers(), 4);
@@ -508,7 +511,10 @@ fn the_simulators_learner_learns_every_completion_and_each_workers_speed() {
         assert!(p.observations >= 32, "worker {w}: {p:?}");
         p.ttft
     };
-    let (fast, slow) = (predicted(0).max(predicted(1)), predicted(2).min(predicted(3)));
+    let (fast, slow) = (
+        predicted(0).max(predicted(1)),
+        predicted(2).min(predicted(3)),
+    );
     assert!(
         slow > 1.5 * fast && slow < 2.5 * fast,
         "idle 2,048 tokens: fast {fast:.3} s, slow {slow:.3} s"
