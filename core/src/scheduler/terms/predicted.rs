@@ -5,7 +5,7 @@
 //! prefix it holds enters as the uncached tokens it saves), plus the delay this
 //! prefill adds to the requests queued there, plus the predicted decode
 //! slowdown there times the tokens the request says it will decode (its
-//! `max_tokens`; a request that does not say is placed on its first token
+//! expected output tokens; a request that does not say is placed on its first token
 //! alone: a guessed length would price every decode the same, and the
 //! learned slowdown times a long guess outweighs the seconds of prefill a
 //! cached prefix saves). A
