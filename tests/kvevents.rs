@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvpick::endpoints::{Engine, WorkerKey};
+use kvpick::kv::index::{PrefixIndex, TierStore};
+use kvpick::kv::tier::{self, Tier};
 use kvpick::kvevents::metrics::KvEventMetrics;
 use kvpick::kvevents::sglang::Sglang;
 use kvpick::kvevents::subscriber::{IngestThread, KvEvents, SubscriberConfig, Target};
@@ -34,6 +36,8 @@ struct MemState {
     blocks: HashMap<WorkerKey, HashMap<u64, u64>>,
     precise: HashMap<WorkerKey, bool>,
     clears: HashMap<WorkerKey, usize>,
+    /// (worker, lower tier) → engine hash → (kvpick hash, span).
+    tiers: HashMap<(WorkerKey, Tier), HashMap<u64, (u64, usize)>>,
 }
 
 #[derive(Default)]
@@ -105,9 +109,44 @@ impl KvEventSink for MemorySink {
             }
         }
     }
+    fn store_tier_copies(
+        &self,
+        worker: WorkerKey,
+        tier: Tier,
+        engine_hashes: &[u64],
+        span: usize,
+    ) -> TierStore {
+        let mut s = self.0.lock();
+        let gpu = s.blocks.get(&worker).cloned().unwrap_or_default();
+        let copies = s.tiers.entry((worker, tier)).or_default();
+        let mut out = TierStore::default();
+        for h in engine_hashes {
+            match gpu.get(h) {
+                Some(&ours) => {
+                    copies.insert(*h, (ours, span));
+                    out.stored += span;
+                }
+                None => out.orphans += 1,
+            }
+        }
+        out
+    }
+    fn remove_tier_copies(&self, worker: WorkerKey, tier: Tier, engine_hashes: &[u64]) -> usize {
+        let mut s = self.0.lock();
+        let Some(copies) = s.tiers.get_mut(&(worker, tier)) else {
+            return 0;
+        };
+        engine_hashes
+            .iter()
+            .filter_map(|h| copies.remove(h))
+            .map(|(_, span)| span)
+            .sum()
+    }
     fn clear_worker(&self, worker: WorkerKey) {
         let mut s = self.0.lock();
-        // Like PrefixIndex: the precise flag is forgotten with the blocks.
+        // Like PrefixIndex: the precise flag is forgotten with the blocks,
+        // every tier's with the GPU's.
+        s.tiers.retain(|(w, _), _| *w != worker);
         s.blocks.remove(&worker);
         s.precise.remove(&worker);
         *s.clears.entry(worker).or_default() += 1;
@@ -416,17 +455,17 @@ fn ingest_chains_blocks_across_events_like_the_request_side() {
     let stats = ingest.apply(worker, None, &orphan, Instant::now());
     assert_eq!((stats.orphan_blocks, stats.stored_blocks), (1, 0));
 
-    // CPU-tier blocks do not count for routing.
+    // A CPU-tier copy of a block the GPU no longer places cannot be placed:
+    // an orphan, and the GPU's prefix is unchanged.
     let mut cpu = stored_array(ints(&[903]), Value::from(902), &prompt[8..12]);
     if let Value::Array(f) = &mut cpu {
         f[6] = s("CPU");
     }
     let cpu = Vllm.decode(&batch_array(vec![cpu], None)).unwrap();
+    let stats = ingest.apply(worker, None, &cpu, Instant::now());
     assert_eq!(
-        ingest
-            .apply(worker, None, &cpu, Instant::now())
-            .ignored_events,
-        1
+        (stats.tier_blocks, stats.orphan_blocks, stats.ignored_events),
+        (0, 1, 0)
     );
     assert_eq!(sink.depth(worker, &request), 2);
 
@@ -466,6 +505,107 @@ fn lora_blocks_are_seeded_by_adapter() {
     let lora = chain(seed_of("sql-adapter", None), None, &prompt, BS);
     assert_eq!(sink.depth(w(1, 0), &base), 0);
     assert_eq!(sink.depth(w(1, 0), &lora), 2);
+}
+
+/// vLLM's offloading connector's `BlockStored`: engine hashes only (no
+/// parent, no tokens), `block_size` the offloaded block's, `medium` its tier.
+fn offloaded(hashes: &[u64], block_size: usize, medium: &str) -> Value {
+    Value::Array(vec![
+        s("BlockStored"),
+        ints(hashes),
+        Value::Nil,
+        toks(&[]),
+        Value::from(block_size as u64),
+        Value::Nil,
+        s(medium),
+        Value::Nil,
+    ])
+}
+
+fn removed_from(hashes: &[u64], medium: &str) -> Value {
+    Value::Array(vec![s("BlockRemoved"), ints(hashes), s(medium)])
+}
+
+/// The GPU, CPU and disk leading runs `worker` holds of `hashes`.
+fn tier_depths(index: &PrefixIndex, worker: WorkerKey, hashes: &[u64]) -> [usize; 3] {
+    let ov = index.overlaps(hashes, Instant::now());
+    [Tier::Gpu, Tier::Cpu, Tier::Disk].map(|t| ov.get(tier::holder(worker, t)))
+}
+
+/// kvpick's hashes of `prompt` under [`MODEL`], as requests hash it.
+fn request_hashes(prompt: &[u32]) -> Vec<u64> {
+    let seed = kvpick::kv::hash::model_seed(MODEL, None);
+    kvpick::kv::hash::token_block_hashes(seed, None, prompt, BS)
+}
+
+/// vLLM's events with `medium`, through the decoder and ingest into the
+/// prefix index: GPU blocks stored with their tokens, the offloading
+/// connector's CPU copies (two GPU blocks per offloaded block) and disk
+/// copies by engine hash, then each medium's `BlockRemoved` dropping its own
+/// copies only.
+#[test]
+fn each_medium_is_ingested_as_its_tier_and_removed_from_it_alone() {
+    let index = Arc::new(PrefixIndex::default());
+    let mut ingest = Ingest::new(Arc::clone(&index), MODEL);
+    let worker = w(1, 0);
+    index.set_precise(worker, true);
+    let prompt: Vec<u32> = (100..124).collect(); // 6 blocks of 4
+    let request = request_hashes(&prompt);
+    let mut apply = |events: Vec<Value>| {
+        let batch = Vllm.decode(&batch_array(events, None)).unwrap();
+        ingest.apply(worker, None, &batch, Instant::now())
+    };
+    let engine: Vec<u64> = (901..907).collect();
+    let st = apply(vec![stored_array(ints(&engine), Value::Nil, &prompt)]);
+    assert_eq!(st.stored_blocks, 6);
+    // Offloaded blocks of 2 GPU blocks, named by their second block's hash.
+    let st = apply(vec![offloaded(&[902, 904, 906], 2 * BS, "CPU")]);
+    assert_eq!((st.tier_blocks, st.orphan_blocks), (6, 0));
+    let st = apply(vec![offloaded(&[901, 902, 777], BS, "DISK")]);
+    assert_eq!((st.tier_blocks, st.orphan_blocks), (2, 1));
+    assert_eq!(tier_depths(&index, worker, &request), [6, 6, 2]);
+    // The GPU evicts its copies of the last four: the CPU's stand.
+    apply(vec![removed_from(&engine[2..], "GPU")]);
+    assert_eq!(tier_depths(&index, worker, &request), [2, 6, 2]);
+    // The CPU drops its second offloaded block (GPU blocks 3 and 4).
+    let st = apply(vec![removed_from(&[904], "CPU")]);
+    assert_eq!(st.removed_blocks, 2);
+    assert_eq!(tier_depths(&index, worker, &request), [2, 2, 2]);
+    // Disk drops the first block: only the disk's copy goes.
+    apply(vec![removed_from(&[901], "DISK")]);
+    assert_eq!(tier_depths(&index, worker, &request), [2, 2, 0]);
+    // A tier kvpick has no name for is ignored.
+    let st = apply(vec![offloaded(&[905], BS, "LMCACHE_REMOTE")]);
+    assert_eq!(st.ignored_events, 1);
+    // A reset clears every tier.
+    ingest.reset(worker);
+    assert_eq!(tier_depths(&index, worker, &request), [0, 0, 0]);
+}
+
+/// SGLang's HiCache host tier (`CPU_TIER1`), its events shaped like the
+/// GPU's, gives the worker CPU copies of the blocks its GPU stored.
+#[test]
+fn sglang_host_tier_events_are_cpu_copies() {
+    let index = Arc::new(PrefixIndex::default());
+    let mut ingest = Ingest::new(Arc::clone(&index), MODEL);
+    let worker = w(1, 0);
+    index.set_precise(worker, true);
+    let prompt: Vec<u32> = (100..108).collect();
+    let request = request_hashes(&prompt);
+    let mut host = stored_array(ints(&[11, 12]), Value::Nil, &prompt);
+    if let Value::Array(f) = &mut host {
+        f[6] = s("CPU_TIER1");
+    }
+    let gpu = stored_array(ints(&[11, 12]), Value::Nil, &prompt);
+    let batch = Sglang
+        .decode(&batch_array(
+            vec![gpu, host, removed_array(ints(&[11, 12]))],
+            None,
+        ))
+        .unwrap();
+    let st = ingest.apply(worker, None, &batch, Instant::now());
+    assert_eq!((st.stored_blocks, st.tier_blocks), (2, 2));
+    assert_eq!(tier_depths(&index, worker, &request), [0, 2, 0]);
 }
 
 // ---------------------------------------------------------------------------

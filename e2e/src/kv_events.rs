@@ -11,6 +11,10 @@
 //! ["BlockRemoved", [block_hash...], medium | nil]
 //! ["AllBlocksCleared"]
 //! ```
+//!
+//! `medium` is `GPU` for the GPU pool's blocks and `CPU` for the offload
+//! tier's copies, which go out as vLLM's CPU offloading connector publishes
+//! them: engine hashes only (no parent, no tokens).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -22,8 +26,24 @@ use zeromq::{Socket, SocketSend, ZmqMessage};
 
 use crate::kvcache::CacheEvent;
 
-/// The storage medium named in events (vLLM's GPU tier).
-pub const MEDIUM: &str = "GPU";
+/// The storage medium an event names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Medium {
+    /// The GPU pool.
+    Gpu,
+    /// The CPU offload tier.
+    Cpu,
+}
+
+impl Medium {
+    /// vLLM's name of it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+        }
+    }
+}
 
 /// One event of a batch, as the engine publishes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,11 +58,15 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: u32,
+        /// Where the blocks are.
+        medium: Medium,
     },
     /// Blocks removed.
     BlockRemoved {
         /// Block hashes.
         block_hashes: Vec<u64>,
+        /// Where they were.
+        medium: Medium,
     },
     /// The whole cache was cleared.
     AllBlocksCleared,
@@ -61,9 +85,22 @@ impl KvEvent {
                 parent_block_hash: *parent,
                 token_ids: tokens.clone(),
                 block_size: block_size as u32,
+                medium: Medium::Gpu,
             },
             CacheEvent::Removed(hashes) => KvEvent::BlockRemoved {
                 block_hashes: hashes.clone(),
+                medium: Medium::Gpu,
+            },
+            CacheEvent::Offloaded(hashes) => KvEvent::BlockStored {
+                block_hashes: hashes.clone(),
+                parent_block_hash: None,
+                token_ids: Vec::new(),
+                block_size: block_size as u32,
+                medium: Medium::Cpu,
+            },
+            CacheEvent::OffloadDropped(hashes) => KvEvent::BlockRemoved {
+                block_hashes: hashes.clone(),
+                medium: Medium::Cpu,
             },
         }
     }
@@ -76,6 +113,7 @@ impl KvEvent {
                 parent_block_hash,
                 token_ids,
                 block_size,
+                medium,
             } => Value::Array(vec![
                 Value::from("BlockStored"),
                 hashes(block_hashes),
@@ -83,12 +121,15 @@ impl KvEvent {
                 Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
                 Value::from(*block_size),
                 Value::Nil,
-                Value::from(MEDIUM),
+                Value::from(medium.as_str()),
             ]),
-            KvEvent::BlockRemoved { block_hashes } => Value::Array(vec![
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => Value::Array(vec![
                 Value::from("BlockRemoved"),
                 hashes(block_hashes),
-                Value::from(MEDIUM),
+                Value::from(medium.as_str()),
             ]),
             KvEvent::AllBlocksCleared => Value::Array(vec![Value::from("AllBlocksCleared")]),
         }
@@ -196,9 +237,11 @@ mod tests {
                 parent_block_hash: None,
                 token_ids: vec![5, 6],
                 block_size: 16,
+                medium: Medium::Gpu,
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![7],
+                medium: Medium::Cpu,
             },
             KvEvent::AllBlocksCleared,
         ];
@@ -216,10 +259,11 @@ mod tests {
         assert_eq!(stored[3].as_array().unwrap().len(), 2);
         assert_eq!(stored[4].as_u64(), Some(16));
         assert!(stored[5].is_nil());
-        assert_eq!(stored[6].as_str(), Some(MEDIUM));
+        assert_eq!(stored[6].as_str(), Some("GPU"));
         let removed = ev[1].as_array().unwrap();
         assert_eq!(removed[0].as_str(), Some("BlockRemoved"));
         assert_eq!(removed.len(), 3);
+        assert_eq!(removed[2].as_str(), Some("CPU"));
         assert_eq!(ev[2].as_array().unwrap().len(), 1);
     }
 

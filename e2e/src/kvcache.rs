@@ -1,6 +1,12 @@
 //! A simulated paged KV cache: fixed-size token blocks identified by chained
 //! hashes, a finite pool with LRU eviction, session pinning, and prefix-hit
 //! accounting, with the events a real engine would publish.
+//!
+//! With an offload tier ([`KvCache::with_offload`]) a block evicted from the
+//! GPU pool is copied to a bounded CPU pool first (its own LRU), as vLLM's CPU
+//! offloading keeps it: a prompt whose leading blocks the GPU lacks but the
+//! CPU pool holds loads them back (counted apart from GPU hits and from
+//! prefill) and the CPU copies stay.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -18,6 +24,10 @@ pub enum CacheEvent {
     },
     /// Blocks were evicted or freed.
     Removed(Vec<u64>),
+    /// Blocks were copied to the CPU tier (before their GPU eviction).
+    Offloaded(Vec<u64>),
+    /// Blocks were dropped from the CPU tier.
+    OffloadDropped(Vec<u64>),
 }
 
 /// The outcome of running one prompt through the cache.
@@ -25,6 +35,9 @@ pub enum CacheEvent {
 pub struct Access {
     /// Prompt tokens found in the cache (whole blocks of the longest cached prefix).
     pub hit_tokens: usize,
+    /// Prompt tokens after those loaded back from the CPU tier (whole blocks
+    /// continuing the cached prefix).
+    pub cpu_hit_tokens: usize,
     /// Prompt tokens looked up.
     pub queried_tokens: usize,
     /// Events to publish, in order.
@@ -46,6 +59,49 @@ pub struct KvCache {
     /// Unpinned blocks by (last use, hash): the eviction order.
     lru: BTreeSet<(u64, u64)>,
     clock: u64,
+    /// The CPU tier, when there is one.
+    offload: Option<Offload>,
+}
+
+/// The CPU tier: a bounded pool of copies, least recently used out first.
+#[derive(Debug)]
+struct Offload {
+    capacity: usize,
+    /// Block → last use.
+    blocks: HashMap<u64, u64>,
+    lru: BTreeSet<(u64, u64)>,
+}
+
+impl Offload {
+    /// Marks `hash` used at `now`; false when the tier does not hold it.
+    fn touch(&mut self, hash: u64, now: u64) -> bool {
+        let Some(last) = self.blocks.get_mut(&hash) else {
+            return false;
+        };
+        self.lru.remove(&(*last, hash));
+        *last = now;
+        self.lru.insert((now, hash));
+        true
+    }
+
+    /// Copies `hash` in at `now` (a copy it holds is touched): whether it is
+    /// new, and the block dropped to make room.
+    fn store(&mut self, hash: u64, now: u64) -> (bool, Option<u64>) {
+        if self.touch(hash, now) {
+            return (false, None);
+        }
+        let dropped = if self.blocks.len() >= self.capacity {
+            self.lru.pop_first().map(|(_, h)| {
+                self.blocks.remove(&h);
+                h
+            })
+        } else {
+            None
+        };
+        self.blocks.insert(hash, now);
+        self.lru.insert((now, hash));
+        (true, dropped)
+    }
 }
 
 /// The hash of a block given its parent's hash and its tokens (64-bit FNV-1a over
@@ -87,7 +143,28 @@ impl KvCache {
             blocks: HashMap::new(),
             lru: BTreeSet::new(),
             clock: 0,
+            offload: None,
         }
+    }
+
+    /// A pool of `capacity` blocks of `block_size` tokens whose evicted
+    /// blocks go to a CPU tier of `cpu_capacity` blocks (none when 0).
+    pub fn with_offload(block_size: usize, capacity: usize, cpu_capacity: usize) -> Self {
+        KvCache {
+            offload: (cpu_capacity > 0).then(|| Offload {
+                capacity: cpu_capacity,
+                blocks: HashMap::new(),
+                lru: BTreeSet::new(),
+            }),
+            ..KvCache::new(block_size, capacity)
+        }
+    }
+
+    /// Whether the CPU tier holds a copy of a block.
+    pub fn offloaded(&self, hash: u64) -> bool {
+        self.offload
+            .as_ref()
+            .is_some_and(|o| o.blocks.contains_key(&hash))
     }
 
     /// Tokens per block.
@@ -129,11 +206,26 @@ impl KvCache {
             .iter()
             .take_while(|h| self.blocks.contains_key(h))
             .count();
+        // The blocks after the GPU's that the CPU tier holds load back.
+        let cpu_blocks = match &self.offload {
+            Some(o) => hashes[hit_blocks..]
+                .iter()
+                .take_while(|h| o.blocks.contains_key(h))
+                .count(),
+            None => 0,
+        };
         let mut access = Access {
             hit_tokens: hit_blocks * self.block_size,
+            cpu_hit_tokens: cpu_blocks * self.block_size,
             queried_tokens: tokens.len(),
             events: Vec::new(),
         };
+        for h in &hashes[hit_blocks..hit_blocks + cpu_blocks] {
+            self.clock += 1;
+            if let Some(o) = &mut self.offload {
+                o.touch(*h, self.clock);
+            }
+        }
         let mut present = Vec::with_capacity(hashes.len());
         for h in &hashes[..hit_blocks] {
             self.touch(*h);
@@ -170,6 +262,14 @@ impl KvCache {
                 .extend_from_slice(&tokens[i * self.block_size..(i + 1) * self.block_size]);
         }
         if !removed.is_empty() {
+            // Copied to the CPU tier before the GPU lets them go.
+            let (offloaded, dropped) = self.offload_evicted(&removed);
+            if !dropped.is_empty() {
+                access.events.push(CacheEvent::OffloadDropped(dropped));
+            }
+            if !offloaded.is_empty() {
+                access.events.push(CacheEvent::Offloaded(offloaded));
+            }
             access.events.push(CacheEvent::Removed(removed));
         }
         if let Some(first) = stored.first() {
@@ -192,6 +292,32 @@ impl KvCache {
             }
             b.last_used = self.clock;
         }
+    }
+
+    /// Copies blocks the GPU evicts to the CPU tier: those new there, and
+    /// those it drops to make room (a block both copied and dropped within
+    /// the call is neither).
+    fn offload_evicted(&mut self, evicted: &[u64]) -> (Vec<u64>, Vec<u64>) {
+        let (mut offloaded, mut dropped) = (Vec::new(), Vec::new());
+        let Some(o) = &mut self.offload else {
+            return (offloaded, dropped);
+        };
+        for h in evicted {
+            self.clock += 1;
+            let (new, out) = o.store(*h, self.clock);
+            if new {
+                offloaded.push(*h);
+            }
+            if let Some(d) = out {
+                match offloaded.iter().position(|x| *x == d) {
+                    Some(i) => {
+                        offloaded.remove(i);
+                    }
+                    None => dropped.push(d),
+                }
+            }
+        }
+        (offloaded, dropped)
     }
 
     fn evict_one(&mut self, keep: &[u64]) -> Option<u64> {
@@ -234,10 +360,14 @@ impl KvCache {
         removed
     }
 
-    /// Drops every block.
+    /// Drops every block, on both tiers.
     pub fn clear(&mut self) {
         self.blocks.clear();
         self.lru.clear();
+        if let Some(o) = &mut self.offload {
+            o.blocks.clear();
+            o.lru.clear();
+        }
     }
 }
 
@@ -305,5 +435,54 @@ mod tests {
         assert_eq!(removed, vec![own[1]]);
         assert!(c.contains(shared[0]), "still pinned once");
         assert_eq!(c.used(), 1);
+    }
+
+    #[test]
+    fn evicted_blocks_go_to_the_cpu_tier_and_load_back_from_it() {
+        let mut c = KvCache::with_offload(4, 4, 8);
+        let p = toks(16, 1);
+        let (_, held) = c.access(&p);
+        // Another prompt takes the whole pool: p's blocks are copied to the
+        // CPU tier before the GPU evicts them.
+        let (a, _) = c.access(&toks(16, 2));
+        let at = |e: &dyn Fn(&CacheEvent) -> bool| a.events.iter().position(e);
+        let copied = at(&|e| matches!(e, CacheEvent::Offloaded(h) if *h == held));
+        let evicted = at(&|e| matches!(e, CacheEvent::Removed(h) if *h == held));
+        assert!(copied.is_some() && copied < evicted, "{:?}", a.events);
+        assert!(held.iter().all(|h| c.offloaded(*h) && !c.contains(*h)));
+        // p again: no GPU hit, every block loaded back from the CPU tier.
+        let (b, _) = c.access(&p);
+        assert_eq!((b.hit_tokens, b.cpu_hit_tokens), (0, 16));
+        assert!(held.iter().all(|h| c.contains(*h) && c.offloaded(*h)));
+        // The CPU tier is bounded (8 blocks: p's and the second prompt's):
+        // a third prompt's evicted blocks drop its least recently used
+        // copies, the second prompt's, each reported once; p's, touched by
+        // its load, stay.
+        let (_, second) = c.access(&toks(16, 2));
+        c.access(&toks(16, 3));
+        let (d, _) = c.access(&p);
+        let dropped: Vec<u64> = d
+            .events
+            .iter()
+            .flat_map(|e| match e {
+                CacheEvent::OffloadDropped(h) => h.clone(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(dropped.len(), 4, "{:?}", d.events);
+        assert!(second.iter().all(|h| !c.offloaded(*h)));
+        assert!(held.iter().all(|h| c.offloaded(*h)));
+    }
+
+    #[test]
+    fn without_an_offload_tier_nothing_is_copied() {
+        let mut c = KvCache::new(4, 1);
+        c.access(&toks(4, 1));
+        let (a, _) = c.access(&toks(4, 2));
+        assert!(a
+            .events
+            .iter()
+            .all(|e| !matches!(e, CacheEvent::Offloaded(_))));
+        assert_eq!(c.access(&toks(4, 1)).0.cpu_hit_tokens, 0);
     }
 }

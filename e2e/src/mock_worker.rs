@@ -10,9 +10,18 @@
 //! The prefill worker records the body fields in `/debug/seen`.
 //!
 //! Timing: a request waits for one of `max_running` slots, then its first
-//! token comes after `ttft` plus `prefill_per_token` per uncached prompt token,
-//! and each later token after `itl`; `speed` divides all three (a pool mixing
-//! two GPU generations runs workers at different speeds). `/metrics` serves
+//! token comes after `ttft` plus `prefill_per_token` per uncached prompt token
+//! plus `cpu_load_per_token` per prompt token loaded back from the CPU offload
+//! tier, and each later token after `itl`; `speed` divides them all (a pool
+//! mixing two GPU generations runs workers at different speeds). A prompt the
+//! GPU holds costs no prefill, one the CPU tier holds its load (by default a
+//! fifth of its prefill), a cold one its prefill.
+//!
+//! Offload tier (`cpu_offload_blocks` > 0): blocks the GPU pool evicts are
+//! copied to a bounded CPU pool first, published as vLLM's CPU offloading
+//! connector does (`BlockStored` with `medium: "CPU"` and engine hashes only,
+//! then the GPU's `BlockRemoved`); a block the CPU pool drops is published as
+//! `BlockRemoved` with `medium: "CPU"`. `/metrics` serves
 //! the resulting queue, TTFT and inter-token times as vLLM's histograms.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
@@ -83,6 +92,10 @@ pub struct WorkerConfig {
     pub ttft: Duration,
     /// Extra prefill time per uncached prompt token.
     pub prefill_per_token: Duration,
+    /// Blocks of the CPU offload tier of each rank (0: none).
+    pub cpu_offload_blocks: usize,
+    /// Time to load one prompt token's KV back from the CPU offload tier.
+    pub cpu_load_per_token: Duration,
     /// Time between output tokens.
     pub itl: Duration,
     /// Rate multiplier of every simulated time above: 2.0 runs twice as fast,
@@ -113,6 +126,8 @@ impl Default for WorkerConfig {
             num_blocks: 1024,
             ttft: Duration::from_millis(5),
             prefill_per_token: Duration::from_micros(10),
+            cpu_offload_blocks: 0,
+            cpu_load_per_token: Duration::from_micros(2),
             itl: Duration::from_millis(1),
             speed: 1.0,
             default_max_tokens: 16,
@@ -161,6 +176,8 @@ pub struct SeenRequest {
     pub session_unknown: bool,
     /// Prompt tokens served from the cache.
     pub hit_tokens: usize,
+    /// Prompt tokens after those loaded back from the CPU offload tier.
+    pub cpu_hit_tokens: usize,
     /// Prompt tokens.
     pub queried_tokens: usize,
     /// SGLang's `bootstrap_host`, `bootstrap_port`, `bootstrap_room` body
@@ -187,6 +204,8 @@ pub struct Counters {
     pub prefix_cache_hits: u64,
     /// Prompt tokens looked up (`vllm:prefix_cache_queries_total`).
     pub prefix_cache_queries: u64,
+    /// Prompt tokens loaded back from the CPU offload tier.
+    pub cpu_hit_tokens: u64,
     /// Sessions open now.
     pub sessions_open: u64,
     /// Sessions ever opened.
@@ -322,7 +341,13 @@ impl WorkerHandle {
         let worker = Arc::new(Worker {
             inner: Mutex::new(Inner {
                 caches: (0..ranks)
-                    .map(|_| KvCache::new(config.block_size, config.num_blocks))
+                    .map(|_| {
+                        KvCache::with_offload(
+                            config.block_size,
+                            config.num_blocks,
+                            config.cpu_offload_blocks,
+                        )
+                    })
                     .collect(),
                 sessions: HashMap::new(),
                 seen: Vec::new(),
@@ -836,12 +861,28 @@ impl Worker {
     }
 
     /// Runs the prompt through the rank's cache (and pins it for a session).
-    fn prefill(&self, rank: u32, prompt: &Prompt) -> (usize, usize) {
+    fn prefill(&self, rank: u32, prompt: &Prompt) -> Access {
         let mut inner = self.inner.lock();
         let access = self.cache_tokens(&mut inner, rank, prompt, &prompt.tokens);
         inner.counters.prefix_cache_hits += access.hit_tokens as u64;
+        inner.counters.cpu_hit_tokens += access.cpu_hit_tokens as u64;
         inner.counters.prefix_cache_queries += access.queried_tokens as u64;
-        (access.hit_tokens, access.queried_tokens)
+        access
+    }
+
+    /// Time to the first token of a prompt that `access` found: the fixed
+    /// time, the uncached tokens' prefill and the CPU tier's tokens' load.
+    fn first_token_after(&self, access: &Access) -> Duration {
+        let loaded = access.cpu_hit_tokens as u32;
+        let uncached = access
+            .queried_tokens
+            .saturating_sub(access.hit_tokens + access.cpu_hit_tokens)
+            as u32;
+        self.scaled(
+            self.config.ttft
+                + self.config.prefill_per_token * uncached
+                + self.config.cpu_load_per_token * loaded,
+        )
     }
 
     /// Caches the generated tokens after the prompt, as an engine keeps them.
@@ -1000,6 +1041,7 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
         session_timeout: None,
         session_unknown: false,
         hit_tokens: 0,
+        cpu_hit_tokens: 0,
         queried_tokens: 0,
         body_bootstrap: [None, None, None],
         prefill_status: None,
@@ -1070,12 +1112,13 @@ async fn serve_completion(w: Arc<Worker>, api: Api, headers: HeaderMap, body: By
     if let (Some(target), Some(b)) = (w.prefill_target(&headers), json_body) {
         seen.prefill_status = Some(send_prefill(target, api, b).await);
     }
-    let (hit, queried) = w.prefill(rank, &prompt);
+    let access = w.prefill(rank, &prompt);
+    let (hit, queried) = (access.hit_tokens, access.queried_tokens);
     seen.hit_tokens = hit;
+    seen.cpu_hit_tokens = access.cpu_hit_tokens;
     seen.queried_tokens = queried;
     w.record(seen);
-    let uncached = queried.saturating_sub(hit) as u32;
-    let prefill = w.scaled(w.config.ttft + w.config.prefill_per_token * uncached);
+    let prefill = w.first_token_after(&access);
     let itl = w.scaled(w.config.itl);
     let words = reply_words(&prompt.tokens, prompt.max_tokens);
     let output: Vec<u32> = match &w.config.vision {

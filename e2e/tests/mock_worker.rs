@@ -516,3 +516,131 @@ async fn runs_at_a_configured_speed() {
         );
     }
 }
+
+/// A completion of token ids `prompt`, one token out.
+fn ids(prompt: &[u32]) -> Value {
+    json!({"model": "mock-model", "max_tokens": 1, "prompt": prompt})
+}
+
+/// The offload tier's timing: a prompt the GPU evicted is loaded back from
+/// the CPU tier, faster than its cold prefill, slower than a GPU hit. The
+/// simulated times are long enough that a busy machine's scheduling noise
+/// (tens of milliseconds) cannot reorder them.
+#[tokio::test]
+async fn an_offloaded_prompt_loads_faster_than_a_cold_prefill_slower_than_a_gpu_hit() {
+    let (w, c) = worker(WorkerConfig {
+        num_blocks: 16,
+        cpu_offload_blocks: 64,
+        prefill_per_token: Duration::from_millis(2),
+        cpu_load_per_token: Duration::from_micros(400),
+        ..fast()
+    })
+    .await;
+    let prompt: Vec<u32> = (1000..1192).collect(); // 12 blocks
+    let filler: Vec<u32> = (5000..5256).collect(); // the whole GPU pool
+    let timed = |body: Value| {
+        let c = c.clone();
+        async move {
+            let start = std::time::Instant::now();
+            let r = c.post_json("/v1/completions", &body, &[]).await.unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            start.elapsed()
+        }
+    };
+    let cold = timed(ids(&prompt)).await;
+    timed(ids(&filler)).await;
+    let from_cpu = timed(ids(&prompt)).await;
+    let from_gpu = timed(ids(&prompt)).await;
+    let seen = w.seen().requests;
+    let split: Vec<(usize, usize)> = seen
+        .iter()
+        .map(|r| (r.hit_tokens, r.cpu_hit_tokens))
+        .collect();
+    assert_eq!(split, vec![(0, 0), (0, 0), (0, 192), (192, 0)]);
+    // 192 tokens: 384 ms of prefill cold, 77 ms of load from the CPU tier.
+    assert!(cold >= Duration::from_millis(384), "cold {cold:?}");
+    assert!(from_cpu >= Duration::from_millis(76), "CPU {from_cpu:?}");
+    assert!(from_cpu < cold / 2, "CPU {from_cpu:?} vs cold {cold:?}");
+    assert!(from_gpu < from_cpu, "GPU {from_gpu:?} vs CPU {from_cpu:?}");
+    assert_eq!(w.counters().cpu_hit_tokens, 192);
+}
+
+/// The offload tier publishes as vLLM's CPU offloading connector: the copy
+/// (`BlockStored`, `medium: "CPU"`, engine hashes only) before the GPU's
+/// eviction of the same blocks.
+#[tokio::test]
+async fn an_offload_tier_publishes_cpu_copies_before_the_gpu_evicts() {
+    let (w, c) = worker(WorkerConfig {
+        num_blocks: 16,
+        cpu_offload_blocks: 64,
+        kv_events_port: Some(0),
+        ..fast()
+    })
+    .await;
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&format!("tcp://127.0.0.1:{}", w.kv_events_port().unwrap()))
+        .await
+        .unwrap();
+    sub.subscribe("").await.unwrap();
+    // The subscription reaches the publisher asynchronously: one-block
+    // prompts until an event arrives.
+    for i in 0..50u32 {
+        c.post_json("/v1/completions", &ids(&[i; 16]), &[])
+            .await
+            .unwrap();
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+            break;
+        }
+    }
+    let prompt: Vec<u32> = (1000..1064).collect();
+    let held = prefix_hashes(&prompt, 16);
+    c.post_json("/v1/completions", &ids(&prompt), &[])
+        .await
+        .unwrap();
+    let filler: Vec<u32> = (5000..5256).collect();
+    c.post_json("/v1/completions", &ids(&filler), &[])
+        .await
+        .unwrap();
+    let mut events: Vec<Vec<Value>> = Vec::new();
+    while let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(300), sub.recv()).await {
+        let raw = rmpv::decode::read_value(&mut &m.get(2).unwrap()[..]).unwrap();
+        for e in raw.as_array().unwrap()[1].as_array().unwrap() {
+            events.push(
+                e.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| match v {
+                        rmpv::Value::String(s) => json!(s.as_str()),
+                        rmpv::Value::Integer(i) => json!(i.as_u64()),
+                        rmpv::Value::Array(a) => {
+                            json!(a.iter().map(|x| x.as_u64()).collect::<Vec<_>>())
+                        }
+                        _ => Value::Null,
+                    })
+                    .collect(),
+            );
+        }
+    }
+    let hashes = |e: &[Value]| -> Vec<u64> {
+        e[1].as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect()
+    };
+    let holds_prompt = |e: &[Value]| held.iter().all(|h| hashes(e).contains(h));
+    let copied = events
+        .iter()
+        .position(|e| e[0] == "BlockStored" && e[6] == "CPU" && holds_prompt(e));
+    let evicted = events
+        .iter()
+        .position(|e| e[0] == "BlockRemoved" && e[2] == "GPU" && holds_prompt(e));
+    let (Some(copied), Some(evicted)) = (copied, evicted) else {
+        panic!("no CPU copy or GPU eviction of the prompt in {events:?}");
+    };
+    assert!(copied < evicted, "the copy comes first");
+    let copy = &events[copied];
+    assert!(copy[2].is_null(), "no parent");
+    assert_eq!(copy[3], json!(Vec::<u64>::new()), "no tokens");
+    assert_eq!(copy[4], json!(16));
+}

@@ -170,6 +170,7 @@ impl Args {
             max_request_load_blocks: s.max_request_load_blocks.max(1),
             max_endpoints: s.max_endpoints as usize,
             scoring: s.scoring.mode(),
+            tier_costs: s.tier_costs.0,
             sglang_bootstrap_port: (s.sglang_bootstrap_port != 0)
                 .then_some(s.sglang_bootstrap_port),
             health: self.health.config(),

@@ -3,7 +3,8 @@
 //! The cost terms' weight flags are not listed here: each term declares its
 //! own ([`crate::scheduler::plugin::Knob`]) and [`WeightFlags`] makes a flag
 //! of every declaration in the registry, in its order (the terms' weights,
-//! then their prefill-side weights).
+//! then their prefill-side weights). The storage tiers' load costs are
+//! declared the same way ([`crate::scheduler::tiers`], [`TierCostFlags`]).
 
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use clap::{Arg, ArgMatches, Command, FromArgMatches};
 use super::duration;
 use crate::kv::index::IndexConfig;
 use crate::scheduler::plugin::{Knob, Weight};
+use crate::scheduler::tiers::{self, TierCosts};
 use crate::scheduler::{registry, Plugins, TermWeights};
 
 /// The scheduler: prefix index, cost weights, booked load.
@@ -93,6 +95,11 @@ pub struct SchedulingFlags {
     /// The cost terms' `--weight-*` flags, one per weight a term declares.
     #[command(flatten)]
     pub weights: WeightFlags,
+
+    /// The `--tier-cost-*` flags: what loading a block from a lower storage
+    /// tier costs.
+    #[command(flatten)]
+    pub tier_costs: TierCostFlags,
 
     /// 0 picks the cheapest candidate; above 0, softmax sampling over costs scaled
     /// to [0, 1] with this temperature.
@@ -214,6 +221,38 @@ impl FromArgMatches for WeightFlags {
 impl clap::Args for WeightFlags {
     fn augment_args(cmd: Command) -> Command {
         knobs().fold(cmd, |cmd, k| cmd.arg(flag(k)))
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
+    }
+}
+
+/// The `--tier-cost-*` flags the scheduler's tier module declares
+/// ([`crate::scheduler::tiers::KNOBS`]), read into [`TierCosts`].
+#[derive(Debug, Clone, Default)]
+pub struct TierCostFlags(pub TierCosts);
+
+impl FromArgMatches for TierCostFlags {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let mut flags = TierCostFlags::default();
+        flags.update_from_arg_matches(matches)?;
+        Ok(flags)
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        for k in tiers::KNOBS {
+            if let Some(v) = matches.get_one::<f64>(k.flag) {
+                self.0.set_flag(k.flag, *v);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl clap::Args for TierCostFlags {
+    fn augment_args(cmd: Command) -> Command {
+        tiers::KNOBS.iter().fold(cmd, |cmd, k| cmd.arg(flag(**k)))
     }
 
     fn augment_args_for_update(cmd: Command) -> Command {

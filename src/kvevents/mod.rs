@@ -20,6 +20,11 @@
 //! subscribed, was lost in a gap, or was dropped by the cap) cannot be chained and
 //! is skipped (counted as orphan blocks); the engine re-stores the chain on the
 //! next prompt that reaches it.
+//!
+//! Tiers: blocks a worker copies to CPU memory or disk (vLLM's `medium`,
+//! SGLang's HiCache host tiers) are its copies of blocks its GPU events
+//! stored, found by engine hash in what the GPU events placed; each tier's
+//! `BlockRemoved` drops that tier's copies only ([`crate::kv::tier`]).
 
 pub use kvpick_core::kvevents::*;
 
@@ -28,12 +33,13 @@ pub mod queue;
 pub mod subscriber;
 pub mod zmtp;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use crate::endpoints::WorkerKey;
 use crate::kv::hash::{mm_block_hash, model_seed, salted_seed, token_block_hashes};
-use crate::kv::index::PrefixIndex;
+use crate::kv::index::{PrefixIndex, TierStore};
+use crate::kv::tier::Tier;
 use crate::multimodal::routing::normalize_vllm_block;
 use crate::scheduler::Scheduler;
 
@@ -82,6 +88,19 @@ pub trait KvEventSink: Send + Sync {
     );
     /// Forgets the blocks the engine removed, by engine hash.
     fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]);
+    /// Records that `worker` copied these blocks (by engine hash) to a lower
+    /// `tier`, each covering `span` blocks of its chain
+    /// ([`PrefixIndex::store_tier_copies`]).
+    fn store_tier_copies(
+        &self,
+        worker: WorkerKey,
+        tier: Tier,
+        engine_hashes: &[u64],
+        span: usize,
+    ) -> TierStore;
+    /// Forgets `worker`'s copies of these blocks (by engine hash) on a lower
+    /// `tier`; returns how many blocks it no longer holds there.
+    fn remove_tier_copies(&self, worker: WorkerKey, tier: Tier, engine_hashes: &[u64]) -> usize;
     /// Forgets everything about `worker`.
     fn clear_worker(&self, worker: WorkerKey);
     /// Switches `worker` between precise (event-fed) and approximate mode.
@@ -103,6 +122,18 @@ impl KvEventSink for PrefixIndex {
     }
     fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) {
         PrefixIndex::remove_engine_blocks(self, worker, engine_hashes);
+    }
+    fn store_tier_copies(
+        &self,
+        worker: WorkerKey,
+        tier: Tier,
+        engine_hashes: &[u64],
+        span: usize,
+    ) -> TierStore {
+        PrefixIndex::store_tier_copies(self, worker, tier, engine_hashes, span)
+    }
+    fn remove_tier_copies(&self, worker: WorkerKey, tier: Tier, engine_hashes: &[u64]) -> usize {
+        PrefixIndex::remove_tier_copies(self, worker, tier, engine_hashes)
     }
     fn clear_worker(&self, worker: WorkerKey) {
         PrefixIndex::clear_worker(self, worker)
@@ -135,6 +166,19 @@ impl KvEventSink for Scheduler {
         let ours = self.index().remove_engine_blocks(worker, engine_hashes);
         self.settle_provisional(worker, &ours);
     }
+    fn store_tier_copies(
+        &self,
+        worker: WorkerKey,
+        tier: Tier,
+        engine_hashes: &[u64],
+        span: usize,
+    ) -> TierStore {
+        self.index()
+            .store_tier_copies(worker, tier, engine_hashes, span)
+    }
+    fn remove_tier_copies(&self, worker: WorkerKey, tier: Tier, engine_hashes: &[u64]) -> usize {
+        self.index().remove_tier_copies(worker, tier, engine_hashes)
+    }
     fn clear_worker(&self, worker: WorkerKey) {
         self.index().clear_worker(worker);
         self.clear_provisional(worker);
@@ -153,9 +197,13 @@ pub struct ApplyStats {
     pub stored_blocks: u64,
     /// Blocks removed from the index.
     pub removed_blocks: u64,
-    /// Blocks skipped because their parent is unknown.
+    /// Blocks skipped because their parent is unknown (or, copied to a lower
+    /// tier, because the GPU events never placed them).
     pub orphan_blocks: u64,
-    /// Events skipped: other storage tiers, other KV-cache groups, unknown types.
+    /// Blocks a lower tier now holds (copies of GPU blocks).
+    pub tier_blocks: u64,
+    /// Events skipped: tiers kvpick has no name for, other KV-cache groups,
+    /// unknown types.
     pub ignored_events: u64,
     /// `AllBlocksCleared` events.
     pub clears: u64,
@@ -173,6 +221,7 @@ impl ApplyStats {
         self.stored_blocks += o.stored_blocks;
         self.removed_blocks += o.removed_blocks;
         self.orphan_blocks += o.orphan_blocks;
+        self.tier_blocks += o.tier_blocks;
         self.ignored_events += o.ignored_events;
         self.clears += o.clears;
         self.mm_blocks += o.mm_blocks;
@@ -188,6 +237,9 @@ pub struct Ingest<S: ?Sized> {
     default_model: String,
     live: HashSet<WorkerKey>,
     image_token: Option<u32>,
+    /// Each live worker's GPU block size (tokens), from its GPU `BlockStored`:
+    /// a lower tier's block may span several.
+    gpu_block_size: HashMap<WorkerKey, usize>,
 }
 
 impl<S: KvEventSink + ?Sized> Ingest<S> {
@@ -199,6 +251,7 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             default_model: default_model.into(),
             live: HashSet::new(),
             image_token: None,
+            gpu_block_size: HashMap::new(),
         }
     }
 
@@ -257,6 +310,7 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
             self.live.insert(worker);
         } else {
             self.live.remove(&worker);
+            self.gpu_block_size.remove(&worker);
         }
         self.reset(worker);
         self.sink.set_precise(worker, live);
@@ -269,11 +323,17 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
         e: &BlockStored,
         now: Instant,
     ) -> ApplyStats {
-        if !counts_for_routing(&e.tier, e.group_idx) {
-            return ApplyStats {
-                ignored_events: 1,
-                ..Default::default()
-            };
+        match routing_tier(&e.tier, e.group_idx) {
+            None => {
+                return ApplyStats {
+                    ignored_events: 1,
+                    ..Default::default()
+                }
+            }
+            Some(Tier::Gpu) => {
+                self.gpu_block_size.insert(worker, e.block_size);
+            }
+            Some(tier) => return self.copied(worker, tier, e),
         }
         let parent = match e.parent_block_hash {
             None => None,
@@ -322,16 +382,42 @@ impl<S: KvEventSink + ?Sized> Ingest<S> {
         }
     }
 
-    fn removed(&mut self, worker: WorkerKey, e: &BlockRemoved) -> ApplyStats {
-        if !counts_for_routing(&e.tier, e.group_idx) {
-            return ApplyStats {
-                ignored_events: 1,
-                ..Default::default()
-            };
-        }
-        self.sink.remove_engine_blocks(worker, &e.block_hashes);
+    /// A `BlockStored` on a lower tier: copies of blocks the GPU events
+    /// placed. vLLM's offloading connector names them by engine hash alone
+    /// (no tokens, no parent), an offloaded block spanning as many GPU blocks
+    /// as its block size holds GPU blocks, named by the last one's hash.
+    fn copied(&mut self, worker: WorkerKey, tier: Tier, e: &BlockStored) -> ApplyStats {
+        let span = match self.gpu_block_size.get(&worker) {
+            Some(&gpu) if gpu > 0 && e.block_size % gpu == 0 => e.block_size / gpu,
+            _ => 1,
+        };
+        let s = self
+            .sink
+            .store_tier_copies(worker, tier, &e.block_hashes, span);
         ApplyStats {
-            removed_blocks: e.block_hashes.len() as u64,
+            tier_blocks: s.stored as u64,
+            orphan_blocks: s.orphans as u64,
+            ..Default::default()
+        }
+    }
+
+    /// A `BlockRemoved` drops the named tier's copies only.
+    fn removed(&mut self, worker: WorkerKey, e: &BlockRemoved) -> ApplyStats {
+        let removed = match routing_tier(&e.tier, e.group_idx) {
+            None => {
+                return ApplyStats {
+                    ignored_events: 1,
+                    ..Default::default()
+                }
+            }
+            Some(Tier::Gpu) => {
+                self.sink.remove_engine_blocks(worker, &e.block_hashes);
+                e.block_hashes.len()
+            }
+            Some(tier) => self.sink.remove_tier_copies(worker, tier, &e.block_hashes),
+        };
+        ApplyStats {
+            removed_blocks: removed as u64,
             ..Default::default()
         }
     }
@@ -382,11 +468,12 @@ fn mm_stored_hashes<S: KvEventSink + ?Sized>(
     out
 }
 
-/// Only GPU-resident blocks of the first KV-cache group (group absent or 0)
-/// decide routing: other tiers have their own removal streams, and hybrid
-/// models repeat every block once per group.
-fn counts_for_routing(tier: &StorageTier, group: Option<i64>) -> bool {
-    *tier == StorageTier::Gpu && group.is_none_or(|g| g == 0)
+/// The tier an event's blocks count on for routing: blocks of the first
+/// KV-cache group (group absent or 0; hybrid models repeat every block once
+/// per group) on a tier kvpick names (`None`: the event is ignored). Each
+/// tier has its own removal stream.
+fn routing_tier(tier: &StorageTier, group: Option<i64>) -> Option<Tier> {
+    Tier::of(tier).filter(|_| group.is_none_or(|g| g == 0))
 }
 
 /// How a sequence number relates to the previous one on the same stream.
@@ -506,11 +593,12 @@ mod tests {
 
     #[test]
     fn routing_tiers() {
-        assert!(counts_for_routing(&StorageTier::Gpu, None));
-        assert!(counts_for_routing(&StorageTier::Gpu, Some(0)));
-        assert!(!counts_for_routing(&StorageTier::Cpu, None));
-        assert!(!counts_for_routing(&StorageTier::Disk, None));
-        assert!(!counts_for_routing(&StorageTier::Other("x".into()), None));
-        assert!(!counts_for_routing(&StorageTier::Gpu, Some(1)));
+        assert_eq!(routing_tier(&StorageTier::Gpu, None), Some(Tier::Gpu));
+        assert_eq!(routing_tier(&StorageTier::Gpu, Some(0)), Some(Tier::Gpu));
+        assert_eq!(routing_tier(&StorageTier::Cpu, None), Some(Tier::Cpu));
+        assert_eq!(routing_tier(&StorageTier::Disk, Some(0)), Some(Tier::Disk));
+        assert_eq!(routing_tier(&StorageTier::Other("x".into()), None), None);
+        assert_eq!(routing_tier(&StorageTier::Gpu, Some(1)), None);
+        assert_eq!(routing_tier(&StorageTier::Cpu, Some(1)), None);
     }
 }

@@ -96,6 +96,15 @@ pub struct Candidate {
     /// The engine's own recent latency, when scraped.
     #[prost(message, optional, tag = "18")]
     pub engine: Option<EngineLatency>,
+    /// Of `overlap_blocks`, those on the GPU.
+    #[prost(uint64, tag = "19")]
+    pub gpu_blocks: u64,
+    /// Of `overlap_blocks`, those in CPU memory and not on the GPU.
+    #[prost(uint64, tag = "20")]
+    pub cpu_blocks: u64,
+    /// Of `overlap_blocks`, those on disk only.
+    #[prost(uint64, tag = "21")]
+    pub disk_blocks: u64,
 }
 
 /// `EngineLatency`.
@@ -237,6 +246,9 @@ fn response(e: Explanation) -> ExplainResponse {
                 role: if c.prefill { "prefill" } else { "decode" }.into(),
                 filtered_out: c.filtered_out.unwrap_or_default().into(),
                 overlap_blocks: c.overlap_blocks as u64,
+                gpu_blocks: c.tier_blocks.gpu as u64,
+                cpu_blocks: c.tier_blocks.cpu as u64,
+                disk_blocks: c.tier_blocks.disk as u64,
                 cost: c.terms.total(),
                 terms: c
                     .terms
@@ -276,7 +288,11 @@ pub fn to_json(r: &ExplainResponse) -> serde_json::Value {
             serde_json::json!({
                 "address": c.address, "instance_id": c.instance_id, "dp_rank": c.dp_rank,
                 "role": c.role, "filtered_out": c.filtered_out,
-                "overlap_blocks": c.overlap_blocks, "terms": terms, "cost": c.cost,
+                "overlap_blocks": c.overlap_blocks,
+                "tier_blocks": {
+                    "gpu": c.gpu_blocks, "cpu": c.cpu_blocks, "disk": c.disk_blocks,
+                },
+                "terms": terms, "cost": c.cost,
                 "session_pinned": c.session_pinned, "chosen": c.chosen,
                 "load_source": c.load_source, "overlap_guessed": c.overlap_guessed,
                 "prediction": c.prediction.as_ref().map(|p| serde_json::json!({
@@ -638,6 +654,9 @@ mod tests {
                 ttft_gap_seconds: Some(0.05),
                 age_seconds: Some(1.0),
             }),
+            gpu_blocks: 1,
+            cpu_blocks: 1,
+            disk_blocks: 1,
         };
         let request = ExplainRequest {
             body: b"{}".to_vec(),

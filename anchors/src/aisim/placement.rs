@@ -474,8 +474,8 @@ fn scheduler_config(settings: &KvpickSettings) -> anyhow::Result<SchedulerConfig
     })
 }
 
-/// One engine event as vLLM publishes it; host-tier events are not on the GPU
-/// and are published with their tier, which kvpick's ingest skips.
+/// One engine event as vLLM publishes it; host-tier events are published with
+/// their tier, which kvpick's ingest keeps as the worker's CPU copies.
 fn vllm_event(event: KvEvent, block_size: usize) -> kvevents::KvEvent {
     let tier = match event.tier {
         KvEventTier::Device => StorageTier::Gpu,

@@ -1,5 +1,6 @@
-//! The KV-cache view of the pool: prefix block hashing ([`hash`]) and the index of
-//! which (worker, dp rank) holds which blocks ([`index`]).
+//! The KV-cache view of the pool: prefix block hashing ([`hash`]), the index of
+//! which (worker, dp rank) holds which blocks ([`index`]), and the storage tiers
+//! a worker holds them on ([`tier`]).
 //!
 //! Approximate mode fills the index from routing decisions; precise mode fills it
 //! from the engines' KV events. Both use the same block hashes and the same index.
@@ -9,3 +10,4 @@ pub mod index;
 mod lru;
 mod slots;
 mod table;
+pub mod tier;

@@ -12,8 +12,8 @@
 //!
 //! [`decoder`] picks an engine's decoder; adding an engine's format is a file
 //! here and one arm there. A normalised event keeps the storage tier its blocks
-//! are on ([`StorageTier`]), so tiers other than the GPU's can be told apart;
-//! routing reads the GPU tier only.
+//! are on ([`StorageTier`]): the prefix index keeps each tier's copies apart
+//! (`kv::tier`), and routing counts a lower tier's blocks as partial hits.
 
 pub mod event;
 pub mod frames;

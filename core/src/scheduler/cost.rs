@@ -14,6 +14,7 @@ use smallvec::SmallVec;
 use super::candidates::Cand;
 use super::terms::predicted::{self, LatencyAsk};
 use super::terms::{Candidate, CostTerms, PendingWait, RequestCost, Side};
+use super::tiers::Work;
 use super::{PickRequest, Plugins, Scheduler};
 use crate::kv::hash::PromptBlocks;
 use crate::latency::features::MAX_OUTPUT_TOKENS;
@@ -69,21 +70,22 @@ impl Scheduler {
         Some(floor)
     }
 
-    /// What the terms read about candidate `c` left `new_blocks` to prefill,
-    /// at `now` coded by [`Epoch::process`](crate::time::Epoch::process).
+    /// What the terms read about candidate `c` left `work` to do, at `now`
+    /// coded by [`Epoch::process`](crate::time::Epoch::process).
     #[inline(always)]
-    fn inputs<'a>(&self, c: &Cand<'a>, new_blocks: usize, now: i64) -> Candidate<'a> {
+    fn inputs<'a>(&self, c: &Cand<'a>, work: Work, now: i64) -> Candidate<'a> {
         Candidate {
             endpoint: c.ep,
             rank: c.rank,
             booked: c.ep.active_load(c.rank),
             view: c.ep.load_view_at(now, self.config.scrape_max_age),
-            new_blocks,
+            new_blocks: work.new_blocks,
+            transfer_blocks: work.transfer_blocks,
         }
     }
 
-    /// The cost of sending `req` to candidate `c`, left `new_blocks` to
-    /// prefill there: the sum of the terms of `plugins`, each written into
+    /// The cost of sending `req` to candidate `c`, left `work` to do there
+    /// (blocks to prefill, lower-tier blocks to load): the sum of the terms of `plugins`, each written into
     /// `terms` (one slot per scorer, in summing order), so the winner's need
     /// no rescoring.
     #[inline(always)]
@@ -91,12 +93,12 @@ impl Scheduler {
         &self,
         plugins: &Plugins,
         c: &Cand<'_>,
-        new_blocks: usize,
+        work: Work,
         req: &RequestCost,
         now: i64,
         terms: &mut [f64],
     ) -> f64 {
-        let inputs = self.inputs(c, new_blocks, now);
+        let inputs = self.inputs(c, work, now);
         let mut total = 0.0;
         for (s, term) in plugins.scorers.iter().zip(terms.iter_mut()) {
             *term = s.cost(&inputs, req);
@@ -127,28 +129,28 @@ impl Scheduler {
         }
     }
 
-    /// Candidate `c` left `new_blocks` to prefill as the latency model reads it.
+    /// Candidate `c` left `work` to do as the latency model reads it.
     pub(super) fn latency_features(
         &self,
         c: &Cand<'_>,
-        new_blocks: usize,
+        work: Work,
         req: &RequestCost,
         now: i64,
     ) -> Features {
-        predicted::features(&self.inputs(c, new_blocks, now), req)
+        predicted::features(&self.inputs(c, work, now), req)
     }
 
-    /// The predicted latency of `req` on `c` left `new_blocks` to prefill,
-    /// when latency is learned and the pool prior is warm.
+    /// The predicted latency of `req` on `c` left `work` to do, when latency
+    /// is learned and the pool prior is warm.
     pub(super) fn prediction(
         &self,
         c: &Cand<'_>,
-        new_blocks: usize,
+        work: Work,
         req: &RequestCost,
         now: i64,
     ) -> Option<Prediction> {
         let l = self.latency.as_ref()?;
-        l.predict(&c.key, &self.latency_features(c, new_blocks, req, now))
+        l.predict(&c.key, &self.latency_features(c, work, req, now))
     }
 
     /// A buffer for [`Scheduler::cost_into`]: one slot per scorer of `plugins`.
@@ -168,11 +170,11 @@ impl Scheduler {
         &self,
         plugins: &Plugins,
         c: &Cand<'_>,
-        new_blocks: usize,
+        work: Work,
         req: &RequestCost,
         now: i64,
     ) -> CostTerms {
-        let inputs = self.inputs(c, new_blocks, now);
+        let inputs = self.inputs(c, work, now);
         CostTerms(
             plugins
                 .scorers

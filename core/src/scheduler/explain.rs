@@ -19,6 +19,7 @@ use super::terms::{CostTerms, LoadSource};
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
 use crate::engine_latency::EngineLatency;
+use crate::kv::tier::TierBlocks;
 use crate::latency::Prediction;
 
 /// One (endpoint, rank) as the pick sees it.
@@ -33,8 +34,10 @@ pub struct CandidateScore {
     /// Why it sits out, if it does (the dropping filter's reason; then it has
     /// no terms).
     pub filtered_out: Option<&'static str>,
-    /// Prompt blocks it holds (leading).
+    /// Prompt blocks it holds (leading), whatever their tier.
     pub overlap_blocks: usize,
+    /// Those blocks by the best storage tier each is on.
+    pub tier_blocks: TierBlocks,
     /// Whether that overlap is only a guess: prompts routed to this precise
     /// worker that its KV events have not confirmed (yet).
     pub overlap_guessed: bool,
@@ -122,15 +125,16 @@ impl Observer for Recorder {
                     true => (is(Some(decode)), pinned.0 && is(Some(decode))),
                     false => (is(prefill), pinned.1 && is(prefill)),
                 };
-                let (overlap_blocks, overlap_guessed) = at.held(&c);
+                let held = at.held(&c);
                 let (terms, prediction) = self.scored.remove(&slot(&c)).unwrap_or_default();
                 self.candidates.push(CandidateScore {
                     key: c.key,
                     address: address.clone(),
                     prefill: !ep.serves_decode(),
                     filtered_out,
-                    overlap_blocks,
-                    overlap_guessed,
+                    overlap_blocks: held.blocks(),
+                    tier_blocks: held.tiers,
+                    overlap_guessed: held.guessed,
                     load_source: LoadSource::of(&ep.load_view_at(at.now(), self.scrape_max_age)),
                     terms,
                     prediction,

@@ -54,6 +54,7 @@ mod stats;
 pub mod terms;
 #[cfg(test)]
 mod tests;
+pub mod tiers;
 mod weights;
 
 pub use agreement::{AGREEMENT_BLOCKS, AGREEMENT_MARGIN};
@@ -146,6 +147,9 @@ pub struct SchedulerConfig {
     pub max_endpoints: usize,
     /// What a candidate's cost is in.
     pub scoring: ScoringMode,
+    /// What loading a prompt block from a worker's lower storage tier costs,
+    /// as a fraction of prefilling it.
+    pub tier_costs: tiers::TierCosts,
 }
 
 /// What a candidate's cost is in.
@@ -191,6 +195,7 @@ impl Default for SchedulerConfig {
             health: HealthConfig::default(),
             max_endpoints: 1,
             scoring: ScoringMode::Heuristic,
+            tier_costs: tiers::TierCosts::default(),
         }
     }
 }
@@ -526,7 +531,7 @@ impl Scheduler {
             .flat_map(|e| (0..e.ranks()).map(|r| e.key(r)))
             .collect();
         for w in self.index.workers() {
-            if !live.contains(&w) && !self.index.is_precise(w) {
+            if !live.contains(&crate::kv::tier::device(w)) && !self.index.is_precise(w) {
                 self.index.clear_worker(w);
             }
         }

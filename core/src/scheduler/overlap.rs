@@ -7,6 +7,8 @@
 //! and scatter. So a prompt routed to a precise worker is recorded as a guess
 //! (provisional entries, `provisional.rs`); a candidate's overlap is the
 //! larger of the two answers, and it is a guess when the guess is the larger.
+//! Blocks it holds on lower storage tiers extend its overlap, each counted on
+//! the best tier it is on (`kv::tier`).
 //! A guess ends when the worker's KV events speak of its block (stored: the
 //! precise index holds it now; removed or cleared: the worker does not), when
 //! they have not confirmed it shortly after the request's response began, or
@@ -21,6 +23,7 @@ use super::candidates::Cand;
 use super::{Decision, Scheduler};
 use crate::endpoints::WorkerKey;
 use crate::kv::index::Overlaps;
+use crate::kv::tier::{self, Tier, TierBlocks};
 
 /// How far past this replica's clock a peer's LRU key may rank (clock skew
 /// beyond it, or a corrupt key, is cut to it).
@@ -33,24 +36,53 @@ pub(super) struct PromptOverlaps {
     provisional: Option<Overlaps>,
 }
 
+/// What a candidate holds of a prompt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Held {
+    /// Its leading blocks, by the best tier each is on.
+    pub(super) tiers: TierBlocks,
+    /// Whether that many is only a guess (more than its events confirm).
+    pub(super) guessed: bool,
+}
+
+impl Held {
+    /// Its leading blocks, whatever their tier.
+    pub(super) fn blocks(&self) -> usize {
+        self.tiers.total()
+    }
+}
+
 impl PromptOverlaps {
     /// Leading prompt blocks candidate `c` holds or is provisionally credited
-    /// with (the index found through the slot hint `c`'s endpoint keeps), and
-    /// whether that many is only a guess (more than its events confirm).
-    pub(super) fn get(&self, c: &Cand<'_>) -> (usize, bool) {
+    /// with (the index found through the slot hint `c`'s endpoint keeps), by
+    /// tier: a guess counts as on the GPU, where the routed prompt is
+    /// prefilled.
+    pub(super) fn get(&self, c: &Cand<'_>) -> Held {
         let held = match c.ep.index_slot(c.rank) {
             Some(hint) => self.index.get_hinted(c.key, hint),
             None => self.index.get(c.key),
         };
-        match self.provisional.as_ref().map(|p| p.get(c.key)) {
+        let (gpu, guess) = match self.provisional.as_ref().map(|p| p.get(c.key)) {
             Some(guess) if guess > held => (guess, true),
             _ => (held, false),
+        };
+        let (cpu, disk) = match self.index.tiered() {
+            true => (
+                self.index.get(tier::holder(c.key, Tier::Cpu)),
+                self.index.get(tier::holder(c.key, Tier::Disk)),
+            ),
+            false => (0, 0),
+        };
+        Held {
+            tiers: TierBlocks::of_depths(gpu, cpu, disk),
+            guessed: guess && gpu > cpu.max(disk),
         }
     }
 
     /// The holder levels of both answers, deepest first: a worker's overlap is
-    /// at most the depth of the first level it is found in, and a worker found
-    /// in none holds nothing of the prompt.
+    /// at most the depth of the first level one of its holders (its own key,
+    /// or a lower tier's, `kv::tier::holder`) is found in, and a worker none
+    /// of whose holders is found holds nothing of the prompt.
     pub(super) fn levels_deepest_first(&self) -> impl Iterator<Item = HolderLevel<'_>> {
         let (mut a, mut b): (Peekable<_>, Peekable<_>) = (
             deepest_first(&self.index).peekable(),

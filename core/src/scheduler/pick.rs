@@ -15,13 +15,14 @@ use rand::Rng;
 
 use super::candidates::{Cand, Pool};
 use super::cost::{pick_index, Best, Least, Ranked, TermCosts};
-use super::overlap::PromptOverlaps;
+use super::overlap::{Held, PromptOverlaps};
 use super::pickers::Choice;
 use super::terms::predicted::LatencyAsk;
 use super::terms::{CostTerms, RequestCost, Side};
+use super::tiers::{TierCosts, Work};
 use super::{Decision, PickError, PickRequest, Plugins, Scheduler, Stage, StageTimer};
 use crate::endpoints::{adapter_id, ActiveLoad, Engine, Snapshot, WorkerKey};
-use crate::kv::hash;
+use crate::kv::{hash, tier};
 use crate::latency::Prediction;
 use crate::request::InferenceRequest;
 use crate::sessions::{Pin, SessionTurn};
@@ -112,6 +113,7 @@ impl Scheduler {
             size: load_blocks,
             adapter: req.body.map(|b| adapter_id(&b.model)),
             latency: self.latency_ask(req, &prompt, load_blocks),
+            tier_costs: self.config.tier_costs,
             now: tick,
         };
         if let (Some(l), false) = (&self.latency, O::EXPLAINS || scoring.latency.warm) {
@@ -135,9 +137,11 @@ impl Scheduler {
                     .map(|(p, _)| p),
                 _ => None,
             };
-            (d, d_terms, fallbacks, scoring.overlap(&d), p)
+            (d, d_terms, fallbacks, scoring.held(&d), p)
         };
-        if !O::EXPLAINS && pinned.is_none() && self.slo_unreachable(req, &scoring, &d) {
+        let work = scoring.work(&overlap);
+        let overlap = overlap.blocks();
+        if !O::EXPLAINS && pinned.is_none() && self.slo_unreachable(req, &scoring, &d, work) {
             return Err(PickError::SloUnreachable);
         }
         if O::EXPLAINS {
@@ -154,14 +158,7 @@ impl Scheduler {
             let terms = d_terms.unwrap_or_else(|| {
                 let req = scoring.request_cost(self, Side::Decode);
                 let mut terms = Self::term_buffer(plugins);
-                self.cost_into(
-                    plugins,
-                    &d,
-                    prompt.uncached(overlap),
-                    &req,
-                    tick,
-                    &mut terms,
-                );
+                self.cost_into(plugins, &d, work, &req, tick, &mut terms);
                 terms
             });
             live.decision_cost.add(&terms);
@@ -172,7 +169,7 @@ impl Scheduler {
             .body
             .map_or(0, |b| self.expected_decode_blocks(b))
             .min(cap - load_blocks);
-        let uncached_blocks = (prompt.uncached(overlap) as u64).min(load_blocks);
+        let uncached_blocks = (work.new_blocks as u64).min(load_blocks);
         let prefill_target = p.map(|c| c.target());
         let bootstrap_port = prefill_target.as_ref().and_then(|p| {
             let ep = p.endpoint();
@@ -187,7 +184,7 @@ impl Scheduler {
         let latency_features = match (&self.latency, req.body) {
             (Some(_), Some(b)) if b.stream && !O::EXPLAINS => {
                 let req = scoring.request_cost(self, Side::Decode);
-                Some(self.latency_features(&d, prompt.uncached(overlap), &req, tick))
+                Some(self.latency_features(&d, work, &req, tick))
             }
             _ => None,
         };
@@ -223,7 +220,8 @@ impl Scheduler {
     }
 
     /// Whether a sheddable request with a TTFT objective is to be refused:
-    /// the chosen decode rank, the least costly, has a warm model of its own
+    /// the chosen decode rank (left `work` to do there), the least costly,
+    /// has a warm model of its own
     /// and is predicted to miss the objective. A candidate predicted to meet
     /// it costs less than any predicted to miss it (`terms/predicted.rs`), so
     /// every warm worker misses too; a cold choice is given the benefit of
@@ -233,18 +231,14 @@ impl Scheduler {
         req: &PickRequest<'_>,
         scoring: &Scoring<'_, '_>,
         d: &Cand<'_>,
+        work: Work,
     ) -> bool {
         let (Some(l), Some(slo), true) = (&self.latency, req.slo.ttft, req.sheddable) else {
             return false;
         };
         let cost = scoring.request_cost(self, Side::Decode);
         let missed = self
-            .prediction(
-                d,
-                scoring.prompt.uncached(scoring.overlap(d)),
-                &cost,
-                scoring.now,
-            )
+            .prediction(d, work, &cost, scoring.now)
             .is_some_and(|p| p.ttft > slo && l.is_warm_worker(&d.key));
         if missed {
             l.count_slo_shed();
@@ -395,10 +389,10 @@ impl Scheduler {
         if O::EXPLAINS {
             let mut best: Option<(Cand<'s>, f64, bool)> = None;
             for c in at.pool.iter(side) {
-                let (overlap, guessed) = at.held(&c);
-                let uncached = at.prompt.uncached(overlap);
-                let terms = self.cost_terms(at.plugins, &c, uncached, &req, at.now);
-                let prediction = self.prediction(&c, uncached, &req, at.now);
+                let held = at.held(&c);
+                let (work, guessed) = (at.work(&held), held.guessed);
+                let terms = self.cost_terms(at.plugins, &c, work, &req, at.now);
+                let prediction = self.prediction(&c, work, &req, at.now);
                 let total = terms.total();
                 let better = |&(_, least, least_guessed): &(Cand<'s>, f64, bool)| {
                     total < least - 1e-9 || (total <= least + 1e-9 && least_guessed && !guessed)
@@ -406,7 +400,7 @@ impl Scheduler {
                 if best.as_ref().is_none_or(better) {
                     best = Some((c, total, guessed));
                 }
-                obs.scored(&c, overlap, terms, prediction);
+                obs.scored(&c, held.blocks(), terms, prediction);
             }
             // An explaining pick records no terms.
             return best.map(|(c, _, _)| (c, TermCosts::new()));
@@ -506,24 +500,17 @@ impl Scheduler {
     ) {
         // Each candidate's terms land here; the best copies a winner's.
         let mut terms = Self::term_buffer(at.plugins);
-        let cost = |c: &Cand<'_>, overlap: usize, terms: &mut [f64]| {
-            self.cost_into(
-                at.plugins,
-                c,
-                at.prompt.uncached(overlap),
-                req,
-                at.now,
-                terms,
-            )
+        let cost = |c: &Cand<'_>, held: &Held, terms: &mut [f64]| {
+            self.cost_into(at.plugins, c, at.work(held), req, at.now, terms)
         };
         let floor = |overlap: usize| Self::cost_floor(at.plugins, at.prompt.uncached(overlap), req);
         let (Some(no_overlap), true) = (floor(0), at.pool.direct()) else {
             // No floor (a negative weight), or a holder's key may name several
             // endpoints: score every candidate.
             for c in at.pool.iter(side) {
-                let (overlap, guessed) = at.held(&c);
-                let total = cost(&c, overlap, &mut terms);
-                best.offer(c, total, &terms, guessed);
+                let held = at.held(&c);
+                let total = cost(&c, &held, &mut terms);
+                best.offer(c, total, &terms, held.guessed);
             }
             return;
         };
@@ -536,9 +523,9 @@ impl Scheduler {
                     // A level of a good part of the pool: reading the pool in
                     // order costs less than finding each holder by its key.
                     for c in at.pool.iter_from(side, start) {
-                        let (overlap, guessed) = at.held(&c);
-                        let total = cost(&c, overlap, &mut terms);
-                        best.offer(c, total, &terms, guessed);
+                        let held = at.held(&c);
+                        let total = cost(&c, &held, &mut terms);
+                        best.offer(c, total, &terms, held.guessed);
                         if best.beats(within) {
                             break;
                         }
@@ -546,10 +533,15 @@ impl Scheduler {
                     return;
                 }
                 let found = level.try_for_each(start, |key| {
-                    if let Some(c) = at.pool.get(key, side) {
-                        let (overlap, guessed) = o.get(&c);
-                        let total = cost(&c, overlap, &mut terms);
-                        best.offer(c, total, &terms, guessed);
+                    // A lower tier's holder stands for its worker; the worker
+                    // is offered once, where its holder of the whole run is.
+                    let c = at.pool.get(tier::device(key), side);
+                    if let Some(c) = c {
+                        let held = o.get(&c);
+                        if held.tiers.deepest() == tier::tier_of(key) {
+                            let total = cost(&c, &held, &mut terms);
+                            best.offer(c, total, &terms, held.guessed);
+                        }
                     }
                     match best.beats(within) {
                         true => ControlFlow::Break(()),
@@ -568,7 +560,7 @@ impl Scheduler {
         // A holder met here costs at most this (its overlap counted as none),
         // and was offered at its own cost above.
         for c in at.pool.iter_from(side, start) {
-            let total = cost(&c, 0, &mut terms);
+            let total = cost(&c, &Held::default(), &mut terms);
             best.offer(c, total, &terms, false);
             if best.beats(no_overlap) {
                 break;
@@ -622,6 +614,8 @@ pub(super) struct Scoring<'s, 'p> {
     adapter: Option<u64>,
     /// What the predicted term reads.
     latency: LatencyAsk,
+    /// What loads from lower storage tiers cost.
+    tier_costs: TierCosts,
     now: i64,
 }
 
@@ -631,15 +625,15 @@ impl<'s> Scoring<'s, '_> {
         self.now
     }
 
-    /// Leading prompt blocks `c` holds.
-    pub(super) fn overlap(&self, c: &Cand<'_>) -> usize {
-        self.held(c).0
+    /// Leading prompt blocks `c` holds, by tier, and whether that many is
+    /// only a guess (provisional entries its KV events have not confirmed).
+    pub(super) fn held(&self, c: &Cand<'_>) -> Held {
+        self.overlaps.map_or(Held::default(), |o| o.get(c))
     }
 
-    /// Leading prompt blocks `c` holds, and whether that many is only a guess
-    /// (provisional entries its KV events have not confirmed).
-    pub(super) fn held(&self, c: &Cand<'_>) -> (usize, bool) {
-        self.overlaps.map_or((0, false), |o| o.get(c))
+    /// What a candidate holding `held` must do before its first token.
+    pub(super) fn work(&self, held: &Held) -> Work {
+        self.tier_costs.work(self.prompt, held.tiers)
     }
 
     /// What the terms of `s` read about this request on `side`.
@@ -665,14 +659,8 @@ impl<'s> Scoring<'s, '_> {
             .iter()
             .map(|c| {
                 let mut t = Scheduler::term_buffer(self.plugins);
-                let total = s.cost_into(
-                    self.plugins,
-                    c,
-                    self.prompt.uncached(self.overlap(c)),
-                    req,
-                    self.now,
-                    &mut t,
-                );
+                let work = self.work(&self.held(c));
+                let total = s.cost_into(self.plugins, c, work, req, self.now, &mut t);
                 terms.push(t);
                 total
             })

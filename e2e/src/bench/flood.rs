@@ -26,7 +26,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
-use crate::kv_events::{encode_batch, now_ts, KvEvent};
+use crate::kv_events::{encode_batch, now_ts, KvEvent, Medium};
 
 /// RSS allowed above the byte budget.
 pub const RSS_SLACK_BYTES: u64 = 100 << 20;
@@ -154,6 +154,7 @@ fn flood_batch(blocks: usize) -> Vec<u8> {
         parent_block_hash: None,
         token_ids: (0..blocks as u32 * 16).map(|t| t % 32_000).collect(),
         block_size: 16,
+        medium: Medium::Gpu,
     };
     encode_batch(now_ts(), &[event], Some(0))
 }
@@ -165,6 +166,7 @@ fn probe_batch(n: u64) -> Vec<u8> {
         parent_block_hash: None,
         token_ids: (0..16).map(|t| (n as u32 * 16 + t) % 32_000).collect(),
         block_size: 16,
+        medium: Medium::Gpu,
     };
     encode_batch(now_ts(), &[event], Some(0))
 }

@@ -10,6 +10,7 @@ use super::overlaps::Levels;
 use super::state::{Inner, Lineage, Loc, Run, Worker};
 use crate::keys::WorkerKey;
 use crate::kv::slots::SlotSet;
+use crate::kv::tier::{self, Tier};
 
 impl Inner {
     /// The slot of `key`, allocating one if needed.
@@ -24,9 +25,14 @@ impl Inner {
                 (self.workers.len() - 1) as u32
             }
         };
+        let lower = tier::tier_of(key) != Tier::Gpu;
+        self.tier_slots += usize::from(lower);
         self.workers[slot as usize] = Worker {
             key: Some(key),
             oldest: u32::MAX,
+            // A lower tier is fed by KV events alone.
+            precise: lower,
+            span: 1,
             ..Default::default()
         };
         let names = Arc::make_mut(&mut self.names);
@@ -522,6 +528,45 @@ impl Inner {
                 self.free_run(mid);
             }
         }
+    }
+
+    /// Adds `slot` as holder of each block (hash, location) where it is,
+    /// consecutive locations a stretch at a time; a location no longer
+    /// holding its hash is skipped. Returns how many blocks `slot` newly holds.
+    pub(super) fn add_holder_at(
+        &mut self,
+        blocks: &[(u64, Loc)],
+        slot: u32,
+        entries: &AtomicUsize,
+    ) -> usize {
+        let mut added = 0;
+        let mut i = 0;
+        while i < blocks.len() {
+            let (h, loc) = blocks[i];
+            let Some(run) = self.run_at(loc).filter(|_| self.hash_at(loc) == Some(h)) else {
+                i += 1;
+                continue;
+            };
+            let hashes: Vec<u64> = blocks[i..]
+                .iter()
+                .enumerate()
+                .take_while(|(k, (_, l))| l.lineage == loc.lineage && l.pos == loc.pos + *k as u32)
+                .map(|(_, (h, _))| *h)
+                .collect();
+            let n = self.stretch(run, loc, &hashes);
+            i += n;
+            if self.runs[run as usize].holders.contains(slot) {
+                continue;
+            }
+            let mid = self.isolate(run, loc.pos, loc.pos + n as u32);
+            self.runs[mid as usize].holders.insert(slot);
+            entries.fetch_add(n, Ordering::Relaxed);
+            added += n;
+            if let Some(prev) = loc.pos.checked_sub(1) {
+                self.merge_after(Loc { pos: prev, ..loc }, mid);
+            }
+        }
+        added
     }
 
     /// Walks `hashes` run by run: returns the holder sets of the first block

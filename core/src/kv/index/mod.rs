@@ -75,6 +75,7 @@ use crate::keys::WorkerKey;
 pub use crate::keys::{KeyHash, KeyHasher};
 use crate::kv::slots::SlotSet;
 use crate::kv::table::BlockTable;
+use crate::kv::tier::{self, Tier};
 
 mod inner;
 mod lock;
@@ -110,6 +111,22 @@ pub struct PrefixIndex {
     /// `lookups_announced` when a writer last stopped waiting for a lookup that
     /// did not take the lock within [`YIELD`] (descheduled while spinning).
     writers_gave_up_at: AtomicU64,
+}
+
+/// Most blocks one lower-tier engine block may cover
+/// ([`PrefixIndex::store_tier_copies`]): a publisher naming a larger span
+/// is cut to it.
+pub const MAX_TIER_SPAN: usize = 64;
+
+/// What one [`PrefixIndex::store_tier_copies`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierStore {
+    /// Blocks the tier now holds that it did not.
+    pub stored: usize,
+    /// Engine blocks the worker's GPU events never placed.
+    pub orphans: usize,
+    /// Engine blocks beyond the tier holder's precise cap.
+    pub dropped: usize,
 }
 
 impl Default for PrefixIndex {
@@ -519,6 +536,103 @@ impl PrefixIndex {
         }
     }
 
+    /// Precise mode: `worker` copied these blocks (by engine hash) to a lower
+    /// `tier`, each engine block covering `span` blocks of its chain (the
+    /// located one and those before it: vLLM's offloaded blocks may be a
+    /// multiple of its GPU blocks, named by their last one's hash). A block is
+    /// found where `worker`'s GPU engine map places it: the copy is of a block
+    /// its events stored on the GPU, and the GPU events keep the chain's
+    /// shape. Blocks not found there are orphans; stores beyond the tier
+    /// holder's precise cap are dropped and counted.
+    pub fn store_tier_copies(
+        &self,
+        worker: WorkerKey,
+        tier: Tier,
+        engine_hashes: &[u64],
+        span: usize,
+    ) -> TierStore {
+        let key = tier::holder(worker, tier);
+        let span = span.clamp(1, MAX_TIER_SPAN) as u32;
+        let mut out = TierStore::default();
+        let mut engines = self.engines.lock();
+        let found: Vec<(u64, Loc)> = match engines.maps.get(&tier::device(worker)) {
+            Some(device) if tier != Tier::Gpu => engine_hashes
+                .iter()
+                .filter_map(|h| device.get(*h).map(|l| (*h, l)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        out.orphans = engine_hashes.len() - found.len();
+        if found.is_empty() {
+            return out;
+        }
+        let known = self.inner.read().names.slots.get(&key).copied();
+        let slot = known.unwrap_or_else(|| self.write().slot(key));
+        let map = engines.maps.entry(key).or_default();
+        for chunk in found.chunks(WRITE_CHUNK) {
+            let mut g = self.write();
+            let w = &mut g.workers[slot as usize];
+            w.span = span;
+            let limit = w.precise_limit.unwrap_or(self.config.default_precise_limit);
+            let mut blocks = Vec::with_capacity(chunk.len() * span as usize);
+            for &(engine, last) in chunk {
+                if map.get(engine).is_some() {
+                    continue;
+                }
+                if map.len() >= limit {
+                    out.dropped += 1;
+                    continue;
+                }
+                map.insert(engine, last);
+                for pos in last.pos.saturating_sub(span - 1)..=last.pos {
+                    let loc = Loc { pos, ..last };
+                    blocks.extend(g.hash_at(loc).map(|h| (h, loc)));
+                }
+            }
+            out.stored += g.add_holder_at(&blocks, slot, &self.entries);
+        }
+        self.precise_dropped
+            .fetch_add(out.dropped as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// Precise mode: `worker` dropped these blocks (by engine hash) from a
+    /// lower `tier`; its copies there, and on no other tier, are forgotten.
+    /// Returns how many blocks it no longer holds there.
+    pub fn remove_tier_copies(
+        &self,
+        worker: WorkerKey,
+        tier: Tier,
+        engine_hashes: &[u64],
+    ) -> usize {
+        if tier == Tier::Gpu {
+            return 0;
+        }
+        let key = tier::holder(worker, tier);
+        let mut removed = 0;
+        self.with_engine(key, false, |slot, e, _, _| {
+            for chunk in engine_hashes.chunks(WRITE_CHUNK) {
+                let locs: Vec<Loc> = chunk.iter().filter_map(|h| e.remove(*h)).collect();
+                if locs.is_empty() {
+                    continue;
+                }
+                let mut g = self.write();
+                let span = g.workers[slot as usize].span.max(1);
+                let mut blocks = Vec::with_capacity(locs.len() * span as usize);
+                for last in locs {
+                    for pos in last.pos.saturating_sub(span - 1)..=last.pos {
+                        let loc = Loc { pos, ..last };
+                        blocks.extend(g.hash_at(loc).map(|h| (h, loc)));
+                    }
+                }
+                let before = self.entries.load(Ordering::Relaxed);
+                g.remove_holder_runs(&blocks, slot, &self.entries);
+                removed += before.saturating_sub(self.entries.load(Ordering::Relaxed));
+            }
+        });
+        removed
+    }
+
     /// Precise mode: `worker` evicted these blocks (by engine hash); unknown ones
     /// are ignored. Returns the kvpick hashes of the blocks it knew.
     pub fn remove_engine_blocks(&self, worker: WorkerKey, engine_hashes: &[u64]) -> Vec<u64> {
@@ -543,8 +657,19 @@ impl PrefixIndex {
     }
 
     /// Forgets everything `worker` holds (event gap, engine restart, reconnect,
-    /// endpoint gone). Its capacity, precise cap and precise flag are forgotten too.
+    /// endpoint gone), on every tier. Its capacity, precise cap and precise
+    /// flag are forgotten too.
     pub fn clear_worker(&self, worker: WorkerKey) {
+        self.clear_holder(worker);
+        if tier::tier_of(worker) == Tier::Gpu {
+            for t in Tier::LOWER {
+                self.clear_holder(tier::holder(worker, t));
+            }
+        }
+    }
+
+    /// [`PrefixIndex::clear_worker`] of one holder (one tier).
+    fn clear_holder(&self, worker: WorkerKey) {
         let (slot, locs, w) = {
             // The engine maps stay locked until the slot is unlinked: a precise
             // write for this worker then starts on a new slot.
@@ -556,9 +681,23 @@ impl PrefixIndex {
                 return;
             };
             names.keys[slot as usize] = None;
+            if tier::tier_of(worker) != Tier::Gpu {
+                g.tier_slots -= 1;
+            }
             g.set_oldest(slot, u32::MAX);
             let w = std::mem::take(&mut g.workers[slot as usize]);
-            let locs: Vec<Loc> = engine.map(|e| e.values().collect()).unwrap_or_default();
+            // A lower tier's engine block covers its span of blocks.
+            let span = w.span.max(1);
+            let locs: Vec<Loc> = engine
+                .map(|e| {
+                    e.values()
+                        .flat_map(|last| {
+                            (last.pos.saturating_sub(span - 1)..=last.pos)
+                                .map(move |pos| Loc { pos, ..last })
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
             (slot, locs, w)
         };
         // The slot has no key now (lookups skip it) and is reused only once empty.
@@ -725,6 +864,7 @@ impl PrefixIndex {
             names: Arc::clone(&g.names),
             levels,
             corrected: Vec::new(),
+            tiered: g.tier_slots > 0,
         };
         if ov.levels.is_empty() {
             return ov;

@@ -24,6 +24,8 @@ pub struct Overlaps {
     pub(super) levels: Levels,
     /// (slot, depth) for workers whose expired approximate entries the walk counted.
     pub(super) corrected: Vec<(u32, usize)>,
+    /// Whether the index had lower tiers' holders ([`crate::kv::tier`]).
+    pub(super) tiered: bool,
 }
 
 impl Overlaps {
@@ -37,6 +39,13 @@ impl Overlaps {
             .slots
             .get(&worker)
             .map_or(0, |s| self.visible(*s))
+    }
+
+    /// Whether some worker held blocks on a lower tier: else no lower tier's
+    /// holder holds any of the prompt, and [`Overlaps::get`] of the GPU's
+    /// holder says all.
+    pub fn tiered(&self) -> bool {
+        self.tiered
     }
 
     /// [`Overlaps::get`] for a caller that keeps `worker`'s slot in `hint`: a

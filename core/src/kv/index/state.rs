@@ -78,6 +78,9 @@ pub(super) struct Worker {
     /// Approximate workers only: kvpick hashes held through a precise entry (a
     /// precise worker's held hashes are exactly its run holdings).
     pub(super) precise_held: HashSet<u64, KeyHash>,
+    /// A lower tier's holder ([`crate::kv::tier`]): how many blocks each of
+    /// its engine blocks covers, ending with the one its engine map locates.
+    pub(super) span: u32,
 }
 
 /// Every worker's precise entries: engine hash → where the block is (its kvpick
@@ -162,6 +165,9 @@ pub(super) struct Inner {
     pub(super) free_slots: Vec<u32>,
     /// (oldest approximate stamp, slot) of every worker with approximate entries.
     pub(super) expiring: BTreeSet<(u32, u32)>,
+    /// Slots of lower tiers' holders: while there are none, lookups read the
+    /// GPU's answer alone.
+    pub(super) tier_slots: usize,
     pub(super) clock: Clock,
 }
 

@@ -1,4 +1,5 @@
 use super::*;
+use crate::kv::tier::{self, Tier};
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU32;
@@ -876,4 +877,121 @@ fn concurrent_writers_and_readers_agree_with_the_model() {
     }
     assert!(idx.is_empty());
     assert_eq!(idx.runs(), 0);
+}
+
+/// Overlaps of `hashes` for `worker` on each tier (GPU, CPU, disk).
+fn tier_depths(idx: &PrefixIndex, worker: WorkerKey, hashes: &[u64], t: Instant) -> [usize; 3] {
+    let ov = idx.overlaps(hashes, t);
+    [Tier::Gpu, Tier::Cpu, Tier::Disk].map(|tier| ov.get(tier::holder(worker, tier)))
+}
+
+/// A chain stored on the GPU, then copied to the CPU tier (vLLM's offload:
+/// engine hashes only) and to disk: each tier answers its own leading run,
+/// and a GPU eviction leaves the lower tiers' copies.
+#[test]
+fn lower_tiers_hold_copies_of_blocks_the_gpu_stored() {
+    let (idx, t) = config_index(100, None, true);
+    let w = wk(1);
+    idx.set_precise(w, true);
+    let chain: Vec<(u64, u64)> = (0..6).map(|i| (100 + i, 1 + i)).collect();
+    let hashes: Vec<u64> = chain.iter().map(|&(_, h)| h).collect();
+    idx.store_engine_chain(w, None, &chain, t);
+    assert!(!idx.overlaps(&hashes, t).tiered());
+    let cpu = idx.store_tier_copies(w, Tier::Cpu, &[100, 101, 102, 103], 1);
+    assert_eq!((cpu.stored, cpu.orphans), (4, 0));
+    let disk = idx.store_tier_copies(w, Tier::Disk, &[100, 101, 999], 1);
+    assert_eq!(
+        (disk.stored, disk.orphans),
+        (2, 1),
+        "999 was never on the GPU"
+    );
+    assert!(idx.overlaps(&hashes, t).tiered());
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [6, 4, 2]);
+    // The GPU evicts the first three: the copies below stay.
+    idx.remove_engine_blocks(w, &[100, 101, 102]);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [0, 4, 2]);
+    // A second copy of a block a tier holds changes nothing.
+    assert_eq!(idx.store_tier_copies(w, Tier::Cpu, &[103], 1).stored, 0);
+    // Stored again from the CPU copy: the GPU holds the same blocks again.
+    idx.store_engine_chain(w, None, &chain[..3], t);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [6, 4, 2]);
+    // The workers' own keys: the tiers' holders are none of them.
+    assert_eq!(idx.overlaps(&hashes, t).get(w), 6);
+}
+
+/// `BlockRemoved` of one medium drops that tier's copy only.
+#[test]
+fn removal_per_medium_drops_that_tiers_copy_only() {
+    let (idx, t) = config_index(100, None, true);
+    let w = wk(1);
+    idx.set_precise(w, true);
+    let chain: Vec<(u64, u64)> = (0..4).map(|i| (100 + i, 1 + i)).collect();
+    let hashes: Vec<u64> = chain.iter().map(|&(_, h)| h).collect();
+    idx.store_engine_chain(w, None, &chain, t);
+    idx.store_tier_copies(w, Tier::Cpu, &[100, 101, 102, 103], 1);
+    idx.store_tier_copies(w, Tier::Disk, &[100, 101, 102, 103], 1);
+    assert_eq!(idx.remove_tier_copies(w, Tier::Cpu, &[102, 103, 7]), 2);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [4, 2, 4]);
+    assert_eq!(idx.remove_tier_copies(w, Tier::Disk, &[100]), 1);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [4, 2, 0]);
+    // A GPU removal leaves the CPU copies; the last holder's removal frees them.
+    idx.remove_engine_blocks(w, &[100, 101, 102, 103]);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [0, 2, 0]);
+    assert_eq!(
+        idx.remove_tier_copies(w, Tier::Gpu, &[100]),
+        0,
+        "not a lower tier"
+    );
+    idx.remove_tier_copies(w, Tier::Cpu, &[100, 101]);
+    idx.remove_tier_copies(w, Tier::Disk, &[101, 102, 103]);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [0, 0, 0]);
+    assert_eq!((idx.len(), idx.runs()), (0, 0));
+}
+
+/// An offloaded block spanning several GPU blocks (named by its last one)
+/// covers them all, and its removal drops them all; clearing the worker
+/// clears its tiers.
+#[test]
+fn a_tier_block_spanning_gpu_blocks_covers_them_and_clears_with_its_worker() {
+    let (idx, t) = config_index(100, None, true);
+    let w = wk(1);
+    idx.set_precise(w, true);
+    let chain: Vec<(u64, u64)> = (0..6).map(|i| (100 + i, 1 + i)).collect();
+    let hashes: Vec<u64> = chain.iter().map(|&(_, h)| h).collect();
+    idx.store_engine_chain(w, None, &chain, t);
+    let stored = idx.store_tier_copies(w, Tier::Cpu, &[102, 105], 3);
+    assert_eq!(stored.stored, 6);
+    idx.remove_engine_blocks(w, &[100, 101, 102, 103, 104, 105]);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [0, 6, 0]);
+    idx.remove_tier_copies(w, Tier::Cpu, &[105]);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [0, 3, 0]);
+    idx.clear_worker(w);
+    assert_eq!(tier_depths(&idx, w, &hashes, t), [0, 0, 0]);
+    assert!(!idx.overlaps(&hashes, t).tiered());
+    assert_eq!(idx.len(), 0);
+}
+
+/// A lower tier's copies count against that tier's precise cap.
+#[test]
+fn lower_tier_copies_are_capped() {
+    let base = Instant::now();
+    let idx = PrefixIndex::with_base(
+        IndexConfig {
+            default_precise_limit: 3,
+            ..IndexConfig::default()
+        },
+        base,
+    );
+    let w = wk(1);
+    idx.set_precise(w, true);
+    idx.set_precise_limit(w, 10);
+    let chain: Vec<(u64, u64)> = (0..3).map(|i| (100 + i, 1 + i)).collect();
+    idx.store_engine_chain(w, None, &chain, base);
+    let before = idx.precise_dropped();
+    let s = idx.store_tier_copies(w, Tier::Cpu, &[100, 101, 102], 1);
+    assert_eq!(s.stored, 3);
+    idx.store_engine_chain(w, Some(102), &[(103, 4)], base);
+    let s = idx.store_tier_copies(w, Tier::Cpu, &[103], 1);
+    assert_eq!(s.dropped, 1);
+    assert_eq!(idx.precise_dropped() - before, 1);
 }

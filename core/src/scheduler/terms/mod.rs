@@ -182,6 +182,9 @@ pub struct Candidate<'a> {
     /// Prompt blocks it would still have to prefill (the prompt's after the
     /// leading blocks it holds).
     pub new_blocks: usize,
+    /// The leading blocks it holds on lower storage tiers, at their load
+    /// cost as a fraction of a block's prefill ([`crate::scheduler::tiers`]).
+    pub transfer_blocks: f64,
 }
 
 impl Candidate<'_> {

@@ -2,7 +2,9 @@
 //! models ([`crate::latency`]), for `--scoring predicted`.
 //!
 //! A decode candidate costs its predicted time to first token there (the
-//! prefix it holds enters as the uncached tokens it saves), plus the delay this
+//! prefix it holds enters as the uncached tokens it saves; blocks it holds on
+//! a lower storage tier save their tokens but for their load's fraction,
+//! `--tier-cost-*`, priced at the learned prefill rate), plus the delay this
 //! prefill adds to the requests queued there, plus the predicted decode
 //! slowdown there times the tokens the request says it will decode (its
 //! expected output tokens; a request that does not say is placed on its first token
@@ -124,9 +126,11 @@ pub fn features(c: &Candidate<'_>, req: &RequestCost) -> Features {
     };
     Features {
         prompt_tokens,
-        uncached_tokens: (c.new_blocks as u64)
-            .saturating_mul(per_block)
-            .min(prompt_tokens),
+        // Lower-tier blocks count at their fraction of a block's prefill: the
+        // learned prefill rate prices their load.
+        uncached_tokens: ((c.new_blocks as f64 + c.transfer_blocks) * per_block as f64)
+            .round()
+            .min(prompt_tokens as f64) as u64,
         waiting: scraped.map_or(0.0, |s| count(s.queue)),
         running: scraped.map_or(0.0, |s| count(s.running)),
         kv_usage: scraped

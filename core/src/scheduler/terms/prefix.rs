@@ -1,8 +1,9 @@
 //! `prefix-cache-scorer`: the blocks a candidate must still prefill.
 //!
-//! The prompt's blocks after the leading ones the candidate holds, plus the
-//! blocks of requests routed there whose prefill is not done beyond this
-//! prompt's overlap, counted as [`PendingWait`](super::PendingWait)
+//! The prompt's blocks after the leading ones the candidate holds, plus its
+//! leading blocks on lower storage tiers at their load cost
+//! ([`crate::scheduler::tiers`]), plus the blocks of requests routed there
+//! whose prefill is not done beyond this prompt's overlap, counted as [`PendingWait`](super::PendingWait)
 //! weighs them. Weighted per side: decode candidates at `weight`, prefill
 //! candidates of a disaggregated pool at `prefill_weight`.
 
@@ -77,11 +78,13 @@ impl Scorer for PrefixCache {
         // Pending prefills beyond this prompt's overlap there: a prefill in
         // progress of the shared prefix ends as a hit for this request.
         let pending = (c.booked.uncached as f64 - (size - c.new_blocks as f64)).max(0.0);
-        self.weight(req.side) * (c.new_blocks as f64 + req.wait.weigh(pending, c.new_blocks))
+        let work = c.new_blocks as f64 + c.transfer_blocks;
+        self.weight(req.side) * (work + req.wait.weigh(pending, c.new_blocks))
     }
 
     fn lower_bound(&self, new_blocks: usize, req: &RequestCost) -> Option<f64> {
-        // A wait behind pending prefills counts zero or more.
+        // A wait behind pending prefills, and a load from a lower tier, count
+        // zero or more.
         bound(self.weight(req.side), new_blocks as f64)
     }
 }

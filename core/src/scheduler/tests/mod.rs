@@ -20,6 +20,7 @@ mod plugins;
 mod predicted;
 mod prop;
 mod sessions;
+mod tiers;
 mod wait;
 
 /// `n` endpoints at `10.0.0.{1..=n}:80`.
@@ -859,7 +860,7 @@ fn a_provisional_entry_ends_when_events_speak_of_its_blocks() {
         rank: first.decode.rank,
         key: worker,
     };
-    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(&cand).0);
+    let overlap = |at| s.overlaps(&hashes, at).map_or(0, |o| o.get(&cand).blocks());
     assert_eq!(overlap(now), 10);
     // Events about the last four blocks: the first six stay provisional.
     s.settle_provisional(worker, &hashes[6..]);
