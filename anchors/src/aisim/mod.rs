@@ -114,7 +114,10 @@ impl AisimArgs {
     /// The traces with their block sizes and workers.
     fn trace_files(&self) -> anyhow::Result<Vec<TraceFile<'_>>> {
         let (sizes, workers) = (&self.trace_block_sizes, &self.workers);
-        for (flag, n) in [("--trace-block-size", sizes.len()), ("--workers", workers.len())] {
+        for (flag, n) in [
+            ("--trace-block-size", sizes.len()),
+            ("--workers", workers.len()),
+        ] {
             anyhow::ensure!(
                 n == 1 || n == self.traces.len(),
                 "{flag} takes one value or one per --trace ({} traces, {n} values)",
@@ -678,7 +681,10 @@ fn ratio_table(points: &[Point]) -> String {
             let k = p.rows.iter().find(|f| f.policy == *m);
             for (j, (_, get)) in HELD.iter().enumerate() {
                 let best = others.iter().map(|f| get(f)).fold(f64::INFINITY, f64::min);
-                match k.map(|k| get(k) / best).filter(|r| r.is_finite() && *r > 0.0) {
+                match k
+                    .map(|k| get(k) / best)
+                    .filter(|r| r.is_finite() && *r > 0.0)
+                {
                     Some(r) => {
                         logs[i][j] += r.ln();
                         over[i][j] += usize::from(r > 1.05);

@@ -562,7 +562,12 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
         self.feed
             .lock()
             .map_err(|_| anyhow!("feed lock poisoned"))?
-            .routed(request_id, &decision, self.scheduler.latency().map(|l| &**l), at);
+            .routed(
+                request_id,
+                &decision,
+                self.scheduler.latency().map(|l| &**l),
+                at,
+            );
         self.routed.insert(
             request_id,
             Routed {
