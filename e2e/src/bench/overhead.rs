@@ -14,11 +14,12 @@
 //! take turns (`--rounds` slices each, the order alternating), so load from
 //! other work on the machine that comes and goes during a cell falls on both.
 //!
-//! kvpick's child runs what `kvpick` runs in production: the allocator pin of
-//! `main` ([`kvpick::server::malloc::pin_mmap_threshold`]) and, in a tracing cell,
-//! kvpick's OTLP exporter ([`kvpick::telemetry::tracing_export`]) sending to a real
-//! OTLP/gRPC receiver in the driving process ([`crate::otlp`]). The no-op child
-//! does neither: it stands for the proxy without kvpick.
+//! Both children run the allocator `kvpick` runs in production
+//! ([`kvpick::server::malloc`], installed in `kvpick-bench`). kvpick's child
+//! also runs, in a tracing cell, kvpick's OTLP exporter
+//! ([`kvpick::telemetry::tracing_export`]) sending to a real OTLP/gRPC receiver
+//! in the driving process ([`crate::otlp`]); the no-op child does not: it stands
+//! for the proxy without kvpick.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -12,6 +12,10 @@ use e2e::bench::{
 use kvpick::config::scheduling::Scoring;
 use kvpick::scheduler::ScoringMode;
 
+// The allocator `kvpick` runs with, so `overhead` and `flood` measure kvpick as
+// it runs (the no-op server, the same binary, runs with it too).
+kvpick::global_allocator!();
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
     /// A Markdown table.
@@ -488,16 +492,12 @@ fn main() -> anyhow::Result<()> {
         } => {
             let kind = match noop {
                 true => overhead::ServerKind::Noop,
-                false => {
-                    // As `kvpick`'s `main` does, before any allocation of note.
-                    kvpick::server::malloc::pin_mmap_threshold();
-                    overhead::ServerKind::Kvpick {
-                        endpoints,
-                        tracing,
-                        workers_port,
-                        scoring: scoring.mode(),
-                    }
-                }
+                false => overhead::ServerKind::Kvpick {
+                    endpoints,
+                    tracing,
+                    workers_port,
+                    scoring: scoring.mode(),
+                },
             };
             tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))
         }
