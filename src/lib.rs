@@ -16,8 +16,8 @@
 //! wiring of everything together).
 
 pub use kvpick_core::{
-    endpoint_picker_config, endpoints, error_chain, flow, health, identity, keys, kv, latency,
-    pipeline, replica, request, sessions, time, tokenize,
+    endpoint_picker_config, endpoints, engine_latency, error_chain, flow, health, identity, keys,
+    kv, latency, pipeline, replica, request, sessions, time, tokenize,
 };
 
 pub mod admission;

@@ -13,7 +13,8 @@
 //! - [`scheduler`]: candidates, costs and the pick; [`endpoint_picker_config`]:
 //!   the llm-d Router's `EndpointPickerConfig`, built into its plugin list.
 //! - [`latency`]: learned per-worker TTFT and decode-time models.
-//! - [`scrape`]: the workers' `/metrics` pages read into load and adapters.
+//! - [`scrape`]: the workers' `/metrics` pages read into load and adapters;
+//!   [`engine_latency`]: the engines' own latency histograms, as recent means.
 //! - [`admission`]: priorities, fairness, saturation and queueing.
 //! - [`multimodal`], [`tokenize`]: image identity and the tokenize job.
 //! - [`pipeline`]: one request from its headers and body to the headers and
@@ -25,6 +26,7 @@
 pub mod admission;
 pub mod endpoint_picker_config;
 pub mod endpoints;
+pub mod engine_latency;
 pub mod error_chain;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;

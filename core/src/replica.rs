@@ -16,6 +16,12 @@
 //!   report period;
 //! - a peer not heard from for a lease loses every booking it held (a dead
 //!   replica never leaves load behind).
+//!
+//! The learned latency models travel too ([`Delta::Models`], published
+//! periodically rather than per decision): a peer's model of a worker replaces
+//! the receiver's when it rests on more observations (the count is the
+//! model's version, so a late or replayed older copy never overwrites a newer
+//! one), and a malformed or absurd one is refused.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -24,12 +30,13 @@ use std::time::{Duration, Instant};
 
 use crate::endpoints::{ActiveLoad, EndpointState, Snapshot};
 use crate::keys::WorkerKey;
+use crate::latency::WorkerSnapshot;
 
 /// A replica's random id, drawn at start (a restarted replica is a new peer).
 pub type ReplicaId = u64;
 
 /// One effect of a routing decision, as peers apply it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Delta {
     /// `worker` was sent a prompt of these chained block hashes (one delta per
     /// decision, not per block); the receiver records approximate entries, or
@@ -81,6 +88,14 @@ pub enum Delta {
     /// Everything the sender has booked right now (absolute; also its
     /// heartbeat): replaces what peers hold from it.
     Loads(Vec<WorkerLoad>),
+    /// The sender's latency models: its pool prior and some of its workers'
+    /// (at most [`crate::latency::MAX_SHARED_MODELS`] in one delta).
+    Models {
+        /// The pool prior.
+        prior: WorkerSnapshot,
+        /// Workers' models.
+        workers: Vec<(WorkerKey, WorkerSnapshot)>,
+    },
 }
 
 /// One (worker, rank)'s load booked by one replica.

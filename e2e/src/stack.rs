@@ -214,6 +214,16 @@ impl Kvpick {
         poll: Duration,
         sync_url: &str,
     ) -> Result<Kvpick, StackError> {
+        Self::start_replica_with(endpoints_file, poll, sync_url, Tuning::default()).await
+    }
+
+    /// [`Kvpick::start_replica`] with `tuning`.
+    pub async fn start_replica_with(
+        endpoints_file: PathBuf,
+        poll: Duration,
+        sync_url: &str,
+        tuning: Tuning,
+    ) -> Result<Kvpick, StackError> {
         let mut k = Kvpick {
             addr: ([127, 0, 0, 1], 0).into(),
             tls: None,
@@ -225,7 +235,7 @@ impl Kvpick {
             events: None,
             replica_sync: Some(sync_url.to_string()),
             sync: None,
-            tuning: Tuning::default(),
+            tuning,
         };
         k.launch(TcpListener::bind(k.addr).await?).await?;
         Ok(k)
@@ -277,6 +287,7 @@ impl Kvpick {
                 c.lease = Duration::from_secs(2);
                 c.report_every = Duration::from_millis(200);
                 c.warm_start_timeout = Duration::from_secs(5);
+                c.models_every = Duration::from_millis(200);
                 Some(app.spawn_replica_sync(c))
             }
             None => None,

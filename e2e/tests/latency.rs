@@ -110,3 +110,66 @@ async fn predicted_scoring_learns_the_slow_worker_and_beats_round_robin() {
     let (p, rr) = (p50(predicted), p50(round_robin));
     assert!(p < rr, "TTFT p50 predicted {p:?}, round robin {rr:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn explain_shows_the_engines_recent_latency_beside_the_prediction() {
+    let stack = Stack::start(StackOptions {
+        workers: 2,
+        worker: WorkerConfig {
+            ttft: Duration::from_millis(20),
+            prefill_per_token: Duration::from_micros(20),
+            itl: Duration::from_millis(2),
+            ..WorkerConfig::default()
+        },
+        speeds: vec![4.0, 0.5],
+        tuning: Tuning {
+            scoring: ScoringMode::Predicted,
+            ..Tuning::default()
+        },
+        ..StackOptions::default()
+    })
+    .await
+    .unwrap();
+    let scrape = tokio::spawn(kvpick::scrape::run(
+        kvpick::scrape::ScrapeConfig::default(),
+        std::sync::Arc::clone(stack.kvpick.endpoints()),
+        std::sync::Arc::default(),
+    ));
+    let gateway = stack.gateway.addr();
+    // Both workers serve during the warm-up (the heuristic spreads it); the
+    // windows close a second after the first scrape.
+    send(move |_| gateway, 0, 64).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    send(move |_| gateway, 64, 64).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+
+    let prompt = kvpick::request::parse(body(9999).to_string().as_bytes(), None).unwrap();
+    let explained = stack
+        .kvpick
+        .scheduler()
+        .explain(
+            &kvpick::scheduler::PickRequest {
+                body: Some(&prompt),
+                ..Default::default()
+            },
+            &stack.kvpick.endpoints().snapshot(),
+            std::time::Instant::now(),
+        )
+        .unwrap();
+    scrape.abort();
+    let engine_ttft = |worker: usize| {
+        let address = stack.workers[worker].addr().to_string();
+        let c = explained
+            .candidates
+            .iter()
+            .find(|c| c.address == address)
+            .expect("every worker is a candidate");
+        let e = c.engine.expect("the engine's histograms were scraped");
+        assert!(e.queue.is_some() && e.itl.is_some(), "{e:?}");
+        assert!(c.ttft_gap().is_some(), "prediction and engine side by side");
+        e.ttft.unwrap()
+    };
+    let (fast, slow) = (engine_ttft(0), engine_ttft(1));
+    eprintln!("engine TTFT: fast {fast:.4} s, slow {slow:.4} s");
+    assert!(slow > fast, "the slow engine reports the slower TTFT");
+}

@@ -7,6 +7,13 @@
 //! a block, one delta a decision). Decoding checks every length against the
 //! bytes left, so a bad entry costs at most its own size.
 //!
+//! A latency-model delta ([`Delta::Models`]) is a prior and a counted list of
+//! (worker, model), each model its two fits' estimate and inverse information
+//! matrix (counted `f64`s), observation count and recent error; it is
+//! published in an entry of its own, so a reader that does not know its tag
+//! skips (and counts) that entry alone. At most [`MAX_SHARED_MODELS`] models
+//! and [`MAX_FIT_VALUES`] values a fit decode.
+//!
 //! Versions: 2 (written) carries each prompt's LRU key; 1 (still read, from
 //! replicas not yet upgraded) has none, and its prompts rank at the batch's
 //! send time. A version-1 reader skips and counts version-2 entries.
@@ -14,6 +21,8 @@
 use std::time::Duration;
 
 use crate::endpoints::{ActiveLoad, WorkerKey};
+use crate::latency::rls::RlsSnapshot;
+use crate::latency::{WorkerSnapshot, MAX_SHARED_MODELS};
 use crate::replica::{Delta, ReplicaId, WorkerLoad};
 
 const VERSION: u8 = 2;
@@ -25,9 +34,12 @@ const RELEASE: u8 = 3;
 const BIND: u8 = 4;
 const UNBIND: u8 = 5;
 const LOADS: u8 = 6;
+const MODELS: u8 = 7;
+/// Most values one fit's estimate or matrix may carry on the wire.
+pub const MAX_FIT_VALUES: usize = 256;
 
 /// A decoded batch.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     /// The sending replica.
     pub from: ReplicaId,
@@ -52,6 +64,9 @@ pub enum DecodeError {
     /// A session id that is not UTF-8.
     #[error("replica-sync session id is not UTF-8")]
     SessionId,
+    /// More latency models, or fit values, than a delta may carry.
+    #[error("replica-sync latency models over their bound")]
+    TooManyModels,
 }
 
 /// Encodes a batch.
@@ -114,9 +129,34 @@ pub fn encode(from: ReplicaId, sent_us: u64, deltas: &[Delta]) -> Vec<u8> {
                     b.extend_from_slice(&l.requests.to_le_bytes());
                 }
             }
+            Delta::Models { prior, workers } => {
+                b.push(MODELS);
+                put_model(&mut b, prior);
+                b.extend_from_slice(&(workers.len() as u32).to_le_bytes());
+                for (w, m) in workers {
+                    put_worker(&mut b, *w);
+                    put_model(&mut b, m);
+                }
+            }
         }
     }
     b
+}
+
+fn put_model(b: &mut Vec<u8>, m: &WorkerSnapshot) {
+    for fit in [&m.ttft, &m.tpot] {
+        put_f64s(b, &fit.theta);
+        put_f64s(b, &fit.p);
+    }
+    b.extend_from_slice(&m.observations.to_le_bytes());
+    b.extend_from_slice(&m.recent_error.to_le_bytes());
+}
+
+fn put_f64s(b: &mut Vec<u8>, v: &[f64]) {
+    b.extend_from_slice(&(v.len() as u16).to_le_bytes());
+    for x in v {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
 }
 
 fn put_worker(b: &mut Vec<u8>, w: WorkerKey) {
@@ -218,6 +258,18 @@ pub fn decode(bytes: &[u8]) -> Result<Batch, DecodeError> {
                 }
                 Delta::Loads(loads)
             }
+            MODELS => {
+                let prior = r.model()?;
+                let len = r.u32()? as usize;
+                if len > MAX_SHARED_MODELS {
+                    return Err(DecodeError::TooManyModels);
+                }
+                let mut workers = Vec::with_capacity(len.min(r.0.len() / 12));
+                for _ in 0..len {
+                    workers.push((r.worker()?, r.model()?));
+                }
+                Delta::Models { prior, workers }
+            }
             t => return Err(DecodeError::Tag(t)),
         });
     }
@@ -264,6 +316,32 @@ impl Reader<'_> {
             uncached: self.u64()?,
         };
         Ok((worker, load, self.u32()?))
+    }
+    fn model(&mut self) -> Result<WorkerSnapshot, DecodeError> {
+        let ttft = RlsSnapshot {
+            theta: self.f64s()?,
+            p: self.f64s()?,
+        };
+        let tpot = RlsSnapshot {
+            theta: self.f64s()?,
+            p: self.f64s()?,
+        };
+        Ok(WorkerSnapshot {
+            ttft,
+            tpot,
+            observations: self.u64()?,
+            recent_error: f64::from_bits(self.u64()?),
+        })
+    }
+    fn f64s(&mut self) -> Result<Vec<f64>, DecodeError> {
+        let len = self.u16()? as usize;
+        if len > MAX_FIT_VALUES {
+            return Err(DecodeError::TooManyModels);
+        }
+        if len > self.0.len() / 8 {
+            return Err(DecodeError::Truncated);
+        }
+        (0..len).map(|_| Ok(f64::from_bits(self.u64()?))).collect()
     }
     fn str(&mut self) -> Result<String, DecodeError> {
         let len = self.u16()? as usize;
@@ -322,7 +400,19 @@ mod tests {
                 load,
                 requests: 3,
             }]),
+            Delta::Models {
+                prior: model(7),
+                workers: vec![(w(6), model(40)), (w(7), model(u64::MAX))],
+            },
         ]
+    }
+
+    fn model(observations: u64) -> WorkerSnapshot {
+        let mut m = crate::latency::WorkerModel::new([0.02, 0.1, 0.1, 0.02, 0.001], [0.01; 4], 2.0)
+            .to_snapshot();
+        m.observations = observations;
+        m.recent_error = 0.125;
+        m
     }
 
     #[test]
@@ -346,6 +436,29 @@ mod tests {
         let mut huge = encode(1, 1, &[]);
         huge[17..21].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode(&huge), Err(DecodeError::Truncated));
+    }
+
+    #[test]
+    fn latency_models_past_their_bounds_are_refused_before_allocation() {
+        let too_many = Delta::Models {
+            prior: model(1),
+            workers: vec![(w(1), model(1)); MAX_SHARED_MODELS + 1],
+        };
+        assert_eq!(
+            decode(&encode(1, 1, &[too_many])),
+            Err(DecodeError::TooManyModels)
+        );
+        let mut long_fit = model(1);
+        long_fit.ttft.theta = vec![0.0; MAX_FIT_VALUES + 1];
+        let bytes = encode(
+            1,
+            1,
+            &[Delta::Models {
+                prior: long_fit,
+                workers: Vec::new(),
+            }],
+        );
+        assert_eq!(decode(&bytes), Err(DecodeError::TooManyModels));
     }
 
     #[test]

@@ -18,6 +18,15 @@
 //! - A server down or slow: commands time out, the replica keeps routing on
 //!   its local state, counts the errors and reconnects with back-off; after a
 //!   reconnect the subscriber resumes after the last entry it applied.
+//! - Latency models (`--scoring predicted`): every
+//!   [`SyncConfig::models_every`] a task publishes this replica's pool prior
+//!   and up to [`MAX_SHARED_MODELS`] workers' models in an entry of their own,
+//!   taking the workers in turn, so each model is republished within
+//!   ⌈workers / [`MAX_SHARED_MODELS`]⌉ periods. A replica that starts replays
+//!   them with the rest of the stream before it is Ready (it predicts warm);
+//!   one whose server returned empty gets them again within those periods.
+//!   Receivers adopt a model only when it rests on more observations than
+//!   theirs, and only for workers they know.
 //! - The scheduler is told whether state is shared
 //!   ([`Scheduler::set_shared_state`]): not from the start until the
 //!   subscriber's first successful read, nor from a failed read until a read
@@ -38,6 +47,7 @@ use tokio::task::JoinHandle;
 
 use crate::endpoints::EndpointTable;
 use crate::error_chain::ErrorChain;
+use crate::latency::{Learner, MAX_SHARED_MODELS};
 use crate::replica::{Delta, PeerLoads, ReplicaId, ReplicaSink};
 use crate::scheduler::Scheduler;
 use resp::{Conn, RespError, Target, Value};
@@ -65,6 +75,9 @@ pub struct SyncConfig {
     pub command_timeout: Duration,
     /// Longest pause between reconnection attempts.
     pub max_backoff: Duration,
+    /// How often this replica publishes its latency models (predicted
+    /// scoring only).
+    pub models_every: Duration,
 }
 
 impl SyncConfig {
@@ -81,6 +94,7 @@ impl SyncConfig {
             warm_start_timeout: Duration::from_secs(10),
             command_timeout: Duration::from_secs(1),
             max_backoff: Duration::from_secs(1),
+            models_every: Duration::from_secs(5),
         })
     }
 }
@@ -144,7 +158,15 @@ impl ReplicaSync {
         let peers = Arc::new(PeerLoads::new(config.lease, 1_024));
         let (ready_tx, ready) = watch::channel(false);
         let config = Arc::new(config);
-        let tasks = vec![
+        let models = scheduler.latency().map(|learner| {
+            tokio::spawn(share_models(
+                Arc::clone(&config),
+                id,
+                Arc::clone(learner),
+                Arc::clone(&metrics),
+            ))
+        });
+        let mut tasks = vec![
             tokio::spawn(publish(Arc::clone(&config), id, rx, Arc::clone(&metrics))),
             tokio::spawn(report(
                 config.report_every,
@@ -164,6 +186,7 @@ impl ReplicaSync {
                 ready_tx,
             )),
         ];
+        tasks.extend(models);
         tracing::info!(
             replica = format_args!("{id:016x}"),
             server = %config.target.addr,
@@ -239,17 +262,7 @@ async fn publish(
             None => conn.insert(connect(&config, &metrics, &mut first).await),
         };
         let bytes = codec::encode(id, now_us(), &batch);
-        let args: [&[u8]; 8] = [
-            b"XADD",
-            config.stream.as_bytes(),
-            b"MAXLEN",
-            b"~",
-            retain.as_bytes(),
-            b"*",
-            b"d",
-            &bytes,
-        ];
-        match c.cmd(&args, Duration::ZERO).await {
+        match append(c, &config, &retain, &bytes).await {
             Ok(_) => {
                 metrics.published.inc_by(batch.len() as u64);
                 metrics.published_bytes.inc_by(bytes.len() as u64);
@@ -262,6 +275,67 @@ async fn publish(
             }
         }
         batch.clear();
+    }
+}
+
+/// Appends one entry of `bytes` to the stream, capped near `retain` entries.
+async fn append(
+    c: &mut Conn,
+    config: &SyncConfig,
+    retain: &str,
+    bytes: &[u8],
+) -> Result<Value, RespError> {
+    let args: [&[u8]; 8] = [
+        b"XADD",
+        config.stream.as_bytes(),
+        b"MAXLEN",
+        b"~",
+        retain.as_bytes(),
+        b"*",
+        b"d",
+        bytes,
+    ];
+    c.cmd(&args, Duration::ZERO).await
+}
+
+/// Publishes this replica's latency models every
+/// [`SyncConfig::models_every`] (see the module doc); nothing before its
+/// first observation. A failed append is counted and retried next period.
+async fn share_models(
+    config: Arc<SyncConfig>,
+    id: ReplicaId,
+    learner: Arc<Learner>,
+    metrics: Arc<SyncMetrics>,
+) {
+    let mut first = true;
+    let mut conn: Option<Conn> = None;
+    let retain = config.retain.to_string();
+    let mut after = None;
+    let mut tick = tokio::time::interval(config.models_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some((prior, workers)) = learner.shared(after, MAX_SHARED_MODELS) else {
+            continue;
+        };
+        let last = workers.last().map(|(k, _)| *k);
+        let bytes = codec::encode(id, now_us(), &[Delta::Models { prior, workers }]);
+        let c = match conn.as_mut() {
+            Some(c) => c,
+            None => conn.insert(connect(&config, &metrics, &mut first).await),
+        };
+        match append(c, &config, &retain, &bytes).await {
+            Ok(_) => {
+                after = last;
+                metrics.published.inc();
+                metrics.published_bytes.inc_by(bytes.len() as u64);
+            }
+            Err(e) => {
+                metrics.errors.inc();
+                tracing::warn!(error = %ErrorChain(&e), "replica sync could not publish the latency models");
+                conn = None;
+            }
+        }
     }
 }
 

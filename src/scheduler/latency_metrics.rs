@@ -1,8 +1,11 @@
 //! Prometheus metrics of the learned latency models (`--scoring predicted`):
 //! the prediction error as a histogram of |error| / actual TTFT per pool
 //! (`kvpick_latency_prediction_error_ratio`), the decisions the heuristic made
-//! while the models were cold (`kvpick_latency_fallback_decisions`), and the
-//! workers with a model of their own. The core keeps the counts; this
+//! while the models were cold (`kvpick_latency_fallback_decisions`), the
+//! sheddable requests refused for their TTFT objective
+//! (`kvpick_latency_slo_shed`), peers' models refused
+//! (`kvpick_latency_shared_models_refused`), and the workers with a model of
+//! their own. The core keeps the counts; this
 //! collector reads them at scrape time.
 
 use std::sync::Arc;
@@ -52,6 +55,28 @@ impl Collector for LatencyMetrics {
                     "Decisions scored by the heuristic because the latency models were cold",
                     None,
                     fallbacks.metric_type(),
+                )?
+                .encode_family(&labels)?,
+        )?;
+        let sheds = ConstCounter::new(self.learner.slo_sheds());
+        sheds.encode(
+            encoder
+                .encode_descriptor(
+                    "kvpick_latency_slo_shed",
+                    "Sheddable requests refused (429) because no warm worker was predicted to meet their TTFT objective",
+                    None,
+                    sheds.metric_type(),
+                )?
+                .encode_family(&labels)?,
+        )?;
+        let refused = ConstCounter::new(self.learner.refused_shared());
+        refused.encode(
+            encoder
+                .encode_descriptor(
+                    "kvpick_latency_shared_models_refused",
+                    "Latency models from peer replicas refused as malformed or absurd",
+                    None,
+                    refused.metric_type(),
                 )?
                 .encode_family(&labels)?,
         )?;

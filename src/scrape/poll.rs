@@ -1,6 +1,8 @@
 //! Polls every endpoint's Prometheus `/metrics` and stores its load in the
 //! [`EndpointTable`] ([`EndpointState::set_scraped`]), parsed by the core
-//! ([`parse_load`], [`parse_lora`]).
+//! ([`parse_load`], [`parse_lora`]), and the engine's recent latency from its
+//! histograms ([`EndpointState::set_engine_latency`]; the window of each
+//! endpoint is kept here, from one successful scrape to the next).
 //!
 //! Each tick (default 50 ms) starts a scrape for every endpoint that has none in
 //! flight, up to a concurrency bound; each scrape has its own timeout, so a slow or
@@ -21,6 +23,7 @@ use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
 use crate::endpoints::{EndpointState, EndpointTable, LoraInfo, ScrapedLoad};
+use crate::engine_latency::{parse_totals, EngineTotals, EngineWindow};
 use crate::error_chain::ErrorChain;
 use kvpick_core::scrape::{
     parse_load, parse_lora, ScrapeError, ScrapeErrors, DEFAULT_LORA_INFO_METRIC,
@@ -100,12 +103,23 @@ pub async fn fetch(
         .map_err(|_| ScrapeError::Timeout)?
 }
 
-/// Scrapes one endpoint once and returns its load and LoRA adapter state.
+/// What one scrape of an endpoint read.
+#[derive(Debug)]
+pub struct Scraped {
+    /// Its load.
+    pub load: ScrapedLoad,
+    /// Its LoRA adapter state.
+    pub lora: Option<LoraInfo>,
+    /// Its latency histograms' running totals.
+    pub latency: EngineTotals,
+}
+
+/// Scrapes one endpoint once.
 pub async fn scrape_one(
     client: &HttpClient,
     state: &EndpointState,
     config: &ScrapeConfig,
-) -> Result<(ScrapedLoad, Option<LoraInfo>), ScrapeError> {
+) -> Result<Scraped, ScrapeError> {
     let ep = &state.endpoint;
     let addr = SocketAddr::new(ep.address.ip(), config.port.unwrap_or(ep.address.port()));
     let page = fetch(client, addr, &config.path, config.timeout).await?;
@@ -115,14 +129,20 @@ pub async fn scrape_one(
         .lora_info_metric
         .as_deref()
         .and_then(|m| parse_lora(ep.engine, text, m));
-    Ok((load, lora))
+    Ok(Scraped {
+        load,
+        lora,
+        latency: parse_totals(ep.engine, text),
+    })
 }
 
-/// Per-endpoint bookkeeping: whether a scrape is in flight, and whether the last failed.
+/// Per-endpoint bookkeeping: whether a scrape is in flight, whether the last
+/// failed, and the engine's latency totals at the last success.
 #[derive(Debug, Default, Clone, Copy)]
 struct Track {
     busy: bool,
     failing: bool,
+    latency: EngineWindow,
 }
 
 /// Scrapes every endpoint of `table` forever, as `config` says, counting failures in
@@ -177,7 +197,12 @@ pub async fn run(config: ScrapeConfig, table: Arc<EndpointTable>, errors: Arc<Sc
                 let track = t.entry(addr).or_default();
                 track.busy = false;
                 match result {
-                    Ok((load, lora)) => {
+                    Ok(Scraped {
+                        load,
+                        lora,
+                        latency,
+                    }) => {
+                        state.set_engine_latency(track.latency.advance(latency, load.at));
                         state.set_lora(lora);
                         state.set_scraped(load);
                         if track.failing {

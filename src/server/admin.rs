@@ -93,6 +93,29 @@ pub struct Candidate {
     /// Its predicted latency there, when latency is learned and warm.
     #[prost(message, optional, tag = "17")]
     pub prediction: Option<Prediction>,
+    /// The engine's own recent latency, when scraped.
+    #[prost(message, optional, tag = "18")]
+    pub engine: Option<EngineLatency>,
+}
+
+/// `EngineLatency`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct EngineLatency {
+    /// Mean queue time, seconds.
+    #[prost(double, optional, tag = "1")]
+    pub queue_seconds: Option<f64>,
+    /// Mean TTFT as the engine measures it, seconds.
+    #[prost(double, optional, tag = "2")]
+    pub ttft_seconds: Option<f64>,
+    /// Mean inter-token latency, seconds.
+    #[prost(double, optional, tag = "3")]
+    pub itl_seconds: Option<f64>,
+    /// Predicted TTFT minus `ttft_seconds`.
+    #[prost(double, optional, tag = "4")]
+    pub ttft_gap_seconds: Option<f64>,
+    /// Seconds since the window closed.
+    #[prost(double, optional, tag = "5")]
+    pub age_seconds: Option<f64>,
 }
 
 /// `Prediction`.
@@ -182,6 +205,7 @@ impl Admin {
             session_id: (!req.session_id.is_empty()).then_some(req.session_id.as_str()),
             session_token: None,
             slo: Default::default(),
+            sheddable: false,
         };
         let explained = self
             .scheduler
@@ -200,6 +224,13 @@ fn response(e: Explanation) -> ExplainResponse {
             .candidates
             .into_iter()
             .map(|c| Candidate {
+                engine: c.engine.map(|e| EngineLatency {
+                    queue_seconds: e.queue,
+                    ttft_seconds: e.ttft,
+                    itl_seconds: e.itl,
+                    ttft_gap_seconds: c.ttft_gap(),
+                    age_seconds: e.at.map(|at| at.elapsed().as_secs_f64()),
+                }),
                 address: c.address,
                 instance_id: c.key.instance_id,
                 dp_rank: c.key.dp_rank,
@@ -251,6 +282,11 @@ pub fn to_json(r: &ExplainResponse) -> serde_json::Value {
                 "prediction": c.prediction.as_ref().map(|p| serde_json::json!({
                     "ttft_seconds": p.ttft_seconds, "tpot_seconds": p.tpot_seconds,
                     "recent_error": p.recent_error, "observations": p.observations,
+                })),
+                "engine": c.engine.as_ref().map(|e| serde_json::json!({
+                    "queue_seconds": e.queue_seconds, "ttft_seconds": e.ttft_seconds,
+                    "itl_seconds": e.itl_seconds, "ttft_gap_seconds": e.ttft_gap_seconds,
+                    "age_seconds": e.age_seconds,
                 })),
             })
         })
@@ -367,7 +403,7 @@ mod tests {
             .filter(|l| !l.starts_with("//") && !l.starts_with("reserved") && l.ends_with(';'))
             .map(|l| {
                 let words: Vec<&str> = l.split_whitespace().collect();
-                let ty = if words[0] == "repeated" {
+                let ty = if words[0] == "repeated" || words[0] == "optional" {
                     words[1]
                 } else {
                     words[0]
@@ -595,6 +631,13 @@ mod tests {
                 recent_error: 0.1,
                 observations: 1,
             }),
+            engine: Some(EngineLatency {
+                queue_seconds: Some(0.1),
+                ttft_seconds: Some(0.2),
+                itl_seconds: Some(0.01),
+                ttft_gap_seconds: Some(0.05),
+                age_seconds: Some(1.0),
+            }),
         };
         let request = ExplainRequest {
             body: b"{}".to_vec(),
@@ -614,6 +657,10 @@ mod tests {
             (
                 "Prediction",
                 candidate.prediction.clone().unwrap().encode_to_vec(),
+            ),
+            (
+                "EngineLatency",
+                candidate.engine.clone().unwrap().encode_to_vec(),
             ),
             ("ExplainRequest", request.encode_to_vec()),
             ("ExplainResponse", response.encode_to_vec()),

@@ -232,7 +232,7 @@ mod kvpick {
 
     /// A scrape (the Prometheus text format, as Prometheus reads it) with a
     /// sample in every family the dashboard reads: one endpoint routed to,
-    /// KV-event and replica-sync metrics registered, a flow-control outcome
+    /// KV-event, replica-sync and latency-model metrics registered, a flow-control outcome
     /// and a KV-event reset counted.
     fn live_scrape() -> String {
         use crate::admission::{AdmissionObserver, Outcome, RequestClass};
@@ -265,6 +265,11 @@ mod kvpick {
             crate::kvevents::queue::ResetReason::Gap,
         );
         crate::replica_sync::SyncMetrics::register(&app.metrics);
+        crate::scheduler::latency_metrics::LatencyMetrics::register(
+            &app.metrics,
+            "pool",
+            std::sync::Arc::new(crate::latency::Learner::new(Default::default())),
+        );
         crate::telemetry::prometheus_text(&app.metrics.render(&app.endpoints))
     }
 
@@ -321,6 +326,8 @@ mod kvpick {
             "kvpick_kv_events_resets_total",
             "inference_extension_flow_control_request_queue_duration_seconds_count",
             "kvpick_replica_sync_applied_deltas_total",
+            "kvpick_latency_prediction_error_ratio_bucket",
+            "kvpick_latency_fallback_decisions_total",
         ] {
             assert!(read.contains(family), "no panel reads {family}");
         }

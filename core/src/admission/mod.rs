@@ -88,6 +88,12 @@ pub enum Rejection {
     /// kvpick is shutting down.
     #[error("kvpick is shutting down")]
     ShuttingDown,
+    /// Sheddable, and no worker is predicted to meet its TTFT objective
+    /// (decided by the pick, after admission let it go).
+    #[error(
+        "no worker is predicted to meet the request's TTFT objective and the request is sheddable"
+    )]
+    SloUnreachable,
 }
 
 impl Rejection {
@@ -97,6 +103,7 @@ impl Rejection {
             Rejection::Saturated | Rejection::QueueFull => "rejected-saturated",
             Rejection::TtlExpired => "rejected-ttl-expired",
             Rejection::ShuttingDown => "rejected-shutting-down",
+            Rejection::SloUnreachable => "rejected-slo-unreachable",
         }
     }
 }
@@ -137,6 +144,8 @@ impl Outcome {
             Rejection::QueueFull => Outcome::RejectedCapacity,
             Rejection::TtlExpired => Outcome::EvictedTtl,
             Rejection::ShuttingDown => Outcome::EvictedOther,
+            // The pool cannot serve it in time: saturated as predicted.
+            Rejection::SloUnreachable => Outcome::RejectedSaturated,
         }
     }
 }

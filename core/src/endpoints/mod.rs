@@ -16,6 +16,7 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use serde::Deserialize;
 use tokio::sync::watch;
 
+use crate::engine_latency::EngineLatency;
 use crate::health::PassiveHealth;
 use crate::keys::KeyHash;
 pub use crate::keys::WorkerKey;
@@ -169,6 +170,9 @@ pub struct EndpointState {
     pending_ranks: Arc<PendingRanks>,
     /// The latest scrape's LoRA adapter state (`None`: not exported).
     lora: ArcSwapOption<LoraInfo>,
+    /// The engine's recent latency from its own histograms (`None`: not
+    /// scraped, or not exported).
+    engine_latency: ArcSwapOption<EngineLatency>,
     /// Identity and configuration.
     pub endpoint: Endpoint,
 }
@@ -275,6 +279,7 @@ impl EndpointState {
             health: PassiveHealth::default(),
             pending_ranks,
             lora: ArcSwapOption::empty(),
+            engine_latency: ArcSwapOption::empty(),
             endpoint,
         }
     }
@@ -411,6 +416,16 @@ impl EndpointState {
     /// page has no adapter gauge).
     pub fn set_lora(&self, info: Option<LoraInfo>) {
         self.lora.store(info.map(Arc::new));
+    }
+
+    /// Records the engine's recent latency a successful scrape read.
+    pub fn set_engine_latency(&self, latency: EngineLatency) {
+        self.engine_latency.store(Some(Arc::new(latency)));
+    }
+
+    /// The engine's recent latency from its own histograms, when scraped.
+    pub fn engine_latency(&self) -> Option<EngineLatency> {
+        self.engine_latency.load().as_deref().copied()
     }
 
     /// How this worker fits a request for adapter `id` ([`adapter_id`]).

@@ -355,6 +355,7 @@ impl RequestFlow {
             session_id: self.head.session_id.as_deref(),
             session_token: self.head.session_token.as_deref(),
             slo: self.head.slo(),
+            sheddable: self.class.as_ref().is_some_and(RequestClass::is_sheddable),
         };
         let scheduler = &self.ctx.scheduler;
         let picked = match self.with_terms {
@@ -365,6 +366,9 @@ impl RequestFlow {
         };
         let (decision, terms) = match picked {
             Ok(picked) => picked,
+            Err(PickError::SloUnreachable) => {
+                return Step::Refused(Refusal::Shed(Rejection::SloUnreachable))
+            }
             Err(e) => return Step::Refused(Refusal::NoEndpoint(e)),
         };
         let decided_in = started.elapsed();

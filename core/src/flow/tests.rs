@@ -292,3 +292,46 @@ fn the_learner_learns_streamed_requests_through_the_flow_and_forgets_every_ended
     assert_eq!(learned, 0, "a cold prior predicts nothing to score");
     assert_eq!(learner.fallbacks(), 3);
 }
+
+#[test]
+fn a_sheddable_request_no_warm_worker_can_serve_in_time_is_shed_and_books_nothing() {
+    let (ctx, learner) = learning();
+    // Both workers warm, each predicted at 0.5 s to first token.
+    let mut slow =
+        crate::latency::WorkerModel::new([0.5, 0.0, 0.0, 0.0, 0.0], [0.01; 4], 1.0).to_snapshot();
+    slow.observations = 100;
+    learner.restore_prior(&slow).unwrap();
+    for ep in &ctx.endpoints.snapshot().endpoints {
+        learner.restore(ep.key(0), &slow).unwrap();
+    }
+    let t0 = Instant::now();
+    let with_slo = |ttft_ms: &'static str| {
+        let headers: &[(&str, &str)] = &[(":path", "/v1/completions"), ("x-slo-ttft-ms", ttft_ms)];
+        RequestHead::read(headers, "x-session-id", "x-kvpick-session")
+    };
+    let sheddable = br#"{"model":"m","prompt":"a prompt long enough to fill a block or two of bytes","nvext":{"agent_hints":{"priority":-1}}}"#;
+
+    let mut flow = RequestFlow::new(Arc::clone(&ctx));
+    flow.request_headers(with_slo("100"), t0);
+    assert!(matches!(
+        flow.request_body(sheddable.to_vec(), t0),
+        Step::Refused(Refusal::Shed(Rejection::SloUnreachable))
+    ));
+    assert_eq!(load(&ctx), (0, 0), "a shed request books nothing");
+    assert_eq!(learner.slo_sheds(), 1);
+
+    // Met somewhere, or not sheddable: routed.
+    let mut flow = RequestFlow::new(Arc::clone(&ctx));
+    flow.request_headers(with_slo("900"), t0);
+    assert!(matches!(
+        flow.request_body(sheddable.to_vec(), t0),
+        Step::Routed(_)
+    ));
+    let mut flow = RequestFlow::new(Arc::clone(&ctx));
+    flow.request_headers(with_slo("100"), t0);
+    assert!(matches!(
+        flow.request_body(BODY.to_vec(), t0),
+        Step::Routed(_)
+    ));
+    assert_eq!(learner.slo_sheds(), 1);
+}

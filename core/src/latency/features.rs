@@ -17,6 +17,9 @@ pub const MAX_PROMPT_TOKENS: u64 = 16 << 20;
 pub const MAX_TTFT: Duration = Duration::from_secs(3600);
 /// Longest per-token decode time an observation may report.
 pub const MAX_TPOT: Duration = Duration::from_secs(60);
+/// Most output tokens a request's expected output counts for (a larger
+/// `max_tokens` or hint reads as this).
+pub const MAX_OUTPUT_TOKENS: u32 = 1 << 20;
 /// Largest queue, running or in-flight count an observation may name.
 pub const MAX_REQUESTS: f64 = 1.0e6;
 

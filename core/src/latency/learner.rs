@@ -48,6 +48,11 @@ pub struct Learner {
     error_sum_micros: AtomicU64,
     /// Decisions made while the pool prior was cold (scored by the heuristic).
     fallbacks: AtomicU64,
+    /// Sheddable requests refused because no warm worker was predicted to
+    /// meet their TTFT objective.
+    slo_sheds: AtomicU64,
+    /// Models from peers refused as malformed or absurd.
+    refused_shared: AtomicU64,
 }
 
 impl Learner {
@@ -59,6 +64,8 @@ impl Learner {
             errors: Default::default(),
             error_sum_micros: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
+            slo_sheds: AtomicU64::new(0),
+            refused_shared: AtomicU64::new(0),
         }
     }
 
@@ -86,6 +93,11 @@ impl Learner {
         })
     }
 
+    /// Whether `worker`'s own model has seen enough to be trusted.
+    pub fn is_warm_worker(&self, worker: &WorkerKey) -> bool {
+        self.models.read().is_warm(worker)
+    }
+
     /// Learns one request on `worker` directly (a simulator, a test).
     pub fn learn(&self, worker: WorkerKey, features: &Features, seen: &super::Observed) {
         if let Some(err) = self.predict(&worker, features).map(|p| {
@@ -108,6 +120,16 @@ impl Learner {
         self.fallbacks.load(Ordering::Relaxed)
     }
 
+    /// Counts a sheddable request refused for its TTFT objective.
+    pub fn count_slo_shed(&self) {
+        self.slo_sheds.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sheddable requests refused for their TTFT objective.
+    pub fn slo_sheds(&self) -> u64 {
+        self.slo_sheds.load(Ordering::Relaxed)
+    }
+
     /// The prediction error histogram: (upper bound, count in that bucket
     /// alone) per bucket, the last bound `f64::MAX`; the sum of the errors.
     pub fn errors(&self) -> (Vec<(f64, u64)>, f64) {
@@ -120,6 +142,54 @@ impl Learner {
             .collect();
         let sum = self.error_sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
         (buckets, sum)
+    }
+
+    /// Models to share with peers: the pool prior and at most `max` workers'
+    /// models in key order, starting after `after` (wrapping round), so
+    /// successive calls cover every worker. `None` before any observation.
+    pub fn shared(
+        &self,
+        after: Option<WorkerKey>,
+        max: usize,
+    ) -> Option<(WorkerSnapshot, Vec<(WorkerKey, WorkerSnapshot)>)> {
+        let m = self.models.read();
+        if m.prior().observations() == 0 {
+            return None;
+        }
+        let mut keys = m.keys();
+        keys.sort_unstable();
+        let start = after.map_or(0, |a| keys.partition_point(|k| *k <= a));
+        let workers = keys[start..]
+            .iter()
+            .chain(&keys[..start])
+            .take(max)
+            .filter_map(|k| Some((*k, m.snapshot(k)?)))
+            .collect();
+        Some((m.prior_snapshot(), workers))
+    }
+
+    /// Adopts a peer's prior and worker models where they rest on more
+    /// observations than this replica's; refused ones are counted
+    /// ([`Learner::refused_shared`]).
+    pub fn restore_shared<'a>(
+        &self,
+        prior: &WorkerSnapshot,
+        workers: impl Iterator<Item = &'a (WorkerKey, WorkerSnapshot)>,
+    ) {
+        let mut m = self.models.write();
+        let mut refused = u64::from(m.restore_prior(prior).is_err());
+        for (k, s) in workers {
+            refused += u64::from(m.restore(*k, s).is_err());
+        }
+        if refused > 0 {
+            tracing::debug!(refused, "refused malformed shared latency models");
+            self.refused_shared.fetch_add(refused, Ordering::Relaxed);
+        }
+    }
+
+    /// Shared models refused as malformed or absurd.
+    pub fn refused_shared(&self) -> u64 {
+        self.refused_shared.load(Ordering::Relaxed)
     }
 
     /// Adopts a peer's model of `worker` when it rests on more observations.

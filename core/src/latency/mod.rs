@@ -35,6 +35,10 @@ pub use model::{Prediction, WorkerModel, WorkerSnapshot};
 
 use features::{TPOT_TERMS, TTFT_TERMS};
 
+/// Most worker models one shared delta carries
+/// ([`crate::replica::Delta::Models`]).
+pub const MAX_SHARED_MODELS: usize = 256;
+
 /// How the models learn.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LatencyConfig {
@@ -177,6 +181,11 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     /// The pool-wide prior.
     pub fn prior(&self) -> &WorkerModel {
         &self.prior
+    }
+
+    /// The workers with a model of their own.
+    pub fn keys(&self) -> Vec<K> {
+        self.workers.keys().copied().collect()
     }
 
     /// Workers with a model of their own.

@@ -11,6 +11,12 @@ use super::rls::{Rls, RlsSnapshot};
 
 /// Weight of the newest observation in the recent-error average.
 const ERROR_EWMA: f64 = 0.05;
+/// Most observations a shared model may claim (a century at 100k a second
+/// is below it); a peer claiming more is refused, so it cannot freeze every
+/// other replica's model of a worker.
+pub const MAX_SHARED_OBSERVATIONS: u64 = 1 << 48;
+/// Largest recent error a shared model may report.
+pub const MAX_SHARED_ERROR: f64 = 1.0e6;
 
 /// A worker's fitted model.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -141,11 +147,13 @@ impl WorkerModel {
         }
     }
 
-    /// A model from a peer's snapshot, refused when malformed.
+    /// A model from a peer's snapshot, refused when malformed or absurd.
     pub fn from_snapshot(s: &WorkerSnapshot) -> Result<Self, Rejected> {
         let ttft = Rls::from_snapshot(&s.ttft).ok_or(Rejected::Malformed)?;
         let tpot = Rls::from_snapshot(&s.tpot).ok_or(Rejected::Malformed)?;
-        if !(s.recent_error.is_finite() && s.recent_error >= 0.0) {
+        if !(s.recent_error.is_finite() && (0.0..=MAX_SHARED_ERROR).contains(&s.recent_error))
+            || s.observations > MAX_SHARED_OBSERVATIONS
+        {
             return Err(Rejected::Malformed);
         }
         Ok(WorkerModel {

@@ -17,6 +17,9 @@ use serde::{Deserialize, Serialize};
 
 /// Largest trace of `p`: bounds how far one observation can move the fit.
 pub const MAX_TRACE: f64 = 1.0e4;
+/// Largest magnitude of a shared fit's estimate: no physical cost comes near
+/// an hour per input unit, so a peer's fit past it is refused as absurd.
+pub const MAX_SHARED_COEFFICIENT: f64 = 3600.0;
 
 /// One least-squares fit of `y ≈ theta · x` over `D` inputs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -135,10 +138,14 @@ impl<const D: usize> Rls<D> {
         }
     }
 
-    /// A fit from a snapshot, or `None` when its sizes are wrong or it breaks
-    /// an invariant (a peer's bad data never becomes the model).
+    /// A fit from a snapshot, or `None` when its sizes are wrong, it breaks
+    /// an invariant, or an estimate is past [`MAX_SHARED_COEFFICIENT`] (a
+    /// peer's bad data never becomes the model).
     pub fn from_snapshot(s: &RlsSnapshot) -> Option<Self> {
-        if s.theta.len() != D || s.p.len() != D * D {
+        if s.theta.len() != D
+            || s.p.len() != D * D
+            || s.theta.iter().any(|t| t.abs() > MAX_SHARED_COEFFICIENT)
+        {
             return None;
         }
         let mut r = Rls {

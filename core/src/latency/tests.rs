@@ -355,3 +355,77 @@ fn a_timeline_yields_ttft_and_the_pace_of_later_chunks() {
     one.chunk(ms(30), 10);
     assert_eq!(one.finish(Ended::Status(200)).unwrap().tpot, None);
 }
+
+#[test]
+fn absurd_shared_models_are_refused() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let warm = trained(200, &mut rng);
+    let snap = warm.snapshot(&2).unwrap();
+    let mut m = LatencyModels::<u64>::new(LatencyConfig::default());
+    let mut forever = snap.clone();
+    forever.observations = u64::MAX;
+    let mut huge = snap.clone();
+    huge.tpot.theta[0] = 1.0e9;
+    let mut error = snap.clone();
+    error.recent_error = f64::INFINITY;
+    for bad in [forever, huge, error] {
+        assert_eq!(m.restore(2, &bad), Err(Rejected::Malformed));
+        assert_eq!(m.restore_prior(&bad), Err(Rejected::Malformed));
+    }
+    assert!(m.is_empty());
+    assert_eq!(m.prior().observations(), 0);
+}
+
+#[test]
+fn a_learner_shares_every_model_in_turn_and_adopts_only_newer_ones() {
+    use crate::keys::WorkerKey;
+    let key = |i: u64| WorkerKey {
+        instance_id: i,
+        dp_rank: 0,
+    };
+    let mut rng = StdRng::seed_from_u64(29);
+    let a = Learner::new(LatencyConfig::default());
+    assert!(
+        a.shared(None, 2).is_none(),
+        "nothing learned, nothing shared"
+    );
+    for i in 0..5 {
+        for _ in 0..8 * (i + 1) {
+            let (f, seen) = FAST.sample(&mut rng);
+            a.learn(key(i), &f, &seen);
+        }
+    }
+    // Two at a time, in key order, wrapping round.
+    let mut seen = Vec::new();
+    let mut after = None;
+    for _ in 0..3 {
+        let (prior, workers) = a.shared(after, 2).unwrap();
+        assert_eq!(prior.observations, 120);
+        assert!(workers.len() <= 2);
+        after = workers.last().map(|(k, _)| *k);
+        seen.extend(workers.iter().map(|(k, _)| k.instance_id));
+    }
+    assert_eq!(seen, [0, 1, 2, 3, 4, 0]);
+
+    let b = Learner::new(LatencyConfig::default());
+    let (prior, workers) = a.shared(None, 8).unwrap();
+    b.restore_shared(&prior, workers.iter());
+    assert!(b.is_warm());
+    assert_eq!(b.workers(), 5);
+    let (f, _) = FAST.sample(&mut rng);
+    assert_eq!(b.predict(&key(4), &f), a.predict(&key(4), &f));
+    // B learns more of worker 4; A's older copy, heard again, is not adopted.
+    for _ in 0..3 {
+        let (f, seen) = FAST.sample(&mut rng);
+        b.learn(key(4), &f, &seen);
+    }
+    let before = b.predict(&key(4), &f);
+    b.restore_shared(&prior, workers.iter());
+    assert_eq!(b.predict(&key(4), &f), before);
+    assert_eq!(before.unwrap().observations, 43);
+    // A malformed model is refused and counted; the rest are applied.
+    let mut bad = workers[0].1.clone();
+    bad.ttft.theta.pop();
+    b.restore_shared(&prior, [(key(0), bad)].iter());
+    assert_eq!(b.refused_shared(), 1);
+}

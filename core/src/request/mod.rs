@@ -106,6 +106,10 @@ pub struct InferenceRequest {
     pub names_worker: bool,
     /// Prompt token ids past the parse limit ([`parse_capped`]): counted, not kept.
     pub omitted_tokens: usize,
+    /// The output-token cap the body asks for: `max_completion_tokens`, else
+    /// `max_tokens`, else `max_output_tokens` (Responses), when it is a
+    /// positive integer; any other value reads as none (the engine judges it).
+    pub max_output_tokens: Option<u32>,
     /// What a tokenizer needs to render the prompt, when parsed with
     /// [`ParseOptions::template`].
     pub template: Option<TemplateInput>,

@@ -251,6 +251,7 @@ pub(super) fn parse_body(
         // Dynamo's precedence: `nvext.cache_salt` over the top-level field.
         salt: nvext.cache_salt.clone().or(top.cache_salt),
         nvext,
+        max_output_tokens: top.max_output_tokens,
         template: top.template,
     })
 }
@@ -276,6 +277,7 @@ struct TopFound<'de> {
     segments: Segments,
     nvext: Option<&'de RawValue>,
     cache_salt: Option<String>,
+    max_output_tokens: Option<u32>,
     template: Option<TemplateInput>,
 }
 
@@ -310,6 +312,9 @@ impl<'de> Visitor<'de> for Top<'_> {
         let mut instructions: Option<Option<Key<'de>>> = None;
         let mut nvext: Option<&'de RawValue> = None;
         let mut cache_salt: Option<Option<String>> = None;
+        // `max_completion_tokens`, `max_tokens`, `max_output_tokens`, in that
+        // order of precedence.
+        let mut output_caps: [Option<Option<u32>>; 3] = [None; 3];
         // Template-only fields: a repeated key counts its last copy, as JSON does.
         let mut tools: Option<&'de RawValue> = None;
         let mut kwargs: Option<&'de RawValue> = None;
@@ -374,6 +379,16 @@ impl<'de> Visitor<'de> for Top<'_> {
                     path.push("cache_salt");
                     once(&cache_salt, "cache_salt")?;
                     cache_salt = Some(parse_salt(&mut map)?);
+                }
+                key @ ("max_completion_tokens" | "max_tokens" | "max_output_tokens") => {
+                    let (i, name) = match key {
+                        "max_completion_tokens" => (0, "max_completion_tokens"),
+                        "max_tokens" => (1, "max_tokens"),
+                        _ => (2, "max_output_tokens"),
+                    };
+                    path.push(name);
+                    once(&output_caps[i], name)?;
+                    output_caps[i] = Some(output_cap(map.next_value()?));
                 }
                 "tools" if keep => {
                     tools = Some(map.next_value()?);
@@ -451,8 +466,19 @@ impl<'de> Visitor<'de> for Top<'_> {
             segments,
             nvext,
             cache_salt: cache_salt.flatten(),
+            max_output_tokens: output_caps.into_iter().flatten().flatten().next(),
             template,
         })
+    }
+}
+
+/// An output-token cap as the latency model reads it: a positive integer
+/// (past `u32::MAX` it saturates); anything else (a string, a float, a
+/// negative number, `null`) reads as no cap, and the engine judges it.
+fn output_cap(raw: &RawValue) -> Option<u32> {
+    match raw.get().parse::<u64>() {
+        Ok(0) | Err(_) => None,
+        Ok(n) => Some(n.min(u64::from(u32::MAX)) as u32),
     }
 }
 

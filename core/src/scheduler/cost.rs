@@ -16,7 +16,9 @@ use super::terms::predicted::{self, LatencyAsk};
 use super::terms::{Candidate, CostTerms, PendingWait, RequestCost, Side};
 use super::{PickRequest, Plugins, Scheduler};
 use crate::kv::hash::PromptBlocks;
+use crate::latency::features::MAX_OUTPUT_TOKENS;
 use crate::latency::{Features, Prediction};
+use crate::request::InferenceRequest;
 
 impl Scheduler {
     /// How this pick counts waits behind pending prefills, with `idle_ranks`
@@ -120,10 +122,7 @@ impl Scheduler {
             warm: l.is_warm(),
             prompt_tokens: load_blocks.saturating_mul(per_block),
             tokens_per_block: per_block,
-            max_tokens: req
-                .body
-                .and_then(|b| b.nvext.agent_hints.as_ref())
-                .and_then(|h| h.osl),
+            max_tokens: req.body.and_then(expected_output_tokens),
             slo: req.slo,
         }
     }
@@ -233,6 +232,21 @@ pub(super) fn pick_index(costs: &[f64], temperature: f64, rng: &mut impl Rng) ->
         return weights.iter().rposition(|w| *w > 0.0).unwrap_or(0);
     }
     argmin(costs.iter().copied(), rng.random())
+}
+
+/// Output tokens `body` expects, as the latency model reads them: its
+/// `nvext.agent_hints.osl` (an estimate), else its output cap
+/// ([`InferenceRequest::max_output_tokens`]); at most [`MAX_OUTPUT_TOKENS`],
+/// and 0 reads as unknown.
+pub(super) fn expected_output_tokens(body: &InferenceRequest) -> Option<u32> {
+    body.nvext
+        .agent_hints
+        .as_ref()
+        .and_then(|h| h.osl)
+        .filter(|n| *n > 0)
+        .or(body.max_output_tokens)
+        .filter(|n| *n > 0)
+        .map(|n| n.min(MAX_OUTPUT_TOKENS))
 }
 
 /// Index of the least cost in one pass (see [`Least`]); 0 when every cost is

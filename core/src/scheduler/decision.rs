@@ -8,7 +8,8 @@ use crate::latency::Features;
 use crate::request::InferenceRequest;
 use crate::sessions::SessionTurn;
 
-/// Why no endpoint could be picked (answered with 503).
+/// Why no endpoint could be picked (answered with 503, but
+/// [`PickError::SloUnreachable`] with 429).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PickError {
     /// The endpoint set is empty (or nothing is ready).
@@ -20,6 +21,10 @@ pub enum PickError {
     /// Endpoints exist, but none can serve as decode destination.
     #[error("no ready decode-capable endpoint in the pool")]
     NoDecodeEndpoint,
+    /// A sheddable request's TTFT objective is predicted to be missed on
+    /// every worker whose model is warm (predicted scoring only).
+    #[error("no worker is predicted to meet the request's TTFT objective")]
+    SloUnreachable,
 }
 
 /// What the scheduler needs to know about one request.
@@ -35,6 +40,10 @@ pub struct PickRequest<'a> {
     pub session_token: Option<&'a str>,
     /// Latency objectives the request carries (`x-slo-ttft-ms`, `x-slo-tpot-ms`).
     pub slo: Slo,
+    /// Flow control may drop it (priority < 0): with a TTFT objective no warm
+    /// worker is predicted to meet, the pick refuses it
+    /// ([`PickError::SloUnreachable`]) rather than place it late.
+    pub sheddable: bool,
 }
 
 /// A request's latency objectives; they count only where latency is predicted.

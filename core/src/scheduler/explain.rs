@@ -18,6 +18,7 @@ use super::pick::{Observer, Scoring};
 use super::terms::{CostTerms, LoadSource};
 use super::{PickError, PickRequest, Scheduler};
 use crate::endpoints::{Snapshot, WorkerKey};
+use crate::engine_latency::EngineLatency;
 use crate::latency::Prediction;
 
 /// One (endpoint, rank) as the pick sees it.
@@ -44,10 +45,22 @@ pub struct CandidateScore {
     /// Its predicted latency there (with the worker's recent prediction
     /// error), when latency is learned and warm.
     pub prediction: Option<Prediction>,
+    /// The engine's own recent latency from its histograms, when scraped
+    /// (beside the prediction: [`CandidateScore::ttft_gap`]).
+    pub engine: Option<EngineLatency>,
     /// The session is bound to it.
     pub session_pinned: bool,
     /// The pick would take it (one decode, at most one prefill).
     pub chosen: bool,
+}
+
+impl CandidateScore {
+    /// Predicted TTFT minus the engine's recent mean TTFT, in seconds, when
+    /// both are known: what the gateway sees beyond the engine's own time
+    /// (the hops, the response's first chunk) plus the model's error.
+    pub fn ttft_gap(&self) -> Option<f64> {
+        Some(self.prediction?.ttft - self.engine?.ttft?)
+    }
 }
 
 /// A pick, explained.
@@ -121,6 +134,7 @@ impl Observer for Recorder {
                     load_source: LoadSource::of(&ep.load_view_at(at.now(), self.scrape_max_age)),
                     terms,
                     prediction,
+                    engine: ep.engine_latency(),
                     session_pinned,
                     chosen,
                 });

@@ -137,6 +137,9 @@ impl Scheduler {
             };
             (d, d_terms, fallbacks, scoring.overlap(&d), p)
         };
+        if !O::EXPLAINS && pinned.is_none() && self.slo_unreachable(req, &scoring, &d) {
+            return Err(PickError::SloUnreachable);
+        }
         if O::EXPLAINS {
             obs.chosen(
                 &scoring,
@@ -217,6 +220,36 @@ impl Scheduler {
             self.share_decision(&decision, hashes, decode_at, prefill_at);
         }
         Ok(decision)
+    }
+
+    /// Whether a sheddable request with a TTFT objective is to be refused:
+    /// the chosen decode rank, the least costly, has a warm model of its own
+    /// and is predicted to miss the objective. A candidate predicted to meet
+    /// it costs less than any predicted to miss it (`terms/predicted.rs`), so
+    /// every warm worker misses too; a cold choice is given the benefit of
+    /// the doubt. Counted in the learner.
+    fn slo_unreachable(
+        &self,
+        req: &PickRequest<'_>,
+        scoring: &Scoring<'_, '_>,
+        d: &Cand<'_>,
+    ) -> bool {
+        let (Some(l), Some(slo), true) = (&self.latency, req.slo.ttft, req.sheddable) else {
+            return false;
+        };
+        let cost = scoring.request_cost(self, Side::Decode);
+        let missed = self
+            .prediction(
+                d,
+                scoring.prompt.uncached(scoring.overlap(d)),
+                &cost,
+                scoring.now,
+            )
+            .is_some_and(|p| p.ttft > slo && l.is_warm_worker(&d.key));
+        if missed {
+            l.count_slo_shed();
+        }
+        missed
     }
 
     /// Times `stage` of a routing pick (an explaining one is not counted).

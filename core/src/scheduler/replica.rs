@@ -158,6 +158,17 @@ impl Scheduler {
             Delta::Unbind { session } => {
                 self.sessions.unbind(&session);
             }
+            Delta::Models { prior, workers } => {
+                if let Some(l) = &self.latency {
+                    // Only live workers: a peer cannot fill the model cap.
+                    let live = |k: &WorkerKey| {
+                        snapshot
+                            .by_instance(k.instance_id)
+                            .is_some_and(|e| k.dp_rank < e.ranks())
+                    };
+                    l.restore_shared(&prior, workers.iter().filter(|(k, _)| live(k)));
+                }
+            }
             Delta::Book { .. } | Delta::Release { .. } | Delta::Loads(_) => {}
         }
     }

@@ -167,3 +167,116 @@ fn objectives_change_nothing_without_predictions() {
     assert_eq!(plain, slo);
     assert!(slo.candidates.iter().all(|c| c.prediction.is_none()));
 }
+
+/// A sheddable pick with a TTFT objective of `ttft` seconds.
+fn sheddable_with(body: &crate::request::InferenceRequest, ttft: f64) -> PickRequest<'_> {
+    PickRequest {
+        slo: Slo {
+            ttft: Some(ttft),
+            tpot: None,
+        },
+        sheddable: true,
+        ..with_body(body)
+    }
+}
+
+#[test]
+fn a_sheddable_request_no_warm_worker_can_serve_in_time_is_refused_and_counted() {
+    let s = predicted();
+    let (table, now) = slo_pool(&s);
+    let snap = table.snapshot();
+    // Predicted TTFT: 0.1 s on the fast worker, 0.3 s on the slow one.
+    let body = prompt(&"q".repeat(4096));
+    let late = sheddable_with(&body, 0.05);
+    assert_eq!(
+        s.pick_at(&late, &snap, now).unwrap_err(),
+        PickError::SloUnreachable
+    );
+    assert_eq!(learner(&s).slo_sheds(), 1);
+    for ep in &snap.endpoints {
+        assert_eq!(
+            ep.active_load(0).blocks,
+            0,
+            "a refused request books nothing"
+        );
+    }
+    // One worker meets it: placed there.
+    let met = s.pick_at(&sheddable_with(&body, 0.2), &snap, now).unwrap();
+    assert_eq!(met.decode.key(), snap.endpoints[0].key(0));
+    // Not sheddable: placed by headroom, on the least overshoot.
+    let kept = PickRequest {
+        sheddable: false,
+        ..late
+    };
+    let d = s.pick_at(&kept, &snap, now).unwrap();
+    assert_eq!(d.decode.key(), snap.endpoints[0].key(0));
+    assert_eq!(learner(&s).slo_sheds(), 1);
+}
+
+#[test]
+fn a_sheddable_request_is_not_refused_on_cold_models_or_without_predictions() {
+    let now = Instant::now();
+    let body = prompt(&"q".repeat(4096));
+    // The pool prior is warm and predicts a miss, but no worker has a model
+    // of its own: the cold workers get the benefit of the doubt.
+    let s = predicted();
+    learner(&s)
+        .restore_prior(&fitted([0.5, 0.0, 0.0, 0.0, 0.0], [0.01, 0.0, 0.0, 0.0]))
+        .unwrap();
+    let table = both(2);
+    assert!(s
+        .pick_at(&sheddable_with(&body, 0.05), &table.snapshot(), now)
+        .is_ok());
+    // The heuristic reads no objective.
+    let heuristic = Scheduler::default();
+    assert!(heuristic
+        .pick_at(&sheddable_with(&body, 0.001), &both(2).snapshot(), now)
+        .is_ok());
+    assert_eq!(learner(&s).slo_sheds(), 0);
+}
+
+#[test]
+fn the_expected_output_is_the_hint_else_the_output_cap_bounded() {
+    let s = predicted();
+    let (table, now) = slo_pool(&s);
+    let streamed = |extra: &str| {
+        let json = format!(
+            r#"{{"model":"m","prompt":"{}","stream":true{extra}}}"#,
+            "q".repeat(64)
+        );
+        crate::request::parse(json.as_bytes(), None).unwrap()
+    };
+    let features = |b: &crate::request::InferenceRequest| {
+        let d = s.pick_at(&with_body(b), &table.snapshot(), now).unwrap();
+        s.cancel_at(&d, now);
+        d.latency_features.unwrap().max_tokens
+    };
+    assert_eq!(features(&streamed("")), None);
+    assert_eq!(features(&streamed(r#","max_tokens":300"#)), Some(300));
+    assert_eq!(
+        features(&streamed(
+            r#","max_tokens":300,"max_completion_tokens":200"#
+        )),
+        Some(200)
+    );
+    assert_eq!(
+        features(&streamed(
+            r#","max_tokens":300,"nvext":{"agent_hints":{"osl":50}}"#
+        )),
+        Some(50),
+        "the hint estimates the output; the cap only bounds it"
+    );
+    assert_eq!(
+        features(&streamed(r#","max_tokens":99999999999"#)),
+        Some(crate::latency::features::MAX_OUTPUT_TOKENS)
+    );
+    for bad in [
+        r#""max_tokens":-1"#,
+        r#""max_tokens":1.5"#,
+        r#""max_tokens":"9""#,
+        r#""max_tokens":null"#,
+        r#""max_tokens":0"#,
+    ] {
+        assert_eq!(features(&streamed(&format!(",{bad}"))), None, "{bad}");
+    }
+}
