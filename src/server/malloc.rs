@@ -5,10 +5,11 @@
 //! publisher fills the ingest queue with batches of a few MiB; glibc's malloc
 //! raises its mmap threshold to the size of every large block freed, so later
 //! batches come from the heap, interleave with the prefix index's long-lived
-//! entries and are not returned (`kvpick-bench flood` peaks up to 519 MiB over a
-//! 256 MiB budget). Pinning that threshold bounds the flood but makes every
-//! buffer of 256 KiB or more a fresh mapping, faulted in and unmapped per
-//! request, which costs a 1 MiB body about 1.4× its CPU (`kvpick-bench overhead`).
+//! entries and are not returned (`kvpick-bench flood` peaks at up to 519 MiB
+//! with a 256 MiB budget). Pinning that threshold bounds the flood but makes
+//! every buffer of 256 KiB or more a fresh mapping, faulted in and unmapped per
+//! request: a 1 MiB body then costs about 1.4× the CPU it costs on jemalloc
+//! (`kvpick-bench overhead`).
 //!
 //! jemalloc keeps large buffers in extents apart from small objects and reuses
 //! a freed extent while its pages are still resident, so the request path
