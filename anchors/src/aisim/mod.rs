@@ -48,6 +48,7 @@ use dynamo_mocker::replay::{
     simulate_trace_file_with_router_mode_and_format_and_runtime_observers, ReplayRouterMode,
     ReplayRuntimeObservers, ReplayTelemetryOptions, SlaThresholds,
 };
+use e2e::bench::replay::{PredictionError, WARM_UP_COMPLETIONS};
 use kvpick::endpoints::Snapshot;
 
 use aisimulate_core::replay::DirectRequest;
@@ -64,9 +65,9 @@ pub struct AisimArgs {
     /// in order (Mooncake's traces: 512).
     #[arg(long = "trace-block-size", value_delimiter = ',', default_values_t = [512])]
     trace_block_sizes: Vec<usize>,
-    /// Simulated workers.
-    #[arg(long, default_value_t = 8)]
-    workers: usize,
+    /// Simulated workers: one value for every trace, or one per `--trace` in order.
+    #[arg(long = "workers", value_delimiter = ',', default_values_t = [8])]
+    workers: Vec<usize>,
     /// Engine GPU KV blocks per worker, one matrix column group per value.
     #[arg(long = "num-gpu-blocks", value_delimiter = ',', default_values_t = [4096, 16384])]
     num_gpu_blocks: Vec<usize>,
@@ -76,9 +77,9 @@ pub struct AisimArgs {
     /// Engine KV block size in tokens.
     #[arg(long, default_value_t = 64)]
     block_size: usize,
-    /// Engine `max_num_seqs`.
-    #[arg(long, default_value_t = 256)]
-    max_num_seqs: usize,
+    /// Engine `max_num_seqs`, one matrix pass per value.
+    #[arg(long = "max-num-seqs", value_delimiter = ',', default_values_t = [256])]
+    max_num_seqs: Vec<usize>,
     /// Engine `max_num_batched_tokens` (per-step token budget; chunked prefill on).
     #[arg(long, default_value_t = 8192)]
     max_num_batched_tokens: usize,
@@ -100,23 +101,26 @@ pub struct AisimArgs {
     dump_requests: Option<PathBuf>,
 }
 
-/// A trace file and the tokens per hash id it was written with.
+/// A trace file, the tokens per hash id it was written with, and the workers
+/// it runs on.
 #[derive(Debug, Clone, Copy)]
 pub struct TraceFile<'a> {
     pub path: &'a Path,
     pub block_size: usize,
+    pub workers: usize,
 }
 
 impl AisimArgs {
-    /// The traces with their block sizes.
+    /// The traces with their block sizes and workers.
     fn trace_files(&self) -> anyhow::Result<Vec<TraceFile<'_>>> {
-        let sizes = &self.trace_block_sizes;
-        anyhow::ensure!(
-            sizes.len() == 1 || sizes.len() == self.traces.len(),
-            "--trace-block-size takes one value or one per --trace ({} traces, {} sizes)",
-            self.traces.len(),
-            sizes.len()
-        );
+        let (sizes, workers) = (&self.trace_block_sizes, &self.workers);
+        for (flag, n) in [("--trace-block-size", sizes.len()), ("--workers", workers.len())] {
+            anyhow::ensure!(
+                n == 1 || n == self.traces.len(),
+                "{flag} takes one value or one per --trace ({} traces, {n} values)",
+                self.traces.len(),
+            );
+        }
         Ok(self
             .traces
             .iter()
@@ -124,6 +128,7 @@ impl AisimArgs {
             .map(|(i, path)| TraceFile {
                 path,
                 block_size: sizes[i.min(sizes.len() - 1)],
+                workers: workers[i.min(workers.len() - 1)],
             })
             .collect())
     }
@@ -152,12 +157,16 @@ impl AisimArgs {
     }
 
     /// The engine configuration every policy of a point runs on.
-    fn mocker_config(&self, num_gpu_blocks: usize) -> anyhow::Result<MockerConfig> {
+    fn mocker_config(
+        &self,
+        num_gpu_blocks: usize,
+        max_num_seqs: usize,
+    ) -> anyhow::Result<MockerConfig> {
         let engine = EngineConfig {
             backend: Backend::Vllm,
             num_gpu_blocks,
             block_size: self.block_size,
-            max_num_seqs: self.max_num_seqs,
+            max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
@@ -190,6 +199,8 @@ pub struct Figures {
     /// Mean requests waiting in all engines over the busy samples.
     pub waiting: f64,
     pub wall_s: f64,
+    /// How well kvpick's latency models predicted TTFT (predicted mode).
+    pub prediction_error: Option<PredictionError>,
 }
 
 impl Figures {
@@ -205,6 +216,7 @@ impl Figures {
             spread: load.spread(),
             waiting: load.waiting(),
             wall_s,
+            prediction_error: None,
         }
     }
 }
@@ -241,7 +253,7 @@ fn replay_input(
         version: CURRENT_REPLAY_SPEC_VERSION,
         topology: ReplayTopology::Aggregated {
             workers: WorkerPoolSpec {
-                initial_workers: opts.workers,
+                initial_workers: trace.workers,
                 startup_delay_ms: 0.0,
             },
         },
@@ -315,6 +327,7 @@ pub fn run_kvpick(
     let composition = KvpickComposition::new(settings, scrapes.clone());
     let endpoints = composition.endpoints();
     let placed = composition.placed();
+    let feed = composition.feed();
     let report = replay(opts, spec, requests, composition, &scrapes)?;
     let endpoints = endpoints
         .lock()
@@ -325,11 +338,16 @@ pub fn run_kvpick(
         .lock()
         .map_err(|_| anyhow::anyhow!("placed handle poisoned"))?
         .clone();
+    let prediction_error = feed
+        .lock()
+        .map_err(|_| anyhow::anyhow!("feed handle poisoned"))?
+        .error();
     Ok(KvpickRun {
         report,
         endpoints,
         scrapes,
         placed,
+        prediction_error,
     })
 }
 
@@ -357,7 +375,7 @@ pub fn run_dynamo(
         None,
         trace.path,
         trace.block_size,
-        opts.workers,
+        trace.workers,
         speedup,
         mode,
         TraceFileFormat::Mooncake,
@@ -391,22 +409,24 @@ pub fn run_peer(
     let composition = PeerComposition::new(settings, scrapes.clone());
     let report = replay(opts, spec, requests, composition, &scrapes)?;
     anyhow::ensure!(
-        scrapes.workers() == opts.workers,
+        scrapes.workers() == trace.workers,
         "{} read gauges of {} of {} workers",
         peer.name(),
         scrapes.workers(),
-        opts.workers
+        trace.workers
     );
     Ok((report, scrapes.stats()))
 }
 
 /// What a kvpick replay leaves: AISimulate's report, kvpick's endpoints and
-/// scrapes as the run left them, and how many requests it placed on each worker.
+/// scrapes as the run left them, how many requests it placed on each worker,
+/// and how well its latency models predicted TTFT (predicted mode).
 pub struct KvpickRun {
     pub report: ReplayReport,
     pub endpoints: Arc<Snapshot>,
     pub scrapes: Scrapes,
     pub placed: Vec<usize>,
+    pub prediction_error: Option<PredictionError>,
 }
 
 impl KvpickRun {
@@ -445,127 +465,253 @@ impl KvpickRun {
 /// Runs the matrix and prints it (and writes it to `--out`).
 pub fn run(args: AisimArgs) -> anyhow::Result<()> {
     let mut md = String::new();
-    writeln!(md, "# kvpick in AISimulate: {} workers\n", args.workers)?;
+    writeln!(md, "# kvpick in AISimulate\n")?;
     writeln!(
         md,
         "Engine (every policy, every point): AISimulate vLLM backend, block size {} tokens, \
-         `max_num_seqs` {}, `max_num_batched_tokens` {} (chunked prefill on, prefix caching on), \
-         polynomial perf model (`dynamo-mocker`'s default `PerfModel`, no external timing \
-         provider), dp 1, tp 1; `num_gpu_blocks` per table. kvpick reads the engines' gauges \
-         every {} ms of virtual time.\n",
-        args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.scrape_interval_ms,
+         `max_num_batched_tokens` {} (chunked prefill on, prefix caching on), polynomial perf \
+         model (`dynamo-mocker`'s default `PerfModel`, no external timing provider), dp 1, tp 1; \
+         workers, `num_gpu_blocks` and `max_num_seqs` per table. kvpick reads the engines' \
+         gauges every {} ms of virtual time.\n",
+        args.block_size, args.max_num_batched_tokens, args.scrape_interval_ms,
     )?;
     writeln!(
         md,
         "`speedup` divides the trace's arrival times. TTFT and e2e in ms; hit rate = \
-         AISimulate's `prefix_cache_reused_ratio`. Verdicts: each kvpick mode's TTFT over the \
-         better of `dynamo` and `round-robin` and over `fewest-in-flight`, its hit rate over \
-         `dynamo`'s (≤ 1 on TTFT and ≥ 1 on hit rate is a lead). `fewest-in-flight` and `llm-d` \
-         are `kvpick-bench replay`'s policies on the same engines and the same scrape.\n"
+         AISimulate's `prefix_cache_reused_ratio`; pred. error = median |predicted − actual| / \
+         actual TTFT of `kvpick-predicted`'s decisions after its first {WARM_UP_COMPLETIONS} \
+         first tokens. Verdicts: each kvpick mode's TTFT over the better of `dynamo` and \
+         `round-robin` and over `fewest-in-flight`, its hit rate over `dynamo`'s (≤ 1 on TTFT \
+         and ≥ 1 on hit rate is a lead). `fewest-in-flight` and `llm-d` are `kvpick-bench \
+         replay`'s policies on the same engines and the same scrape.\n"
     )?;
+    let mut points = Vec::new();
     for trace in args.trace_files()? {
         let name = trace
             .path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        for &blocks in &args.num_gpu_blocks {
-            let config = args.mocker_config(blocks)?;
-            writeln!(
-                md,
-                "## {name} ({} tokens a hash id), num_gpu_blocks {blocks}\n",
-                trace.block_size
-            )?;
-            writeln!(
-                md,
-                "| speedup | policy | completed | TTFT p50 | TTFT p99 | e2e p50 | hit rate | spread | waiting | wall s |"
-            )?;
-            writeln!(md, "|---|---|---|---|---|---|---|---|---|---|")?;
-            let mut verdicts = Vec::new();
-            for &speedup in &args.speedups {
-                let mut rows = Vec::new();
-                let point = format!("{name}-{blocks}-{speedup}");
-                for (policy, mode) in [
-                    ("round-robin", ReplayRouterMode::RoundRobin),
-                    ("dynamo", ReplayRouterMode::KvRouter),
-                ] {
-                    if !args.runs(policy) {
-                        continue;
+        for &seqs in &args.max_num_seqs {
+            for &blocks in &args.num_gpu_blocks {
+                let config = args.mocker_config(blocks, seqs)?;
+                writeln!(
+                    md,
+                    "## {name} ({} tokens a hash id), {} workers, num_gpu_blocks {blocks}, \
+                     max_num_seqs {seqs}\n",
+                    trace.block_size, trace.workers
+                )?;
+                writeln!(
+                    md,
+                    "| speedup | policy | completed | TTFT p50 | TTFT p99 | e2e p50 | hit rate | spread | waiting | pred. error | wall s |"
+                )?;
+                writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|")?;
+                let mut verdicts = Vec::new();
+                for &speedup in &args.speedups {
+                    let point = match seqs {
+                        256 => format!("{name}-{blocks}-{speedup}"),
+                        _ => format!("{name}-{blocks}-{seqs}seqs-{speedup}"),
+                    };
+                    let rows = run_point(&args, &config, trace, speedup, &name, &point)?;
+                    for f in &rows {
+                        writeln!(
+                            md,
+                            "| {speedup} | {} | {}/{} | {:.0} | {:.0} | {:.0} | {:.3} | {:.2} | {:.1} | {} | {:.1} |",
+                            f.policy,
+                            f.completed,
+                            f.requests,
+                            f.ttft_p50_ms,
+                            f.ttft_p99_ms,
+                            f.e2e_p50_ms,
+                            f.hit_rate,
+                            f.spread,
+                            f.waiting,
+                            f.prediction_error
+                                .map_or("–".into(), |e| format!("{:.3}", e.median)),
+                            f.wall_s
+                        )?;
                     }
-                    let t = Instant::now();
-                    let (report, load) = run_dynamo(&args, &config, trace, speedup, mode)
-                        .with_context(|| format!("{policy} on {name}"))?;
-                    let wall = t.elapsed().as_secs_f64();
-                    args.dump(&report, &point, policy)?;
-                    rows.push(Figures::of(policy, &report, load, wall));
+                    verdicts.push((speedup, verdict(&rows)));
+                    eprintln!("{point}: done");
+                    points.push(Point {
+                        label: format!(
+                            "{name}, {} w, {blocks} blocks, {seqs} seqs, {speedup}×",
+                            trace.workers
+                        ),
+                        rows,
+                    });
                 }
-                for peer in [Peer::FewestInFlight, Peer::LlmD] {
-                    if !args.runs(peer.name()) {
-                        continue;
-                    }
-                    let t = Instant::now();
-                    let (report, load) = run_peer(&args, &config, trace, speedup, peer)
-                        .with_context(|| format!("{} on {name}", peer.name()))?;
-                    let wall = t.elapsed().as_secs_f64();
-                    args.dump(&report, &point, peer.name())?;
-                    rows.push(Figures::of(peer.name(), &report, load, wall));
+                writeln!(md)?;
+                for (speedup, v) in verdicts {
+                    writeln!(md, "- speedup {speedup}: {v}")?;
                 }
-                for mode in [Mode::Approximate, Mode::Precise] {
-                    if !args.runs(mode.name()) {
-                        continue;
-                    }
-                    let t = Instant::now();
-                    let run = run_kvpick(&args, &config, trace, speedup, mode)
-                        .with_context(|| format!("{} on {name}", mode.name()))?;
-                    run.check(args.workers)?;
-                    eprintln!("{} placed per worker: {:?}", mode.name(), run.placed);
-                    let wall = t.elapsed().as_secs_f64();
-                    args.dump(&run.report, &point, mode.name())?;
-                    rows.push(Figures::of(
-                        mode.name(),
-                        &run.report,
-                        run.scrapes.stats(),
-                        wall,
-                    ));
-                }
-                for f in &rows {
-                    anyhow::ensure!(
-                        f.completed == f.requests,
-                        "{} completed {} of {} requests on {name}",
-                        f.policy,
-                        f.completed,
-                        f.requests
-                    );
-                    writeln!(
-                        md,
-                        "| {speedup} | {} | {}/{} | {:.0} | {:.0} | {:.0} | {:.3} | {:.2} | {:.1} | {:.1} |",
-                        f.policy,
-                        f.completed,
-                        f.requests,
-                        f.ttft_p50_ms,
-                        f.ttft_p99_ms,
-                        f.e2e_p50_ms,
-                        f.hit_rate,
-                        f.spread,
-                        f.waiting,
-                        f.wall_s
-                    )?;
-                }
-                verdicts.push((speedup, verdict(&rows)));
-                eprintln!("{name} blocks {blocks} speedup {speedup}: done");
+                writeln!(md)?;
             }
-            writeln!(md)?;
-            for (speedup, v) in verdicts {
-                writeln!(md, "- speedup {speedup}: {v}")?;
-            }
-            writeln!(md)?;
         }
     }
+    md.push_str(&ratio_table(&points));
     print!("{md}");
     if let Some(path) = &args.out {
         std::fs::write(path, &md)?;
     }
     Ok(())
+}
+
+/// Every policy `args` selects at one point, in report order, each run checked.
+fn run_point(
+    args: &AisimArgs,
+    config: &MockerConfig,
+    trace: TraceFile<'_>,
+    speedup: f64,
+    name: &str,
+    point: &str,
+) -> anyhow::Result<Vec<Figures>> {
+    let mut rows = Vec::new();
+    for (policy, mode) in [
+        ("round-robin", ReplayRouterMode::RoundRobin),
+        ("dynamo", ReplayRouterMode::KvRouter),
+    ] {
+        if !args.runs(policy) {
+            continue;
+        }
+        let t = Instant::now();
+        let (report, load) = run_dynamo(args, config, trace, speedup, mode)
+            .with_context(|| format!("{policy} on {name}"))?;
+        let wall = t.elapsed().as_secs_f64();
+        args.dump(&report, point, policy)?;
+        rows.push(Figures::of(policy, &report, load, wall));
+    }
+    for peer in [Peer::FewestInFlight, Peer::LlmD] {
+        if !args.runs(peer.name()) {
+            continue;
+        }
+        let t = Instant::now();
+        let (report, load) = run_peer(args, config, trace, speedup, peer)
+            .with_context(|| format!("{} on {name}", peer.name()))?;
+        let wall = t.elapsed().as_secs_f64();
+        args.dump(&report, point, peer.name())?;
+        rows.push(Figures::of(peer.name(), &report, load, wall));
+    }
+    for mode in Mode::ALL {
+        if !args.runs(mode.name()) {
+            continue;
+        }
+        let t = Instant::now();
+        let run = run_kvpick(args, config, trace, speedup, mode)
+            .with_context(|| format!("{} on {name}", mode.name()))?;
+        run.check(trace.workers)?;
+        eprintln!("{} placed per worker: {:?}", mode.name(), run.placed);
+        let wall = t.elapsed().as_secs_f64();
+        args.dump(&run.report, point, mode.name())?;
+        rows.push(Figures {
+            prediction_error: run.prediction_error,
+            ..Figures::of(mode.name(), &run.report, run.scrapes.stats(), wall)
+        });
+    }
+    for f in &rows {
+        anyhow::ensure!(
+            f.completed == f.requests,
+            "{} completed {} of {} requests on {name}",
+            f.policy,
+            f.completed,
+            f.requests
+        );
+    }
+    Ok(rows)
+}
+
+/// One point of the matrix: its label and every policy's figures.
+struct Point {
+    label: String,
+    rows: Vec<Figures>,
+}
+
+/// A figure a kvpick mode is held to: its name and how to read it.
+type Held = (&'static str, fn(&Figures) -> f64);
+
+/// The figures a kvpick mode is held to: TTFT p50, TTFT p99, e2e p50.
+const HELD: [Held; 3] = [
+    ("TTFT p50", |f| f.ttft_p50_ms),
+    ("TTFT p99", |f| f.ttft_p99_ms),
+    ("e2e p50", |f| f.e2e_p50_ms),
+];
+
+/// Each kvpick mode's [`HELD`] figures over the best other policy's at each
+/// point (the least of that figure among the policies not named `kvpick*`),
+/// their geometric means over the points, and the points where a ratio is
+/// above 1.05.
+fn ratio_table(points: &[Point]) -> String {
+    let modes: Vec<&str> = Mode::ALL
+        .iter()
+        .map(|m| m.name())
+        .filter(|m| points.iter().any(|p| p.rows.iter().any(|f| f.policy == *m)))
+        .collect();
+    if modes.is_empty() || points.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from(
+        "## Ratios to the best other policy\n\nEach kvpick mode's TTFT p50, TTFT p99 and e2e \
+         p50 over the least of that figure among the other policies at the same point (below 1: \
+         kvpick is ahead); geometric mean over the points; pred. error as above.\n\n| point |",
+    );
+    let mut rule = String::from("|---|");
+    for m in &modes {
+        for (held, _) in HELD {
+            write!(md, " {m} {held} |").ok();
+            rule.push_str("---|");
+        }
+    }
+    md.push_str(" pred. error |\n");
+    rule.push_str("---|\n");
+    md.push_str(&rule);
+    let mut logs = vec![[0.0f64; 3]; modes.len()];
+    let mut over = vec![[0usize; 3]; modes.len()];
+    let mut counted = vec![0usize; modes.len()];
+    for p in points {
+        write!(md, "| {} |", p.label).ok();
+        let others: Vec<&Figures> = p
+            .rows
+            .iter()
+            .filter(|f| !f.policy.starts_with("kvpick"))
+            .collect();
+        for (i, m) in modes.iter().enumerate() {
+            let k = p.rows.iter().find(|f| f.policy == *m);
+            for (j, (_, get)) in HELD.iter().enumerate() {
+                let best = others.iter().map(|f| get(f)).fold(f64::INFINITY, f64::min);
+                match k.map(|k| get(k) / best).filter(|r| r.is_finite() && *r > 0.0) {
+                    Some(r) => {
+                        logs[i][j] += r.ln();
+                        over[i][j] += usize::from(r > 1.05);
+                        if j == 0 {
+                            counted[i] += 1;
+                        }
+                        write!(md, " {r:.2} |").ok();
+                    }
+                    None => md.push_str(" – |"),
+                }
+            }
+        }
+        let error = p
+            .rows
+            .iter()
+            .find_map(|f| f.prediction_error)
+            .map_or("–".into(), |e| format!("{:.3}", e.median));
+        writeln!(md, " {error} |").ok();
+    }
+    md.push_str("| **geometric mean** |");
+    for (i, _) in modes.iter().enumerate() {
+        for l in logs[i] {
+            write!(md, " **{:.3}** |", (l / counted[i].max(1) as f64).exp()).ok();
+        }
+    }
+    md.push_str(" |\n| points above 1.05× |");
+    for (i, _) in modes.iter().enumerate() {
+        for n in over[i] {
+            write!(md, " {n} of {} |", counted[i]).ok();
+        }
+    }
+    md.push_str(" |\n\n");
+    md
 }
 
 /// Each kvpick mode against the peers at one point, as ratios: TTFT over the
@@ -580,7 +726,7 @@ fn verdict(rows: &[Figures]) -> String {
     let best_p50 = d.ttft_p50_ms.min(r.ttft_p50_ms);
     let best_p99 = d.ttft_p99_ms.min(r.ttft_p99_ms);
     let mut out = Vec::new();
-    for mode in [Mode::Precise, Mode::Approximate] {
+    for mode in Mode::ALL {
         let Some(k) = get(mode.name()) else {
             continue;
         };
@@ -708,8 +854,9 @@ mod tests {
         let trace = TraceFile {
             path: &path,
             block_size: 512,
+            workers: 4,
         };
-        let config = opts.mocker_config(256).unwrap();
+        let config = opts.mocker_config(256, 256).unwrap();
         let rr = simulate_trace_file_with_router_mode(
             config.clone(),
             None,
@@ -726,7 +873,7 @@ mod tests {
         let blind = rr
             .prefix_cache_reused_ratio
             .max(fewest.prefix_cache_reused_ratio);
-        for mode in [Mode::Precise, Mode::Approximate] {
+        for mode in Mode::ALL {
             let run = run_kvpick(&opts, &config, trace, 1.0, mode).unwrap();
             let counts = &run.report.request_counts;
             assert_eq!(counts.completed_requests, 320, "{}", mode.name());

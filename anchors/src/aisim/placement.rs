@@ -12,7 +12,11 @@
 //!   (per-worker bound: the engine's GPU blocks); precise mode marks every worker
 //!   precise and hands the engines' KV events, translated into vLLM's
 //!   `BlockStored` / `BlockRemoved` with token ids, to kvpick's own ingest
-//!   ([`Ingest`]), which hashes the blocks as the request side does.
+//!   ([`Ingest`]), which hashes the blocks as the request side does;
+//! - latency (predicted mode: precise, `--scoring predicted`): the scheduler's
+//!   latency models learn each request's TTFT when the runtime reports its
+//!   first token and its decode pace when it is terminal, with the features its
+//!   decision kept ([`LatencyFeed`]).
 //!
 //! The scheduler's clock is the virtual clock (`base + now_ms`). Invariant: every
 //! placed request has exactly one entry in `routed` until the runtime reports it
@@ -33,6 +37,7 @@ use aisimulate_core::replay::{
 use anyhow::{anyhow, Context};
 use clap::Parser;
 use e2e::bench::completion_of_tokens;
+use e2e::bench::replay::LatencyFeed;
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
 use kvpick::kvevents::Ingest;
 use kvpick::kvevents::{self, BlockRemoved, BlockStored, EventBatch, StorageTier};
@@ -44,22 +49,35 @@ use super::fixed_pool;
 /// The model name requests carry and KV events are seeded with.
 const MODEL: &str = "aisim-replay";
 
-/// Where kvpick's prefix index learns what each worker holds.
+/// How kvpick runs: where its prefix index learns what each worker holds, and
+/// what its cost is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// From kvpick's own routing decisions.
+    /// Index from kvpick's own routing decisions; heuristic cost.
     Approximate,
-    /// From the engines' KV events.
+    /// Index from the engines' KV events; heuristic cost.
     Precise,
+    /// Index from the engines' KV events; cost in predicted seconds
+    /// (`--scoring predicted`), its latency models fed by the runtime.
+    Predicted,
 }
 
 impl Mode {
+    /// Every mode, in report order.
+    pub const ALL: [Mode; 3] = [Mode::Approximate, Mode::Precise, Mode::Predicted];
+
     /// The policy's name in reports.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Approximate => "kvpick-approx",
             Mode::Precise => "kvpick-precise",
+            Mode::Predicted => "kvpick-predicted",
         }
+    }
+
+    /// Whether the engines' KV events feed the index.
+    fn precise(self) -> bool {
+        self != Mode::Approximate
     }
 }
 
@@ -207,7 +225,12 @@ pub struct KvpickComposition {
     table: Arc<Mutex<Option<Arc<Snapshot>>>>,
     /// Requests placed on each worker (by endpoint index), for checks after the run.
     placed: Placed,
+    /// The latency models' feed, for its prediction error after the run.
+    feed: Feed,
 }
+
+/// The latency feed of a placement, keyed by request id.
+pub type Feed = Arc<Mutex<LatencyFeed<Uuid>>>;
 
 /// Requests placed on each worker, by endpoint index.
 pub type Placed = Arc<Mutex<Vec<usize>>>;
@@ -220,7 +243,13 @@ impl KvpickComposition {
             scrapes,
             table: Arc::default(),
             placed: Arc::default(),
+            feed: Arc::default(),
         }
+    }
+
+    /// A handle on the latency feed of the placement this composition builds.
+    pub fn feed(&self) -> Feed {
+        Arc::clone(&self.feed)
     }
 
     /// A handle on the endpoints of the placement this composition builds.
@@ -252,6 +281,7 @@ impl ReplayComposition for KvpickComposition {
             topology,
             self.scrapes.clone(),
             Arc::clone(&self.placed),
+            Arc::clone(&self.feed),
         )?;
         *self
             .table
@@ -281,6 +311,8 @@ struct SimWorker {
 struct Routed {
     decision: Decision,
     _guard: InFlightGuard,
+    /// Its output tokens (one response chunk each).
+    output_tokens: usize,
 }
 
 /// kvpick as a placement policy (see the module doc).
@@ -298,6 +330,7 @@ pub struct KvpickPlacement {
     block_size: usize,
     routed: HashMap<Uuid, Routed>,
     placed: Placed,
+    feed: Feed,
     base: Instant,
     last_upkeep_ms: f64,
 }
@@ -308,6 +341,7 @@ impl KvpickPlacement {
         topology: Vec<WorkerTopology>,
         scrapes: Scrapes,
         placed: Placed,
+        feed: Feed,
     ) -> anyhow::Result<Self> {
         let scheduler = Arc::new(Scheduler::new(scheduler_config(settings)?));
         let table = EndpointTable::new();
@@ -339,15 +373,15 @@ impl KvpickPlacement {
             .collect();
         let base = Instant::now();
         let keys: Vec<WorkerKey> = snapshot.endpoints.iter().map(|e| e.key(0)).collect();
-        let ingest = match settings.mode {
-            Mode::Precise => {
+        let ingest = match settings.mode.precise() {
+            true => {
                 let mut ingest = Ingest::new(Arc::clone(&scheduler), MODEL);
                 for k in &keys {
                     ingest.set_live(*k, true);
                 }
                 Some(ingest)
             }
-            Mode::Approximate => {
+            false => {
                 for k in &keys {
                     scheduler
                         .index()
@@ -368,6 +402,7 @@ impl KvpickPlacement {
             block_size: settings.block_size,
             routed: HashMap::new(),
             placed,
+            feed,
             base,
             last_upkeep_ms: 0.0,
         })
@@ -406,20 +441,33 @@ impl KvpickPlacement {
         Ok(())
     }
 
-    /// Ends a placed request's bookings.
-    fn finish(&mut self, request_id: Uuid, now_ms: f64) {
-        if let Some(routed) = self.routed.remove(&request_id) {
-            self.scheduler
-                .finish_at(&routed.decision, Some(200), self.at(now_ms));
+    /// Ends a placed request's bookings; its decode pace is learned.
+    fn finish(&mut self, request_id: Uuid, now_ms: f64) -> anyhow::Result<()> {
+        let Some(routed) = self.routed.remove(&request_id) else {
+            return Ok(());
+        };
+        let at = self.at(now_ms);
+        self.scheduler.finish_at(&routed.decision, Some(200), at);
+        if let Some(learner) = self.scheduler.latency() {
+            self.feed
+                .lock()
+                .map_err(|_| anyhow!("feed lock poisoned"))?
+                .finished(request_id, at, routed.output_tokens, learner);
         }
+        Ok(())
     }
 }
 
-/// The scheduler settings of a kvpick started with its default flags and
-/// `--prefix-token-block` at the engine's block size, seeded.
+/// The scheduler settings of a kvpick started with its default flags,
+/// `--prefix-token-block` at the engine's block size and, in predicted mode,
+/// `--scoring predicted`, seeded.
 fn scheduler_config(settings: &KvpickSettings) -> anyhow::Result<SchedulerConfig> {
     let token_block = format!("--prefix-token-block={}", settings.block_size);
-    let flags = kvpick::config::Args::try_parse_from(["kvpick", token_block.as_str()])?;
+    let mut argv = vec!["kvpick", token_block.as_str()];
+    if settings.mode == Mode::Predicted {
+        argv.push("--scoring=predicted");
+    }
+    let flags = kvpick::config::Args::try_parse_from(argv)?;
     Ok(SchedulerConfig {
         tie_break_seed: Some(settings.seed),
         ..flags.scheduler(Vec::new())
@@ -510,11 +558,17 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
             placed[endpoint] += 1;
         }
         let guard = decision.begin();
+        let at = self.at(now_ms);
+        self.feed
+            .lock()
+            .map_err(|_| anyhow!("feed lock poisoned"))?
+            .routed(request_id, &decision, self.scheduler.latency().map(|l| &**l), at);
         self.routed.insert(
             request_id,
             Routed {
                 decision,
                 _guard: guard,
+                output_tokens: request.metadata().max_output_tokens,
             },
         );
         Ok(PlacementEffects {
@@ -555,13 +609,26 @@ impl PlacementPolicy<ReplayRequestPayload> for KvpickPlacement {
         request_id: Uuid,
         now_ms: f64,
     ) -> anyhow::Result<Vec<Placement>> {
-        self.finish(request_id, now_ms);
+        self.finish(request_id, now_ms)?;
         Ok(Vec::new())
     }
 
-    fn prefill_completed(&mut self, request_id: Uuid, _: f64) -> anyhow::Result<Vec<Placement>> {
-        if let Some(routed) = self.routed.get(&request_id) {
-            self.scheduler.prefill_done(&routed.decision);
+    /// The runtime reports a request's first output token here: its prefill
+    /// is over, and its TTFT is learned.
+    fn prefill_completed(
+        &mut self,
+        request_id: Uuid,
+        now_ms: f64,
+    ) -> anyhow::Result<Vec<Placement>> {
+        let Some(routed) = self.routed.get(&request_id) else {
+            return Ok(Vec::new());
+        };
+        self.scheduler.prefill_done(&routed.decision);
+        if let Some(learner) = self.scheduler.latency() {
+            self.feed
+                .lock()
+                .map_err(|_| anyhow!("feed lock poisoned"))?
+                .first_token(request_id, self.at(now_ms), learner);
         }
         Ok(Vec::new())
     }

@@ -443,6 +443,8 @@ impl RequestFlow {
         let r = self.routed.as_ref().filter(|_| !self.responded)?;
         self.responded = true;
         self.status = status;
+        let id = self.id;
+        self.ctx.tell(|o| o.responded(id, &r.decision, now, status));
         let scheduler = &self.ctx.scheduler;
         let decision = &r.decision;
         let ejected = status.is_some_and(|s| scheduler.record_response(decision, s, now));

@@ -1,13 +1,14 @@
 //! What a flow tells its observers about the requests it routes.
 //!
 //! An observer (a latency model, a recorder in a test) sees, per routed
-//! request: each decision and when it was made, the first response body bytes,
-//! every later body chunk, and the end. Every call carries the flow's
+//! request: each decision and when it was made, the response's status, the
+//! first response body bytes, every later body chunk, and the end. Every call carries the flow's
 //! [`FlowId`] and its current decision, and the instant the flow was given for
 //! the event, so a simulated clock drives observers as it drives the scheduler.
 //!
 //! Invariants (kept by [`super::RequestFlow`]): a flow that never routed
 //! reports nothing; one that did reports [`FlowObserver::routed`] first,
+//! [`FlowObserver::responded`] at most once,
 //! [`FlowObserver::first_chunk`] at most once and before any
 //! [`FlowObserver::chunk`], and [`FlowObserver::ended`] exactly once, last.
 
@@ -40,6 +41,10 @@ pub trait FlowObserver: Send + Sync {
     /// a decision made on the headers alone replaces that decision: the flow
     /// then reports the new one under the same id.
     fn routed(&self, _flow: FlowId, _decision: &Decision, _at: Instant) {}
+
+    /// The response headers arrived at `at`, with HTTP `status` when they
+    /// carried one.
+    fn responded(&self, _flow: FlowId, _decision: &Decision, _at: Instant, _status: Option<u16>) {}
 
     /// The first response body bytes (`bytes` of them, at least one) arrived
     /// at `at`. `decision` names where the request runs (a fallback the

@@ -294,6 +294,35 @@ fn the_learner_learns_streamed_requests_through_the_flow_and_forgets_every_ended
 }
 
 #[test]
+fn the_learner_learns_a_ttft_at_the_first_chunk_and_nothing_from_an_error_body() {
+    let (ctx, learner) = learning();
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    let streamed = br#"{"model":"m","stream":true,"prompt":"a prompt long enough to fill a block or two of bytes"}"#;
+    let routed = || {
+        let mut flow = RequestFlow::new(Arc::clone(&ctx));
+        flow.request_headers(head(), t0);
+        flow.request_body(streamed.to_vec(), t0);
+        flow
+    };
+    // A failing upstream's error body is no first token.
+    let mut failed = routed();
+    failed.response_headers(Some(503), true, ms(5));
+    failed.response_chunk(b"{\"error\":\"overloaded\"}", ms(6));
+    failed.finish(ms(7));
+    assert_eq!(learner.workers(), 0, "an error teaches nothing");
+    // Served: its TTFT is known at the first chunk, long before its end.
+    let mut flow = routed();
+    flow.response_headers(Some(200), true, ms(40));
+    flow.response_chunk(b"data: a", ms(50));
+    assert_eq!(learner.workers(), 1, "learned at the first chunk");
+    assert_eq!(learner.following(), 1, "still followed for its decode pace");
+    flow.response_chunk(b"data: b", ms(60));
+    flow.finish(ms(70));
+    assert_eq!(learner.following(), 0);
+}
+
+#[test]
 fn a_sheddable_request_no_warm_worker_can_serve_in_time_is_shed_and_books_nothing() {
     let (ctx, learner) = learning();
     // Both workers warm, each predicted at 0.5 s to first token.

@@ -215,6 +215,12 @@ impl Timeline {
         }
     }
 
+    /// Time from the decision to the first chunk, once it came.
+    pub fn ttft(&self) -> Option<Duration> {
+        self.first
+            .map(|f| f.saturating_duration_since(self.decided))
+    }
+
     /// The observation, once the response `ended`: `None` for an error status
     /// or a response that never sent a body chunk. A cancelled stream still
     /// reports what it showed.

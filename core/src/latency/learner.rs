@@ -3,14 +3,17 @@
 //! request through the flow ([`FlowObserver`]) and learns from it when it ends.
 //!
 //! Only requests whose decision carries [`Features`] (streamed ones, picked in
-//! predicted mode) are followed. Invariants: at most [`MAX_FOLLOWED`] requests
+//! predicted mode) are followed. A request's TTFT is learned at its first
+//! response chunk (unless its status says it failed), its decode pace at its
+//! end: the next decisions know a worker's current TTFT without waiting for
+//! the long decodes in between to finish. Invariants: at most [`MAX_FOLLOWED`] requests
 //! are followed at once (past it a new one is not learned from); a request
 //! leaves the followed set at its end, whatever the end; the models' lock is
 //! taken for reading per prediction and for writing once per learned request.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -36,6 +39,10 @@ struct Followed {
     worker: WorkerKey,
     features: Features,
     timeline: Timeline,
+    /// The response's HTTP status, once its headers came.
+    status: Option<u16>,
+    /// Whether its TTFT was learned at its first chunk.
+    first_learned: bool,
 }
 
 /// The pool's latency models, fed by the flows it observes.
@@ -98,16 +105,35 @@ impl Learner {
         self.models.read().is_warm(worker)
     }
 
-    /// Learns one request on `worker` directly (a simulator, a test).
+    /// Learns one request on `worker` directly, its TTFT and decode pace at
+    /// once (a test; a stream learns each when it shows it).
     pub fn learn(&self, worker: WorkerKey, features: &Features, seen: &super::Observed) {
-        if let Some(err) = self.predict(&worker, features).map(|p| {
-            let actual = seen.ttft.as_secs_f64();
-            (p.ttft - actual).abs() / actual
-        }) {
-            self.record_error(err);
-        }
+        self.record_prediction_error(&worker, features, seen.ttft);
         // A refused observation changes nothing; there is nothing to tell.
         let _ = self.models.write().observe(worker, features, seen);
+    }
+
+    /// Learns a request's TTFT on `worker` when its first token is out, so
+    /// the next decisions know it without waiting for the request to end.
+    pub fn learn_first_token(&self, worker: WorkerKey, features: &Features, ttft: Duration) {
+        self.record_prediction_error(&worker, features, ttft);
+        let _ = self
+            .models
+            .write()
+            .observe_first_token(worker, features, ttft);
+    }
+
+    /// Learns a request's time per output token on `worker`, at its end.
+    pub fn learn_decode(&self, worker: WorkerKey, features: &Features, tpot: Duration) {
+        let _ = self.models.write().observe_decode(worker, features, tpot);
+    }
+
+    /// Records how far the prediction for `features` on `worker` is from `ttft`.
+    fn record_prediction_error(&self, worker: &WorkerKey, features: &Features, ttft: Duration) {
+        let actual = ttft.as_secs_f64();
+        if let Some(p) = self.predict(worker, features).filter(|_| actual > 0.0) {
+            self.record_error((p.ttft - actual).abs() / actual);
+        }
     }
 
     /// Counts a decision scored by the heuristic while the pool prior was cold.
@@ -252,15 +278,36 @@ impl FlowObserver for Learner {
                 worker: decision.decode.key(),
                 features,
                 timeline: Timeline::new(at),
+                status: None,
+                first_learned: false,
             },
         );
     }
 
-    fn first_chunk(&self, flow: FlowId, decision: &Decision, at: Instant, bytes: usize) {
+    fn responded(&self, flow: FlowId, _decision: &Decision, _at: Instant, status: Option<u16>) {
         if let Some(f) = self.shard(flow).lock().get_mut(&flow) {
+            f.status = status;
+        }
+    }
+
+    fn first_chunk(&self, flow: FlowId, decision: &Decision, at: Instant, bytes: usize) {
+        let learn = {
+            let mut shard = self.shard(flow).lock();
+            let Some(f) = shard.get_mut(&flow) else {
+                return;
+            };
             // The gateway may have served it from a fallback.
             f.worker = decision.decode.key();
             f.timeline.chunk(at, bytes);
+            // An error's body is no first token; a response without a status
+            // line counts as served, as at its end.
+            let served = f.status.is_none_or(|s| (200..300).contains(&s));
+            let ttft = f.timeline.ttft().filter(|_| served);
+            f.first_learned = ttft.is_some();
+            ttft.map(|t| (f.worker, f.features, t))
+        };
+        if let Some((worker, features, ttft)) = learn {
+            self.learn_first_token(worker, &features, ttft);
         }
     }
 
@@ -279,8 +326,12 @@ impl FlowObserver for Learner {
             FlowEnd::Finished { status } => Ended::Status(status.unwrap_or(200)),
             FlowEnd::Cancelled => Ended::Cancelled,
         };
-        if let Some(seen) = f.timeline.finish(ended) {
-            self.learn(f.worker, &f.features, &seen);
+        match (f.timeline.finish(ended), f.first_learned) {
+            (Some(seen), false) => self.learn(f.worker, &f.features, &seen),
+            (Some(super::Observed { tpot: Some(t), .. }), true) => {
+                self.learn_decode(f.worker, &f.features, t)
+            }
+            _ => {}
         }
     }
 }

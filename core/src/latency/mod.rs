@@ -28,6 +28,7 @@ mod tests;
 
 use std::collections::HashMap;
 use std::hash::Hash;
+use std::time::Duration;
 
 pub use features::{Ended, Features, Observed, Rejected, Timeline};
 pub use learner::Learner;
@@ -62,7 +63,7 @@ impl Default for LatencyConfig {
         LatencyConfig {
             max_workers: 4096,
             warm_observations: 32,
-            forget: 0.995,
+            forget: 0.98,
             prior_forget: 0.999,
             initial_variance: 10.0,
         }
@@ -133,6 +134,54 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     ) -> Result<(), Rejected> {
         features.check()?;
         seen.check()?;
+        let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
+        self.model_of(worker).learn(features, seen, forget);
+        self.prior.learn(features, seen, prior_forget);
+        Ok(())
+    }
+
+    /// Learns one request's TTFT on `worker` as soon as its first token is
+    /// out (its decode pace follows with [`LatencyModels::observe_decode`]).
+    /// A refused observation changes nothing.
+    pub fn observe_first_token(
+        &mut self,
+        worker: K,
+        features: &Features,
+        ttft: Duration,
+    ) -> Result<(), Rejected> {
+        features.check()?;
+        Observed { ttft, tpot: None }.check()?;
+        let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
+        let secs = ttft.as_secs_f64();
+        self.model_of(worker).learn_ttft(features, secs, forget);
+        self.prior.learn_ttft(features, secs, prior_forget);
+        Ok(())
+    }
+
+    /// Learns one request's time per output token on `worker`, at its end.
+    /// A refused observation changes nothing.
+    pub fn observe_decode(
+        &mut self,
+        worker: K,
+        features: &Features,
+        tpot: Duration,
+    ) -> Result<(), Rejected> {
+        features.check()?;
+        Observed {
+            ttft: Duration::from_secs(1),
+            tpot: Some(tpot),
+        }
+        .check()?;
+        let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
+        let secs = tpot.as_secs_f64();
+        self.model_of(worker).learn_tpot(features, secs, forget);
+        self.prior.learn_tpot(features, secs, prior_forget);
+        Ok(())
+    }
+
+    /// `worker`'s model, made from the prior when it has none (evicting the
+    /// least recently updated at a full map), touched now.
+    fn model_of(&mut self, worker: K) -> &mut WorkerModel {
         self.clock += 1;
         if !self.workers.contains_key(&worker) && self.workers.len() >= self.config.max_workers {
             self.evict_oldest();
@@ -142,10 +191,8 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
             .workers
             .entry(worker)
             .or_insert_with(|| WorkerModel::from_prior(prior, variance));
-        model.learn(features, seen, self.config.forget);
         model.touched = self.clock;
-        self.prior.learn(features, seen, self.config.prior_forget);
-        Ok(())
+        model
     }
 
     /// The prediction for a request with `features` on `worker`: its own

@@ -121,8 +121,16 @@ impl WorkerModel {
 
     /// Learns one checked observation with forgetting factor `lambda`.
     pub(crate) fn learn(&mut self, f: &Features, seen: &Observed, lambda: f64) {
+        self.learn_ttft(f, seen.ttft.as_secs_f64(), lambda);
+        if let Some(tpot) = seen.tpot {
+            self.learn_tpot(f, tpot.as_secs_f64(), lambda);
+        }
+    }
+
+    /// Learns one checked TTFT, `actual` seconds (an observation: the
+    /// count and the recent error move).
+    pub(crate) fn learn_ttft(&mut self, f: &Features, actual: f64, lambda: f64) {
         let x = f.ttft_inputs();
-        let actual = seen.ttft.as_secs_f64();
         let err = (self.ttft.predict(&x) - actual).abs() / actual;
         self.recent_error = if self.observations == 0 {
             err
@@ -130,11 +138,12 @@ impl WorkerModel {
             self.recent_error + ERROR_EWMA * (err - self.recent_error)
         };
         self.ttft.update(&x, actual, lambda);
-        if let Some(tpot) = seen.tpot {
-            self.tpot
-                .update(&f.tpot_inputs(), tpot.as_secs_f64(), lambda);
-        }
         self.observations = self.observations.saturating_add(1);
+    }
+
+    /// Learns one checked time per output token, `actual` seconds.
+    pub(crate) fn learn_tpot(&mut self, f: &Features, actual: f64, lambda: f64) {
+        self.tpot.update(&f.tpot_inputs(), actual, lambda);
     }
 
     /// The model for sharing between replicas.

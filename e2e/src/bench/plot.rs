@@ -264,6 +264,7 @@ mod tests {
             spread_floor: 1.0,
             ttft_p50_ms: 100.0,
             ttft_p99_ms: 900.0,
+            prediction_error: None,
             ttft_ms: vec![50.0, 100.0, 900.0],
             requests: Vec::new(),
         };
@@ -273,6 +274,7 @@ mod tests {
             workers: 2,
             capacity_blocks: 10,
             block_tokens: 512,
+            worker_speeds: Vec::new(),
             speed: 1.0,
             ceiling_hit_rate: 0.6,
             pooled_ceiling_hit_rate: 0.55,

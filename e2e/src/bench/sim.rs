@@ -86,6 +86,22 @@ impl TimeModel {
         }
     }
 
+    /// A worker `speed` times as fast (a GPU generation apart): prefill
+    /// throughput times `speed`, fixed and per-token times over it. A speed
+    /// that is not finite and positive reads as 1.
+    pub fn at_speed(&self, speed: f64) -> TimeModel {
+        let s = match speed.is_finite() && speed > 0.0 {
+            true => speed,
+            false => 1.0,
+        };
+        TimeModel {
+            prefill_tokens_per_s: self.prefill_tokens_per_s * s,
+            prefill_fixed_ms: self.prefill_fixed_ms / s,
+            decode_ms_per_token: self.decode_ms_per_token / s,
+            ..*self
+        }
+    }
+
     /// Prefill time of `uncached` tokens.
     pub fn prefill_ms(&self, uncached: usize) -> f64 {
         self.prefill_fixed_ms + uncached as f64 * 1000.0 / self.prefill_tokens_per_s

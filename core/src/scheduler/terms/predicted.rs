@@ -4,7 +4,11 @@
 //! A decode candidate costs its predicted time to first token there (the
 //! prefix it holds enters as the uncached tokens it saves), plus the delay this
 //! prefill adds to the requests queued there, plus the predicted decode
-//! slowdown there times the tokens the request is expected to decode. A
+//! slowdown there times the tokens the request says it will decode (its
+//! expected output tokens; a request that does not say is placed on its first token
+//! alone: a guessed length would price every decode the same, and the
+//! learned slowdown times a long guess outweighs the seconds of prefill a
+//! cached prefix saves). A
 //! request with latency objectives ([`Slo`]) pays [`SLO_MISS`] plus the
 //! overshoot on a candidate predicted to miss one, so any candidate predicted
 //! to meet them wins over it. A worker with too few observations is predicted
@@ -26,10 +30,6 @@ use crate::scheduler::Slo;
 /// Seconds a candidate predicted to miss a latency objective pays on top of
 /// its overshoot: more than any latency the pick could save elsewhere.
 pub const SLO_MISS: f64 = 1000.0;
-
-/// Output tokens the decode slowdown counts for a request that does not say
-/// how many it expects.
-pub const DEFAULT_DECODE_TOKENS: u32 = 64;
 
 /// What the predicted term reads about the request, once per pick.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
@@ -92,7 +92,7 @@ impl Scorer for Predicted {
 
 /// A prediction as a cost in seconds (see the module doc).
 pub fn seconds(p: &Prediction, ask: &LatencyAsk) -> f64 {
-    let decode_tokens = f64::from(ask.max_tokens.unwrap_or(DEFAULT_DECODE_TOKENS));
+    let decode_tokens = f64::from(ask.max_tokens.unwrap_or(0));
     let mut cost = p.ttft + p.queued_delay + decode_tokens * p.decode_slowdown;
     if let Some(slo) = ask.slo.ttft {
         if p.ttft > slo {
@@ -101,7 +101,7 @@ pub fn seconds(p: &Prediction, ask: &LatencyAsk) -> f64 {
     }
     if let Some(slo) = ask.slo.tpot {
         if p.tpot > slo {
-            cost += SLO_MISS + (p.tpot - slo) * decode_tokens;
+            cost += SLO_MISS + (p.tpot - slo) * decode_tokens.max(1.0);
         }
     }
     if cost.is_finite() {

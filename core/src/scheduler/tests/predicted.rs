@@ -122,8 +122,12 @@ fn a_ttft_objective_places_the_request_on_a_worker_predicted_to_meet_it() {
     let s = predicted();
     let (table, now) = slo_pool(&s);
     let snap = table.snapshot();
-    // 4,096 bytes: 1,024 tokens, none cached.
-    let body = prompt(&"q".repeat(4096));
+    // 4,096 bytes: 1,024 tokens, none cached; 64 output tokens expected.
+    let mut body = prompt(&"q".repeat(4096));
+    body.nvext.agent_hints = Some(crate::request::AgentHints {
+        osl: Some(64),
+        ..Default::default()
+    });
     let plain = s.explain(&with_body(&body), &snap, now).unwrap();
     let ttft = |e: &Explanation, i: usize| e.candidates[i].prediction.unwrap().ttft;
     assert!((ttft(&plain, 0) - 0.1).abs() < 1e-6);

@@ -55,6 +55,12 @@ pub struct ReplayArgs {
     /// Requests a worker may run at once (vLLM's `max_num_seqs`).
     #[arg(long, default_value_t = TimeModel::default().max_num_seqs)]
     pub max_num_seqs: usize,
+    /// Each worker's speed as a multiple of the time model above, one value a
+    /// worker (e.g. `1,1,1,1,0.5,0.5,0.5,0.5`: two GPU generations; workers past
+    /// the list run at 1): prefill throughput times it, fixed and per-token
+    /// times over it.
+    #[arg(long, value_delimiter = ',')]
+    pub worker_speeds: Vec<f64>,
     /// Seed of the policies' tie-breaking.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -134,6 +140,7 @@ impl ReplayArgs {
                     capacity_blocks,
                     block_tokens: self.block_tokens.max(1),
                     model: self.model(),
+                    worker_speeds: self.worker_speeds.clone(),
                     speed,
                     kv_event_delay: Duration::from_secs_f64(self.kv_event_delay_ms / 1000.0),
                     seed: self.seed,

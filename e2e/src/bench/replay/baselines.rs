@@ -12,12 +12,14 @@ use crate::bench::sim::BlockPool;
 use crate::bench::trace::TraceRequest;
 
 /// `trace` on one engine holding all of `cfg`'s workers' blocks, with their
-/// compute ([`TimeModel::pooled`]) and the same arrivals.
+/// compute ([`TimeModel::pooled`], at the workers' mean speed) and the same
+/// arrivals.
 pub fn one_engine(trace: &[TraceRequest], cfg: &ReplayConfig) -> OneEngine {
     let pooled = ReplayConfig {
         workers: 1,
         capacity_blocks: cfg.workers.max(1) * cfg.capacity_blocks,
-        model: cfg.model.pooled(cfg.workers),
+        model: cfg.model.at_speed(cfg.mean_speed()).pooled(cfg.workers),
+        worker_speeds: Vec::new(),
         ..cfg.clone()
     };
     let f = simulate(&mut RoundRobin::default(), trace, &pooled);

@@ -22,6 +22,8 @@
 //!   kvpick's own decisions, its per-worker bound set to the pool size. Precise:
 //!   every worker is marked precise and the delayed KV events reach the index
 //!   (engine hash = trace block id, kvpick hash = the scheduler's hash of that block);
+//! - `kvpick-predicted`: precise, with `--scoring predicted`; its latency models
+//!   learn each completion as the gateway would see it ([`LatencyFeed`]);
 //! - `llm-d`: the llm-d Router v0.10.0 default profile, see [`LlmD`].
 //!
 //! Hit rate is block-level: leading prompt blocks found in the chosen worker's own
@@ -43,6 +45,7 @@
 
 mod args;
 mod baselines;
+mod feed;
 mod policies;
 mod policy;
 mod report;
@@ -52,6 +55,7 @@ mod timeline;
 
 pub use args::*;
 pub use baselines::*;
+pub use feed::*;
 pub use policies::*;
 pub use policy::*;
 pub use report::*;
@@ -67,6 +71,7 @@ pub fn builtin(cfg: &ReplayConfig) -> Vec<Box<dyn RoutingPolicy>> {
         Box::new(FewestInFlight::new(cfg.seed)),
         Box::new(Kvpick::new(cfg, false)),
         Box::new(Kvpick::new(cfg, true)),
+        Box::new(Kvpick::predicted(cfg)),
         Box::new(LlmD::new(cfg)),
     ]
 }
@@ -107,6 +112,7 @@ pub fn run(
         workers: cfg.workers,
         capacity_blocks: cfg.capacity_blocks,
         block_tokens: cfg.block_tokens,
+        worker_speeds: cfg.worker_speeds.clone(),
         speed: cfg.speed,
         ceiling_hit_rate: ceiling_hit_rate(trace),
         pooled_ceiling_hit_rate: pooled,

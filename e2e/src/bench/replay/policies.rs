@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 
 use kvpick::endpoints::{Endpoint, EndpointTable, InFlightGuard, ScrapedLoad, Snapshot, WorkerKey};
 use kvpick::kvevents::KvEventSink;
-use kvpick::scheduler::{Decision, PickRequest, Plugins, Scheduler, SchedulerConfig};
+use kvpick::scheduler::{Decision, PickRequest, Plugins, Scheduler, SchedulerConfig, ScoringMode};
 
+use super::feed::{LatencyFeed, PredictionError};
 use super::policy::*;
 use crate::bench::trace::{self, TraceRequest};
 use crate::bench::SplitMix64;
@@ -86,6 +87,10 @@ pub struct Kvpick {
     routed: HashMap<usize, Routed>,
     /// kvpick's hashes of a routed request's full blocks, until its store event.
     hashes: HashMap<usize, Vec<u64>>,
+    /// Output tokens of each routed request, until it ends.
+    output_tokens: HashMap<usize, usize>,
+    /// What the latency models learn from (predicted scoring).
+    feed: LatencyFeed<usize>,
 }
 
 /// A request kvpick routed: held until its simulated completion.
@@ -97,6 +102,16 @@ struct Routed {
 impl Kvpick {
     /// kvpick over `cfg.workers` endpoints, fed by KV events when `precise`.
     pub fn new(cfg: &ReplayConfig, precise: bool) -> Self {
+        Self::with_scoring(cfg, precise, ScoringMode::Heuristic)
+    }
+
+    /// Precise kvpick scoring by predicted latency, its models fed by each
+    /// simulated completion.
+    pub fn predicted(cfg: &ReplayConfig) -> Self {
+        Self::with_scoring(cfg, true, ScoringMode::Predicted)
+    }
+
+    fn with_scoring(cfg: &ReplayConfig, precise: bool, scoring: ScoringMode) -> Self {
         let base = Instant::now();
         let scheduler = Scheduler::new(SchedulerConfig {
             token_block: cfg.block_tokens,
@@ -104,6 +119,7 @@ impl Kvpick {
             tie_break_seed: Some(cfg.seed),
             provisional_ttl: cfg.provisional_ttl,
             pending_prefill_weight: cfg.pending_prefill_weight,
+            scoring,
             ..SchedulerConfig::default()
         });
         let table = EndpointTable::new();
@@ -142,6 +158,8 @@ impl Kvpick {
             base,
             routed: HashMap::new(),
             hashes: HashMap::new(),
+            output_tokens: HashMap::new(),
+            feed: LatencyFeed::default(),
         }
     }
 
@@ -155,6 +173,12 @@ impl Kvpick {
         &self.scheduler
     }
 
+    /// Simulated worker `w`'s key in the scheduler.
+    #[cfg(test)]
+    pub(in crate::bench) fn key_of(&self, w: usize) -> WorkerKey {
+        self.keys[w]
+    }
+
     /// The endpoint set it routes over.
     pub(in crate::bench) fn snapshot(&self) -> &Snapshot {
         &self.snapshot
@@ -163,9 +187,10 @@ impl Kvpick {
 
 impl RoutingPolicy for Kvpick {
     fn name(&self) -> String {
-        match self.precise {
-            true => "kvpick-precise".into(),
-            false => "kvpick-approx".into(),
+        match (self.scheduler.latency().is_some(), self.precise) {
+            (true, _) => "kvpick-predicted".into(),
+            (false, true) => "kvpick-precise".into(),
+            (false, false) => "kvpick-approx".into(),
         }
     }
 
@@ -202,6 +227,11 @@ impl RoutingPolicy for Kvpick {
             self.hashes.insert(id, self.scheduler.block_hashes(&body));
         }
         let guard = decision.begin();
+        let learner = self.scheduler.latency().map(|l| &**l);
+        self.feed.routed(id, &decision, learner, now);
+        if learner.is_some() {
+            self.output_tokens.insert(id, request.output_length);
+        }
         self.routed.insert(
             id,
             Routed {
@@ -213,17 +243,29 @@ impl RoutingPolicy for Kvpick {
     }
 
     /// In-band like Envoy's first response body chunk: no KV-event delay.
-    fn prefill_done(&mut self, id: usize, _: u64) {
+    fn prefill_done(&mut self, id: usize, now_us: u64) {
         if let Some(routed) = self.routed.get(&id) {
             self.scheduler.prefill_done(&routed.decision);
+            if let Some(learner) = self.scheduler.latency() {
+                self.feed.first_token(id, self.at(now_us), learner);
+            }
         }
     }
 
     fn finished(&mut self, id: usize, now_us: u64) {
         if let Some(routed) = self.routed.remove(&id) {
-            self.scheduler
-                .finish_at(&routed.decision, Some(200), self.at(now_us));
+            let at = self.at(now_us);
+            self.scheduler.finish_at(&routed.decision, Some(200), at);
+            if let (Some(learner), Some(n)) =
+                (self.scheduler.latency(), self.output_tokens.remove(&id))
+            {
+                self.feed.finished(id, at, n, learner);
+            }
         }
+    }
+
+    fn prediction_error(&self) -> Option<PredictionError> {
+        self.feed.error()
     }
 
     fn kv_event(&mut self, worker: usize, event: KvEvent<'_>, now_us: u64) {

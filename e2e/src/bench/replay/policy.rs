@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use kvpick::scheduler::{TermWeights, DEFAULT_PROVISIONAL_TTL, PENDING_PREFILL_WEIGHT};
 
+use super::feed::PredictionError;
 use crate::bench::sim::TimeModel;
 use crate::bench::trace::{TraceRequest, BLOCK_TOKENS};
 
@@ -57,6 +58,11 @@ pub trait RoutingPolicy {
     fn finished(&mut self, _id: usize, _now_us: u64) {}
     /// A KV event of `worker` reached the router.
     fn kv_event(&mut self, _worker: usize, _event: KvEvent<'_>, _now_us: u64) {}
+    /// How well the policy's latency model predicted TTFT (policies that
+    /// learn latency only).
+    fn prediction_error(&self) -> Option<PredictionError> {
+        None
+    }
 }
 
 /// Settings of a replay.
@@ -68,8 +74,11 @@ pub struct ReplayConfig {
     pub capacity_blocks: usize,
     /// Tokens per block of the trace (its `hash_ids`), of the pools and of kvpick.
     pub block_tokens: usize,
-    /// The time model.
+    /// The time model of a worker at speed 1.
     pub model: TimeModel,
+    /// Each worker's speed, a multiple of `model`'s ([`TimeModel::at_speed`]);
+    /// workers past the list run at 1 (empty: every worker at 1).
+    pub worker_speeds: Vec<f64>,
     /// Arrival-rate multiple: request `i` arrives at `timestamp / speed`.
     pub speed: f64,
     /// Delay between a worker's KV event and its arrival at the router.
@@ -91,6 +100,7 @@ impl Default for ReplayConfig {
             capacity_blocks: 1000,
             block_tokens: BLOCK_TOKENS,
             model: TimeModel::default(),
+            worker_speeds: Vec::new(),
             speed: 1.0,
             kv_event_delay: Duration::from_millis(50),
             seed: 1,
@@ -98,5 +108,22 @@ impl Default for ReplayConfig {
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             pending_prefill_weight: PENDING_PREFILL_WEIGHT,
         }
+    }
+}
+
+impl ReplayConfig {
+    /// Worker `w`'s time model.
+    pub fn model_of(&self, w: usize) -> TimeModel {
+        self.model
+            .at_speed(self.worker_speeds.get(w).copied().unwrap_or(1.0))
+    }
+
+    /// The workers' mean speed.
+    pub fn mean_speed(&self) -> f64 {
+        let n = self.workers.max(1);
+        (0..n)
+            .map(|w| self.worker_speeds.get(w).copied().unwrap_or(1.0))
+            .sum::<f64>()
+            / n as f64
     }
 }

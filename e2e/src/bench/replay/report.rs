@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use super::feed::{PredictionError, WARM_UP_COMPLETIONS};
 use crate::bench::{markdown_table, ratio};
 
 /// One policy's figures.
@@ -24,6 +25,8 @@ pub struct PolicyFigures {
     pub ttft_p50_ms: f64,
     /// 99th percentile modeled TTFT.
     pub ttft_p99_ms: f64,
+    /// How well its latency model predicted TTFT, when it learns one.
+    pub prediction_error: Option<PredictionError>,
     /// Every request's modeled TTFT, sorted (for plots).
     #[serde(skip)]
     pub ttft_ms: Vec<f64>,
@@ -127,6 +130,8 @@ pub struct ReplayReport {
     pub capacity_blocks: usize,
     /// Tokens per block.
     pub block_tokens: usize,
+    /// Each worker's speed (empty: all at 1).
+    pub worker_speeds: Vec<f64>,
     /// Arrival-rate multiple.
     pub speed: f64,
     /// Hit rate of an infinite cache shared by all workers.
@@ -235,6 +240,8 @@ impl MatrixReport {
                     format!("{:.2}", p.spread_floor),
                     format!("{:.0}", p.ttft_p50_ms),
                     format!("{:.0}", p.ttft_p99_ms),
+                    p.prediction_error
+                        .map_or("–".into(), |e| format!("{:.3}", e.median)),
                 ]);
             }
             rows.push(vec![
@@ -251,6 +258,7 @@ impl MatrixReport {
                 "–".into(),
                 "–".into(),
                 "–".into(),
+                "–".into(),
             ]);
             let mut one = vec![
                 r.capacity_blocks.to_string(),
@@ -258,12 +266,23 @@ impl MatrixReport {
                 "one engine with the fleet's KV and compute".into(),
             ];
             one.extend(r.one_engine.cells(r));
+            one.push("–".into());
             rows.push(one);
         }
         let head = self.runs.first().map_or(String::new(), |r| {
             format!(
-                "{}: {} requests, {} workers, blocks of {} tokens\n\n",
-                self.trace, r.requests, r.workers, r.block_tokens
+                "{}: {} requests, {} workers{}, blocks of {} tokens; pred. error: median \
+                 |predicted − actual| / actual TTFT of the decisions after the first {} first \
+                 tokens\n\n",
+                self.trace,
+                r.requests,
+                r.workers,
+                match r.worker_speeds.is_empty() {
+                    true => String::new(),
+                    false => format!(" at speeds {:?}", r.worker_speeds),
+                },
+                r.block_tokens,
+                WARM_UP_COMPLETIONS
             )
         });
         let mut out = head
@@ -278,9 +297,11 @@ impl MatrixReport {
                     "spread floor",
                     "TTFT p50 ms",
                     "TTFT p99 ms",
+                    "pred. error",
                 ],
                 &rows,
             );
+        out.push_str(&self.ratios());
         let mut crit = Vec::new();
         for r in &self.runs {
             for k in r.policies.iter().filter(|p| p.name.starts_with("kvpick")) {
@@ -338,6 +359,76 @@ impl MatrixReport {
             &crit,
         ));
         out
+    }
+}
+
+impl MatrixReport {
+    /// Each kvpick policy's TTFT p50 and p99 over the least of that figure
+    /// among the other policies of the same run, their geometric means over
+    /// the runs, and the runs where a ratio is above 1.05.
+    pub fn ratios(&self) -> String {
+        let mut names: Vec<&str> = Vec::new();
+        for r in &self.runs {
+            for p in r.policies.iter().filter(|p| p.name.starts_with("kvpick")) {
+                if !names.contains(&p.name.as_str()) {
+                    names.push(&p.name);
+                }
+            }
+        }
+        let held: [fn(&PolicyFigures) -> f64; 2] = [|p| p.ttft_p50_ms, |p| p.ttft_p99_ms];
+        let mut rows = Vec::new();
+        let mut logs = vec![[0.0f64; 2]; names.len()];
+        let mut over = vec![[0usize; 2]; names.len()];
+        let mut counted = vec![0usize; names.len()];
+        for r in &self.runs {
+            let mut row = vec![r.capacity_blocks.to_string(), format!("{}×", r.speed)];
+            for (i, name) in names.iter().enumerate() {
+                let k = r.policies.iter().find(|p| p.name == *name);
+                for (j, get) in held.iter().enumerate() {
+                    let best = r
+                        .policies
+                        .iter()
+                        .filter(|p| !p.name.starts_with("kvpick"))
+                        .map(get)
+                        .fold(f64::INFINITY, f64::min);
+                    match k
+                        .map(|k| get(k) / best)
+                        .filter(|x| x.is_finite() && *x > 0.0)
+                    {
+                        Some(x) => {
+                            logs[i][j] += x.ln();
+                            over[i][j] += usize::from(x > 1.05);
+                            counted[i] += usize::from(j == 0);
+                            row.push(format!("{x:.2}"));
+                        }
+                        None => row.push("–".into()),
+                    }
+                }
+            }
+            rows.push(row);
+        }
+        let mut mean = vec!["**geometric mean**".to_string(), String::new()];
+        let mut above = vec!["runs above 1.05×".to_string(), String::new()];
+        for (i, _) in names.iter().enumerate() {
+            for j in 0..2 {
+                let n = counted[i].max(1) as f64;
+                mean.push(format!("**{:.3}**", (logs[i][j] / n).exp()));
+                above.push(format!("{} of {}", over[i][j], counted[i]));
+            }
+        }
+        rows.push(mean);
+        rows.push(above);
+        let mut head = vec!["blocks per worker".to_string(), "speed".to_string()];
+        for name in &names {
+            head.push(format!("{name} TTFT p50"));
+            head.push(format!("{name} TTFT p99"));
+        }
+        let head: Vec<&str> = head.iter().map(String::as_str).collect();
+        format!(
+            "\nRatios to the best other policy (the least TTFT p50, p99 among the policies \
+             not named kvpick in the same run)\n\n{}",
+            markdown_table(&head, &rows)
+        )
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::BinaryHeap;
 
 use super::policy::*;
 use super::report::*;
-use crate::bench::sim::Engine;
+use crate::bench::sim::{Engine, TimeModel};
 use crate::bench::trace::TraceRequest;
 use crate::bench::{quantile, ratio, sorted};
 
@@ -25,6 +25,8 @@ struct Sim<'a> {
     trace: &'a [TraceRequest],
     cfg: &'a ReplayConfig,
     workers: Vec<Engine>,
+    /// Each worker's time model.
+    models: Vec<TimeModel>,
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
     /// First newly stored block of each request (its stored event).
@@ -80,7 +82,7 @@ impl Sim<'_> {
         if self.workers[w].stepping {
             return;
         }
-        let Some(start) = self.workers[w].begin_step(self.trace, &self.cfg.model) else {
+        let Some(start) = self.workers[w].begin_step(self.trace, &self.models[w]) else {
             return;
         };
         for a in start.admitted {
@@ -114,6 +116,7 @@ pub fn simulate(
         workers: (0..cfg.workers.max(1))
             .map(|_| Engine::new(cfg.capacity_blocks, cfg.block_tokens))
             .collect(),
+        models: (0..cfg.workers.max(1)).map(|w| cfg.model_of(w)).collect(),
         events: BinaryHeap::new(),
         seq: 0,
         stored_from: vec![0; trace.len()],
@@ -200,6 +203,7 @@ pub fn simulate(
         spread_floor: ratio(sim.spread_floor_sum, sim.spread_samples as f64),
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p99_ms: quantile(&ttft, 0.99),
+        prediction_error: policy.prediction_error(),
         ttft_ms: ttft,
         requests: sim.requests,
     }
