@@ -1,9 +1,10 @@
 use clap::Parser;
 use kvpick::config::{Args, Command};
 
+kvpick::global_allocator!();
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    kvpick::server::malloc::pin_mmap_threshold();
     let mut args = Args::parse();
     if let Some(Command::Crd) = args.command {
         print!("{}", kvpick::discovery::pool::CRD_YAML);

@@ -1,30 +1,48 @@
-//! The allocator's one setting kvpick changes: glibc's mmap threshold, pinned.
+//! kvpick's allocator: jemalloc with a one-second decay, installed by each
+//! kvpick binary with [`global_allocator!`](crate::global_allocator).
 //!
-//! glibc serves an allocation above its mmap threshold with a mapping of its own
-//! and returns it to the system when freed, but by default raises the threshold
-//! to the size of every such block freed (up to 32 MiB). After a burst of large
-//! KV-event batches, later ones then come from the heap, interleave with the
-//! prefix index's long-lived entries and are never returned: a flooding
-//! publisher left RSS 100–170 MiB above the ingest queue's byte budget
-//! (`kvpick-bench flood`, docs/kvevents.md). Pinned, buffers of 256 KiB and
-//! more are always mapped and unmapped, so memory follows the queue's budget.
-//! Other allocators and C libraries are left as they are.
+//! Two loads pull an allocator in opposite directions. A flooding KV-event
+//! publisher fills the ingest queue with batches of a few MiB; glibc's malloc
+//! raises its mmap threshold to the size of every large block freed, so later
+//! batches come from the heap, interleave with the prefix index's long-lived
+//! entries and are not returned (`kvpick-bench flood` peaks at up to 519 MiB
+//! with a 256 MiB budget). Pinning that threshold bounds the flood but makes
+//! every buffer of 256 KiB or more a fresh mapping, faulted in and unmapped per
+//! request: a 1 MiB body then costs about 1.4× the CPU it costs on jemalloc
+//! (`kvpick-bench overhead`).
+//!
+//! jemalloc keeps large buffers in extents apart from small objects and reuses
+//! a freed extent while its pages are still resident, so the request path
+//! reuses warm buffers. Pages unused for [`MALLOC_CONF`]'s decay time go back
+//! to the system from a background thread, not on the request path, so a
+//! flood's memory follows the queue's budget. Measured in `BENCHMARKS.md` §1
+//! and `docs/kvevents.md`.
+//!
+//! Only binaries that invoke the macro use it: a library user of `kvpick`
+//! keeps its own allocator. `_RJEM_MALLOC_CONF` in the environment overrides
+//! the settings at start-up.
 
-/// Allocations at least this large get mappings of their own.
-pub const MMAP_THRESHOLD: usize = 256 << 10;
+/// The allocator, for [`global_allocator!`](crate::global_allocator).
+pub use tikv_jemallocator::Jemalloc;
 
-/// Pins glibc's mmap threshold at [`MMAP_THRESHOLD`] (which also stops its
-/// dynamic adjustment). Call once, first thing in `main`.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-pub fn pin_mmap_threshold() {
-    // SAFETY: mallopt sets an allocator parameter under the allocator's own
-    // lock; it touches no memory of ours.
-    let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int) };
-    if ok != 1 {
-        eprintln!("warning: could not pin the allocator's mmap threshold");
-    }
+/// jemalloc's settings, NUL-terminated: dirty pages unused for 1 s are purged
+/// (the default is 10 s), without a second, "muzzy" stage, by jemalloc's
+/// background thread.
+pub const MALLOC_CONF: &[u8] = b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
+
+/// Installs kvpick's allocator ([`Jemalloc`], with [`MALLOC_CONF`]) as the
+/// global allocator of the binary whose crate root invokes it.
+#[macro_export]
+macro_rules! global_allocator {
+    () => {
+        #[global_allocator]
+        static KVPICK_ALLOCATOR: $crate::server::malloc::Jemalloc =
+            $crate::server::malloc::Jemalloc;
+
+        /// Read by jemalloc at its initialisation (its `malloc_conf`, under
+        /// the prefix `tikv-jemalloc-sys` gives its symbols).
+        #[used]
+        #[export_name = "_rjem_malloc_conf"]
+        static KVPICK_MALLOC_CONF: &u8 = &$crate::server::malloc::MALLOC_CONF[0];
+    };
 }
-
-/// Nothing to pin outside glibc.
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-pub fn pin_mmap_threshold() {}

@@ -2,8 +2,8 @@
 //! (ext_proc, health, metrics, admin) and discovery until one of them fails.
 //!
 //! Beside it, what only the server uses: TLS for the ext_proc port ([`tls`]),
-//! the admin gRPC service ([`admin`]) and the allocator setting `main` pins
-//! first ([`malloc`]).
+//! the admin gRPC service ([`admin`]) and the allocator each kvpick binary
+//! installs ([`malloc`]).
 
 pub mod admin;
 pub mod malloc;

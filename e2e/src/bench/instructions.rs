@@ -16,7 +16,9 @@
 //! kvpick's count minus the no-op's. `--rounds N` takes every count N times and
 //! reports the median. Every binary named with `--against` (an
 //! older `kvpick-bench` with the same `overhead-server` interface) runs in the
-//! same invocation, so a change reads as a ratio to a baseline from the same run.
+//! same invocation, so a change reads as a ratio to a baseline from the same run;
+//! so does this binary's kvpick under each `--scoring` listed (the predicted
+//! mode's count includes the latency models' update on each response).
 //! Background work that runs on a timer (none on the request path) would show as
 //! a small difference between the two runs' wall times. Valgrind serialises the
 //! server's threads anyway, so the server runs one tokio worker
@@ -33,8 +35,11 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 use tokio::process::Command;
 
+use kvpick::scheduler::ScoringMode;
+
 use super::overhead::{
-    chat_body, connect, one_request, variants, ServerKind, ServerProcess, TIE_BREAK_SEED_ENV,
+    chat_body, connect, one_request, variants, ServerKind, ServerProcess, Tracing,
+    TIE_BREAK_SEED_ENV,
 };
 use super::{ratio, table_of};
 
@@ -45,9 +50,9 @@ pub struct InstructionsConfig {
     pub body_bytes: Vec<usize>,
     /// Endpoint counts.
     pub endpoints: Vec<usize>,
-    /// The binaries serving the cells, by name; the first is the one the
-    /// ratios are of, each other one a baseline.
-    pub servers: Vec<(String, PathBuf)>,
+    /// The servers of the cells; the first is the one the ratios are of,
+    /// each other one a baseline.
+    pub servers: Vec<Server>,
     /// Body bytes the longer run of a cell sends in all (its request count is
     /// this over the body size, within `MIN_REQUESTS..=MAX_REQUESTS`).
     pub bytes_per_run: usize,
@@ -55,6 +60,17 @@ pub struct InstructionsConfig {
     pub work_dir: PathBuf,
     /// Times each count is taken; the report has their median.
     pub rounds: usize,
+}
+
+/// One kvpick server counted in every cell.
+#[derive(Debug, Clone)]
+pub struct Server {
+    /// Its name in the report.
+    pub name: String,
+    /// The `kvpick-bench` binary serving it (and its no-op server).
+    pub exe: PathBuf,
+    /// kvpick's `--scoring`.
+    pub scoring: ScoringMode,
 }
 
 /// Fewest requests of the shorter run of a cell.
@@ -65,7 +81,7 @@ const MAX_REQUESTS: usize = 400;
 /// One server binary's counts in one cell.
 #[derive(Debug, Clone, Serialize)]
 pub struct BinaryCounts {
-    /// The binary's name.
+    /// The server's name.
     pub server: String,
     /// kvpick's instructions per request.
     pub kvpick: f64,
@@ -84,7 +100,7 @@ pub struct InstructionsCell {
     pub endpoints: usize,
     /// Requests of the shorter and the longer run.
     pub requests: [usize; 2],
-    /// One entry per binary, in `--against` order after the measured one.
+    /// One entry per server, in [`InstructionsConfig::servers`] order.
     pub binaries: Vec<BinaryCounts>,
 }
 
@@ -244,21 +260,35 @@ pub async fn run(cfg: &InstructionsConfig) -> anyhow::Result<InstructionsReport>
     for &bytes in &cfg.body_bytes {
         let bodies: Vec<Vec<u8>> = (0..variants(bytes)).map(|v| chat_body(bytes, v)).collect();
         let requests = request_counts(bytes, cfg.bytes_per_run);
-        let mut noop = Vec::new();
-        for (_, exe) in &cfg.servers {
-            noop.push(
-                median_per_request(exe, ServerKind::Noop, &bodies, requests, &out, cfg.rounds)
-                    .await?,
-            );
+        // The no-op server once per binary.
+        let mut noop: Vec<(&Path, f64)> = Vec::new();
+        for server in &cfg.servers {
+            if noop.iter().all(|(exe, _)| *exe != server.exe) {
+                let kind = ServerKind::Noop;
+                let count =
+                    median_per_request(&server.exe, kind, &bodies, requests, &out, cfg.rounds)
+                        .await?;
+                noop.push((&server.exe, count));
+            }
         }
         for &n in &cfg.endpoints {
             let mut binaries = Vec::new();
-            for ((name, exe), &noop) in cfg.servers.iter().zip(&noop) {
-                let kind = ServerKind::kvpick(n);
+            for server in &cfg.servers {
+                let noop = noop
+                    .iter()
+                    .find_map(|(exe, count)| (*exe == server.exe).then_some(*count))
+                    .context("every binary's no-op server is counted")?;
+                let kind = ServerKind::Kvpick {
+                    endpoints: n,
+                    tracing: Tracing::Off,
+                    workers_port: None,
+                    scoring: server.scoring,
+                };
                 let kvpick =
-                    median_per_request(exe, kind, &bodies, requests, &out, cfg.rounds).await?;
+                    median_per_request(&server.exe, kind, &bodies, requests, &out, cfg.rounds)
+                        .await?;
                 binaries.push(BinaryCounts {
-                    server: name.clone(),
+                    server: server.name.clone(),
                     kvpick,
                     noop,
                     own: kvpick - noop,

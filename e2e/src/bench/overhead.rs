@@ -14,11 +14,12 @@
 //! take turns (`--rounds` slices each, the order alternating), so load from
 //! other work on the machine that comes and goes during a cell falls on both.
 //!
-//! kvpick's child runs what `kvpick` runs in production: the allocator pin of
-//! `main` ([`kvpick::server::malloc::pin_mmap_threshold`]) and, in a tracing cell,
-//! kvpick's OTLP exporter ([`kvpick::telemetry::tracing_export`]) sending to a real
-//! OTLP/gRPC receiver in the driving process ([`crate::otlp`]). The no-op child
-//! does neither: it stands for the proxy without kvpick.
+//! Both children run the allocator `kvpick` runs in production
+//! ([`kvpick::server::malloc`], installed in `kvpick-bench`). kvpick's child
+//! also runs, in a tracing cell, kvpick's OTLP exporter
+//! ([`kvpick::telemetry::tracing_export`]) sending to a real OTLP/gRPC receiver
+//! in the driving process ([`crate::otlp`]); the no-op child does not: it stands
+//! for the proxy without kvpick.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use kvpick::endpoints::Endpoint;
 use kvpick::extproc::ExtProcConfig;
+use kvpick::scheduler::ScoringMode;
 use kvpick::server::{serve_ext_proc, App};
 use kvpick::telemetry::tracing_export::{Exporter, TraceSettings};
 use serde::Serialize;
@@ -306,18 +308,21 @@ pub enum ServerKind {
         /// [`super::peer_epp::loopback_worker`] addresses, and kvpick scrapes
         /// their metrics as `kvpick` does; `None`: unreachable addresses, no scraping.
         workers_port: Option<u16>,
+        /// Its `--scoring`.
+        scoring: ScoringMode,
     },
     /// The no-op baseline.
     Noop,
 }
 
 impl ServerKind {
-    /// kvpick over `endpoints`, tracing off.
+    /// kvpick over `endpoints`, tracing off, heuristic scoring.
     pub fn kvpick(endpoints: usize) -> Self {
         ServerKind::Kvpick {
             endpoints,
             tracing: Tracing::Off,
             workers_port: None,
+            scoring: ScoringMode::Heuristic,
         }
     }
 
@@ -328,6 +333,7 @@ impl ServerKind {
                 endpoints,
                 tracing,
                 workers_port,
+                scoring,
             } => {
                 let mut args = vec!["--endpoints".into(), endpoints.to_string()];
                 if let Some(port) = workers_port {
@@ -337,6 +343,10 @@ impl ServerKind {
                 // (`kvpick-bench instructions --against`).
                 if tracing != Tracing::Off {
                     args.extend(["--tracing".into(), tracing.as_str().into()]);
+                }
+                // Likewise the heuristic.
+                if scoring == ScoringMode::Predicted {
+                    args.extend(["--scoring".into(), "predicted".into()]);
                 }
                 args
             }
@@ -356,6 +366,7 @@ pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()
         ServerKind::Kvpick {
             endpoints: n,
             workers_port,
+            scoring,
             ..
         } => {
             // `instructions` seeds the tie-break so every run routes (and
@@ -364,6 +375,7 @@ pub async fn serve(kind: ServerKind, listener: TcpListener) -> anyhow::Result<()
                 tie_break_seed: std::env::var(TIE_BREAK_SEED_ENV)
                     .ok()
                     .and_then(|s| s.parse().ok()),
+                scoring,
                 ..Default::default()
             };
             let app = App::with_scheduler("bench", config);
@@ -642,6 +654,7 @@ async fn measure_trio(
         endpoints,
         tracing: Tracing::Off,
         workers_port: Some(fleet.port()),
+        scoring: ScoringMode::Heuristic,
     };
     let noop = ServerProcess::start(&cfg.server_exe, ServerKind::Noop, None).await?;
     let kvpick = ServerProcess::start(&cfg.server_exe, kind, None).await?;
@@ -735,6 +748,7 @@ pub async fn run(cfg: &OverheadConfig) -> anyhow::Result<OverheadReport> {
                 endpoints: n,
                 tracing,
                 workers_port: None,
+                scoring: ScoringMode::Heuristic,
             };
             let spans_before = receiver.received();
             let (noop, kvpick) = measure_pair(kind, otlp, &bodies, cfg).await?;
@@ -1006,7 +1020,13 @@ mod tests {
     #[tokio::test]
     async fn one_request_completes_against_both_servers() {
         let body = chat_body(100_000, 0);
-        for kind in [ServerKind::Noop, ServerKind::kvpick(8)] {
+        let predicted = ServerKind::Kvpick {
+            endpoints: 8,
+            tracing: Tracing::Off,
+            workers_port: None,
+            scoring: ScoringMode::Predicted,
+        };
+        for kind in [ServerKind::Noop, ServerKind::kvpick(8), predicted] {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
             let server = tokio::spawn(serve(kind, listener));
@@ -1043,9 +1063,17 @@ mod tests {
                 endpoints: 8,
                 tracing: Tracing::All,
                 workers_port: None,
+                scoring: ScoringMode::Predicted,
             }
             .args(),
-            ["--endpoints", "8", "--tracing", "all"]
+            [
+                "--endpoints",
+                "8",
+                "--tracing",
+                "all",
+                "--scoring",
+                "predicted"
+            ]
         );
     }
 
@@ -1055,6 +1083,7 @@ mod tests {
             endpoints: 100,
             tracing: Tracing::Off,
             workers_port: Some(18_000),
+            scoring: ScoringMode::Heuristic,
         };
         assert_eq!(
             kind.args(),

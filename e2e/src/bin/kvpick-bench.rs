@@ -9,6 +9,12 @@ use e2e::bench::{
     agreement, flood, instructions, lowreuse, overhead, overload, peer_epp, plot, replay, replicas,
     scale, sync,
 };
+use kvpick::config::scheduling::Scoring;
+use kvpick::scheduler::ScoringMode;
+
+// The allocator `kvpick` runs with, so `overhead` and `flood` measure kvpick as
+// it runs (the no-op server, the same binary, runs with it too).
+kvpick::global_allocator!();
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Format {
@@ -100,6 +106,10 @@ enum Command {
         /// Times each count is taken; the table shows their median.
         #[arg(long, default_value_t = 1)]
         rounds: usize,
+        /// This binary's kvpick with each `--scoring` listed, the first the one
+        /// the ratios are of (every `--against` build runs its default).
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "heuristic")]
+        scoring: Vec<Scoring>,
     },
     /// Decision latency of small requests alone and next to large ones, kvpick
     /// and the no-op server, in one run.
@@ -195,6 +205,9 @@ enum Command {
         /// kvpick's tracing (exported to `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`).
         #[arg(long, value_enum, default_value = "off")]
         tracing: overhead::Tracing,
+        /// kvpick's `--scoring`.
+        #[arg(long, value_enum, default_value = "heuristic")]
+        scoring: Scoring,
     },
     /// Writes a seeded low-reuse chat trace (Mooncake format, 64-token blocks):
     /// short multi-turn chats of ~2k-token prompts sharing only a small system prompt.
@@ -347,9 +360,29 @@ fn main() -> anyhow::Result<()> {
             bytes_per_run,
             work_dir,
             rounds,
+            scoring,
         } => {
-            let mut servers = vec![("this".to_string(), std::env::current_exe()?)];
-            servers.extend(against);
+            let this = std::env::current_exe()?;
+            let mut servers: Vec<_> = scoring
+                .iter()
+                .map(|s| instructions::Server {
+                    name: match scoring.len() {
+                        1 => "this".to_string(),
+                        _ => format!(
+                            "this/{}",
+                            s.to_possible_value()
+                                .map_or_else(String::new, |v| v.get_name().to_string())
+                        ),
+                    },
+                    exe: this.clone(),
+                    scoring: s.mode(),
+                })
+                .collect();
+            servers.extend(against.into_iter().map(|(name, exe)| instructions::Server {
+                name,
+                exe,
+                scoring: ScoringMode::Heuristic,
+            }));
             let cfg = instructions::InstructionsConfig {
                 body_bytes,
                 endpoints,
@@ -455,18 +488,16 @@ fn main() -> anyhow::Result<()> {
             workers_port,
             noop,
             tracing,
+            scoring,
         } => {
             let kind = match noop {
                 true => overhead::ServerKind::Noop,
-                false => {
-                    // As `kvpick`'s `main` does, before any allocation of note.
-                    kvpick::server::malloc::pin_mmap_threshold();
-                    overhead::ServerKind::Kvpick {
-                        endpoints,
-                        tracing,
-                        workers_port,
-                    }
-                }
+                false => overhead::ServerKind::Kvpick {
+                    endpoints,
+                    tracing,
+                    workers_port,
+                    scoring: scoring.mode(),
+                },
             };
             tokio::runtime::Runtime::new()?.block_on(overhead::serve_until_stdin_closes(kind))
         }
