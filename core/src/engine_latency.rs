@@ -19,7 +19,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::endpoints::Engine;
+use crate::engine::Engine;
 
 /// Largest mean a window reports (a larger one reads as this).
 pub const MAX_SECONDS: f64 = 3600.0;

@@ -6,6 +6,7 @@
 //!
 //! - [`request`]: one pass over an inference body (model, prompt, `nvext`, images).
 //! - [`endpoints`]: the live table of workers and their load.
+//! - [`engine`]: the inference engine a worker runs (vLLM, SGLang, TensorRT-LLM).
 //! - [`kv`]: prefix block hashing and the prefix index.
 //! - [`kvevents`]: the engines' KV-event formats, one decoder each.
 //! - [`sessions`]: sticky session bindings.
@@ -26,6 +27,7 @@
 pub mod admission;
 pub mod endpoint_picker_config;
 pub mod endpoints;
+pub mod engine;
 pub mod engine_latency;
 pub mod error_chain;
 #[cfg(any(test, feature = "fixtures"))]

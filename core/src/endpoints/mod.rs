@@ -16,6 +16,7 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use serde::Deserialize;
 use tokio::sync::watch;
 
+pub use crate::engine::Engine;
 use crate::engine_latency::EngineLatency;
 use crate::health::PassiveHealth;
 use crate::keys::KeyHash;
@@ -58,31 +59,6 @@ impl Role {
     /// Whether this worker can be the destination (decode side) of a request.
     pub fn serves_decode(self) -> bool {
         matches!(self, Role::Decode | Role::Both)
-    }
-}
-
-/// The inference engine a worker runs; selects metric names when scraping.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Engine {
-    /// vLLM (the default).
-    #[default]
-    Vllm,
-    /// SGLang.
-    Sglang,
-    /// TensorRT-LLM's `trtllm-serve`.
-    Trtllm,
-}
-
-impl Engine {
-    /// Parses an `inference.networking.k8s.io/engine-type` value; unknown values are `None`.
-    pub fn parse(s: &str) -> Option<Engine> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "vllm" | "" => Some(Engine::Vllm),
-            "sglang" => Some(Engine::Sglang),
-            "trtllm" | "trt-llm" | "tensorrt-llm" => Some(Engine::Trtllm),
-            _ => None,
-        }
     }
 }
 
