@@ -48,6 +48,8 @@ const POOL: &str = "bench";
 
 /// How long the peer may take to discover the pool and answer a first pick.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one readiness request may wait for its answer.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Where the install script puts the binary.
 pub fn default_path() -> Option<PathBuf> {
@@ -202,9 +204,15 @@ impl PeerEpp {
         let body = chat_body(1024, 0);
         let started = Instant::now();
         loop {
-            let picked = match connect(self.process.port).await {
-                Ok(ch) => one_request(&ch, &body).await,
-                Err(e) => Err(e),
+            // One attempt waits briefly: a request that arrives before the
+            // peer has discovered its pods is held in its queue, not refused.
+            let attempt = async {
+                let ch = connect(self.process.port).await?;
+                one_request(&ch, &body).await
+            };
+            let picked = match tokio::time::timeout(ATTEMPT_TIMEOUT, attempt).await {
+                Ok(picked) => picked,
+                Err(_) => Err(anyhow::anyhow!("no answer within {ATTEMPT_TIMEOUT:?}")),
             };
             match picked {
                 Ok(_) => return Ok(()),
