@@ -117,7 +117,7 @@ impl Features {
 }
 
 /// `tokens` in model units.
-fn kilo(tokens: u64) -> f64 {
+pub(super) fn kilo(tokens: u64) -> f64 {
     tokens as f64 / TOKENS_PER_UNIT
 }
 

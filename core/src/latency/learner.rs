@@ -100,6 +100,15 @@ impl Learner {
         })
     }
 
+    /// The least TTFT, in seconds, any prediction for a request with
+    /// `uncached_tokens` to prefill can show (see [`LatencyModels::ttft_floor`]);
+    /// `None` while the pool prior is cold.
+    pub fn ttft_floor(&self, uncached_tokens: u64) -> Option<f64> {
+        let m = self.models.read();
+        (m.prior().observations() >= m.config().warm_observations)
+            .then(|| m.ttft_floor(uncached_tokens))
+    }
+
     /// Whether `worker`'s own model has seen enough to be trusted.
     pub fn is_warm_worker(&self, worker: &WorkerKey) -> bool {
         self.models.read().is_warm(worker)

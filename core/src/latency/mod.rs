@@ -19,6 +19,7 @@
 //! clock, no I/O, no lock ([`Learner`] shares it).
 
 pub mod features;
+mod floor;
 pub mod learner;
 pub mod model;
 pub mod rls;
@@ -35,6 +36,7 @@ pub use learner::Learner;
 pub use model::{Prediction, WorkerModel, WorkerSnapshot};
 
 use features::{TPOT_TERMS, TTFT_TERMS};
+use floor::{Source, TtftFloor};
 
 /// Most worker models one shared delta carries
 /// ([`crate::replica::Delta::Models`]).
@@ -106,14 +108,18 @@ pub struct LatencyModels<K> {
     prior: WorkerModel,
     workers: HashMap<K, WorkerModel>,
     clock: u64,
+    /// The least TTFT the prior and the warm workers' models predict.
+    floor: TtftFloor<K>,
 }
 
 impl<K: Copy + Eq + Hash> LatencyModels<K> {
     /// No workers yet; the prior at its starting point.
     pub fn new(config: LatencyConfig) -> Self {
         let config = config.sane();
+        let prior = WorkerModel::new(STARTING_TTFT, STARTING_TPOT, config.initial_variance);
         LatencyModels {
-            prior: WorkerModel::new(STARTING_TTFT, STARTING_TPOT, config.initial_variance),
+            floor: TtftFloor::new(&prior),
+            prior,
             workers: HashMap::with_capacity(config.max_workers.min(1024)),
             config,
             clock: 0,
@@ -137,6 +143,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
         let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
         self.model_of(worker).learn(features, seen, forget);
         self.prior.learn(features, seen, prior_forget);
+        self.refloor(worker);
         Ok(())
     }
 
@@ -155,6 +162,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
         let secs = ttft.as_secs_f64();
         self.model_of(worker).learn_ttft(features, secs, forget);
         self.prior.learn_ttft(features, secs, prior_forget);
+        self.refloor(worker);
         Ok(())
     }
 
@@ -248,6 +256,58 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     /// Keeps only the workers `live` accepts (call when workers leave).
     pub fn retain(&mut self, mut live: impl FnMut(&K) -> bool) {
         self.workers.retain(|k, _| live(k));
+        let workers = &self.workers;
+        if self
+            .floor
+            .sources()
+            .any(|s| matches!(s, Source::Worker(k) if !workers.contains_key(&k)))
+        {
+            self.rescan_floor();
+        }
+    }
+
+    /// The least TTFT, in seconds, the pool prior or a warm worker's model
+    /// predicts for a request with `uncached_tokens` to prefill: no prediction
+    /// a pick reads is below it.
+    pub fn ttft_floor(&self, uncached_tokens: u64) -> f64 {
+        self.floor.seconds(uncached_tokens)
+    }
+
+    /// Follows the change of `worker`'s model and the prior's in the floor.
+    fn refloor(&mut self, worker: K) {
+        self.refloor_worker(worker);
+        self.refloor_prior();
+    }
+
+    /// Follows the change of `worker`'s model (or its leaving) in the floor.
+    fn refloor_worker(&mut self, worker: K) {
+        let warm = self.config.warm_observations;
+        let model = self
+            .workers
+            .get(&worker)
+            .filter(|m| m.observations() >= warm);
+        if self.floor.changed(Source::Worker(worker), model) {
+            self.rescan_floor();
+        }
+    }
+
+    /// Follows the change of the prior in the floor.
+    fn refloor_prior(&mut self) {
+        if self.floor.changed(Source::Prior, Some(&self.prior)) {
+            self.rescan_floor();
+        }
+    }
+
+    /// Finds the floor again over the prior and the warm workers' models.
+    fn rescan_floor(&mut self) {
+        let warm = self.config.warm_observations;
+        let models = std::iter::once((Source::Prior, &self.prior)).chain(
+            self.workers
+                .iter()
+                .filter(move |(_, m)| m.observations() >= warm)
+                .map(|(k, m)| (Source::Worker(*k), m)),
+        );
+        self.floor.rescan(models);
     }
 
     /// `worker`'s model for sharing with other replicas.
@@ -273,6 +333,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
         self.clock += 1;
         model.touched = self.clock;
         self.workers.insert(worker, model);
+        self.refloor_worker(worker);
         Ok(())
     }
 
@@ -281,6 +342,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
         let model = WorkerModel::from_snapshot(snapshot)?;
         if model.observations() > self.prior.observations() {
             self.prior = model;
+            self.refloor_prior();
         }
         Ok(())
     }
@@ -296,6 +358,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
             .map(|(k, _)| *k)
         {
             self.workers.remove(&oldest);
+            self.refloor_worker(oldest);
         }
     }
 }

@@ -429,3 +429,88 @@ fn a_learner_shares_every_model_in_turn_and_adopts_only_newer_ones() {
     b.restore_shared(&prior, [(key(0), bad)].iter());
     assert_eq!(b.refused_shared(), 1);
 }
+
+/// The least overhead plus the least prefill rate times `uncached_tokens`,
+/// over the prior and the warm workers' models, by a scan; and the least TTFT
+/// they predict.
+fn scanned_floor(m: &LatencyModels<u32>, uncached_tokens: u64) -> (f64, f64) {
+    let keys = m.keys();
+    let models = keys
+        .iter()
+        .filter(|k| m.is_warm(k))
+        .filter_map(|k| m.worker(k))
+        .chain([m.prior()]);
+    let least = |i: usize| {
+        models
+            .clone()
+            .map(|w| w.ttft_coefficients()[i])
+            .fold(f64::INFINITY, f64::min)
+    };
+    let f = Features {
+        prompt_tokens: uncached_tokens.max(1),
+        uncached_tokens,
+        ..Features::default()
+    };
+    let predicted = models
+        .clone()
+        .map(|w| w.predict(&f).ttft)
+        .fold(f64::INFINITY, f64::min);
+    (
+        least(0) + least(1) * uncached_tokens as f64 / 1024.0,
+        predicted,
+    )
+}
+
+#[test]
+fn the_ttft_floor_follows_learning_sharing_eviction_and_departures() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut m = LatencyModels::<u32>::new(LatencyConfig {
+        max_workers: 6,
+        warm_observations: 4,
+        ..LatencyConfig::default()
+    });
+    let coefficients = |rng: &mut StdRng| -> [f64; TTFT_TERMS] {
+        std::array::from_fn(|_| match rng.random_range(0..4) {
+            0 => 0.0,
+            _ => rng.random_range(0.0..1.0),
+        })
+    };
+    for step in 0..4000 {
+        let worker = rng.random_range(0..10u32);
+        match rng.random_range(0..10) {
+            0 => {
+                let mut s =
+                    WorkerModel::new(coefficients(&mut rng), [0.01; TPOT_TERMS], 1.0).to_snapshot();
+                s.observations = m.observations(&worker) + rng.random_range(1..6);
+                m.restore(worker, &s).unwrap();
+            }
+            1 => {
+                let mut s =
+                    WorkerModel::new(coefficients(&mut rng), [0.01; TPOT_TERMS], 1.0).to_snapshot();
+                s.observations = m.prior().observations() + 1;
+                m.restore_prior(&s).unwrap();
+            }
+            2 => {
+                let gone = rng.random_range(0..10u32);
+                m.retain(|k| *k != gone);
+            }
+            _ => {
+                let tokens = rng.random_range(1..8192u64);
+                let f = Features {
+                    prompt_tokens: tokens,
+                    uncached_tokens: rng.random_range(0..=tokens),
+                    waiting: rng.random_range(0.0..4.0),
+                    ..Features::default()
+                };
+                let ttft = Duration::from_secs_f64(rng.random_range(0.001..3.0));
+                m.observe_first_token(worker, &f, ttft).unwrap();
+            }
+        }
+        for tokens in [0, 1, 700, 16_384] {
+            let kept = m.ttft_floor(tokens);
+            let (scanned, predicted) = scanned_floor(&m, tokens);
+            assert_eq!(kept, scanned, "step {step}, {tokens} tokens");
+            assert!(kept <= predicted, "step {step}: {kept} above {predicted}");
+        }
+    }
+}

@@ -19,8 +19,9 @@
 //! terms decide, summed as they would be.
 //!
 //! Invariants: the cost is finite and never negative in either mode (the
-//! models' coefficients are non-negative); the lower bound is 0 whenever every
-//! wrapped term has a bound, which holds in both modes.
+//! models' coefficients are non-negative); the lower bound is the wrapped
+//! terms' while they decide, else the least TTFT any model the pick reads
+//! predicts for the fewest uncached tokens a candidate can have.
 
 use std::sync::Arc;
 
@@ -82,13 +83,27 @@ impl Scorer for Predicted {
     }
 
     fn lower_bound(&self, new_blocks: usize, req: &RequestCost) -> Option<f64> {
-        // Either mode costs at least 0: the heuristic's bound (non-negative
-        // when it exists) or a prediction's non-negative seconds.
-        let mut floor = 0.0_f64;
-        for s in &self.fallback {
-            floor += s.lower_bound(new_blocks, req)?;
+        if !req.latency.warm || req.side == Side::Prefill {
+            // The heuristic terms decide: their bound is the cost's.
+            let mut floor = 0.0;
+            for s in &self.fallback {
+                floor += s.lower_bound(new_blocks, req)?;
+            }
+            return Some(floor);
         }
-        Some(floor.min(0.0))
+        // A prediction's seconds are at least its TTFT, at least the floor's
+        // for the fewest uncached tokens [`features`] can give such a
+        // candidate (lower-tier blocks only add to them); a non-finite
+        // prediction costs `2 * SLO_MISS`.
+        let ask = &req.latency;
+        let tokens = (new_blocks as u64)
+            .saturating_mul(ask.tokens_per_block.max(1))
+            .min(ask.prompt_tokens.clamp(1, MAX_PROMPT_TOKENS));
+        let floor = self.learner.ttft_floor(tokens).unwrap_or(0.0);
+        Some(match floor.is_finite() {
+            true => floor.clamp(0.0, SLO_MISS * 2.0),
+            false => 0.0,
+        })
     }
 }
 

@@ -1,11 +1,15 @@
 //! `--scoring predicted`: the heuristic decides while the pool prior is cold,
 //! a cold worker is predicted by the prior, and latency objectives place a
-//! request on a worker predicted to meet them.
+//! request on a worker predicted to meet them; whatever the learned models,
+//! the pruned pick costs the least of every candidate.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use proptest::prelude::*;
+
 use super::{both, prompt, scrape, with_body};
+use crate::endpoints::ActiveLoad;
 use crate::latency::{Features, Learner, Observed, WorkerModel};
 use crate::scheduler::*;
 
@@ -282,5 +286,98 @@ fn the_expected_output_is_the_hint_else_the_output_cap_bounded() {
         r#""max_tokens":0"#,
     ] {
         assert_eq!(features(&streamed(&format!(",{bad}"))), None, "{bad}");
+    }
+}
+
+/// A learned coefficient: often exactly 0 (the fit's projection), else up to
+/// 2, or tiny (costs a hair apart, so a bound a hair too high shows).
+fn coefficient() -> impl Strategy<Value = f64> {
+    prop_oneof![1 => Just(0.0), 2 => 0.0..2.0f64, 1 => 1e-7..1e-4f64]
+}
+
+/// A model's TTFT and decode coefficients.
+fn coefficients() -> impl Strategy<Value = ([f64; 5], [f64; 4])> {
+    (
+        prop::array::uniform5(coefficient()),
+        prop::array::uniform4(coefficient()),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Whatever the learned models (warm or predicted by the prior), the
+    /// prefixes held, the load, the expected output and the TTFT objective,
+    /// the pruned pick's decode target costs exactly the least `explain`
+    /// finds by scoring every candidate: the predicted term's lower bound
+    /// never exceeds a candidate's cost.
+    #[test]
+    fn a_predicted_pick_costs_the_least_of_every_candidate(
+        prior in coefficients(),
+        // Per worker: its model, whether that is warm (else the prior
+        // predicts it), the prompt blocks it holds, its booked load, its scrape.
+        members in prop::collection::vec(
+            (coefficients(), prop::bool::weighted(0.7),
+             prop_oneof![Just(0usize), Just(24), 1usize..=24],
+             prop_oneof![Just(0u64), 1u64..40],
+             prop::option::of((0.0..8.0f64, 0.0..8.0f64, 0.0..1.0f64))),
+            1..48,
+        ),
+        // Every worker predicted by the prior: the bound is met exactly.
+        all_cold in prop::bool::weighted(0.3),
+        osl in prop::option::of(1u32..512),
+        ttft_slo in prop::option::of(0.0..3.0f64),
+    ) {
+        let s = predicted();
+        let l = learner(&s);
+        l.restore_prior(&fitted(prior.0, prior.1)).unwrap();
+        let table = both(members.len());
+        let snap = table.snapshot();
+        let now = Instant::now();
+        let text: String = (0..24).map(|i| format!("{i:>63} ")).collect();
+        let mut body = prompt(&text);
+        body.nvext.agent_hints = osl.map(|osl| crate::request::AgentHints {
+            osl: Some(osl),
+            ..Default::default()
+        });
+        let hashes = s.block_hashes(&body);
+        for (ep, m) in snap.endpoints.iter().zip(&members) {
+            let ((ttft, tpot), warm, held, load, scraped) = m;
+            let key = ep.key(0);
+            let mut model = fitted(*ttft, *tpot);
+            if !warm || all_cold {
+                model.observations = 5;
+            }
+            l.restore(key, &model).unwrap();
+            ep.book(0, ActiveLoad { blocks: *load, uncached: load / 2 });
+            if *held > 0 {
+                s.index().insert(key, &hashes[..(*held).min(hashes.len())], now);
+            }
+            if let Some((queue, running, kv_usage)) = scraped {
+                scrape(ep, *queue, *running, *kv_usage, now);
+            }
+        }
+        let req = PickRequest {
+            slo: Slo { ttft: ttft_slo, tpot: None },
+            ..with_body(&body)
+        };
+        let explained = s.explain(&req, &snap, now).unwrap();
+        let least = explained
+            .candidates
+            .iter()
+            .filter(|c| !c.prefill && c.filtered_out.is_none())
+            .map(|c| c.terms.total())
+            .min_by(f64::total_cmp)
+            .unwrap();
+        let d = s.pick_at(&req, &snap, now).unwrap();
+        let chosen = explained
+            .candidates
+            .iter()
+            .find(|c| !c.prefill && c.key == d.decode.key())
+            .map(|c| c.terms.total());
+        prop_assert!(
+            chosen.is_some_and(|c| (c - least).abs() < 1e-9),
+            "decode {} costs {chosen:?}, least {least}", d.decode.key()
+        );
     }
 }
