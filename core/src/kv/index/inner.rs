@@ -493,6 +493,28 @@ impl Inner {
         self.remove_holder_runs(&blocks, slot, entries);
     }
 
+    /// The next stretch of `blocks` from `*at`: consecutive locations of one run,
+    /// each still holding its hash, as (run, first location, length); a location
+    /// no longer holding its hash is skipped. Moves `*at` past what it returns.
+    fn next_stretch(&self, blocks: &[(u64, Loc)], at: &mut usize) -> Option<(u32, Loc, usize)> {
+        while let Some(&(h, loc)) = blocks.get(*at) {
+            let Some(run) = self.run_at(loc).filter(|_| self.hash_at(loc) == Some(h)) else {
+                *at += 1;
+                continue;
+            };
+            let hashes: Vec<u64> = blocks[*at..]
+                .iter()
+                .enumerate()
+                .take_while(|(k, (_, l))| l.lineage == loc.lineage && l.pos == loc.pos + *k as u32)
+                .map(|(_, (h, _))| *h)
+                .collect();
+            let n = self.stretch(run, loc, &hashes);
+            *at += n;
+            return Some((run, loc, n));
+        }
+        None
+    }
+
     /// Removes `slot` as holder of each block (hash, location) it holds; blocks
     /// left with no holder are forgotten. A location no longer holding its hash
     /// is skipped.
@@ -502,21 +524,8 @@ impl Inner {
         slot: u32,
         entries: &AtomicUsize,
     ) {
-        let mut i = 0;
-        while i < blocks.len() {
-            let (h, loc) = blocks[i];
-            let Some(run) = self.run_at(loc).filter(|_| self.hash_at(loc) == Some(h)) else {
-                i += 1;
-                continue;
-            };
-            let hashes: Vec<u64> = blocks[i..]
-                .iter()
-                .enumerate()
-                .take_while(|(k, (_, l))| l.lineage == loc.lineage && l.pos == loc.pos + *k as u32)
-                .map(|(_, (h, _))| *h)
-                .collect();
-            let n = self.stretch(run, loc, &hashes);
-            i += n;
+        let mut at = 0;
+        while let Some((run, loc, n)) = self.next_stretch(blocks, &mut at) {
             if !self.runs[run as usize].holders.contains(slot) {
                 continue;
             }
@@ -540,21 +549,8 @@ impl Inner {
         entries: &AtomicUsize,
     ) -> usize {
         let mut added = 0;
-        let mut i = 0;
-        while i < blocks.len() {
-            let (h, loc) = blocks[i];
-            let Some(run) = self.run_at(loc).filter(|_| self.hash_at(loc) == Some(h)) else {
-                i += 1;
-                continue;
-            };
-            let hashes: Vec<u64> = blocks[i..]
-                .iter()
-                .enumerate()
-                .take_while(|(k, (_, l))| l.lineage == loc.lineage && l.pos == loc.pos + *k as u32)
-                .map(|(_, (h, _))| *h)
-                .collect();
-            let n = self.stretch(run, loc, &hashes);
-            i += n;
+        let mut at = 0;
+        while let Some((run, loc, n)) = self.next_stretch(blocks, &mut at) {
             if self.runs[run as usize].holders.contains(slot) {
                 continue;
             }
