@@ -58,12 +58,13 @@ fn p50(mut d: Vec<Duration>) -> Duration {
     d[d.len() / 2]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn predicted_scoring_learns_the_slow_worker_and_beats_round_robin() {
-    let stack = Stack::start(StackOptions {
+/// Two mock workers with base TTFT `ttft`, the first at 4×, the second at
+/// half speed, behind kvpick in `--scoring predicted` mode.
+async fn two_speed_predicted_stack(ttft: Duration) -> Stack {
+    Stack::start(StackOptions {
         workers: 2,
         worker: WorkerConfig {
-            ttft: Duration::from_millis(40),
+            ttft,
             prefill_per_token: Duration::from_micros(20),
             itl: Duration::from_millis(2),
             ..WorkerConfig::default()
@@ -76,7 +77,12 @@ async fn predicted_scoring_learns_the_slow_worker_and_beats_round_robin() {
         ..StackOptions::default()
     })
     .await
-    .unwrap();
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn predicted_scoring_learns_the_slow_worker_and_beats_round_robin() {
+    let stack = two_speed_predicted_stack(Duration::from_millis(40)).await;
     let gateway = stack.gateway.addr();
     let workers: Vec<_> = stack.workers.iter().map(|w| w.addr()).collect();
     let served = |stack: &Stack| -> Vec<u64> {
@@ -113,23 +119,7 @@ async fn predicted_scoring_learns_the_slow_worker_and_beats_round_robin() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn explain_shows_the_engines_recent_latency_beside_the_prediction() {
-    let stack = Stack::start(StackOptions {
-        workers: 2,
-        worker: WorkerConfig {
-            ttft: Duration::from_millis(20),
-            prefill_per_token: Duration::from_micros(20),
-            itl: Duration::from_millis(2),
-            ..WorkerConfig::default()
-        },
-        speeds: vec![4.0, 0.5],
-        tuning: Tuning {
-            scoring: ScoringMode::Predicted,
-            ..Tuning::default()
-        },
-        ..StackOptions::default()
-    })
-    .await
-    .unwrap();
+    let stack = two_speed_predicted_stack(Duration::from_millis(20)).await;
     let scrape = tokio::spawn(kvpick::scrape::run(
         kvpick::scrape::ScrapeConfig::default(),
         std::sync::Arc::clone(stack.kvpick.endpoints()),
