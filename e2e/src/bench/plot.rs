@@ -24,6 +24,16 @@ fn human_bytes(b: usize) -> String {
     }
 }
 
+/// The label of the category drawn at whole-number `x` (none between them).
+fn category_label(labels: &[String], x: f64) -> String {
+    let i = x.round();
+    if (x - i).abs() < 1e-6 && i >= 0.0 {
+        labels.get(i as usize).cloned().unwrap_or_default()
+    } else {
+        String::new()
+    }
+}
+
 /// Decision latency p50/p99 of kvpick and the no-op server per cell.
 pub fn overhead(report: &OverheadReport, path: &Path) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
@@ -68,14 +78,7 @@ pub fn overhead(report: &OverheadReport, path: &Path) -> anyhow::Result<()> {
         .configure_mesh()
         .disable_x_mesh()
         .x_labels(n)
-        .x_label_formatter(&|x| {
-            let i = x.round();
-            if (x - i).abs() < 1e-6 && i >= 0.0 {
-                labels.get(i as usize).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&|x| category_label(&labels, *x))
         .x_desc("body size / endpoints")
         .y_desc("µs, log scale (last body chunk → headers answer)")
         .draw()?;
@@ -140,14 +143,7 @@ pub fn replay_hit_rate(report: &ReplayReport, path: &Path) -> anyhow::Result<()>
         .configure_mesh()
         .disable_x_mesh()
         .x_labels(n)
-        .x_label_formatter(&|x| {
-            let i = x.round();
-            if (x - i).abs() < 1e-6 && i >= 0.0 {
-                names.get(i as usize).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&|x| category_label(&names, *x))
         .y_desc("% of prompt blocks served from cache")
         .draw()?;
     chart.draw_series(values.iter().enumerate().map(|(i, v)| {
