@@ -5,7 +5,8 @@
 //! The ports are chosen here (`--grpc-port`, `--grpc-health-port`,
 //! `--metrics-port` appended to the caller's flags), so tests give only the
 //! flags they are about. [`ServedKvpick::wait_ready`] waits for gRPC health
-//! to answer SERVING, as a readiness probe does. Dropping it shuts kvpick down.
+//! to answer SERVING, as a readiness probe does; [`ServedKvpick::gateway`]
+//! puts a test gateway in front. Dropping it shuts kvpick down.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,6 +21,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
+use crate::gateway::{GatewayConfig, GatewayError, GatewayHandle};
 use crate::mock_worker::{WorkerConfig, WorkerHandle};
 use crate::stack::write_endpoints;
 
@@ -99,6 +101,20 @@ impl ServedKvpick {
     /// The Prometheus metrics address.
     pub fn metrics(&self) -> SocketAddr {
         self.metrics
+    }
+
+    /// A test gateway on a free loopback port in front of this kvpick, dialing
+    /// its default TLS without verifying it (as GIE's Envoy configuration does).
+    pub async fn gateway(&self) -> Result<GatewayHandle, GatewayError> {
+        GatewayHandle::start(
+            ([127, 0, 0, 1], 0).into(),
+            GatewayConfig {
+                ext_proc: format!("https://{}", self.grpc),
+                ext_proc_insecure: true,
+                ..GatewayConfig::default()
+            },
+        )
+        .await
     }
 
     /// Waits until gRPC health answers SERVING for the whole server (`""`),

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use e2e::client::Client;
-use e2e::gateway::{GatewayConfig, GatewayHandle};
+use e2e::gateway::GatewayHandle;
 use e2e::mock_worker::WorkerHandle;
 use e2e::served::{listed_workers, ServedKvpick};
 use serde_json::json;
@@ -106,7 +106,6 @@ struct Fixture {
 impl Fixture {
     async fn start(name: &str) -> Fixture {
         let dir = std::env::temp_dir().join(format!("kvpick-{name}-{}", std::process::id()));
-        let local = ([127, 0, 0, 1], 0).into();
         let (workers, endpoints) = listed_workers(&dir, 2).await;
         let config_file = dir.join("epp.yaml");
         replace(&config_file, &config(10, 1));
@@ -117,16 +116,7 @@ impl Fixture {
         ])
         .expect("kvpick starts");
         kvpick.wait_ready(Duration::from_secs(20)).await.unwrap();
-        let gateway = GatewayHandle::start(
-            local,
-            GatewayConfig {
-                ext_proc: format!("https://{}", kvpick.grpc()),
-                ext_proc_insecure: true,
-                ..GatewayConfig::default()
-            },
-        )
-        .await
-        .unwrap();
+        let gateway = kvpick.gateway().await.unwrap();
         let client = Client::new(gateway.addr());
         let metrics = Client::new(kvpick.metrics());
         let prompt = "Summarise the quarterly sales table by region. ".repeat(40);

@@ -7,14 +7,12 @@
 use std::time::Duration;
 
 use e2e::client::Client;
-use e2e::gateway::{GatewayConfig, GatewayHandle};
 use e2e::served::{listed_workers, ServedKvpick};
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gie_reference_epp_flags_with_an_endpoints_file_start_and_serve() {
     let dir = std::env::temp_dir().join(format!("kvpick-gie-flags-{}", std::process::id()));
-    let local = ([127, 0, 0, 1], 0).into();
     let (workers, endpoints) = listed_workers(&dir, 2).await;
     let config = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -42,16 +40,7 @@ async fn gie_reference_epp_flags_with_an_endpoints_file_start_and_serve() {
     .expect("the flags start kvpick");
     kvpick.wait_ready(Duration::from_secs(20)).await.unwrap();
 
-    let gateway = GatewayHandle::start(
-        local,
-        GatewayConfig {
-            ext_proc: format!("https://{}", kvpick.grpc()),
-            ext_proc_insecure: true,
-            ..GatewayConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let gateway = kvpick.gateway().await.unwrap();
     let body = json!({
         "model": "mock-model",
         "messages": [{"role": "user", "content": "Which worker?"}],
