@@ -297,6 +297,7 @@ impl<V: Copy + Default> BlockTable<V> {
     /// Adds `key` with the default value at `place`, where [`BlockTable::place`]
     /// last found it missing (no write since but other claims, and room
     /// [`BlockTable::reserve`]d for every claim); returns where it now is.
+    #[inline]
     pub fn claim(&mut self, place: Place, key: u64) -> Place {
         if key == 0 {
             debug_assert!(place == Place::ZERO && self.zero.is_none());

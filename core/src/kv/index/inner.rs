@@ -502,13 +502,15 @@ impl Inner {
                 *at += 1;
                 continue;
             };
-            let hashes: Vec<u64> = blocks[*at..]
+            let r = &self.runs[run as usize];
+            let n = blocks[*at..]
                 .iter()
+                .zip(r.hashes.range((loc.pos - r.start) as usize..))
                 .enumerate()
-                .take_while(|(k, (_, l))| l.lineage == loc.lineage && l.pos == loc.pos + *k as u32)
-                .map(|(_, (h, _))| *h)
-                .collect();
-            let n = self.stretch(run, loc, &hashes);
+                .take_while(|&(k, (&(h, l), &held))| {
+                    l.lineage == loc.lineage && l.pos == loc.pos + k as u32 && h == held
+                })
+                .count();
             *at += n;
             return Some((run, loc, n));
         }
