@@ -5,7 +5,9 @@
 //! prefix it holds enters as the uncached tokens it saves; blocks it holds on
 //! a lower storage tier save their tokens but for their load's fraction,
 //! `--tier-cost-*`, priced at the learned prefill rate), plus the delay this
-//! prefill adds to the requests queued there, plus the predicted decode
+//! prefill adds to the requests running or queued there (each waits out its
+//! prefill seconds at the pool's learned rate: on a loaded pool the seconds a
+//! cached prefix saves are saved for every request there), plus the predicted decode
 //! slowdown there times the tokens the request says it will decode (its
 //! expected output tokens; a request that does not say is placed on its first token
 //! alone: a guessed length would price every decode the same, and the
