@@ -410,8 +410,9 @@ mod tests {
     }
 
     fn model(observations: u64) -> WorkerSnapshot {
-        let mut m = crate::latency::WorkerModel::new([0.02, 0.1, 0.1, 0.02, 0.001, 0.1], [0.01; 4], 2.0)
-            .to_snapshot();
+        let mut m =
+            crate::latency::WorkerModel::new([0.02, 0.1, 0.1, 0.02, 0.001, 0.1], [0.01; 4], 2.0)
+                .to_snapshot();
         m.observations = observations;
         m.recent_error = 0.125;
         m

@@ -13,8 +13,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::features::{
-    Features, Observed, Rejected, TPOT_RUNNING, TPOT_TERMS, TTFT_TERMS,
-    TTFT_UNCACHED,
+    Features, Observed, Rejected, TPOT_RUNNING, TPOT_TERMS, TTFT_TERMS, TTFT_UNCACHED,
 };
 use super::rls::{Rls, RlsSnapshot};
 use super::slots::SlotCapacity;

@@ -88,8 +88,11 @@ fn a_cold_worker_is_predicted_by_the_warm_pool_prior() {
         l.learn(b, &f, &slow);
     }
     assert_eq!(l.predict(&b, &f).unwrap().observations, 5);
-    l.restore_prior(&fitted([0.9, 0.0, 0.0, 0.0, 0.0, 0.0], [0.05, 0.0, 0.0, 0.0]))
-        .unwrap();
+    l.restore_prior(&fitted(
+        [0.9, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [0.05, 0.0, 0.0, 0.0],
+    ))
+    .unwrap();
     let from_prior = l.predict(&b, &f).unwrap();
     assert!((from_prior.ttft - 0.9).abs() < 1e-9, "{from_prior:?}");
     let own = l.predict(&a, &f).unwrap();
@@ -103,8 +106,11 @@ fn slo_pool(s: &Scheduler) -> (crate::endpoints::EndpointTable, Instant) {
     let snap = table.snapshot();
     let now = Instant::now();
     let l = learner(s);
-    l.restore_prior(&fitted([0.05, 0.1, 0.0, 0.0, 0.0, 0.0], [0.01, 0.0, 0.0, 0.0]))
-        .unwrap();
+    l.restore_prior(&fitted(
+        [0.05, 0.1, 0.0, 0.0, 0.0, 0.0],
+        [0.01, 0.0, 0.0, 0.0],
+    ))
+    .unwrap();
     let (fast, slow) = (snap.endpoints[0].key(0), snap.endpoints[1].key(0));
     l.restore(
         fast,
@@ -229,7 +235,10 @@ fn a_sheddable_request_is_not_refused_on_cold_models_or_without_predictions() {
     // of its own: the cold workers get the benefit of the doubt.
     let s = predicted();
     learner(&s)
-        .restore_prior(&fitted([0.5, 0.0, 0.0, 0.0, 0.0, 0.0], [0.01, 0.0, 0.0, 0.0]))
+        .restore_prior(&fitted(
+            [0.5, 0.0, 0.0, 0.0, 0.0, 0.0],
+            [0.01, 0.0, 0.0, 0.0],
+        ))
         .unwrap();
     let table = both(2);
     assert!(s

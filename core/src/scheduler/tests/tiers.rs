@@ -146,7 +146,8 @@ fn predicted_mode_prices_a_load_at_the_learned_prefill_rate() {
     };
     let l = s.latency().expect("predicted mode learns latency");
     // 50 ms overhead, 400 ms per thousand tokens to prefill.
-    l.restore_prior(&model([0.05, 0.4, 0.0, 0.0, 0.0, 0.0])).unwrap();
+    l.restore_prior(&model([0.05, 0.4, 0.0, 0.0, 0.0, 0.0]))
+        .unwrap();
     assert!(l.is_warm());
     let e = s
         .explain(&with_body(&long), &t.snapshot(), Instant::now())
