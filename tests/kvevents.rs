@@ -956,7 +956,7 @@ async fn gaps_are_repaired_from_the_replay_socket() {
 /// A body parsed as the ext_proc path parses it when a tokenizer is configured.
 fn parsed(kind: ApiKind, body: &serde_json::Value) -> InferenceRequest {
     let options = ParseOptions {
-        token_limit: usize::MAX,
+        limits: kvpick::request::PromptLimits::NONE,
         template: true,
     };
     parse_with(&serde_json::to_vec(body).unwrap(), Some(kind), options).unwrap()

@@ -81,7 +81,7 @@ fn request(tok: &Tokenizer, body: &serde_json::Value) -> InferenceRequest {
 /// A chat body parsed as the ext_proc path parses it when a tokenizer is configured.
 fn parsed(body: &serde_json::Value) -> InferenceRequest {
     let options = ParseOptions {
-        token_limit: usize::MAX,
+        limits: kvpick::request::PromptLimits::NONE,
         template: true,
     };
     parse_with(

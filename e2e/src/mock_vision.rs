@@ -64,7 +64,7 @@ impl MockVision {
     /// The prompt tokens of a chat body.
     pub fn chat_tokens(&self, body: &Value) -> Result<VisionTokens, String> {
         let options = ParseOptions {
-            token_limit: usize::MAX,
+            limits: kvpick::request::PromptLimits::NONE,
             template: true,
         };
         let bytes = serde_json::to_vec(body).map_err(|e| e.to_string())?;

@@ -180,7 +180,7 @@ impl Admin {
         endpoints: Arc<EndpointTable>,
         tokenizer: Option<TokenizerPool>,
     ) -> Self {
-        let pipeline = Pipeline::new(scheduler.config().prompt_token_limit(), tokenizer);
+        let pipeline = Pipeline::new(scheduler.config().prompt_limits(), tokenizer);
         Admin {
             scheduler,
             endpoints,
@@ -590,7 +590,7 @@ mod tests {
         let tokenizer = Tokenizer::load(&dir).unwrap();
         let body = chat(&"a b c d e f g h ".repeat(40));
         let options = request::ParseOptions {
-            token_limit: usize::MAX,
+            limits: request::PromptLimits::NONE,
             template: true,
         };
         let parsed = request::parse_with(&body, Some(ApiKind::Chat), options).unwrap();

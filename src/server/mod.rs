@@ -244,7 +244,7 @@ impl App {
     /// The ext_proc service over this state.
     pub fn ext_proc(&self, config: crate::extproc::ExtProcConfig) -> ExtProcService {
         let pipeline = Pipeline::new(
-            self.scheduler.config().prompt_token_limit(),
+            self.scheduler.config().prompt_limits(),
             self.tokenizer.clone(),
         )
         .counting_images(Arc::clone(&self.mm_stats));

@@ -55,7 +55,7 @@ fn context() -> (Arc<FlowContext>, Arc<Recorder>) {
         Endpoint::new("10.0.0.2:8000".parse().unwrap()),
     ]);
     let scheduler = Arc::new(Scheduler::new(SchedulerConfig::default()));
-    let pipeline = Pipeline::new(scheduler.config().prompt_token_limit(), None);
+    let pipeline = Pipeline::new(scheduler.config().prompt_limits(), None);
     let off = AdmissionConfig {
         enabled: false,
         ..AdmissionConfig::default()
@@ -237,7 +237,7 @@ fn learning() -> (Arc<FlowContext>, Arc<crate::latency::Learner>) {
         ..SchedulerConfig::default()
     }));
     let learner = Arc::clone(scheduler.latency().unwrap());
-    let pipeline = Pipeline::new(scheduler.config().prompt_token_limit(), None);
+    let pipeline = Pipeline::new(scheduler.config().prompt_limits(), None);
     let off = AdmissionConfig {
         enabled: false,
         ..AdmissionConfig::default()

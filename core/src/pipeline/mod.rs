@@ -30,13 +30,14 @@ pub use outcome::{outcome, ForwardBody, Outcome};
 pub use prepare::{Prepared, TokenizeJob, Tokenized};
 
 use crate::multimodal::MmStats;
+use crate::request::PromptLimits;
 use crate::tokenize::TokenizerPool;
 
 /// How request bodies are prepared.
 #[derive(Debug, Clone)]
 pub struct Pipeline {
-    /// Prompt token ids a parse keeps (the scheduler hashes no more).
-    token_limit: usize,
+    /// How much of a prompt a parse keeps (the scheduler hashes no more).
+    limits: PromptLimits,
     /// In-process tokenizer (`--tokenizer-dir`): text prompts become token ids
     /// so their blocks match the engines' KV events.
     tokenizer: Option<TokenizerPool>,
@@ -45,11 +46,10 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Parses keep `token_limit` prompt token ids; `tokenizer` turns text into
-    /// token ids.
-    pub fn new(token_limit: usize, tokenizer: Option<TokenizerPool>) -> Self {
+    /// Parses keep `limits` of a prompt; `tokenizer` turns text into token ids.
+    pub fn new(limits: PromptLimits, tokenizer: Option<TokenizerPool>) -> Self {
         Pipeline {
-            token_limit,
+            limits,
             tokenizer,
             mm_stats: None,
         }

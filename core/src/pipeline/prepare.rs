@@ -60,7 +60,7 @@ impl Pipeline {
     /// not a usable request is the client's error (400).
     pub fn prepare(&self, body: Vec<u8>, head: &RequestHead) -> Result<Prepared, RequestError> {
         let options = request::ParseOptions {
-            token_limit: self.token_limit,
+            limits: self.limits,
             template: self.tokenizer.is_some(),
         };
         let mut parsed = request::parse_with(&body, head.kind, options)?;
@@ -111,7 +111,11 @@ impl Prepared {
             self.mm_hashes = hints::image_hashes(image_urls(&self.request), &fetched);
         }
         match tokens {
-            Ok(segments) => self.request.segments = segments,
+            Ok(segments) => {
+                // The tokenizer read the whole text, not the part the parse kept.
+                self.request.segments = segments;
+                self.request.omitted_text_bytes = 0;
+            }
             Err(e) => {
                 debug!(error = %ErrorChain(&e), "tokenization failed: routing on text blocks")
             }

@@ -6,6 +6,7 @@ use super::*;
 use crate::endpoints::{Endpoint, EndpointTable, Engine};
 use crate::multimodal::identity::{identify, IdentitySource};
 use crate::multimodal::{MmRouting, MmStats};
+use crate::request::{PromptLimits, Segment};
 use crate::scheduler::{Decision, PickRequest, Scheduler, SchedulerConfig};
 
 fn pick(engine: Engine, prepared: Option<&Prepared>) -> Decision {
@@ -41,7 +42,7 @@ const CHAT: &str = r#"{ "model": "m",
 #[test]
 fn a_body_that_is_not_a_request_is_refused_and_nothing_is_counted() {
     let stats = Arc::new(MmStats::default());
-    let pipeline = Pipeline::new(1 << 20, None).counting_images(Arc::clone(&stats));
+    let pipeline = Pipeline::new(PromptLimits::NONE, None).counting_images(Arc::clone(&stats));
     assert!(pipeline
         .prepare(b"{\"model\":".to_vec(), &chat_head())
         .is_err());
@@ -51,7 +52,7 @@ fn a_body_that_is_not_a_request_is_refused_and_nothing_is_counted() {
 #[test]
 fn without_a_tokenizer_images_are_identified_and_counted_and_nothing_waits() {
     let stats = Arc::new(MmStats::default());
-    let pipeline = Pipeline::new(1 << 20, None).counting_images(Arc::clone(&stats));
+    let pipeline = Pipeline::new(PromptLimits::NONE, None).counting_images(Arc::clone(&stats));
     let head = chat_head();
     let prepared = pipeline.prepare(CHAT.as_bytes().to_vec(), &head).unwrap();
     assert!(!prepared.waits_for_tokens());
@@ -69,7 +70,7 @@ fn without_a_tokenizer_images_are_identified_and_counted_and_nothing_waits() {
 #[test]
 fn one_edit_strips_the_client_worker_fields_and_tells_sglang_its_image_hashes() {
     let head = chat_head();
-    let prepared = Pipeline::new(1 << 20, None)
+    let prepared = Pipeline::new(PromptLimits::NONE, None)
         .prepare(CHAT.as_bytes().to_vec(), &head)
         .unwrap();
     let hash = prepared.mm_hashes[0];
@@ -113,7 +114,7 @@ fn one_edit_strips_the_client_worker_fields_and_tells_sglang_its_image_hashes() 
 #[test]
 fn vllm_gets_its_image_hashes_on_the_parts_and_an_unchanged_body_keeps_its_length() {
     let head = chat_head();
-    let pipeline = Pipeline::new(1 << 20, None);
+    let pipeline = Pipeline::new(PromptLimits::NONE, None);
     let prepared = pipeline.prepare(CHAT.as_bytes().to_vec(), &head).unwrap();
     let decision = pick(Engine::Vllm, Some(&prepared));
     let out = outcome(&decision, &head, Some(prepared)).unwrap();
@@ -148,4 +149,29 @@ fn a_request_routed_on_its_headers_has_no_body() {
         out.set_headers[0],
         (DESTINATION_HEADER, out.destination.clone())
     );
+}
+
+/// A tokenizer reads the whole text, not the prefix the parse kept, so the
+/// tokenized prompt counts no omitted text on top of its tokens.
+#[tokio::test]
+async fn tokenized_text_counts_no_omitted_text() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer");
+    let pool =
+        crate::tokenize::TokenizerPool::new(crate::tokenize::Tokenizer::load(dir).unwrap(), 1);
+    let limits = PromptLimits {
+        text_bytes: 16,
+        ..PromptLimits::NONE
+    };
+    let long = "lorem ipsum dolor sit amet ".repeat(20);
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": long}]});
+    let mut prepared = Pipeline::new(limits, Some(pool))
+        .prepare(body.to_string().into_bytes(), &chat_head())
+        .unwrap();
+    assert!(prepared.request.omitted_text_bytes > 0);
+    let job = prepared
+        .take_tokenize_job()
+        .expect("text waits for its tokens");
+    prepared.tokenized(job.run().await);
+    assert!(matches!(prepared.request.segments.as_slice(), [Segment::Tokens(t)] if t.len() > 100));
+    assert_eq!(prepared.request.omitted_text_bytes, 0);
 }

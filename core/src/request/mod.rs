@@ -106,6 +106,8 @@ pub struct InferenceRequest {
     pub names_worker: bool,
     /// Prompt token ids past the parse limit ([`parse_capped`]): counted, not kept.
     pub omitted_tokens: usize,
+    /// Prompt text bytes past the parse limit: counted, not kept.
+    pub omitted_text_bytes: usize,
     /// The output-token cap the body asks for: `max_completion_tokens`, else
     /// `max_tokens`, else `max_output_tokens` (Responses), when it is a
     /// positive integer; any other value reads as none (the engine judges it).
@@ -179,10 +181,29 @@ pub enum PromptPart {
 /// How [`parse_with`] reads a body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParseOptions {
-    /// Prompt token ids kept (see [`parse_capped`]).
-    pub token_limit: usize,
+    /// How much of the prompt is kept (see [`parse_capped`]).
+    pub limits: PromptLimits,
     /// Also keep the [`TemplateInput`] (a tokenizer is configured).
     pub template: bool,
+}
+
+/// How much of a prompt a parse keeps: prefix matching hashes no more, and
+/// what lies past it is only counted ([`InferenceRequest::omitted_tokens`],
+/// [`InferenceRequest::omitted_text_bytes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLimits {
+    /// Prompt token ids kept.
+    pub tokens: usize,
+    /// Bytes of prompt text kept.
+    pub text_bytes: usize,
+}
+
+impl PromptLimits {
+    /// Everything kept.
+    pub const NONE: PromptLimits = PromptLimits {
+        tokens: usize::MAX,
+        text_bytes: usize::MAX,
+    };
 }
 
 impl InferenceRequest {
@@ -195,7 +216,16 @@ impl InferenceRequest {
                 Segment::Tokens(t) => t.len() * 4,
                 Segment::Image(u) => u.len(),
             })
-            .sum()
+            .sum::<usize>()
+            .saturating_add(self.omitted_tokens.saturating_mul(4))
+            .saturating_add(self.omitted_text_bytes)
+    }
+
+    /// Blocks of the prompt the parse only counted (past [`PromptLimits`]),
+    /// for text blocks of `byte_block` bytes and token blocks of `token_block` ids.
+    pub fn unhashed_blocks(&self, byte_block: usize, token_block: usize) -> usize {
+        self.omitted_tokens.div_ceil(token_block.max(1))
+            + self.omitted_text_bytes.div_ceil(byte_block.max(1))
     }
 
     /// The session control, if the body has one.
@@ -215,23 +245,22 @@ impl InferenceRequest {
 /// Parses a request body. `kind` comes from the path; when the path is unknown the
 /// body's shape decides (`messages` → chat, `prompt` → completions, `input` → responses).
 pub fn parse(body: &[u8], kind: Option<ApiKind>) -> Result<InferenceRequest, RequestError> {
-    parse_capped(body, kind, usize::MAX)
+    parse_capped(body, kind, PromptLimits::NONE)
 }
 
-/// [`parse`] keeping at most `token_limit` of the prompt's token ids (prefix
-/// matching looks at no more): the rest are only counted in
-/// [`InferenceRequest::omitted_tokens`], so a prompt of millions of ids does not
-/// cost four bytes each on top of its body.
+/// [`parse`] keeping at most `limits` of the prompt's token ids and text
+/// (prefix matching looks at no more): the rest is only counted, so a prompt
+/// of millions of ids or megabytes of text is not copied whole.
 pub fn parse_capped(
     body: &[u8],
     kind: Option<ApiKind>,
-    token_limit: usize,
+    limits: PromptLimits,
 ) -> Result<InferenceRequest, RequestError> {
     parse_with(
         body,
         kind,
         ParseOptions {
-            token_limit,
+            limits,
             template: false,
         },
     )
@@ -689,7 +718,7 @@ mod tests {
     #[test]
     fn the_template_input_is_kept_only_when_asked() {
         let keep = ParseOptions {
-            token_limit: usize::MAX,
+            limits: PromptLimits::NONE,
             template: true,
         };
         let chat = br#"{"model":"m","chat_template_kwargs":{"t":1},"tools":[1],"messages":[{"role":"user","content":[{"type":"image_url","image_url":"u"},{"type":"input_audio","input_audio":{}}],"name":"n"}]}"#;
@@ -746,15 +775,55 @@ mod tests {
         );
     }
 
+    fn tokens(tokens: usize) -> PromptLimits {
+        PromptLimits {
+            tokens,
+            ..PromptLimits::NONE
+        }
+    }
+
+    #[test]
+    fn a_capped_parse_keeps_a_prefix_of_the_text_and_counts_the_rest() {
+        let limits = PromptLimits {
+            text_bytes: 12,
+            ..PromptLimits::NONE
+        };
+        // "user\n" (5) + "abé" (4) + "cde": 12 bytes kept, the rest counted.
+        let chat = serde_json::json!({"model": "m", "messages": [
+            {"role": "user", "content": "ab\u{e9}cdefgh"},
+            {"role": "user", "content": [{"type": "text", "text": "more"},
+                {"type": "image_url", "image_url": {"url": "https://x/i.png"}}]},
+        ]});
+        let r = parse_capped(chat.to_string().as_bytes(), None, limits).unwrap();
+        assert_eq!(
+            r.segments,
+            vec![
+                Segment::Text("user\nab\u{e9}cde".into()),
+                Segment::Image("https://x/i.png".into())
+            ]
+        );
+        let whole = parse(chat.to_string().as_bytes(), None).unwrap();
+        assert_eq!(r.prompt_len(), whole.prompt_len());
+        assert_eq!(r.omitted_text_bytes, whole.prompt_len() - 12 - 15);
+        // A cut inside a character keeps the text before it.
+        let limits = PromptLimits {
+            text_bytes: 7,
+            ..PromptLimits::NONE
+        };
+        let r = parse_capped(br#"{"model":"m","prompt":"abcdef\u00e9"}"#, None, limits).unwrap();
+        assert_eq!(r.segments, vec![Segment::Text("abcdef".into())]);
+        assert_eq!(r.omitted_text_bytes, 2);
+    }
+
     #[test]
     fn a_capped_parse_keeps_the_leading_token_ids_and_counts_the_rest() {
         let ids: Vec<u32> = (0..100).collect();
         let flat = serde_json::json!({"model": "m", "prompt": ids}).to_string();
-        let r = parse_capped(flat.as_bytes(), None, 32).unwrap();
+        let r = parse_capped(flat.as_bytes(), None, tokens(32)).unwrap();
         assert_eq!(r.segments, vec![Segment::Tokens((0..32).collect())]);
         assert_eq!(r.omitted_tokens, 68);
         let nested = serde_json::json!({"model": "m", "prompt": [[1, 2, 3], "x", [4, 5]]});
-        let r = parse_capped(nested.to_string().as_bytes(), None, 4).unwrap();
+        let r = parse_capped(nested.to_string().as_bytes(), None, tokens(4)).unwrap();
         assert_eq!(
             r.segments,
             vec![
@@ -765,7 +834,7 @@ mod tests {
         );
         assert_eq!(r.omitted_tokens, 1);
         let nv = serde_json::json!({"model": "m", "prompt": "t", "nvext": {"token_data": ids}});
-        let r = parse_capped(nv.to_string().as_bytes(), None, 10).unwrap();
+        let r = parse_capped(nv.to_string().as_bytes(), None, tokens(10)).unwrap();
         assert_eq!(r.segments, vec![Segment::Tokens((0..10).collect())]);
         assert_eq!(r.omitted_tokens, 90);
         // Unlimited: everything kept.

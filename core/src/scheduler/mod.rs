@@ -164,10 +164,16 @@ pub enum ScoringMode {
 }
 
 impl SchedulerConfig {
-    /// Most prompt token ids worth keeping from a body: prefix matching hashes no more.
-    pub fn prompt_token_limit(&self) -> usize {
-        self.max_prefix_blocks
-            .saturating_mul(self.token_block.max(1))
+    /// How much of a body's prompt is worth keeping: prefix matching hashes no more.
+    pub fn prompt_limits(&self) -> crate::request::PromptLimits {
+        crate::request::PromptLimits {
+            tokens: self
+                .max_prefix_blocks
+                .saturating_mul(self.token_block.max(1)),
+            text_bytes: self
+                .max_prefix_blocks
+                .saturating_mul(self.byte_block.max(1)),
+        }
     }
 }
 
@@ -355,7 +361,7 @@ impl Scheduler {
             self.config.max_prefix_blocks,
             self.config.vision.as_ref(),
         )
-        .and_unhashed(body.omitted_tokens.div_ceil(self.config.token_block.max(1)))
+        .and_unhashed(body.unhashed_blocks(self.config.byte_block, self.config.token_block))
     }
 
     /// Headers to add to a successful (2xx) response of a routed request: the

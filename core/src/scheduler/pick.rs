@@ -275,7 +275,9 @@ impl Scheduler {
                     self.config.token_block,
                     self.config.vision.as_ref(),
                 )
-                .saturating_add(b.omitted_tokens.div_ceil(self.config.token_block.max(1)) as u64),
+                .saturating_add(
+                    b.unhashed_blocks(self.config.byte_block, self.config.token_block) as u64,
+                ),
             ),
             None => (hash::PromptBlocks::default(), 1),
         }

@@ -44,7 +44,7 @@ fn python_methods_and_raise_exception() {
 
 fn parsed(kind: ApiKind, body: &str) -> InferenceRequest {
     let options = ParseOptions {
-        token_limit: usize::MAX,
+        limits: crate::request::PromptLimits::NONE,
         template: true,
     };
     crate::request::parse_with(body.as_bytes(), Some(kind), options).unwrap()

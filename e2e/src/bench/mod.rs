@@ -36,6 +36,7 @@ pub fn completion_of_tokens(model: &str, tokens: Vec<u32>) -> InferenceRequest {
         salt: None,
         names_worker: false,
         omitted_tokens: 0,
+        omitted_text_bytes: 0,
         max_output_tokens: None,
         template: None,
     }

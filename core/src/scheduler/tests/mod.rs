@@ -528,13 +528,12 @@ fn a_body_parsed_with_the_token_limit_routes_and_weighs_like_the_whole_body() {
         max_prefix_blocks: 4,
         ..Default::default()
     });
-    assert_eq!(s.config().prompt_token_limit(), 64);
+    assert_eq!(s.config().prompt_limits().tokens, 64);
     let ids: Vec<u32> = (0..1000).collect();
     let json = serde_json::json!({"model": "m", "prompt": ids}).to_string();
     let whole = body(&json);
     let capped =
-        crate::request::parse_capped(json.as_bytes(), None, s.config().prompt_token_limit())
-            .unwrap();
+        crate::request::parse_capped(json.as_bytes(), None, s.config().prompt_limits()).unwrap();
     assert_eq!(capped.omitted_tokens, 1000 - 64);
     assert_eq!(s.block_hashes(&capped), s.block_hashes(&whole));
     let (a, b) = (s.prompt_blocks(&capped), s.prompt_blocks(&whole));
@@ -543,6 +542,49 @@ fn a_body_parsed_with_the_token_limit_routes_and_weighs_like_the_whole_body() {
         (b.uncached(0), b.uncached(4))
     );
     assert_eq!(a.uncached(0), 63); // ceil(1000 / 16)
+    let t = both(1);
+    let snap = t.snapshot();
+    let (d1, d2) = (
+        s.pick(&with_body(&capped), &snap).unwrap(),
+        s.pick(&with_body(&whole), &snap).unwrap(),
+    );
+    assert_eq!(d1.load_blocks, d2.load_blocks);
+}
+
+/// A long text prompt is kept only as far as it is hashed: the rest is
+/// counted, and the request hashes, weighs and routes as the whole one does.
+#[test]
+fn a_body_parsed_with_the_text_limit_routes_and_weighs_like_the_whole_body() {
+    let s = Scheduler::new(SchedulerConfig {
+        max_prefix_blocks: 4,
+        ..Default::default()
+    });
+    let limit = s.config().prompt_limits().text_bytes;
+    assert_eq!(limit, 4 * s.config().byte_block);
+    let long: String = (0..1000).map(|i| format!("w{i} é ")).collect();
+    let json = serde_json::json!({"model": "m", "messages": [
+        {"role": "system", "content": long},
+        {"role": "user", "content": "and then?"},
+    ]})
+    .to_string();
+    let whole = body(&json);
+    let capped =
+        crate::request::parse_capped(json.as_bytes(), None, s.config().prompt_limits()).unwrap();
+    let [crate::request::Segment::Text(kept)] = capped.segments.as_slice() else {
+        panic!("one text segment: {:?}", capped.segments);
+    };
+    assert!(
+        kept.len() <= limit && kept.len() > limit - 4,
+        "{}",
+        kept.len()
+    );
+    assert_eq!(capped.prompt_len(), whole.prompt_len());
+    assert_eq!(s.block_hashes(&capped), s.block_hashes(&whole));
+    let (a, b) = (s.prompt_blocks(&capped), s.prompt_blocks(&whole));
+    assert_eq!(
+        (a.uncached(0), a.uncached(4)),
+        (b.uncached(0), b.uncached(4))
+    );
     let t = both(1);
     let snap = t.snapshot();
     let (d1, d2) = (
