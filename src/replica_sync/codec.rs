@@ -331,6 +331,8 @@ impl Reader<'_> {
             tpot,
             observations: self.u64()?,
             recent_error: f64::from_bits(self.u64()?),
+            // Not on the wire: each replica learns it from its own scrapes.
+            slots: 0.0,
         })
     }
     fn f64s(&mut self) -> Result<Vec<f64>, DecodeError> {
@@ -408,8 +410,9 @@ mod tests {
     }
 
     fn model(observations: u64) -> WorkerSnapshot {
-        let mut m = crate::latency::WorkerModel::new([0.02, 0.1, 0.1, 0.02, 0.001], [0.01; 4], 2.0)
-            .to_snapshot();
+        let mut m =
+            crate::latency::WorkerModel::new([0.02, 0.1, 0.1, 0.02, 0.001, 0.1], [0.01; 4], 2.0)
+                .to_snapshot();
         m.observations = observations;
         m.recent_error = 0.125;
         m

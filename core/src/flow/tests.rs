@@ -326,8 +326,8 @@ fn the_learner_learns_a_ttft_at_the_first_chunk_and_nothing_from_an_error_body()
 fn a_sheddable_request_no_warm_worker_can_serve_in_time_is_shed_and_books_nothing() {
     let (ctx, learner) = learning();
     // Both workers warm, each predicted at 0.5 s to first token.
-    let mut slow =
-        crate::latency::WorkerModel::new([0.5, 0.0, 0.0, 0.0, 0.0], [0.01; 4], 1.0).to_snapshot();
+    let mut slow = crate::latency::WorkerModel::new([0.5, 0.0, 0.0, 0.0, 0.0, 0.0], [0.01; 4], 1.0)
+        .to_snapshot();
     slow.observations = 100;
     learner.restore_prior(&slow).unwrap();
     for ep in &ctx.endpoints.snapshot().endpoints {

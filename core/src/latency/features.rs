@@ -45,18 +45,15 @@ pub struct Features {
 }
 
 /// Inputs of the TTFT fit: overhead, prefill per uncached kilotoken, wait per
-/// pending prefill kilotoken, per waiting request, per running request.
-pub const TTFT_TERMS: usize = 5;
+/// pending prefill kilotoken, per waiting request, per running request, per
+/// request that finds no free sequence slot ([`Features::slot_queue`]).
+pub const TTFT_TERMS: usize = 6;
 /// Inputs of the decode fit: base per-token time, slowdown per running
 /// request, per unit of KV usage, per prompt kilotoken (attention context).
 pub const TPOT_TERMS: usize = 4;
 
 /// Index of the uncached-tokens term in the TTFT inputs.
 pub(crate) const TTFT_UNCACHED: usize = 1;
-/// Index of the pending-prefill term in the TTFT inputs.
-pub(crate) const TTFT_PENDING: usize = 2;
-/// Index of the waiting-requests term in the TTFT inputs.
-pub(crate) const TTFT_WAITING: usize = 3;
 /// Index of the running-requests term in the decode inputs.
 pub(crate) const TPOT_RUNNING: usize = 1;
 
@@ -67,14 +64,33 @@ impl Features {
         clean(self.running).max(self.in_flight as f64)
     }
 
-    /// The TTFT inputs.
-    pub fn ttft_inputs(&self) -> [f64; TTFT_TERMS] {
+    /// Requests there, running or waiting: the scrape's running plus
+    /// waiting, or kvpick's own in-flight count, whichever is larger (the
+    /// scrape lags the requests sent since).
+    pub fn occupancy(&self) -> f64 {
+        (clean(self.running) + clean(self.waiting)).max(self.in_flight as f64)
+    }
+
+    /// Requests, this one included, that find no free sequence slot on a
+    /// worker that runs at most `slots` at once: each waits for a running
+    /// request to finish. 0 when `slots` is unknown (below 1).
+    pub fn slot_queue(&self, slots: f64) -> f64 {
+        match slots >= 1.0 {
+            true => (self.occupancy() + 1.0 - slots).max(0.0),
+            false => 0.0,
+        }
+    }
+
+    /// The TTFT inputs on a worker that runs at most `slots` requests at
+    /// once (0: not known).
+    pub fn ttft_inputs(&self, slots: f64) -> [f64; TTFT_TERMS] {
         [
             1.0,
             kilo(self.uncached_tokens),
             kilo(self.pending_prefill_tokens),
             clean(self.waiting),
             self.load(),
+            self.slot_queue(slots),
         ]
     }
 

@@ -14,7 +14,7 @@
 //! the prior. Invariants: at most [`LatencyConfig::max_workers`] models (the
 //! least recently updated goes first, and [`LatencyModels::retain`] drops gone
 //! workers); an observation is checked before it touches any model, and a
-//! refused one changes nothing; an update costs O(terms²) with terms ≤ 5 and
+//! refused one changes nothing; an update costs O(terms²) with terms ≤ 6 and
 //! allocates only when a new worker enters. [`LatencyModels`] is pure: no
 //! clock, no I/O, no lock ([`Learner`] shares it).
 
@@ -23,6 +23,7 @@ mod floor;
 pub mod learner;
 pub mod model;
 pub mod rls;
+pub mod slots;
 
 #[cfg(test)]
 mod tests;
@@ -95,10 +96,10 @@ impl LatencyConfig {
 
 /// Where the pool prior starts before any observation: a mid-size model on a
 /// current data-centre GPU (20 ms overhead, 10k prefill tokens/s, 20 ms per
-/// waiting request, 1 ms per running request; 10 ms per output token, 0.2 ms
-/// more per running request). Only predictions for a cold pool use it; the
+/// waiting request, 1 ms per running request, 100 ms per request beyond the
+/// slots; 10 ms per output token, 0.2 ms more per running request). Only predictions for a cold pool use it; the
 /// scheduler uses the heuristic cost there.
-const STARTING_TTFT: [f64; TTFT_TERMS] = [0.02, 0.1, 0.1, 0.02, 0.001];
+const STARTING_TTFT: [f64; TTFT_TERMS] = [0.02, 0.1, 0.1, 0.02, 0.001, 0.1];
 const STARTING_TPOT: [f64; TPOT_TERMS] = [0.01, 0.0002, 0.0, 0.0];
 
 /// Per-worker latency models keyed by `K` (a worker, or a worker's dp rank).
@@ -204,10 +205,14 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     }
 
     /// The prediction for a request with `features` on `worker`: its own
-    /// model, or the pool prior for a worker without one.
+    /// model, or the pool prior for a worker without one. The delay its
+    /// prefill adds to the others is priced at the prior's prefill rate: a
+    /// worker's own fit, on its fewer observations, can put a loaded worker's
+    /// prefill seconds into its wait terms (which rise with them), and a
+    /// zero rate would make a cache hit there worth nothing to the others.
     pub fn predict(&self, worker: &K, features: &Features) -> Prediction {
         match self.workers.get(worker) {
-            Some(m) => m.predict(features),
+            Some(m) => m.predict_with(features, self.prior.prefill_rate()),
             None => Prediction {
                 observations: 0,
                 recent_error: 0.0,
@@ -332,6 +337,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
         }
         self.clock += 1;
         model.touched = self.clock;
+        model.keep_slots(self.workers.get(&worker));
         self.workers.insert(worker, model);
         self.refloor_worker(worker);
         Ok(())
@@ -339,8 +345,9 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
 
     /// Adopts a peer's pool prior when it rests on more observations.
     pub fn restore_prior(&mut self, snapshot: &WorkerSnapshot) -> Result<(), Rejected> {
-        let model = WorkerModel::from_snapshot(snapshot)?;
+        let mut model = WorkerModel::from_snapshot(snapshot)?;
         if model.observations() > self.prior.observations() {
+            model.keep_slots(Some(&self.prior));
             self.prior = model;
             self.refloor_prior();
         }

@@ -1,13 +1,22 @@
 //! One worker's latency model: a TTFT fit and a decode fit, both
-//! [`Rls`] over physical terms, with its observation count and recent error.
+//! [`Rls`] over physical terms, with its observation count, recent error and
+//! learned sequence-slot capacity.
+//!
+//! The slot capacity ([`SlotCapacity`]) is what vLLM states in no metric
+//! (its `max_num_seqs`); the model learns it from the scrape. Past it a new
+//! request waits for a running one to finish, a wait no linear term of the
+//! loads foresees (it is nothing one request below the capacity and a whole
+//! decode's share at it); the TTFT fit prices it per request beyond the slots
+//! ([`Features::slot_queue`]), so its coefficient learns the worker's
+//! mean decode time over its slots.
 
 use serde::{Deserialize, Serialize};
 
 use super::features::{
-    Features, Observed, Rejected, TPOT_RUNNING, TPOT_TERMS, TTFT_PENDING, TTFT_TERMS,
-    TTFT_UNCACHED, TTFT_WAITING,
+    Features, Observed, Rejected, TPOT_RUNNING, TPOT_TERMS, TTFT_TERMS, TTFT_UNCACHED,
 };
 use super::rls::{Rls, RlsSnapshot};
+use super::slots::SlotCapacity;
 
 /// Weight of the newest observation in the recent-error average.
 const ERROR_EWMA: f64 = 0.05;
@@ -25,6 +34,8 @@ pub struct WorkerModel {
     tpot: Rls<TPOT_TERMS>,
     observations: u64,
     recent_error: f64,
+    /// The requests the worker runs at once, as the scrape showed them.
+    slots: SlotCapacity,
     /// Position in the owner's update order (for eviction).
     pub(crate) touched: u64,
 }
@@ -36,9 +47,9 @@ pub struct Prediction {
     pub ttft: f64,
     /// Time per later token there.
     pub tpot: f64,
-    /// Time this request's prefill adds, summed over the requests waiting
-    /// there: its uncached tokens at the learned wait per pending token, once
-    /// per waiting request.
+    /// Time this request's prefill adds to the others' first tokens there:
+    /// its uncached tokens at the pool's learned prefill rate, once per
+    /// request it stalls ([`WorkerModel::stalled`]).
     pub queued_delay: f64,
     /// Per-token time one more running request adds, summed over the
     /// requests running there.
@@ -66,20 +77,40 @@ impl WorkerModel {
             tpot: Rls::new(tpot, variance),
             observations: 0,
             recent_error: 0.0,
+            slots: SlotCapacity::default(),
             touched: 0,
         }
     }
 
-    /// A fresh worker's model: `prior`'s coefficients, its own count and
-    /// error from zero.
+    /// A fresh worker's model: `prior`'s coefficients; its own count, error
+    /// and slot capacity from zero (a pool may mix engine configurations).
     pub fn from_prior(prior: &WorkerModel, variance: f64) -> Self {
         WorkerModel {
             ttft: prior.ttft.restart(variance),
             tpot: prior.tpot.restart(variance),
             observations: 0,
             recent_error: 0.0,
+            slots: SlotCapacity::default(),
             touched: 0,
         }
+    }
+
+    /// The learned sequence-slot capacity (0: not known yet).
+    pub fn slots(&self) -> f64 {
+        self.slots.slots()
+    }
+
+    /// Keeps the larger of this model's slot capacity and `other`'s (a
+    /// peer's snapshot replacing a local model keeps what the local one saw).
+    pub(crate) fn keep_slots(&mut self, other: Option<&WorkerModel>) {
+        if let Some(o) = other {
+            self.slots.merge(&o.slots);
+        }
+    }
+
+    /// Follows `f`'s scrape in the slot capacity.
+    fn note_slots(&mut self, f: &Features) {
+        self.slots.note(f.running, f.waiting);
     }
 
     /// Observations learned from.
@@ -93,7 +124,8 @@ impl WorkerModel {
     }
 
     /// TTFT coefficients: overhead s, s per uncached kilotoken, s per pending
-    /// prefill kilotoken, s per waiting request, s per running request.
+    /// prefill kilotoken, s per waiting request, s per running request, s per
+    /// request beyond the slots.
     pub fn ttft_coefficients(&self) -> &[f64; TTFT_TERMS] {
         self.ttft.coefficients()
     }
@@ -104,15 +136,43 @@ impl WorkerModel {
         self.tpot.coefficients()
     }
 
-    /// Predicts for `f`: two dot products and two multiplies.
+    /// Predicts for `f`, its prefill's delay on the others priced at this
+    /// model's own prefill rate.
     pub fn predict(&self, f: &Features) -> Prediction {
-        let ttft_x = f.ttft_inputs();
+        self.predict_with(f, self.prefill_rate())
+    }
+
+    /// The requests there whose first token a prefill there delays, in
+    /// expectation: every request running or waiting there is stalled for
+    /// it (a step that carries a prefill chunk holds every decode), and the
+    /// stall reaches the first tokens of the requests queued for a slot as
+    /// the slots run out, so it counts by the squared share of the slots
+    /// taken once this request is in (a quarter at half of them, all at a
+    /// full worker). Nothing while the capacity is not known.
+    pub fn stalled(&self, f: &Features) -> f64 {
+        let slots = self.slots();
+        if slots < 1.0 {
+            return 0.0;
+        }
+        let there = f.occupancy();
+        there * ((there + 1.0) / slots).min(1.0).powi(2)
+    }
+
+    /// Seconds per uncached kilotoken of prefill.
+    pub fn prefill_rate(&self) -> f64 {
+        self.ttft.coefficients()[TTFT_UNCACHED]
+    }
+
+    /// Predicts for `f`, its prefill's delay on the others priced at
+    /// `prefill_rate` seconds per uncached kilotoken: two dot products and a
+    /// few multiplies.
+    pub fn predict_with(&self, f: &Features, prefill_rate: f64) -> Prediction {
+        let ttft_x = f.ttft_inputs(self.slots());
         let tpot_x = f.tpot_inputs();
-        let wait_per_token = self.ttft.coefficients()[TTFT_PENDING];
         Prediction {
             ttft: self.ttft.predict(&ttft_x),
             tpot: self.tpot.predict(&tpot_x),
-            queued_delay: wait_per_token * ttft_x[TTFT_UNCACHED] * ttft_x[TTFT_WAITING],
+            queued_delay: prefill_rate * ttft_x[TTFT_UNCACHED] * self.stalled(f),
             decode_slowdown: self.tpot.coefficients()[TPOT_RUNNING] * tpot_x[TPOT_RUNNING],
             observations: self.observations,
             recent_error: self.recent_error,
@@ -130,7 +190,8 @@ impl WorkerModel {
     /// Learns one checked TTFT, `actual` seconds (an observation: the
     /// count and the recent error move).
     pub(crate) fn learn_ttft(&mut self, f: &Features, actual: f64, lambda: f64) {
-        let x = f.ttft_inputs();
+        self.note_slots(f);
+        let x = f.ttft_inputs(self.slots());
         let err = (self.ttft.predict(&x) - actual).abs() / actual;
         self.recent_error = if self.observations == 0 {
             err
@@ -153,6 +214,7 @@ impl WorkerModel {
             tpot: self.tpot.to_snapshot(),
             observations: self.observations,
             recent_error: self.recent_error,
+            slots: self.slots(),
         }
     }
 
@@ -165,11 +227,13 @@ impl WorkerModel {
         {
             return Err(Rejected::Malformed);
         }
+        let slots = SlotCapacity::shared(s.slots).ok_or(Rejected::Malformed)?;
         Ok(WorkerModel {
             ttft,
             tpot,
             observations: s.observations,
             recent_error: s.recent_error,
+            slots,
             touched: 0,
         })
     }
@@ -186,4 +250,7 @@ pub struct WorkerSnapshot {
     pub observations: u64,
     /// Recent mean |error| / actual TTFT.
     pub recent_error: f64,
+    /// The learned sequence-slot capacity (0: none yet).
+    #[serde(default)]
+    pub slots: f64,
 }

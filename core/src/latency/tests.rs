@@ -269,32 +269,129 @@ fn absurd_observations_are_refused_and_change_nothing() {
     assert!(ttft <= 0.15, "median TTFT error {ttft:.3}");
 }
 
-#[test]
-fn delay_added_to_queued_requests_grows_with_tokens_and_queue() {
-    let mut rng = StdRng::seed_from_u64(17);
-    let m = trained(300, &mut rng);
+/// A worker that runs at most [`SLOTS`] requests at once, each for
+/// [`DECODE_SECS`]: a request that finds every slot taken waits for
+/// `DECODE_SECS / SLOTS` per request ahead of it beyond the slots.
+const SLOTS: f64 = 16.0;
+const DECODE_SECS: f64 = 8.0;
+
+fn slotted_ttft(f: &Features) -> f64 {
+    let k = |t: u64| t as f64 / 1024.0;
+    let beyond = (f.running + f.waiting + 1.0 - SLOTS).max(0.0);
+    0.02 + 0.08 * k(f.uncached_tokens) + beyond * DECODE_SECS / SLOTS
+}
+
+/// A request on the slotted worker: a queue only once every slot is taken.
+fn slotted_sample(rng: &mut StdRng) -> (Features, Observed) {
+    let prompt_tokens = rng.random_range(256..4096);
+    let running = rng.random_range(8..=SLOTS as u32) as f64;
+    let waiting = match running >= SLOTS {
+        true => rng.random_range(0..6) as f64,
+        false => 0.0,
+    };
     let f = Features {
+        prompt_tokens,
+        uncached_tokens: (prompt_tokens as f64 * rng.random_range(0.2..1.0)) as u64,
+        waiting,
+        running,
+        in_flight: (running + waiting) as u32,
+        ..Features::default()
+    };
+    let seen = Observed::from_secs(slotted_ttft(&f) * (1.0 + rng.random_range(-0.1..0.1)), None)
+        .expect("positive times");
+    (f, seen)
+}
+
+#[test]
+fn a_worker_with_every_slot_taken_is_predicted_to_make_a_new_request_wait() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let mut m = LatencyModels::new(LatencyConfig::default());
+    for _ in 0..400 {
+        let (f, seen) = slotted_sample(&mut rng);
+        m.observe(1, &f, &seen).unwrap();
+    }
+    // The capacity is the running count a queue formed beside.
+    assert_eq!(m.worker(&1).unwrap().slots(), SLOTS);
+    // One slot free against none (no queue yet on either): the second waits
+    // for a running request to finish, half a second here.
+    let free = Features {
+        prompt_tokens: 2048,
+        uncached_tokens: 2048,
+        running: SLOTS - 1.0,
+        in_flight: SLOTS as u32 - 1,
+        ..Features::default()
+    };
+    let full = Features {
+        running: SLOTS,
+        in_flight: SLOTS as u32,
+        ..free
+    };
+    let (a, b) = (m.predict(&1, &free).ttft, m.predict(&1, &full).ttft);
+    for (f, p) in [(&free, a), (&full, b)] {
+        let want = slotted_ttft(f);
+        assert!((p - want).abs() / want < 0.15, "{p} against {want}");
+    }
+    assert!(b - a > 0.4, "free slot {a} s, none {b} s");
+    // And the fit's median error over the worker's traffic.
+    let errors = (0..300)
+        .map(|_| {
+            let (f, _) = slotted_sample(&mut rng);
+            (m.predict(&1, &f).ttft - slotted_ttft(&f)).abs() / slotted_ttft(&f)
+        })
+        .collect();
+    assert!(median(errors) <= 0.1);
+}
+
+#[test]
+fn delay_added_to_others_is_the_prefill_at_the_pool_rate_as_the_slots_fill() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let mut m = trained(300, &mut rng);
+    for _ in 0..300 {
+        let (f, seen) = slotted_sample(&mut rng);
+        m.observe(3, &f, &seen).unwrap();
+    }
+    let full = Features {
         prompt_tokens: 4096,
         uncached_tokens: 2048,
         waiting: 4.0,
-        running: 8.0,
+        running: SLOTS,
+        in_flight: SLOTS as u32 + 4,
         ..Features::default()
     };
-    let p = m.predict(&2, &f);
-    // 2 kilotokens at the slow worker's learned wait per kilotoken, per waiting request.
-    let expected = 0.06 * 2.5 * 2.0 * 4.0;
+    // 2 kilotokens at the pool's learned prefill rate, once per request
+    // there at a full worker.
+    let rate = m.prior().prefill_rate();
+    assert!(rate > 0.0);
+    let p = m.predict(&3, &full);
+    let expected = rate * 2.0 * (SLOTS + 4.0);
     assert!(
-        (p.queued_delay - expected).abs() / expected < 0.25,
+        (p.queued_delay - expected).abs() <= 1e-9 * expected,
         "{} vs {expected}",
         p.queued_delay
     );
-    let idle = m.predict(&2, &Features { waiting: 0.0, ..f });
-    assert_eq!(idle.queued_delay, 0.0);
+    // With half the slots taken (this request included) a quarter of that
+    // per request there.
+    let half = Features {
+        waiting: 0.0,
+        running: SLOTS / 2.0 - 1.0,
+        in_flight: SLOTS as u32 / 2 - 1,
+        ..full
+    };
+    let h = m.predict(&3, &half).queued_delay;
+    let expected = rate * 2.0 * (SLOTS / 2.0 - 1.0) * 0.25;
+    assert!((h - expected).abs() <= 1e-9 * expected, "{h} vs {expected}");
+    // An idle worker is delayed nothing.
+    let idle = Features {
+        running: 0.0,
+        in_flight: 0,
+        ..half
+    };
+    assert_eq!(m.predict(&3, &idle).queued_delay, 0.0);
     assert!(p.decode_slowdown > 0.0);
     assert!(
         p.e2e(&Features {
             max_tokens: Some(100),
-            ..f
+            ..full
         }) > Some(p.ttft)
     );
 }

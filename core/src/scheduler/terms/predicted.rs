@@ -5,8 +5,11 @@
 //! prefix it holds enters as the uncached tokens it saves; blocks it holds on
 //! a lower storage tier save their tokens but for their load's fraction,
 //! `--tier-cost-*`, priced at the learned prefill rate), plus the delay this
-//! prefill adds to the requests queued there, plus the predicted decode
-//! slowdown there times the tokens the request says it will decode (its
+//! prefill adds to the others' first tokens there (its prefill seconds at the
+//! pool's learned rate, once per request running or waiting there as the
+//! worker's slots run out, [`crate::latency::WorkerModel::stalled`]: near the
+//! limit the seconds a cached prefix saves are saved for everyone there), plus
+//! the predicted decode slowdown there times the tokens the request says it will decode (its
 //! expected output tokens; a request that does not say is placed on its first token
 //! alone: a guessed length would price every decode the same, and the
 //! learned slowdown times a long guess outweighs the seconds of prefill a

@@ -22,7 +22,7 @@ fn predicted() -> Scheduler {
 }
 
 /// A model with these coefficients, as if fitted on 100 observations.
-fn fitted(ttft: [f64; 5], tpot: [f64; 4]) -> crate::latency::WorkerSnapshot {
+fn fitted(ttft: [f64; 6], tpot: [f64; 4]) -> crate::latency::WorkerSnapshot {
     let mut s = WorkerModel::new(ttft, tpot, 1.0).to_snapshot();
     s.observations = 100;
     s
@@ -88,8 +88,11 @@ fn a_cold_worker_is_predicted_by_the_warm_pool_prior() {
         l.learn(b, &f, &slow);
     }
     assert_eq!(l.predict(&b, &f).unwrap().observations, 5);
-    l.restore_prior(&fitted([0.9, 0.0, 0.0, 0.0, 0.0], [0.05, 0.0, 0.0, 0.0]))
-        .unwrap();
+    l.restore_prior(&fitted(
+        [0.9, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [0.05, 0.0, 0.0, 0.0],
+    ))
+    .unwrap();
     let from_prior = l.predict(&b, &f).unwrap();
     assert!((from_prior.ttft - 0.9).abs() < 1e-9, "{from_prior:?}");
     let own = l.predict(&a, &f).unwrap();
@@ -103,17 +106,20 @@ fn slo_pool(s: &Scheduler) -> (crate::endpoints::EndpointTable, Instant) {
     let snap = table.snapshot();
     let now = Instant::now();
     let l = learner(s);
-    l.restore_prior(&fitted([0.05, 0.1, 0.0, 0.0, 0.0], [0.01, 0.0, 0.0, 0.0]))
-        .unwrap();
+    l.restore_prior(&fitted(
+        [0.05, 0.1, 0.0, 0.0, 0.0, 0.0],
+        [0.01, 0.0, 0.0, 0.0],
+    ))
+    .unwrap();
     let (fast, slow) = (snap.endpoints[0].key(0), snap.endpoints[1].key(0));
     l.restore(
         fast,
-        &fitted([0.05, 0.05, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]),
+        &fitted([0.05, 0.05, 0.0, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]),
     )
     .unwrap();
     l.restore(
         slow,
-        &fitted([0.1, 0.2, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]),
+        &fitted([0.1, 0.2, 0.0, 0.0, 0.0, 0.0], [0.01, 0.001, 0.0, 0.0]),
     )
     .unwrap();
     scrape(&snap.endpoints[0], 0.0, 4.0, 0.2, now);
@@ -229,7 +235,10 @@ fn a_sheddable_request_is_not_refused_on_cold_models_or_without_predictions() {
     // of its own: the cold workers get the benefit of the doubt.
     let s = predicted();
     learner(&s)
-        .restore_prior(&fitted([0.5, 0.0, 0.0, 0.0, 0.0], [0.01, 0.0, 0.0, 0.0]))
+        .restore_prior(&fitted(
+            [0.5, 0.0, 0.0, 0.0, 0.0, 0.0],
+            [0.01, 0.0, 0.0, 0.0],
+        ))
         .unwrap();
     let table = both(2);
     assert!(s
@@ -296,9 +305,9 @@ fn coefficient() -> impl Strategy<Value = f64> {
 }
 
 /// A model's TTFT and decode coefficients.
-fn coefficients() -> impl Strategy<Value = ([f64; 5], [f64; 4])> {
+fn coefficients() -> impl Strategy<Value = ([f64; 6], [f64; 4])> {
     (
-        prop::array::uniform5(coefficient()),
+        prop::array::uniform6(coefficient()),
         prop::array::uniform4(coefficient()),
     )
 }

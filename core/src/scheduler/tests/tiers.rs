@@ -138,7 +138,7 @@ fn predicted_mode_prices_a_load_at_the_learned_prefill_rate() {
         scoring: ScoringMode::Predicted,
         ..Default::default()
     });
-    let model = |ttft: [f64; 5]| {
+    let model = |ttft: [f64; 6]| {
         let mut m =
             crate::latency::WorkerModel::new(ttft, [0.01, 0.0, 0.0, 0.0], 1.0).to_snapshot();
         m.observations = 100;
@@ -146,7 +146,8 @@ fn predicted_mode_prices_a_load_at_the_learned_prefill_rate() {
     };
     let l = s.latency().expect("predicted mode learns latency");
     // 50 ms overhead, 400 ms per thousand tokens to prefill.
-    l.restore_prior(&model([0.05, 0.4, 0.0, 0.0, 0.0])).unwrap();
+    l.restore_prior(&model([0.05, 0.4, 0.0, 0.0, 0.0, 0.0]))
+        .unwrap();
     assert!(l.is_warm());
     let e = s
         .explain(&with_body(&long), &t.snapshot(), Instant::now())
