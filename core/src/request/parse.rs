@@ -110,46 +110,42 @@ struct TextRoom {
 #[derive(Debug)]
 struct Segments {
     found: Vec<Segment>,
-    budget: TokenBudget,
+    /// Token ids.
+    tokens: Budget,
+    /// Text bytes; once text is cut, no later text is kept, so the text kept
+    /// is always a prefix of the prompt's.
+    text: Budget,
     /// Capacity of the next text segment started.
     text_capacity: usize,
-    /// Text bytes still kept; once text is cut, no later text is kept, so the
-    /// text kept is always a prefix of the prompt's.
-    text_left: usize,
-    /// Text bytes past the limit: counted, not kept.
-    omitted_text: usize,
 }
 
-/// Token ids still kept; those past the budget are only counted.
+/// Units (token ids, text bytes) still kept; those past the budget are only counted.
 #[derive(Debug)]
-struct TokenBudget {
+struct Budget {
     left: usize,
     omitted: usize,
 }
 
-impl Default for TokenBudget {
-    fn default() -> Self {
-        TokenBudget {
-            left: usize::MAX,
-            omitted: 0,
-        }
+impl Budget {
+    fn of(left: usize) -> Self {
+        Budget { left, omitted: 0 }
     }
 }
 
 impl Segments {
     fn text(&mut self, s: &str) {
-        let s = match s.len() <= self.text_left {
+        let s = match s.len() <= self.text.left {
             true => {
-                self.text_left -= s.len();
+                self.text.left -= s.len();
                 s
             }
             false => {
-                let mut keep = self.text_left;
+                let mut keep = self.text.left;
                 while !s.is_char_boundary(keep) {
                     keep -= 1;
                 }
-                self.omitted_text += s.len() - keep;
-                self.text_left = 0;
+                self.text.omitted += s.len() - keep;
+                self.text.left = 0;
                 &s[..keep]
             }
         };
@@ -171,19 +167,15 @@ impl Segments {
     fn with_room(room: TextRoom) -> Self {
         Segments {
             found: Vec::new(),
-            budget: TokenBudget::default(),
+            tokens: Budget::of(usize::MAX),
+            text: Budget::of(room.limit),
             text_capacity: room.capacity,
-            text_left: room.limit,
-            omitted_text: 0,
         }
     }
 
     fn with_token_limit(limit: usize, room: TextRoom) -> Self {
         Segments {
-            budget: TokenBudget {
-                left: limit,
-                omitted: 0,
-            },
+            tokens: Budget::of(limit),
             ..Segments::with_room(room)
         }
     }
@@ -199,16 +191,16 @@ impl Segments {
                 }
             }
         }
-        (self.found, self.budget.omitted, self.omitted_text)
+        (self.found, self.tokens.omitted, self.text.omitted)
     }
 
     /// Adds a token id within the budget; whether it was kept.
     fn token(&mut self, t: u32) -> bool {
-        if self.budget.left == 0 {
-            self.budget.omitted += 1;
+        if self.tokens.left == 0 {
+            self.tokens.omitted += 1;
             return false;
         }
-        self.budget.left -= 1;
+        self.tokens.left -= 1;
         match self.found.last_mut() {
             Some(Segment::Tokens(last)) => last.push(t),
             _ => self.found.push(Segment::Tokens(vec![t])),
@@ -221,8 +213,8 @@ impl Segments {
     }
 
     fn append(&mut self, other: Segments) {
-        self.budget.omitted += other.budget.omitted;
-        self.omitted_text += other.omitted_text;
+        self.tokens.omitted += other.tokens.omitted;
+        self.text.omitted += other.text.omitted;
         for seg in other.found {
             match seg {
                 Segment::Text(t) => self.text(&t),
