@@ -141,9 +141,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     ) -> Result<(), Rejected> {
         features.check()?;
         seen.check()?;
-        let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
-        self.model_of(worker).learn(features, seen, forget);
-        self.prior.learn(features, seen, prior_forget);
+        self.teach(worker, |m, forget| m.learn(features, seen, forget));
         self.refloor(worker);
         Ok(())
     }
@@ -159,10 +157,8 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     ) -> Result<(), Rejected> {
         features.check()?;
         Observed { ttft, tpot: None }.check()?;
-        let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
         let secs = ttft.as_secs_f64();
-        self.model_of(worker).learn_ttft(features, secs, forget);
-        self.prior.learn_ttft(features, secs, prior_forget);
+        self.teach(worker, |m, forget| m.learn_ttft(features, secs, forget));
         self.refloor(worker);
         Ok(())
     }
@@ -181,11 +177,17 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
             tpot: Some(tpot),
         }
         .check()?;
-        let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
         let secs = tpot.as_secs_f64();
-        self.model_of(worker).learn_tpot(features, secs, forget);
-        self.prior.learn_tpot(features, secs, prior_forget);
+        self.teach(worker, |m, forget| m.learn_tpot(features, secs, forget));
         Ok(())
+    }
+
+    /// Teaches `worker`'s model, then the pool prior, one lesson, each at its
+    /// own forgetting factor.
+    fn teach(&mut self, worker: K, lesson: impl Fn(&mut WorkerModel, f64)) {
+        let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
+        lesson(self.model_of(worker), forget);
+        lesson(&mut self.prior, prior_forget);
     }
 
     /// `worker`'s model, made from the prior when it has none (evicting the
