@@ -108,7 +108,7 @@ pub struct PrefixIndex {
     lookups_waiting: AtomicUsize,
     /// Lookups that ever spun for the lock (a writer waits for each at most once).
     lookups_announced: AtomicU64,
-    /// `lookups_announced` when a writer last stopped waiting for a lookup that
+    /// `lookups_announced` when a writer most recently stopped waiting for a lookup that
     /// did not take the lock within [`YIELD`] (descheduled while spinning).
     writers_gave_up_at: AtomicU64,
 }
