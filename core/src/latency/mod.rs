@@ -211,10 +211,12 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     /// prefill adds to the others is priced at the prior's prefill rate: a
     /// worker's own fit, on its fewer observations, can put a loaded worker's
     /// prefill seconds into its wait terms (which rise with them), and a
-    /// zero rate would make a cache hit there worth nothing to the others.
+    /// zero rate would make a cache hit there worth nothing to the others;
+    /// it counts the requests stalled at the prior's slot capacity while the
+    /// worker's own is not known.
     pub fn predict(&self, worker: &K, features: &Features) -> Prediction {
         match self.workers.get(worker) {
-            Some(m) => m.predict_with(features, self.prior.prefill_rate()),
+            Some(m) => m.predict_with(features, self.prior.prefill_rate(), self.prior.slots()),
             None => Prediction {
                 observations: 0,
                 recent_error: 0.0,

@@ -137,25 +137,26 @@ impl WorkerModel {
     }
 
     /// Predicts for `f`, its prefill's delay on the others priced at this
-    /// model's own prefill rate.
+    /// model's own prefill rate and slot capacity.
     pub fn predict(&self, f: &Features) -> Prediction {
-        self.predict_with(f, self.prefill_rate())
+        self.predict_with(f, self.prefill_rate(), self.slots())
     }
 
-    /// The requests there whose first token a prefill there delays, in
-    /// expectation: every request running or waiting there is stalled for
-    /// it (a step that carries a prefill chunk holds every decode), and the
-    /// stall reaches the first tokens of the requests queued for a slot as
-    /// the slots run out, so it counts by the squared share of the slots
-    /// taken once this request is in (a quarter at half of them, all at a
-    /// full worker). Nothing while the capacity is not known.
-    pub fn stalled(&self, f: &Features) -> f64 {
-        let slots = self.slots();
+    /// The requests there a prefill there delays, in expectation, on a
+    /// worker that runs at most `slots` at once: those that run beside it in
+    /// the engine's steps (a step that carries a prefill chunk holds every
+    /// decode in it), so at most the slots: a request queued beyond them is
+    /// admitted after the ones ahead of it leave, whatever this prefill
+    /// costs. They count by the squared share of the slots taken once this
+    /// request is in (a quarter at half of them, all at a full worker), as
+    /// the stall reaches the first tokens of the requests waiting for a slot
+    /// only as the slots run out. Nothing while no capacity is known.
+    pub fn stalled(f: &Features, slots: f64) -> f64 {
         if slots < 1.0 {
             return 0.0;
         }
         let there = f.occupancy();
-        there * ((there + 1.0) / slots).min(1.0).powi(2)
+        there.min(slots) * ((there + 1.0) / slots).min(1.0).powi(2)
     }
 
     /// Seconds per uncached kilotoken of prefill.
@@ -164,15 +165,23 @@ impl WorkerModel {
     }
 
     /// Predicts for `f`, its prefill's delay on the others priced at
-    /// `prefill_rate` seconds per uncached kilotoken: two dot products and a
+    /// `prefill_rate` seconds per uncached kilotoken, counted over the
+    /// requests it stalls ([`WorkerModel::stalled`]) at this worker's slot
+    /// capacity or, while that is not known, at `pool_slots` (a worker not
+    /// yet seen at its limit would otherwise price a prefill there as
+    /// delaying nobody, beside peers that price it): two dot products and a
     /// few multiplies.
-    pub fn predict_with(&self, f: &Features, prefill_rate: f64) -> Prediction {
-        let ttft_x = f.ttft_inputs(self.slots());
+    pub fn predict_with(&self, f: &Features, prefill_rate: f64, pool_slots: f64) -> Prediction {
+        let slots = self.slots();
+        let ttft_x = f.ttft_inputs(slots);
         let tpot_x = f.tpot_inputs();
+        let stall_slots = if slots >= 1.0 { slots } else { pool_slots };
         Prediction {
             ttft: self.ttft.predict(&ttft_x),
             tpot: self.tpot.predict(&tpot_x),
-            queued_delay: prefill_rate * ttft_x[TTFT_UNCACHED] * self.stalled(f),
+            queued_delay: prefill_rate
+                * ttft_x[TTFT_UNCACHED]
+                * WorkerModel::stalled(f, stall_slots),
             decode_slowdown: self.tpot.coefficients()[TPOT_RUNNING] * tpot_x[TPOT_RUNNING],
             observations: self.observations,
             recent_error: self.recent_error,
