@@ -358,12 +358,12 @@ fn delay_added_to_others_is_the_prefill_at_the_pool_rate_as_the_slots_fill() {
         in_flight: SLOTS as u32 + 4,
         ..Features::default()
     };
-    // 2 kilotokens at the pool's learned prefill rate, once per request
-    // there at a full worker.
+    // 2 kilotokens at the pool's learned prefill rate, once per slot at a
+    // full worker.
     let rate = m.prior().prefill_rate();
     assert!(rate > 0.0);
     let p = m.predict(&3, &full);
-    let expected = rate * 2.0 * (SLOTS + 4.0);
+    let expected = rate * 2.0 * SLOTS;
     assert!(
         (p.queued_delay - expected).abs() <= 1e-9 * expected,
         "{} vs {expected}",
@@ -393,6 +393,65 @@ fn delay_added_to_others_is_the_prefill_at_the_pool_rate_as_the_slots_fill() {
             max_tokens: Some(100),
             ..full
         }) > Some(p.ttft)
+    );
+}
+
+#[test]
+fn a_queue_beyond_the_slots_is_priced_in_the_wait_not_as_delay_added_to_it() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let mut m = LatencyModels::<u64>::new(LatencyConfig::default());
+    for _ in 0..300 {
+        let (f, seen) = slotted_sample(&mut rng);
+        m.observe(3, &f, &seen).unwrap();
+    }
+    assert_eq!(m.worker(&3).map(WorkerModel::slots), Some(SLOTS));
+    assert_eq!(m.prior().slots(), SLOTS);
+    let full = Features {
+        prompt_tokens: 4096,
+        uncached_tokens: 2048,
+        waiting: 4.0,
+        running: SLOTS,
+        in_flight: SLOTS as u32 + 4,
+        ..Features::default()
+    };
+    let deep = Features {
+        waiting: 400.0,
+        in_flight: SLOTS as u32 + 400,
+        ..full
+    };
+    // A prefill there holds the requests in the slots beside it; the 400
+    // queued beyond them are admitted as the ones ahead of them leave,
+    // whatever it costs. Their wait is this request's own.
+    let expected = m.prior().prefill_rate() * 2.0 * SLOTS;
+    let close = |a: f64| (a - expected).abs() <= 1e-9 * expected;
+    let (at_full, at_deep) = (m.predict(&3, &full), m.predict(&3, &deep));
+    assert!(close(at_full.queued_delay), "{}", at_full.queued_delay);
+    assert!(close(at_deep.queued_delay), "{}", at_deep.queued_delay);
+    assert!(
+        at_deep.ttft > at_full.ttft + 100.0,
+        "{} s behind 400 queued, {} s behind 4",
+        at_deep.ttft,
+        at_full.ttft
+    );
+    // A worker never seen at its limit counts the requests it stalls at
+    // the pool's capacity, as its peers do, not as none.
+    for _ in 0..40 {
+        let (f, _) = slotted_sample(&mut rng);
+        let f = Features {
+            running: 8.0,
+            waiting: 0.0,
+            in_flight: 8,
+            ..f
+        };
+        let seen = Observed::from_secs(slotted_ttft(&f), None).unwrap();
+        m.observe(4, &f, &seen).unwrap();
+    }
+    assert_eq!(m.worker(&4).map(WorkerModel::slots), Some(0.0));
+    let unknown = m.predict(&4, &full).queued_delay;
+    let expected = m.prior().prefill_rate() * 2.0 * SLOTS;
+    assert!(
+        (unknown - expected).abs() <= 1e-9 * expected,
+        "{unknown} vs {expected}"
     );
 }
 
