@@ -6,9 +6,10 @@
 //! a lower storage tier save their tokens but for their load's fraction,
 //! `--tier-cost-*`, priced at the learned prefill rate), plus the delay this
 //! prefill adds to the others' first tokens there (its prefill seconds at the
-//! pool's learned rate, once per request running or waiting there as the
-//! worker's slots run out, [`crate::latency::WorkerModel::stalled`]: near the
-//! limit the seconds a cached prefix saves are saved for everyone there), plus
+//! pool's learned rate, once per request running beside it, at most the
+//! worker's slots, as they run out, [`crate::latency::WorkerModel::stalled`]:
+//! near the limit the seconds a cached prefix saves are saved for everyone
+//! there; a queue beyond the slots is in the candidate's own TTFT), plus
 //! the predicted decode slowdown there times the tokens the request says it will decode (its
 //! expected output tokens; a request that does not say is placed on its first token
 //! alone: a guessed length would price every decode the same, and the
