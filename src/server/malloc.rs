@@ -1,4 +1,4 @@
-//! kvpick's allocator: jemalloc with a one-second decay, installed by each
+//! kvpick's allocator: jemalloc with a quarter-second decay, installed by each
 //! kvpick binary with [`global_allocator!`](crate::global_allocator).
 //!
 //! Two loads pull an allocator in opposite directions. A flooding KV-event
@@ -25,10 +25,12 @@
 /// The allocator, for [`global_allocator!`](crate::global_allocator).
 pub use tikv_jemallocator::Jemalloc;
 
-/// jemalloc's settings, NUL-terminated: dirty pages unused for 1 s are purged
-/// (the default is 10 s), without a second, "muzzy" stage, by jemalloc's
-/// background thread.
-pub const MALLOC_CONF: &[u8] = b"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
+/// jemalloc's settings, NUL-terminated: dirty pages unused for 250 ms are
+/// purged (the default is 10 s), without a second, "muzzy" stage, by jemalloc's
+/// background thread. A request's buffers are reused within milliseconds, so
+/// the request path does not feel the decay, while a flood's freed batches go
+/// back soon after the queue drains (the choice is measured in `BENCHMARKS.md` §1).
+pub const MALLOC_CONF: &[u8] = b"background_thread:true,dirty_decay_ms:250,muzzy_decay_ms:0\0";
 
 /// Installs kvpick's allocator ([`Jemalloc`], with [`MALLOC_CONF`]) as the
 /// global allocator of the binary whose crate root invokes it.

@@ -85,14 +85,19 @@ impl Lru {
     /// Records a touch of `hash` at `key`: it ranks by its newest touch, so an
     /// older key than it holds changes nothing. Whether it is new.
     pub fn touch(&mut self, hash: u64, key: u64) -> bool {
-        if let Some(i) = self.nodes.get(hash) {
-            if self.list[i as usize].key < key {
-                self.unlink(i);
-                self.list[i as usize].key = key;
-                self.place(i);
+        // One probe finds the node, or where a new one's entry goes.
+        self.nodes.reserve(1);
+        let at = match self.nodes.place(hash) {
+            Ok((_, i)) => {
+                if self.list[i as usize].key < key {
+                    self.unlink(i);
+                    self.list[i as usize].key = key;
+                    self.place(i);
+                }
+                return false;
             }
-            return false;
-        }
+            Err(at) => at,
+        };
         let node = Node {
             hash,
             prev: NIL,
@@ -110,7 +115,8 @@ impl Lru {
                 i
             }
         };
-        self.nodes.insert(hash, i);
+        let at = self.nodes.claim(at, hash);
+        self.nodes.set(at, i);
         self.place(i);
         true
     }
