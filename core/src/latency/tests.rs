@@ -342,6 +342,19 @@ fn a_worker_with_every_slot_taken_is_predicted_to_make_a_new_request_wait() {
     assert!(median(errors) <= 0.1);
 }
 
+/// A 4k-token prompt, half of it cached, at a worker with every slot taken and
+/// four requests waiting.
+fn full_worker() -> Features {
+    Features {
+        prompt_tokens: 4096,
+        uncached_tokens: 2048,
+        waiting: 4.0,
+        running: SLOTS,
+        in_flight: SLOTS as u32 + 4,
+        ..Features::default()
+    }
+}
+
 #[test]
 fn delay_added_to_others_is_the_prefill_at_the_pool_rate_as_the_slots_fill() {
     let mut rng = StdRng::seed_from_u64(17);
@@ -350,14 +363,7 @@ fn delay_added_to_others_is_the_prefill_at_the_pool_rate_as_the_slots_fill() {
         let (f, seen) = slotted_sample(&mut rng);
         m.observe(3, &f, &seen).unwrap();
     }
-    let full = Features {
-        prompt_tokens: 4096,
-        uncached_tokens: 2048,
-        waiting: 4.0,
-        running: SLOTS,
-        in_flight: SLOTS as u32 + 4,
-        ..Features::default()
-    };
+    let full = full_worker();
     // 2 kilotokens at the pool's learned prefill rate, once per slot at a
     // full worker.
     let rate = m.prior().prefill_rate();
@@ -406,14 +412,7 @@ fn a_queue_beyond_the_slots_is_priced_in_the_wait_not_as_delay_added_to_it() {
     }
     assert_eq!(m.worker(&3).map(WorkerModel::slots), Some(SLOTS));
     assert_eq!(m.prior().slots(), SLOTS);
-    let full = Features {
-        prompt_tokens: 4096,
-        uncached_tokens: 2048,
-        waiting: 4.0,
-        running: SLOTS,
-        in_flight: SLOTS as u32 + 4,
-        ..Features::default()
-    };
+    let full = full_worker();
     let deep = Features {
         waiting: 400.0,
         in_flight: SLOTS as u32 + 400,
