@@ -813,6 +813,24 @@ mod tests {
         let r = parse_capped(br#"{"model":"m","prompt":"abcdef\u00e9"}"#, None, limits).unwrap();
         assert_eq!(r.segments, vec![Segment::Text("abcdef".into())]);
         assert_eq!(r.omitted_text_bytes, 2);
+        // Content is checked as UTF-8 only as far as it is kept: a bad byte
+        // past the limit is counted, one within it refused.
+        let chat = |content: &[u8]| {
+            let mut b = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
+            b.extend_from_slice(content);
+            b.extend_from_slice(br#""},{"content":"x"}]}"#);
+            b
+        };
+        let limits = PromptLimits {
+            text_bytes: 9,
+            ..PromptLimits::NONE
+        };
+        // 9 bytes of content checked (the role is counted after it), 4 kept.
+        let r = parse_capped(&chat(b"ab\xc3\xa9cdefg\xffh"), None, limits).unwrap();
+        assert_eq!(r.segments, vec![Segment::Text("user\nab\u{e9}".into())]);
+        assert_eq!(r.omitted_text_bytes, 7 + "\n".len() + "user\nx\n".len());
+        let err = parse_capped(&chat(b"a\xffbc"), None, limits).unwrap_err();
+        assert!(err.to_string().contains("messages[0].content"), "{err}");
     }
 
     #[test]

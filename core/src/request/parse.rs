@@ -10,8 +10,10 @@
 //! `input` given as a string) are asked for as bytes: serde_json then finds a
 //! string's end with a vectorised search instead of testing every byte for a
 //! control character, several times faster on a long prompt. [`prompt_str`]
-//! still refuses bytes that are not UTF-8; a raw control character, which JSON
-//! forbids inside a string, is left to the engine to refuse.
+//! still refuses bytes that are not UTF-8, in a message's content as far as the
+//! parse keeps its text ([`prompt_prefix`]: bytes past that are only counted);
+//! a raw control character, which JSON forbids inside a string, is left to the
+//! engine to refuse, and so is invalid UTF-8 past the kept text.
 
 use std::borrow::Cow;
 use std::fmt::{self, Write as _};
@@ -96,6 +98,23 @@ fn prompt_str<E: de::Error>(v: &[u8]) -> Result<&str, E> {
     })
 }
 
+/// [`prompt_str`] of the first `checked` bytes of a message's content (all of
+/// them when shorter, cut back to a whole character), and how many bytes after
+/// them go unchecked: the parse keeps no text past its limit, so it only
+/// counts them.
+fn prompt_prefix<E: de::Error>(v: &[u8], checked: usize) -> Result<(&str, usize), E> {
+    let Some(head) = v.get(..checked) else {
+        return Ok((prompt_str(v)?, 0));
+    };
+    let kept = match std::str::from_utf8(head) {
+        Ok(s) => s,
+        // A character cut at the end of the checked bytes.
+        Err(e) if e.error_len().is_none() => prompt_str(&head[..e.valid_up_to()])?,
+        Err(_) => prompt_str(head)?,
+    };
+    Ok((kept, v.len() - kept.len()))
+}
+
 /// How one parse sizes its prompt text: what the first text segment
 /// allocates, and how many bytes are kept (the rest is only counted).
 #[derive(Debug, Clone, Copy)]
@@ -160,6 +179,14 @@ impl Segments {
                 self.text_capacity = 0;
                 self.found.push(Segment::Text(text));
             }
+        }
+    }
+
+    /// Counts `n` bytes of text read past the limit, unkept: no later text is kept.
+    fn omit_text(&mut self, n: usize) {
+        if n > 0 {
+            self.text.omitted += n;
+            self.text.left = 0;
         }
     }
 
@@ -660,7 +687,9 @@ impl Piece<'_> {
 /// Message `content` as the body gives it.
 enum ContentValue<'de> {
     Null,
-    Text(Cow<'de, str>),
+    /// The text, and how many bytes after it were past the parse's text limit
+    /// (counted, never checked).
+    Text(Cow<'de, str>, usize),
     Parts(Vec<Piece<'de>>),
 }
 
@@ -710,13 +739,16 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
                 "content" => {
                     self.path.push("content");
                     once(&content, "content")?;
+                    // A template renders the whole content: check all of it.
+                    let checked = if keep { usize::MAX } else { self.out.text.left };
                     let c = map.next_value_seed(Content {
                         path: &mut *self.path,
+                        checked,
                     })?;
                     if keep {
                         let value = match &c {
                             ContentValue::Null => MessageField::Null,
-                            ContentValue::Text(t) => MessageField::Text(t.to_string()),
+                            ContentValue::Text(t, _) => MessageField::Text(t.to_string()),
                             ContentValue::Parts(p) => {
                                 MessageField::Parts(p.iter().map(Piece::for_template).collect())
                             }
@@ -755,7 +787,10 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
         self.out.text("\n");
         match content {
             None | Some(ContentValue::Null) => {}
-            Some(ContentValue::Text(t)) => self.out.text(&t),
+            Some(ContentValue::Text(t, unchecked)) => {
+                self.out.text(&t);
+                self.out.omit_text(unchecked);
+            }
             Some(ContentValue::Parts(pieces)) => {
                 for piece in pieces {
                     match piece {
@@ -774,9 +809,12 @@ impl<'de> Visitor<'de> for Message<'_, '_> {
     }
 }
 
-/// Message `content`: null, a string, or an array of content parts.
+/// Message `content`: null, a string, or an array of content parts. A
+/// string is checked as UTF-8 only as far as the parse may keep it.
 struct Content<'p> {
     path: &'p mut Path,
+    /// Bytes of a string content to check.
+    checked: usize,
 }
 
 impl<'de> DeserializeSeed<'de> for Content<'_> {
@@ -809,19 +847,21 @@ impl<'de> Visitor<'de> for Content<'_> {
     }
 
     fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<Self::Value, E> {
-        self.visit_borrowed_str(prompt_str(v)?)
+        let (text, unchecked) = prompt_prefix(v, self.checked)?;
+        Ok(ContentValue::Text(Cow::Borrowed(text), unchecked))
     }
 
     fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
-        self.visit_str(prompt_str(v)?)
+        let (text, unchecked) = prompt_prefix(v, self.checked)?;
+        Ok(ContentValue::Text(Cow::Owned(text.to_string()), unchecked))
     }
 
     fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(ContentValue::Text(Cow::Borrowed(v)))
+        Ok(ContentValue::Text(Cow::Borrowed(v), 0))
     }
 
     fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(ContentValue::Text(Cow::Owned(v.to_string())))
+        Ok(ContentValue::Text(Cow::Owned(v.to_string()), 0))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
