@@ -97,8 +97,9 @@ impl LatencyConfig {
 /// Where the pool prior starts before any observation: a mid-size model on a
 /// current data-centre GPU (20 ms overhead, 10k prefill tokens/s, 20 ms per
 /// waiting request, 1 ms per running request, 100 ms per request beyond the
-/// slots; 10 ms per output token, 0.2 ms more per running request). Only predictions for a cold pool use it; the
-/// scheduler uses the heuristic cost there.
+/// slots; 10 ms per output token, 0.2 ms more per running request). Only
+/// predictions for a cold pool use it; the scheduler uses the heuristic cost
+/// there.
 const STARTING_TTFT: [f64; TTFT_TERMS] = [0.02, 0.1, 0.1, 0.02, 0.001, 0.1];
 const STARTING_TPOT: [f64; TPOT_TERMS] = [0.01, 0.0002, 0.0, 0.0];
 

@@ -831,6 +831,15 @@ mod tests {
         assert_eq!(r.omitted_text_bytes, 7 + "\n".len() + "user\nx\n".len());
         let err = parse_capped(&chat(b"a\xffbc"), None, limits).unwrap_err();
         assert!(err.to_string().contains("messages[0].content"), "{err}");
+        // A check line inside a character keeps the text before it.
+        let limits = PromptLimits {
+            text_bytes: 3,
+            ..PromptLimits::NONE
+        };
+        let r = parse_capped(&chat(b"ab\xc3\xa9\xff"), None, limits).unwrap();
+        assert_eq!(r.segments, vec![Segment::Text("use".into())]);
+        // "user\n" (5) + the content (5) + "\n" + "user\nx\n" (7), 3 kept.
+        assert_eq!(r.omitted_text_bytes, 5 + 5 + 1 + 7 - 3);
     }
 
     #[test]

@@ -103,12 +103,19 @@ fn prompt_str<E: de::Error>(v: &[u8]) -> Result<&str, E> {
 /// them go unchecked: the parse keeps no text past its limit, so it only
 /// counts them.
 fn prompt_prefix<E: de::Error>(v: &[u8], checked: usize) -> Result<(&str, usize), E> {
-    let Some(head) = v.get(..checked) else {
+    if checked >= v.len() {
         return Ok((prompt_str(v)?, 0));
-    };
+    }
+    // The line moves back to the start of a character it cuts (at most three
+    // continuation bytes), so a well-formed prompt is checked in one pass.
+    let mut cut = checked;
+    while cut > 0 && checked - cut < 3 && v[cut] & 0xC0 == 0x80 {
+        cut -= 1;
+    }
+    let head = &v[..cut];
     let kept = match std::str::from_utf8(head) {
         Ok(s) => s,
-        // A character cut at the end of the checked bytes.
+        // A character broken at the line: the text before it is kept.
         Err(e) if e.error_len().is_none() => prompt_str(&head[..e.valid_up_to()])?,
         Err(_) => prompt_str(head)?,
     };
