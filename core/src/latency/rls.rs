@@ -3,20 +3,33 @@
 //!
 //! The fit keeps the unconstrained least-squares estimate `theta` and predicts
 //! with its projection onto the non-negative orthant, `coef` (each coefficient
-//! is a physical cost: seconds per token, per request). Feeding the projection
-//! back into the recursion would desynchronise it from `p` and can diverge
-//! while there are fewer informative observations than terms; the estimate
-//! itself converges to the non-negative truth when the physics holds.
+//! is a physical cost: seconds per token, per request). The projection is
+//! taken in the fit's own metric, `p`'s inverse, in which the windowed squared
+//! error of any coefficients is their distance from `theta`: a coefficient
+//! held at 0 moves the ones its input is correlated with by what the data
+//! says they make up for it. Zeroing it alone would not: when an input is
+//! nearly constant in the window (a full worker's running count), the fit
+//! splits one level between it and the overhead, and a negative overhead
+//! cut to 0 leaves the other's share, biasing every prediction by it.
+//! Feeding the projection back into the recursion would desynchronise it
+//! from `p` and can diverge while there are fewer informative observations
+//! than terms; the estimate itself converges to the non-negative truth when
+//! the physics holds.
 //!
-//! Invariants: `theta` is finite; `coef[i] = max(theta[i], 0)`; `p` (the
-//! inverse information matrix) is finite, symmetric, and its trace never
-//! exceeds [`MAX_TRACE`], so long stretches of uninformative inputs cannot
-//! wind it up. An update costs O(D²) multiply-adds and allocates nothing.
+//! Invariants: `theta` is finite; `coef` is finite and non-negative, `theta`
+//! itself when it is; `p` (the inverse information matrix) is finite,
+//! symmetric, and its trace never exceeds [`MAX_TRACE`], so long stretches of
+//! uninformative inputs cannot wind it up. An update costs O(D²) multiply-adds
+//! per coefficient the projection holds at 0 (O(D³) at worst) and allocates
+//! nothing.
 
 use serde::{Deserialize, Serialize};
 
 /// Largest trace of `p`: bounds how far one observation can move the fit.
 pub const MAX_TRACE: f64 = 1.0e4;
+/// Least share of `p`'s trace a coefficient's own variance must have for
+/// holding it at 0 to move the others (below it, the division is noise).
+const INFORMED: f64 = 1.0e-12;
 /// Largest magnitude of a shared fit's estimate: no physical cost comes near
 /// an hour per input unit, so a peer's fit past it is refused as absurd.
 pub const MAX_SHARED_COEFFICIENT: f64 = 3600.0;
@@ -97,11 +110,40 @@ impl<const D: usize> Rls<D> {
         }
     }
 
-    /// Sets `coef` to `theta` with negative entries at 0 (the projection onto
-    /// physical costs).
+    /// Sets `coef` to the least-squares estimate with non-negative entries
+    /// (the projection onto physical costs, in the metric of `p`'s inverse):
+    /// the most negative coefficient is held at 0 and the others take their
+    /// estimate given it (the conditional mean), until none is negative.
+    /// Each coefficient is held at most once, so at most `D` rounds.
     fn project(&mut self) {
-        for (c, t) in self.coef.iter_mut().zip(&self.theta) {
-            *c = t.max(0.0);
+        let mut c = self.theta;
+        let mut p = self.p;
+        let trace: f64 = (0..D).map(|i| p[i][i]).sum();
+        let mut held = [false; D];
+        while let Some(i) = (0..D)
+            .filter(|&i| !held[i] && c[i] < 0.0)
+            .min_by(|&a, &b| c[a].total_cmp(&c[b]))
+        {
+            held[i] = true;
+            let pii = p[i][i];
+            // An input the window says nothing about moves nothing else.
+            if pii > trace * INFORMED && pii.is_finite() {
+                let col: [f64; D] = std::array::from_fn(|j| p[j][i]);
+                let shift = c[i] / pii;
+                for j in 0..D {
+                    c[j] -= col[j] * shift;
+                    for k in 0..D {
+                        p[j][k] -= col[j] * col[k] / pii;
+                    }
+                }
+            }
+            c[i] = 0.0;
+        }
+        for (out, v) in self.coef.iter_mut().zip(c) {
+            *out = match v.is_finite() {
+                true => v.max(0.0),
+                false => 0.0,
+            };
         }
     }
 
@@ -207,10 +249,37 @@ mod tests {
             r.coefficients()
         );
         assert_eq!(r.coefficients()[1], 0.0, "the negative slope projects to 0");
+        // With the slope at 0, the least-squares intercept is the mean of y.
+        let mean = 5.0 - 0.5 * 4.0;
         assert!(
-            r.predict(&[1.0, 0.0]) > 4.0,
-            "the intercept is still fitted"
+            (r.predict(&[1.0, 0.0]) - mean).abs() < 0.05,
+            "the intercept is fitted given the slope: {:?}",
+            r.coefficients()
         );
+    }
+
+    #[test]
+    fn a_coefficient_held_at_zero_moves_the_correlated_ones() {
+        // An input nearly constant in the window (a full worker's running
+        // count, 14 to 16) and a rise with it steep enough that the
+        // unconstrained fit puts the overhead below 0.
+        let mut r = Rls::<2>::new([0.02, 0.001], 10.0);
+        let y = |n: f64| 0.02 * n - 0.2;
+        for i in 0..300 {
+            let n = 14.0 + (i % 3) as f64;
+            r.update(&[1.0, n], y(n), 0.98);
+        }
+        assert!(r.theta[0] < -0.1, "{:?}", r.theta);
+        assert_eq!(r.coefficients()[0], 0.0);
+        for n in [14.0, 15.0, 16.0] {
+            let p = r.predict(&[1.0, n]);
+            assert!(
+                (p - y(n)).abs() < 0.25 * y(n),
+                "at {n}: {p} for {} ({:?})",
+                y(n),
+                r.coefficients()
+            );
+        }
     }
 
     #[test]
