@@ -14,8 +14,9 @@
 //! the prior. Invariants: at most [`LatencyConfig::max_workers`] models (the
 //! least recently updated goes first, and [`LatencyModels::retain`] drops gone
 //! workers); an observation is checked before it touches any model, and a
-//! refused one changes nothing; an update costs O(terms²) with terms ≤ 6 and
-//! allocates only when a new worker enters. [`LatencyModels`] is pure: no
+//! refused one changes nothing; an update costs O(terms²) with terms ≤ 6
+//! (O(terms³) at worst, when the fit's projection holds coefficients at 0,
+//! [`rls`]) and allocates only when a new worker enters. [`LatencyModels`] is pure: no
 //! clock, no I/O, no lock ([`Learner`] shares it).
 
 pub mod features;
