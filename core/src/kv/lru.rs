@@ -13,8 +13,10 @@
 //! other's decisions late rely on). A touch newer than every entry (every local
 //! one) goes to the tail after one comparison; an older one (a peer's, arriving
 //! late) walks back from the tail to its place. Touching a prompt's blocks in
-//! chain order costs one table probe and one node per block (the neighbours a
-//! move relinks are the nodes just moved or touched next).
+//! chain order through one [`Chain`] reads one node per block: a chain touched
+//! in order before lies in that order, so the node after the last one touched
+//! is the next block's, and the table is probed only where it is not (the
+//! neighbours a move relinks are the nodes just moved or touched next).
 
 use crate::kv::table::BlockTable;
 
@@ -35,6 +37,18 @@ impl Node {
     /// Whether this node ranks after a touch of `hash` at `key`.
     fn after(&self, key: u64, hash: u64) -> bool {
         (self.key, self.hash) > (key, hash)
+    }
+}
+
+/// Where a chain's next touch looks first: the node that followed the block
+/// it touched last. Valid only while the [`Lru`] sees no other change (a
+/// touch of another chain, a removal): start a new one after.
+#[derive(Debug, Clone, Copy)]
+pub struct Chain(u32);
+
+impl Default for Chain {
+    fn default() -> Self {
+        Chain(NIL)
     }
 }
 
@@ -85,19 +99,33 @@ impl Lru {
     /// Records a touch of `hash` at `key`: it ranks by its newest touch, so an
     /// older key than it holds changes nothing. Whether it is new.
     pub fn touch(&mut self, hash: u64, key: u64) -> bool {
+        self.touch_chain(hash, key, &mut Chain::default())
+    }
+
+    /// [`Lru::touch`] of the block after the one `chain` touched last.
+    pub fn touch_chain(&mut self, hash: u64, key: u64, chain: &mut Chain) -> bool {
+        let guess = chain.0;
+        if self
+            .list
+            .get(guess as usize)
+            .is_some_and(|n| n.hash == hash)
+        {
+            // A live node's successor is live, and a hash has one node.
+            chain.0 = self.list[guess as usize].next;
+            self.renew(guess, key);
+            return false;
+        }
         // One probe finds the node, or where a new one's entry goes.
         self.nodes.reserve(1);
         let at = match self.nodes.place(hash) {
             Ok((_, i)) => {
-                if self.list[i as usize].key < key {
-                    self.unlink(i);
-                    self.list[i as usize].key = key;
-                    self.place(i);
-                }
+                chain.0 = self.list[i as usize].next;
+                self.renew(i, key);
                 return false;
             }
             Err(at) => at,
         };
+        chain.0 = NIL;
         let node = Node {
             hash,
             prev: NIL,
@@ -119,6 +147,15 @@ impl Lru {
         self.nodes.set(at, i);
         self.place(i);
         true
+    }
+
+    /// Moves node `i` to its rank for a touch at `key`, if newer than its own.
+    fn renew(&mut self, i: u32, key: u64) {
+        if self.list[i as usize].key < key {
+            self.unlink(i);
+            self.list[i as usize].key = key;
+            self.place(i);
+        }
     }
 
     /// Drops `hash`; whether it was held.
@@ -155,24 +192,25 @@ impl Lru {
         })
     }
 
-    /// Loads what touching `hashes` will read (their table slots and nodes), so
-    /// that the cache misses overlap instead of queueing one behind the other.
-    /// Returns the hashes not held (those a touch adds), lazily: the loads happen
-    /// as the result is read, so read it to its end.
+    /// Loads what touching the chain `hashes` in order will read (their nodes,
+    /// and table slots where the chain's order breaks), so that the cache
+    /// misses overlap instead of queueing one behind the other. Returns the
+    /// hashes not held (those a touch adds), lazily: the loads happen as the
+    /// result is read, so read it to its end.
     #[must_use = "the loads happen as the result is read"]
     pub fn prefetch<'a>(
         &'a self,
         hashes: impl IntoIterator<Item = &'a u64> + 'a,
     ) -> impl Iterator<Item = &'a u64> + 'a {
-        hashes
-            .into_iter()
-            .filter(move |&&h| match self.nodes.get(h) {
-                Some(i) => {
-                    std::hint::black_box(self.list[i as usize].key);
-                    false
-                }
-                None => true,
-            })
+        let mut guess = NIL;
+        hashes.into_iter().filter(move |&&h| {
+            let found = match self.list.get(guess as usize) {
+                Some(n) if n.hash == h => Some(guess),
+                _ => self.nodes.get(h),
+            };
+            guess = found.map_or(NIL, |i| std::hint::black_box(self.list[i as usize].next));
+            found.is_none()
+        })
     }
 
     /// Heap bytes held.
@@ -245,6 +283,8 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Op {
         Touch(u64, u64),
+        /// Touches through one [`Chain`].
+        Chain(Vec<(u64, u64)>),
         Remove(u64),
         PopOldest,
     }
@@ -255,6 +295,7 @@ mod tests {
         prop_oneof![
             // Few distinct keys too, so that ties are broken by hash.
             4 => (h.clone(), 0u64..8).prop_map(|(h, k)| Op::Touch(h, k)),
+            2 => prop::collection::vec((h.clone(), 0u64..8), 1..8).prop_map(Op::Chain),
             1 => h.prop_map(Op::Remove),
             1 => Just(Op::PopOldest),
         ]
@@ -267,17 +308,28 @@ mod tests {
         fn lru_agrees_with_a_naive_list(ops in prop::collection::vec(op(), 1..200)) {
             let mut lru = Lru::default();
             let mut naive: VecDeque<(u64, u64)> = VecDeque::new();
+            let naive_touch = |naive: &mut VecDeque<(u64, u64)>, h: u64, k: u64| {
+                let held = naive.iter().position(|(x, _)| *x == h);
+                let key = match held {
+                    Some(p) => naive.remove(p).unwrap().1.max(k),
+                    None => k,
+                };
+                let at = naive.partition_point(|&(x, y)| (y, x) <= (key, h));
+                naive.insert(at, (h, key));
+                held.is_none()
+            };
             for op in ops {
                 match op {
                     Op::Touch(h, k) => {
-                        let held = naive.iter().position(|(x, _)| *x == h);
-                        let key = match held {
-                            Some(p) => naive.remove(p).unwrap().1.max(k),
-                            None => k,
-                        };
-                        let at = naive.partition_point(|&(x, y)| (y, x) <= (key, h));
-                        naive.insert(at, (h, key));
-                        prop_assert_eq!(lru.touch(h, k), held.is_none());
+                        let new = naive_touch(&mut naive, h, k);
+                        prop_assert_eq!(lru.touch(h, k), new);
+                    }
+                    Op::Chain(touches) => {
+                        let mut chain = Chain::default();
+                        for (h, k) in touches {
+                            let new = naive_touch(&mut naive, h, k);
+                            prop_assert_eq!(lru.touch_chain(h, k, &mut chain), new);
+                        }
                     }
                     Op::Remove(h) => {
                         let held = naive.iter().position(|(x, _)| *x == h);

@@ -73,6 +73,7 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::keys::WorkerKey;
 pub use crate::keys::{KeyHash, KeyHasher};
+use crate::kv::lru::Chain;
 use crate::kv::slots::SlotSet;
 use crate::kv::table::BlockTable;
 use crate::kv::tier::{self, Tier};
@@ -343,9 +344,14 @@ impl PrefixIndex {
             let first = first.saturating_add((c * WRITE_CHUNK) as u64);
             // One bit per block of the chunk new in the LRU.
             let mut fresh = 0u64;
+            let mut chain = Chain::default();
             for (k, &h) in chunk.iter().enumerate() {
                 let touched = first.saturating_add(k as u64);
-                if (renew || !w.recency.contains(h)) && w.recency.touch(h, touched) {
+                let new = match renew {
+                    true => w.recency.touch_chain(h, touched, &mut chain),
+                    false => !w.recency.contains(h) && w.recency.touch(h, touched),
+                };
+                if new {
                     fresh |= 1 << k;
                 }
             }
