@@ -95,7 +95,7 @@ impl Learner {
             false => Prediction {
                 observations: m.observations(worker),
                 recent_error: m.worker(worker).map_or(0.0, |w| w.recent_error()),
-                ..m.prior().predict(features)
+                ..m.predict_by_prior(features)
             },
         })
     }

@@ -113,6 +113,9 @@ pub struct LatencyModels<K> {
     clock: u64,
     /// The least TTFT the prior and the warm workers' models predict.
     floor: TtftFloor<K>,
+    /// The pool's sequence-slot capacity: the largest the prior or any
+    /// worker's model has confirmed (0: none yet). Never decreases.
+    pool_slots: f64,
 }
 
 impl<K: Copy + Eq + Hash> LatencyModels<K> {
@@ -126,6 +129,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
             workers: HashMap::with_capacity(config.max_workers.min(1024)),
             config,
             clock: 0,
+            pool_slots: 0.0,
         }
     }
 
@@ -188,8 +192,11 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     /// own forgetting factor.
     fn teach(&mut self, worker: K, lesson: impl Fn(&mut WorkerModel, f64)) {
         let (forget, prior_forget) = (self.config.forget, self.config.prior_forget);
-        lesson(self.model_of(worker), forget);
+        let model = self.model_of(worker);
+        lesson(model, forget);
+        let slots = model.slots();
         lesson(&mut self.prior, prior_forget);
+        self.pool_slots = self.pool_slots.max(slots).max(self.prior.slots());
     }
 
     /// `worker`'s model, made from the prior when it has none (evicting the
@@ -214,17 +221,40 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
     /// worker's own fit, on its fewer observations, can put a loaded worker's
     /// prefill seconds into its wait terms (which rise with them), and a
     /// zero rate would make a cache hit there worth nothing to the others;
-    /// it counts the requests stalled at the prior's slot capacity while the
-    /// worker's own is not known.
+    /// it counts the requests stalled at the pool's slot capacity
+    /// ([`LatencyModels::pool_slots`]) while the worker's own is not known.
     pub fn predict(&self, worker: &K, features: &Features) -> Prediction {
         match self.workers.get(worker) {
-            Some(m) => m.predict_with(features, self.prior.prefill_rate(), self.prior.slots()),
-            None => Prediction {
-                observations: 0,
-                recent_error: 0.0,
-                ..self.prior.predict(features)
-            },
+            Some(m) => m.predict_with(features, self.prior.prefill_rate(), self.pool_slots),
+            None => self.predict_by_prior(features),
         }
+    }
+
+    /// The pool prior's prediction for `features` (a worker without a
+    /// trusted model of its own), its delay on the others counted as
+    /// [`LatencyModels::predict`] counts it.
+    pub fn predict_by_prior(&self, features: &Features) -> Prediction {
+        Prediction {
+            observations: 0,
+            recent_error: 0.0,
+            ..self
+                .prior
+                .predict_with(features, self.prior.prefill_rate(), self.pool_slots)
+        }
+    }
+
+    /// The pool's sequence-slot capacity, at which a worker whose own is not
+    /// confirmed counts the requests its prefill stalls
+    /// ([`WorkerModel::stalled`]): the largest the prior or any worker's
+    /// model has confirmed, 0 while none has. The prior's own capacity is no
+    /// stand-in: it needs a queue seen again and again beside the largest
+    /// running count of any worker, and where the KV pool, not the slots,
+    /// bounds the running count, each worker peaks at its own count and the
+    /// prior confirms none (one pool of 256-slot workers confirmed 17 to 68
+    /// each and the prior nothing), so a worker not yet confirmed would read
+    /// as stalling nobody beside peers that price the stall.
+    pub fn pool_slots(&self) -> f64 {
+        self.pool_slots
     }
 
     /// Observations behind `worker`'s own model.
@@ -344,6 +374,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
         self.clock += 1;
         model.touched = self.clock;
         model.keep_slots(self.workers.get(&worker));
+        self.pool_slots = self.pool_slots.max(model.slots());
         self.workers.insert(worker, model);
         self.refloor_worker(worker);
         Ok(())
@@ -354,6 +385,7 @@ impl<K: Copy + Eq + Hash> LatencyModels<K> {
         let mut model = WorkerModel::from_snapshot(snapshot)?;
         if model.observations() > self.prior.observations() {
             model.keep_slots(Some(&self.prior));
+            self.pool_slots = self.pool_slots.max(model.slots());
             self.prior = model;
             self.refloor_prior();
         }

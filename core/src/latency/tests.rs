@@ -669,3 +669,68 @@ fn the_ttft_floor_follows_learning_sharing_eviction_and_departures() {
         }
     }
 }
+
+#[test]
+fn a_worker_not_confirmed_at_its_limit_counts_its_stall_at_the_pools_largest_capacity() {
+    let mut rng = StdRng::seed_from_u64(29);
+    let mut m = LatencyModels::<u64>::new(LatencyConfig::default());
+    // One worker peaks at 70 running without a queue: the prior's largest
+    // running count never has one beside it, so the prior confirms nothing.
+    let peak = Features {
+        prompt_tokens: 1024,
+        uncached_tokens: 1024,
+        running: 70.0,
+        in_flight: 70,
+        ..Features::default()
+    };
+    m.observe(5, &peak, &Observed::from_secs(0.2, None).unwrap())
+        .unwrap();
+    // Two workers confirm different running counts with a queue beside them
+    // (as where the KV pool binds, each at its own peak), a third none.
+    for _ in 0..300 {
+        for (id, cap) in [(1, SLOTS), (2, 40.0), (4, 8.0)] {
+            let (f, _) = slotted_sample(&mut rng);
+            let running = rng.random_range(cap as u32 / 2..=cap as u32) as f64;
+            let waiting = match running >= cap && id != 4 {
+                true => rng.random_range(0..6) as f64,
+                false => 0.0,
+            };
+            let f = Features {
+                running,
+                waiting,
+                in_flight: (running + waiting) as u32,
+                ..f
+            };
+            let beyond = (running + waiting + 1.0 - cap).max(0.0);
+            let ttft = 0.02 + 0.08 * f.uncached_tokens as f64 / 1024.0 + beyond * 0.5;
+            let seen = Observed::from_secs(ttft, None).unwrap();
+            m.observe(id, &f, &seen).unwrap();
+        }
+    }
+    assert_eq!(m.prior().slots(), 0.0);
+    assert_eq!(m.worker(&1).map(WorkerModel::slots), Some(SLOTS));
+    assert_eq!(m.worker(&2).map(WorkerModel::slots), Some(40.0));
+    assert_eq!(m.worker(&4).map(WorkerModel::slots), Some(0.0));
+    assert_eq!(m.pool_slots(), 40.0);
+    // At 44 requests there, a 2-kilotoken prefill holds every slot of a
+    // confirmed worker; the unconfirmed one and one without a model count
+    // the pool's 40, not none.
+    let loaded = Features {
+        prompt_tokens: 4096,
+        uncached_tokens: 2048,
+        running: 40.0,
+        waiting: 4.0,
+        in_flight: 44,
+        ..Features::default()
+    };
+    let rate = m.prior().prefill_rate();
+    assert!(rate > 0.0);
+    for (id, slots) in [(1, SLOTS), (2, 40.0), (4, 40.0), (9, 40.0)] {
+        let d = m.predict(&id, &loaded).queued_delay;
+        let expected = rate * 2.0 * slots;
+        assert!(
+            (d - expected).abs() <= 1e-9 * expected,
+            "worker {id}: {d} vs {expected}"
+        );
+    }
+}
